@@ -1,0 +1,290 @@
+"""YAML configs -> locked ml_collections.ConfigDict, with inheritance, overrides and validation.
+
+Every key and its default lives in configs/base.yml; that file is the schema. A config file may
+name a parent in `base:` and hold only the keys it changes. Overrides come as `key=value` strings
+with dotted keys. Values are coerced to the type of the default. Derived values (those left at 0 or
+-1 = "auto") are filled in by `finalize`, the one place that computes them.
+"""
+
+import difflib
+import os
+from pathlib import Path
+
+import ml_collections
+import yaml
+
+from nanotext.errors import UserError
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
+
+CHOICES = {
+    "model.positions": ("learned", "rope"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.mlp_act": ("gelu", "relu2"),
+    "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "attention.impl": ("auto", "xla", "cudnn", "splash"),
+    "optim.name": ("adamw", "muon"),
+    "data.source": ("shakespeare", "bin", "tfds", "synthetic"),
+    "data.tokenizer": ("shakespeare", "gpt2", "none"),
+}
+POSITIVE = ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
+            "train.log_every", "train.eval_batches", "model.vocab_size", "model.num_layers",
+            "model.d_model", "model.num_heads")
+NON_NEGATIVE = ("train.eval_every", "checkpoint.every", "model.head_dim", "model.mlp_dim",
+                "model.max_seq_len", "model.align", "optim.warmup_steps", "optim.grad_clip",
+                "data.workers", "data.val_tokens", "sample.max_new_tokens", "sample.top_k",
+                "sample.temperature", "model.logit_softcap", "model.attn_scale",
+                "model.init_std", "model.embed_std")
+# Keys a continued or resumed run may change without becoming "a different run".
+RUN_IDENTITY_IGNORES = ("overwrite", "train.steps", "train.log_every", "train.eval_every",
+                        "train.eval_batches", "checkpoint", "metrics", "sample", "output_dir",
+                        "data.workers")
+
+
+def _read_yaml(path: Path) -> dict:
+  if not path.exists():
+    raise UserError(f"config file '{path}' does not exist")
+  if not path.is_file():
+    raise UserError(f"config path '{path}' is not a file")
+  try:
+    with open(path) as f:
+      data = yaml.safe_load(f) or {}
+  except yaml.YAMLError as e:
+    line = getattr(getattr(e, "problem_mark", None), "line", None)
+    where = f" (line {line + 1})" if line is not None else ""
+    raise UserError(f"config file '{path}' is not valid YAML{where}") from None
+  if not isinstance(data, dict):
+    raise UserError(f"config file '{path}' must hold a mapping of keys, not {type(data).__name__}")
+  return data
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in tree.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, dict):
+      out.update(_flatten(v, key + "."))
+    else:
+      out[key] = v
+  return out
+
+
+def _schema() -> dict:
+  return _flatten(_read_yaml(SCHEMA_PATH))
+
+
+def _unknown_key(key: str, known) -> UserError:
+  close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+  if not close:  # a misspelled leaf under the right section, e.g. train.step
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known], n=1)
+    close = [k for k in known if close and k.endswith("." + close[0])][:1]
+  hint = f"; did you mean '{close[0]}'?" if close else ""
+  return UserError(f"unknown config key '{key}'{hint}")
+
+
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def coerce(key: str, value, default):
+  """Return `value` converted to the type of `default`, or raise UserError naming the key."""
+  kind = type(default)
+  def bad(expected):
+    return UserError(f"config key '{key}' expects {expected}, got {value!r}")
+  if kind is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+      return value.strip().lower() in _TRUE
+    raise bad("a boolean (true or false)")
+  if kind is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    if isinstance(value, str):
+      try:
+        return int(value.strip())
+      except ValueError:
+        pass
+    raise bad("an integer")
+  if kind is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    if isinstance(value, str):
+      try:
+        return float(value.strip())
+      except ValueError:
+        pass
+    raise bad("a number")
+  if kind is str:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+      return str(value)
+    raise bad("a string")
+  if kind is list:
+    if isinstance(value, str):
+      try:
+        value = yaml.safe_load(value)
+      except yaml.YAMLError:
+        raise bad("a YAML list") from None
+    if isinstance(value, list):
+      return value
+    raise bad("a list")
+  raise UserError(f"config key '{key}' has an unsupported default type {kind.__name__}")
+
+
+def _file_chain(path: Path, seen=()) -> list:
+  """The config files from the root ancestor down to `path`, each as a flat dict."""
+  path = path.resolve() if path.exists() else path
+  if path in seen:
+    raise UserError(f"config file '{path}' inherits from itself (via 'base:')")
+  flat = _flatten(_read_yaml(path))
+  parent = flat.pop("base", "") or ""
+  if not isinstance(parent, str):
+    raise UserError(f"config key 'base' in '{path}' must be a file path")
+  chain = _file_chain(path.parent / parent, seen + (path,)) if parent else []
+  return chain + [(str(path), flat)]
+
+
+def parse_override(arg: str):
+  """Split a `key=value` argument."""
+  if "=" not in arg:
+    raise UserError(f"argument '{arg}' is not of the form key=value")
+  key, value = arg.split("=", 1)
+  return key.strip(), value
+
+
+def load(path, overrides=()) -> ml_collections.ConfigDict:
+  """Load a config file (with its `base:` ancestors) and apply `key=value` overrides."""
+  schema = _schema()
+  values = dict(schema)
+  for source, flat in _file_chain(Path(path)):
+    for key, value in flat.items():
+      if key not in schema:
+        raise UserError(f"{_unknown_key(key, schema)} (in '{source}')")
+      values[key] = coerce(key, value, schema[key])
+  for arg in overrides:
+    key, value = parse_override(arg)
+    if key == "base":
+      raise UserError("'base' can only be set inside a config file, not as a key=value override")
+    if key not in schema:
+      raise _unknown_key(key, schema)
+    values[key] = coerce(key, value, schema[key])
+  values["base"] = ""
+  cfg = _to_configdict(values)
+  validate(cfg)
+  return cfg
+
+
+def _to_configdict(flat: dict) -> ml_collections.ConfigDict:
+  tree: dict = {}
+  for key, value in flat.items():
+    node = tree
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  cfg = ml_collections.ConfigDict(tree)
+  cfg.lock()
+  return cfg
+
+
+def get(cfg, key: str):
+  """Value of a dotted key."""
+  node = cfg
+  for part in key.split("."):
+    node = node[part]
+  return node
+
+
+def validate(cfg) -> None:
+  """Checks that need only the config (no devices, no data)."""
+  for key, choices in CHOICES.items():
+    if get(cfg, key) not in choices:
+      raise UserError(f"{key}={get(cfg, key)!r} is not one of: {', '.join(choices)}")
+  for key in POSITIVE:
+    if get(cfg, key) <= 0:
+      raise UserError(f"{key}={get(cfg, key)} must be positive")
+  for key in NON_NEGATIVE:
+    if get(cfg, key) < 0:
+      raise UserError(f"{key}={get(cfg, key)} must not be negative")
+  t, m = cfg.train, cfg.model
+  if t.batch_size % t.grad_accum:
+    raise UserError(f"train.batch_size={t.batch_size} is not divisible by "
+                    f"train.grad_accum={t.grad_accum}")
+  if m.head_dim == 0 and m.d_model % m.num_heads:
+    raise UserError(f"model.d_model={m.d_model} is not divisible by model.num_heads="
+                    f"{m.num_heads}; set model.head_dim explicitly or change one of them")
+  head_dim = m.head_dim or m.d_model // m.num_heads
+  if m.positions == "rope" and head_dim % (4 if m.rope_truncate else 2):
+    raise UserError(f"rotary embeddings need an even head_dim (a multiple of 4 with "
+                    f"model.rope_truncate); got model.head_dim={head_dim}")
+  if m.max_seq_len and m.max_seq_len < t.seq_len:
+    raise UserError(f"model.max_seq_len={m.max_seq_len} is shorter than train.seq_len="
+                    f"{t.seq_len}")
+  if not 0 <= cfg.optim.cooldown_frac <= 1:
+    raise UserError(f"optim.cooldown_frac={cfg.optim.cooldown_frac} must be in [0, 1]")
+  if cfg.data.source == "bin" and not cfg.data.train_files:
+    raise UserError("data.source=bin needs data.train_files (a glob of .bin shards)")
+  if cfg.data.source == "tfds" and not cfg.data.tfds_name:
+    raise UserError("data.source=tfds needs data.tfds_name")
+  if cfg.checkpoint.keep < 1:
+    raise UserError(f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
+
+
+def misaligned_dims(model_cfg) -> list:
+  """Names and sizes of matmul dims that are not multiples of model.align."""
+  a = model_cfg.align
+  if not a:
+    return []
+  dims = {"model.d_model": model_cfg.d_model, "model.mlp_dim": model_cfg.mlp_dim,
+          "model.vocab_size": model_cfg.vocab_size,
+          "model.num_heads*model.head_dim": model_cfg.num_heads * model_cfg.head_dim}
+  return [f"{k}={v}" for k, v in dims.items() if v % a]
+
+
+def finalize(cfg, *, num_devices: int, backend: str) -> ml_collections.ConfigDict:
+  """Fill in every derived value (the only place that computes them); returns a locked copy."""
+  from nanotext import sharding  # the mesh arithmetic lives with the mesh
+  cfg = ml_collections.ConfigDict(cfg.to_dict())
+  m = cfg.model
+  m.head_dim = m.head_dim or m.d_model // m.num_heads
+  m.mlp_dim = m.mlp_dim or 4 * m.d_model
+  m.max_seq_len = m.max_seq_len or cfg.train.seq_len
+  shape = sharding.mesh_shape(cfg.mesh, num_devices)
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = shape
+  sharding.check_divisibility(cfg)
+  if not cfg.data.dir:
+    cache = os.environ.get("NANOTEXT_CACHE", os.path.expanduser("~/.cache/nanotext"))
+    cfg.data.dir = os.path.join(cache, "shakespeare")
+  if not cfg.metrics.peak_flops:
+    from nanotext import metrics
+    cfg.metrics.peak_flops = metrics.default_peak_flops(backend, m.dtype)
+  bad = misaligned_dims(m)
+  if bad and m.strict_align:
+    raise UserError(f"matmul dims not multiples of model.align={m.align}: {', '.join(bad)} "
+                    "(or set model.strict_align=false)")
+  cfg.lock()
+  return cfg
+
+
+def to_yaml(cfg) -> str:
+  return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def save(cfg, path) -> None:
+  """Write the resolved config atomically."""
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(to_yaml(cfg))
+  os.replace(tmp, path)
+
+
+def run_identity_diff(old: dict, new: dict) -> list:
+  """Keys (with old -> new values) whose change makes `new` a different run than `old`."""
+  a, b = _flatten(old), _flatten(new)
+  def ignored(k):
+    return any(k == p or k.startswith(p + ".") for p in RUN_IDENTITY_IGNORES)
+  return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+          if not ignored(k) and a.get(k) != b.get(k)]

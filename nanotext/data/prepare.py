@@ -1,0 +1,128 @@
+"""Tokenize the embedded Shakespeare corpus into train/val `.bin` shards (cached on disk)."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from nanotext.data import binfile
+from nanotext.data.corpus import load_corpus
+from nanotext.data.fileio import atomic_write
+from nanotext.data.tokenizer import get_tokenizer, shipped_path
+from nanotext.errors import UserError
+
+# Two whole plays (a tragedy and a comedy, ~4.6% of the text) held out by name, so the split
+# never depends on tokenizer, ordering or a random seed.
+VAL_WORKS = ("julius_caesar_gut", "twelfth_night_gut")
+TRAIN_FILE = "train_000000.bin"
+VAL_FILE = "val_000000.bin"
+META_FILE = "meta.json"
+FORMAT = 1  # Bump when the shard layout changes, so stale caches are rebuilt.
+
+
+def default_dir() -> str:
+  """$NANOTEXT_CACHE/shakespeare, or ~/.cache/nanotext/shakespeare."""
+  parent = os.environ.get("NANOTEXT_CACHE") or os.path.join("~", ".cache", "nanotext")
+  return os.path.join(os.path.expanduser(parent), "shakespeare")
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+  """Entropy in nats of the empirical token distribution (the loss of a unigram model)."""
+  counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)
+  p = counts[counts > 0] / counts.sum()
+  return float(-(p * np.log(p)).sum())
+
+
+def _tokenizer_digest() -> str:
+  """Hash of the shipped tokenizer.json: a retrained tokenizer invalidates cached shards."""
+  return hashlib.sha256(shipped_path().read_bytes()).hexdigest()[:16]
+
+
+def _result(out_dir: str, meta: dict) -> dict:
+  """The returned description: globs for the pipeline plus the metadata."""
+  return {"train_files": os.path.join(out_dir, "train_*.bin"),
+          "val_files": os.path.join(out_dir, "val_*.bin"), "dir": out_dir, **meta}
+
+
+def _cached(out_dir: str, digest: str) -> dict | None:
+  """The metadata of a complete, valid, up-to-date preparation in out_dir, else None."""
+  try:
+    with open(os.path.join(out_dir, META_FILE)) as f:
+      meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("tokenizer_digest") != digest:
+      return None
+    if binfile.read_header(os.path.join(out_dir, TRAIN_FILE)) != meta["train_tokens"]:
+      return None
+    if binfile.read_header(os.path.join(out_dir, VAL_FILE)) != meta["val_tokens"]:
+      return None
+    return meta
+  except (OSError, ValueError, KeyError, UserError):
+    return None
+
+
+def prepare_shakespeare(out_dir: str | None = None) -> dict:
+  """Write train/val shards and meta.json under out_dir unless valid ones already exist.
+
+  Each work becomes `<|endoftext|>` + its tokens (the FineWeb shard convention: the separator
+  comes before every document). The works named in VAL_WORKS form the validation shard; the
+  other 40 the training shard, in sorted name order. Returns the shard globs and the metadata
+  (token counts, tokenizer, vocab size, unigram entropy of the training tokens in nats).
+  """
+  out_dir = os.path.abspath(os.path.expanduser(out_dir or default_dir()))
+  digest = _tokenizer_digest()
+  meta = _cached(out_dir, digest)
+  if meta is not None:
+    return _result(out_dir, meta)
+  try:  # Fail before the slow tokenization when out_dir cannot be written.
+    os.makedirs(out_dir, exist_ok=True)
+  except OSError as e:
+    raise UserError(f"cannot create '{out_dir}' ({e}): set data.dir") from None
+  tok = get_tokenizer("shakespeare")
+  corpus = load_corpus()
+  missing = set(VAL_WORKS) - {name for name, _ in corpus}
+  if missing:
+    raise UserError(f"validation works {sorted(missing)} are not in the embedded corpus")
+  ids = tok.encode_batch([text for _, text in corpus])
+  train, val = [], []
+  for (name, _), doc in zip(corpus, ids):
+    (val if name in VAL_WORKS else train).append([tok.eot_id] + doc)
+  train = np.concatenate(train).astype(np.uint16)
+  val = np.concatenate(val).astype(np.uint16)
+  try:
+    binfile.write_shard(os.path.join(out_dir, TRAIN_FILE), train)
+    binfile.write_shard(os.path.join(out_dir, VAL_FILE), val)
+    meta = {
+        "format": FORMAT, "tokenizer": "shakespeare", "tokenizer_digest": digest,
+        "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+        "train_tokens": int(train.size), "val_tokens": int(val.size),
+        "train_works": len(corpus) - len(VAL_WORKS), "val_works": list(VAL_WORKS),
+        "unigram_entropy_nats": unigram_entropy(train, tok.vocab_size),
+    }
+    # meta.json goes last: its presence marks a complete preparation.
+    atomic_write(os.path.join(out_dir, META_FILE),
+                 [(json.dumps(meta, indent=2) + "\n").encode()])
+  except OSError as e:
+    raise UserError(f"cannot write prepared data under '{out_dir}' ({e}): set data.dir") from None
+  return _result(out_dir, meta)
+
+
+def main(argv) -> None:
+  """CLI: prepare the shards and print their token counts and unigram entropy."""
+  from absl import flags
+  if len(argv) > 1:
+    raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+  info = prepare_shakespeare(flags.FLAGS.out or None)
+  print(f"shards in {info['dir']}")
+  print(f"train tokens: {info['train_tokens']:,} ({info['train_works']} works)")
+  print(f"val tokens:   {info['val_tokens']:,} ({', '.join(info['val_works'])})")
+  print(f"vocab size:   {info['vocab_size']} (eot id {info['eot_id']})")
+  print(f"unigram entropy of train tokens: {info['unigram_entropy_nats']:.4f} nats/token")
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  from nanotext.errors import run_cli
+  flags.DEFINE_string("out", "", "output folder; '' = $NANOTEXT_CACHE/shakespeare or "
+                      "~/.cache/nanotext/shakespeare")
+  app.run(lambda argv: run_cli(main, argv))

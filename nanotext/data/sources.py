@@ -1,0 +1,120 @@
+"""Random-access sources of token windows: item i is an int32 array of seq_len + 1 tokens."""
+
+import numpy as np
+
+from nanotext.data import binfile
+
+
+def _windows(num_tokens: int, seq_len: int) -> int:
+  """Windows of seq_len + 1 tokens at stride seq_len: each token is a target exactly once."""
+  return max(0, (num_tokens - 1) // seq_len)
+
+
+def _check_index(i: int, n: int) -> int:
+  """A valid non-negative index below n, or IndexError."""
+  i = int(i)
+  if not 0 <= i < n:
+    raise IndexError(f"index {i} out of range for {n} sequences")
+  return i
+
+
+class ShardSource:
+  """Windows over `.bin` shards; a window never crosses a shard boundary."""
+
+  def __init__(self, files: list[str], seq_len: int, max_tokens: int = 0):
+    counts = [binfile.read_header(f) for f in files]  # Validates every shard up front.
+    if max_tokens > 0:  # Keep only the first max_tokens tokens, in file order.
+      left = max_tokens
+      for k, c in enumerate(counts):
+        counts[k] = min(c, left)
+        left -= counts[k]
+    self._files = list(files)
+    self._seq_len = seq_len
+    self._counts = counts
+    self._starts = np.cumsum([0] + [_windows(c, seq_len) for c in counts])
+    self._maps = None
+
+  def __len__(self) -> int:
+    return int(self._starts[-1])
+
+  def __getitem__(self, i) -> np.ndarray:
+    i = _check_index(i, len(self))
+    if self._maps is None:  # Opened lazily so that each worker process maps its own.
+      self._maps = [binfile.read_shard(f) if c else None for f, c in zip(self._files, self._counts)]
+    k = int(np.searchsorted(self._starts, i, side="right")) - 1
+    offset = (i - int(self._starts[k])) * self._seq_len
+    return np.asarray(self._maps[k][offset:offset + self._seq_len + 1], dtype=np.int32)
+
+  def __getstate__(self):
+    # Memmaps would pickle as full in-memory copies; workers reopen the files instead.
+    return {**self.__dict__, "_maps": None}
+
+  def __repr__(self) -> str:
+    return f"ShardSource({len(self._files)} files, {len(self)} sequences)"
+
+
+class PackedDocSource:
+  """Windows over documents concatenated end to end (each preceded by eot_id when given)."""
+
+  def __init__(self, docs, field: str, seq_len: int, eot_id: int | None = None,
+               max_tokens: int = 0, chunk: int = 1024):
+    self._docs, self._field, self._seq_len = docs, field, seq_len
+    self._eot = None if eot_id is None or eot_id < 0 else int(eot_id)
+    # One pass over the documents builds the offset index that makes windows random access.
+    lengths = np.zeros(len(docs), dtype=np.int64)
+    for lo in range(0, len(docs), chunk):
+      idx = list(range(lo, min(lo + chunk, len(docs))))
+      for j, rec in zip(idx, self._read(idx)):
+        lengths[j] = len(self._tokens(rec))
+    self._doc_starts = np.concatenate([[0], np.cumsum(lengths)])
+    total = int(self._doc_starts[-1])
+    self._len = _windows(min(total, max_tokens) if max_tokens > 0 else total, seq_len)
+
+  def _read(self, indices):
+    """Records at `indices`, batched when the source supports it."""
+    if hasattr(self._docs, "__getitems__"):
+      return self._docs.__getitems__(indices)
+    return [self._docs[j] for j in indices]
+
+  def _tokens(self, rec) -> np.ndarray:
+    """A record's token ids, with the separator in front."""
+    toks = np.asarray(rec[self._field]).reshape(-1)
+    if self._eot is not None:
+      toks = np.concatenate([[self._eot], toks])
+    return toks
+
+  def __len__(self) -> int:
+    return self._len
+
+  def __getitem__(self, i) -> np.ndarray:
+    i = _check_index(i, len(self))
+    start, end = i * self._seq_len, i * self._seq_len + self._seq_len + 1
+    first = int(np.searchsorted(self._doc_starts, start, side="right")) - 1
+    last = int(np.searchsorted(self._doc_starts, end, side="left"))  # One past the last doc.
+    pieces = []
+    for d, rec in zip(range(first, last), self._read(list(range(first, last)))):
+      lo = max(start, int(self._doc_starts[d])) - int(self._doc_starts[d])
+      hi = min(end, int(self._doc_starts[d + 1])) - int(self._doc_starts[d])
+      pieces.append(self._tokens(rec)[lo:hi])
+    return np.concatenate(pieces).astype(np.int32)
+
+  def __repr__(self) -> str:
+    return f"PackedDocSource({len(self._doc_starts) - 1} documents, {len(self)} sequences)"
+
+
+class SyntheticSource:
+  """Uniform random tokens in [0, vocab_size), a pure function of (seed, stream, index)."""
+
+  def __init__(self, vocab_size: int, seq_len: int, seed: int, stream: int = 0,
+               length: int = 2**40):
+    self._vocab, self._seq_len, self._key, self._len = vocab_size, seq_len, (seed, stream), length
+
+  def __len__(self) -> int:
+    return self._len
+
+  def __getitem__(self, i) -> np.ndarray:
+    rng = np.random.default_rng([*self._key, _check_index(i, len(self))])
+    return rng.integers(0, self._vocab, self._seq_len + 1, dtype=np.int32)
+
+  def __repr__(self) -> str:
+    return f"SyntheticSource(vocab {self._vocab})"

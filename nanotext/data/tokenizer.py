@@ -1,0 +1,149 @@
+"""Tokenizers by name: the shipped Shakespeare byte-level BPE, tiktoken gpt2, or none."""
+
+import importlib.resources
+from typing import Protocol
+
+from nanotext.errors import UserError
+
+EOT = "<|endoftext|>"
+SHAKESPEARE_VOCAB = 8192
+NAMES = ("shakespeare", "gpt2", "none")
+GPT2_EOT = 50256
+
+
+class Tokenizer(Protocol):
+  """What the data layer and sampling need from a tokenizer."""
+  vocab_size: int | None
+  eot_id: int | None
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: list[int]) -> str: ...
+
+
+def shipped_path():
+  """Where the Shakespeare tokenizer.json lives inside the package."""
+  return importlib.resources.files("nanotext.data") / "shakespeare" / "tokenizer.json"
+
+
+class HFTokenizer:
+  """A `tokenizers.Tokenizer` with the special token `<|endoftext|>`."""
+
+  def __init__(self, tok):
+    self._tok = tok
+    self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    self.eot_id = tok.token_to_id(EOT)
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids) -> str:
+    # Keep <|endoftext|> visible: samples should show where a document ended.
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+  def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    """Encode many texts in parallel (the Rust side uses all cores)."""
+    return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+
+class TiktokenTokenizer:
+  """tiktoken's GPT-2 encoding (the FineWeb / speedrun tokenizer)."""
+
+  def __init__(self, enc):
+    self._enc = enc
+    self.vocab_size = enc.n_vocab
+    self.eot_id = enc.eot_token
+
+  def encode(self, text: str) -> list[int]:
+    return self._enc.encode_ordinary(text)
+
+  def decode(self, ids) -> str:
+    return self._enc.decode([int(i) for i in ids])
+
+
+class NoTokenizer:
+  """For data that is already tokens: no vocabulary, no text."""
+  vocab_size = None
+  eot_id = None
+
+  def encode(self, text: str) -> list[int]:
+    raise UserError("data.tokenizer is 'none': cannot encode text; set data.tokenizer")
+
+  def decode(self, ids) -> str:
+    raise UserError("data.tokenizer is 'none': cannot decode tokens; set data.tokenizer")
+
+
+def train_tokenizer(texts, vocab_size: int = SHAKESPEARE_VOCAB):
+  """Train a GPT-2-style byte-level BPE on `texts`; returns a `tokenizers.Tokenizer`."""
+  from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+  tok = HFTok(models.BPE())
+  # GPT-2 regex split + byte mapping: every string is encodable and decodes back exactly.
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=[EOT],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  tok.train_from_iterator(texts, trainer=trainer)
+  return tok
+
+
+def get_tokenizer(name: str) -> Tokenizer:
+  """The tokenizer called `name` (one of NAMES)."""
+  if name == "shakespeare":
+    from tokenizers import Tokenizer as HFTok
+    path = shipped_path()
+    if not path.is_file():
+      raise UserError(
+          f"shipped tokenizer '{path}' is missing: run python -m nanotext.data.tokenizer --train")
+    return HFTokenizer(HFTok.from_str(path.read_text()))
+  if name == "gpt2":
+    try:
+      import tiktoken
+    except ImportError:
+      raise UserError("data.tokenizer 'gpt2' needs tiktoken: pip install tiktoken") from None
+    try:
+      return TiktokenTokenizer(tiktoken.get_encoding("gpt2"))
+    except Exception as e:  # tiktoken downloads its vocabulary on first use.
+      raise UserError(
+          f"cannot load the tiktoken gpt2 encoding ({type(e).__name__}: {e}); it needs the "
+          "network once, or TIKTOKEN_CACHE_DIR pointing at a cached copy") from None
+  if name == "none":
+    return NoTokenizer()
+  raise UserError(f"unknown tokenizer '{name}': data.tokenizer must be one of {', '.join(NAMES)}")
+
+
+def known_eot_id(name: str) -> int | None:
+  """The end-of-text id of tokenizer `name` without loading heavy vocabularies (None: none)."""
+  if name == "gpt2":
+    return GPT2_EOT  # Known constant: avoids tiktoken and its network fetch.
+  return get_tokenizer(name).eot_id
+
+
+def known_vocab_size(name: str) -> int | None:
+  """The vocabulary size of tokenizer `name` without loading heavy vocabularies (None: none)."""
+  if name == "gpt2":
+    return GPT2_EOT + 1  # tiktoken gpt2: 50257 ids, <|endoftext|> last
+  return get_tokenizer(name).vocab_size
+
+
+def main(argv) -> None:
+  """CLI: --train regenerates the shipped Shakespeare tokenizer.json."""
+  from absl import flags
+  from nanotext.data.corpus import load_corpus
+  if len(argv) > 1:
+    raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if not flags.FLAGS.train:
+    raise UserError("nothing to do: pass --train to regenerate the shipped tokenizer")
+  tok = train_tokenizer([text for _, text in load_corpus()], flags.FLAGS.vocab_size)
+  out = flags.FLAGS.out or str(shipped_path())
+  tok.save(out)
+  print(f"wrote {out} (vocab {tok.get_vocab_size()}, eot id {tok.token_to_id(EOT)})")
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  from nanotext.errors import run_cli
+  flags.DEFINE_bool("train", False, "train the Shakespeare BPE on the embedded corpus")
+  flags.DEFINE_integer("vocab_size", SHAKESPEARE_VOCAB, "vocabulary size including <|endoftext|>")
+  flags.DEFINE_string("out", "", "where to write tokenizer.json; '' = the shipped file")
+  app.run(lambda argv: run_cli(main, argv))

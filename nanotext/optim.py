@@ -1,0 +1,128 @@
+"""optax optimizers: AdamW baseline, or Muon for hidden matrices with Adam groups for the rest.
+
+Parameter groups come from each parameter's logical axes (its role), decided in `param_group`:
+a [vocab, embed] table is an embedding, an [embed, vocab] matrix is the lm head, other matrices
+are hidden weights (Muon), and vectors / scalars (gains, biases, mixing lambdas) are scalars.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax.contrib._muon import orthogonalize_via_newton_schulz
+
+# Keller Jordan's quintic Newton-Schulz coefficients (modded-nanogpt `zeropower_via_newtonschulz5`).
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+GROUPS = ("matrix", "embed", "head", "scalar")
+
+
+def param_group(logical_axes) -> str:
+  """The optimizer group of a parameter from its logical axis names."""
+  axes = tuple(logical_axes)
+  if len(axes) < 2:
+    return "scalar"
+  if axes[0] == "vocab":
+    return "embed"
+  if axes[-1] == "vocab":
+    return "head"
+  return "matrix"
+
+
+def group_labels(spec_tree):
+  """Tree of group names matching a tree of logical PartitionSpecs."""
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  return jax.tree.map(lambda s: param_group(tuple(s)), spec_tree, is_leaf=is_spec)
+
+
+def lr_factor(optim_cfg, total_steps: int, xp=jnp):
+  """Schedule multiplier: linear warmup, constant, then linear cooldown to final_lr_frac.
+
+  `xp` is jnp inside optax, or numpy for host-side logging (no device work, no compilation).
+  """
+  warmup = optim_cfg.warmup_steps
+  cooldown = int(round(optim_cfg.cooldown_frac * total_steps))
+  final = optim_cfg.final_lr_frac
+  def factor(step):
+    step = xp.asarray(step, xp.float32)
+    up = xp.minimum(1.0, (step + 1) / warmup) if warmup else 1.0
+    frac_left = xp.clip((total_steps - step) / max(cooldown, 1), 0.0, 1.0)
+    down = final + (1 - final) * frac_left if cooldown else 1.0
+    return up * down
+  return factor
+
+
+def scaled(factor, peak: float):
+  return lambda step: peak * factor(step)
+
+
+def muon_momentum(optim_cfg):
+  """Muon momentum schedule: linear from momentum_start to momentum over the warmup steps."""
+  n, lo, hi = optim_cfg.muon_momentum_warmup, optim_cfg.muon_momentum_start, optim_cfg.muon_momentum
+  if not n:
+    return lambda step: jnp.asarray(hi, jnp.float32)
+  return lambda step: lo + (hi - lo) * jnp.clip(jnp.asarray(step, jnp.float32) / n, 0.0, 1.0)
+
+
+def scale_by_muon(optim_cfg) -> optax.GradientTransformation:
+  """Muon on [in, out] matrices, as modded-nanogpt computes it.
+
+  Differences from `optax.contrib.scale_by_muon`: the momentum is a schedule (warmup) and is not
+  bias-corrected (the speedrun's `buf.lerp_(g, 1 - m)`; Nesterov `g.lerp_(buf, m)`), Newton-Schulz
+  optionally runs in bfloat16, and updates are scaled by sqrt(max(1, fan_out / fan_in)).
+  The orthogonalisation itself is optax's `orthogonalize_via_newton_schulz`.
+  """
+  momentum = muon_momentum(optim_cfg)
+  coeffs = jnp.asarray(NS_COEFFS, jnp.float32)
+  ns_dtype = jnp.bfloat16 if optim_cfg.muon_bf16 else jnp.float32
+
+  def init(params):
+    return {"count": jnp.zeros([], jnp.int32),
+            "mu": jax.tree.map(jnp.zeros_like, params)}
+
+  def update(updates, state, params=None):
+    del params
+    m = momentum(state["count"])
+    mu = jax.tree.map(lambda b, g: b + (1 - m) * (g - b), state["mu"], updates)
+    if optim_cfg.muon_nesterov:
+      look = jax.tree.map(lambda g, b: g + m * (b - g), updates, mu)
+    else:
+      look = mu
+    def ortho(x):
+      y = orthogonalize_via_newton_schulz(x.astype(ns_dtype), coeffs.astype(ns_dtype),
+                                          optim_cfg.muon_ns_steps, eps=1e-7)
+      return y.astype(x.dtype) * jnp.sqrt(max(1.0, x.shape[1] / x.shape[0]))
+    out = jax.tree.map(ortho, look)
+    return out, {"count": state["count"] + 1, "mu": mu}
+
+  return optax.GradientTransformation(init, update)
+
+
+def _adam(optim_cfg, lr):
+  return optax.adam(lr, b1=optim_cfg.beta1, b2=optim_cfg.beta2, eps=optim_cfg.eps)
+
+
+def make_optimizer(optim_cfg, labels, total_steps: int) -> optax.GradientTransformation:
+  """The optimizer named by optim.name, over params whose groups are given by `labels`."""
+  factor = lr_factor(optim_cfg, total_steps)
+  clip = [optax.clip_by_global_norm(optim_cfg.grad_clip)] if optim_cfg.grad_clip else []
+  if optim_cfg.name == "adamw":
+    decay_mask = jax.tree.map(lambda g: g in ("matrix", "embed", "head"), labels)
+    tx = optax.adamw(scaled(factor, optim_cfg.lr), b1=optim_cfg.beta1, b2=optim_cfg.beta2,
+                     eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay, mask=decay_mask)
+    return optax.chain(*clip, tx)
+  transforms = {
+      "matrix": optax.chain(scale_by_muon(optim_cfg),
+                            optax.scale_by_learning_rate(scaled(factor, optim_cfg.muon_lr))),
+      "embed": _adam(optim_cfg, scaled(factor, optim_cfg.embed_lr)),
+      "head": _adam(optim_cfg, scaled(factor, optim_cfg.head_lr)),
+      "scalar": _adam(optim_cfg, scaled(factor, optim_cfg.scalar_lr)),
+  }
+  used = set(jax.tree.leaves(labels))
+  transforms = {k: v for k, v in transforms.items() if k in used}
+  return optax.chain(*clip, optax.multi_transform(transforms, labels))
+
+
+def current_lr(optim_cfg, total_steps: int, step: int) -> float:
+  """The peak-scaled learning rate at `step` (Muon's for the muon recipe), for logging."""
+  peak = optim_cfg.lr if optim_cfg.name == "adamw" else optim_cfg.muon_lr
+  return float(peak * lr_factor(optim_cfg, total_steps, xp=np)(step))

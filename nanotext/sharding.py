@@ -1,0 +1,162 @@
+"""The device mesh and the logical-axis rules: the only module that names mesh axes.
+
+Layers tag parameters and activations with logical names (`batch`, `embed`, `heads`, ...).
+`mesh.rules` in the config maps each logical name to zero, one or several mesh axes. Everything
+here turns those names into `PartitionSpec`s and `NamedSharding`s.
+"""
+
+import contextlib
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from nanotext.errors import UserError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers")
+
+_active_rules: list = []  # stack of (rules, mesh); the innermost `use_rules` wins
+
+
+def mesh_shape(mesh_cfg, num_devices: int) -> tuple:
+  """(data, fsdp, tensor) with a -1 entry resolved to the remaining devices."""
+  sizes = [mesh_cfg[a] for a in MESH_AXES]
+  if sizes.count(-1) > 1:
+    raise UserError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+  if any(s == 0 or s < -1 for s in sizes):
+    raise UserError(f"mesh sizes must be positive or -1, got data={sizes[0]} fsdp={sizes[1]} "
+                    f"tensor={sizes[2]}")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % known:
+      raise UserError(f"{num_devices} devices cannot be split into a mesh with fixed axes of "
+                      f"product {known}; change mesh.data/mesh.fsdp/mesh.tensor")
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise UserError(f"mesh.data*mesh.fsdp*mesh.tensor = {math.prod(sizes)} but there are "
+                    f"{num_devices} devices; make the product match (or use -1 for one axis)")
+  return tuple(sizes)
+
+
+def parse_rules(rules) -> tuple:
+  """Config rule list -> ((logical, (mesh_axis, ...)), ...), checked for unknown names."""
+  out = []
+  for rule in rules:
+    if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise UserError(f"mesh.rules entry {rule!r} must be [logical_name, mesh_axis or list]")
+    name, axes = rule
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    if name not in LOGICAL_AXES:
+      raise UserError(f"mesh.rules names unknown logical axis '{name}'; known: "
+                      f"{', '.join(LOGICAL_AXES)}")
+    for a in axes:
+      if a not in MESH_AXES:
+        raise UserError(f"mesh.rules maps '{name}' to unknown mesh axis '{a}'; known: "
+                        f"{', '.join(MESH_AXES)}")
+    out.append((name, axes))
+  return tuple(out)
+
+
+def logical_to_spec(logical_axes, rules) -> P:
+  """PartitionSpec for a tuple of logical names; a mesh axis is used at most once per array."""
+  table = dict(rules)
+  used, spec = set(), []
+  for name in logical_axes:
+    axes = tuple(a for a in table.get(name, ()) if a not in used)
+    used.update(axes)
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return P(*spec)
+
+
+def make_mesh(mesh_cfg, devices=None) -> Mesh:
+  """A Mesh over all (or the given) devices with Auto axis types."""
+  devices = jax.devices() if devices is None else devices
+  shape = mesh_shape(mesh_cfg, len(devices))
+  try:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+  except TypeError:  # older jax without the devices argument
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
+                axis_types=(AxisType.Auto,) * 3)
+
+
+@contextlib.contextmanager
+def use_rules(rules, mesh: Mesh):
+  """Make `rules` on `mesh` the active logical->mesh mapping for `constrain` while tracing."""
+  _active_rules.append((tuple(rules), mesh))
+  try:
+    yield
+  finally:
+    _active_rules.pop()
+
+
+def constrain(x, logical_axes):
+  """Constrain an activation's sharding by logical names; a no-op outside `use_rules`."""
+  if not _active_rules:
+    return x
+  rules, mesh = _active_rules[-1]
+  return jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, logical_to_spec(logical_axes, rules)))
+
+
+def param_specs(abstract_state):
+  """Tree of PartitionSpecs (in logical names) read from each Param's `out_sharding` tag."""
+  return nnx.get_partition_spec(abstract_state)
+
+
+def state_shardings(tree, mesh: Mesh, rules):
+  """NamedShardings for a tree of nnx Variables (or State), following their logical tags."""
+  def one(spec):
+    return NamedSharding(mesh, logical_to_spec(tuple(spec), rules))
+  return jax.tree.map(one, param_specs(tree), is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
+  """Sharding of a [batch, length] token array."""
+  return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules))
+
+
+def extent(logical_name: str, rules, mesh_sizes: dict) -> int:
+  """How many shards a dimension with this logical name is split into."""
+  return math.prod(mesh_sizes[a] for a in dict(rules).get(logical_name, ()))
+
+
+def check_divisibility(cfg) -> None:
+  """Each sharded dimension must divide evenly by the mesh axes its rule maps it to."""
+  rules = parse_rules(cfg.mesh.rules)
+  sizes = {a: cfg.mesh[a] for a in MESH_AXES}
+  m, t = cfg.model, cfg.train
+  dims = {"batch": (t.batch_size // t.grad_accum,
+                    "train.batch_size / train.grad_accum" if t.grad_accum > 1
+                    else "train.batch_size"),
+          "embed": (m.d_model, "model.d_model"),
+          "heads": (m.num_heads, "model.num_heads"),
+          "mlp": (m.mlp_dim, "model.mlp_dim"),
+          "vocab": (m.vocab_size, "model.vocab_size"),
+          "length": (t.seq_len, "train.seq_len")}
+  for name, (size, key) in dims.items():
+    n = extent(name, rules, sizes)
+    if size % n:
+      axes = "*".join(f"mesh.{a}" for a in dict(rules)[name])
+      raise UserError(f"{key}={size} is not divisible by {axes}={n} (logical axis '{name}'); "
+                      f"change {key} or the mesh")
+
+
+def like_params(tree, param_shardings, shapes_of_params, default):
+  """Shardings for an optimizer-state tree: a leaf whose key path ends with a parameter's path
+  (and has its shape) shares that parameter's sharding; every other leaf gets `default`."""
+  by_path = {}
+  for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]:
+    by_path[tuple(map(str, path))] = s
+  shapes = {tuple(map(str, p)): x.shape
+            for p, x in jax.tree_util.tree_flatten_with_path(shapes_of_params)[0]}
+  def pick(path, leaf):
+    keys = tuple(map(str, path))
+    for i in range(len(keys)):
+      s = by_path.get(keys[i:])
+      if s is not None and shapes[keys[i:]] == leaf.shape:
+        return s
+    return default
+  return jax.tree_util.tree_map_with_path(pick, tree)

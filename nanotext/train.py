@@ -1,0 +1,142 @@
+"""Entry point: `python -m nanotext.train CONFIG [key=value ...]`.
+
+Thin on purpose: config -> mesh -> state -> data -> loop. Overrides can also be given as absl
+flags: `--config=CONFIG --set=train.steps=50 --set=model.num_layers=2`.
+"""
+
+import os
+import shutil
+
+from absl import app, flags, logging
+
+from nanotext.errors import UserError, fail
+
+_CONFIG = flags.DEFINE_string("config", None, "Config YAML (instead of the first argument).")
+_SET = flags.DEFINE_multi_string("set", [], "A key=value override; repeatable.")
+
+
+def parse_args(argv) -> tuple:
+  """(config path, overrides) from positional arguments and the absl flags."""
+  args = list(argv)
+  path = _CONFIG.value
+  if path is None:
+    if not args or "=" in args[0]:
+      raise UserError("no config file given; usage: python -m nanotext.train CONFIG.yml "
+                      "[key=value ...]")
+    path = args.pop(0)
+  return path, args + list(_SET.value)
+
+
+def check_output_dir(cfg) -> None:
+  """Refuse an output_dir that holds a different run, unless overwrite=true (then clear it)."""
+  from nanotext import config
+  import yaml
+  path = os.path.join(cfg.output_dir, "config.yml")
+  if not os.path.isfile(path):
+    return
+  with open(path) as f:
+    old = yaml.safe_load(f) or {}
+  diff = config.run_identity_diff(old, cfg.to_dict())
+  if not diff:
+    return
+  if not cfg.overwrite:
+    raise UserError(f"output_dir '{cfg.output_dir}' holds a different run ({diff[0]}"
+                    f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); choose another "
+                    "output_dir or pass overwrite=true to replace it")
+  for name in ("checkpoints", "tb", "metrics.jsonl", "config.yml"):
+    p = os.path.join(cfg.output_dir, name)
+    if os.path.isdir(p):
+      shutil.rmtree(p)
+    elif os.path.exists(p):
+      os.remove(p)
+
+
+def run(path: str, overrides, log=print):
+  """Load, check and train; returns the loop result. Raises UserError on bad input."""
+  import jax
+  from nanotext import checkpoint, config, metrics, sharding, trainer
+  from nanotext.data import pipeline
+  from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
+  from nanotext.generate import sample_text
+
+  cfg = config.load(path, overrides)
+  backend = jax.default_backend()
+  cfg = config.finalize(cfg, num_devices=jax.device_count(), backend=backend)
+  bad = config.misaligned_dims(cfg.model)
+  if bad:
+    logging.warning("matmul dims not multiples of model.align=%d: %s", cfg.model.align,
+                    ", ".join(bad))
+  vocab = known_vocab_size(cfg.data.tokenizer)
+  if vocab is not None and vocab > cfg.model.vocab_size:
+    raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                    f"'{cfg.data.tokenizer}' tokenizer's vocabulary ({vocab}); "
+                    f"set model.vocab_size>={vocab}")
+  check_output_dir(cfg)
+
+  mesh = sharding.make_mesh(cfg.mesh)
+  setup = trainer.build(cfg, mesh, backend)
+  pid, nproc = jax.process_index(), jax.process_count()
+  data_kw = dict(seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size // nproc,
+                 process_index=pid, process_count=nproc, vocab_size=cfg.model.vocab_size)
+  train_iter = pipeline.make_train_iter(cfg.data, seed=cfg.seed, **data_kw)
+  val_local = pipeline.make_val_batches(cfg.data, num_batches=cfg.train.eval_batches, **data_kw)
+  log(f"model: {setup.num_params:,} parameters | mesh data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} "
+      f"tensor={cfg.mesh.tensor} on {jax.device_count()} {backend} device(s) | "
+      f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens/step")
+
+  manager = checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep)
+  start = manager.latest_step()
+  if start is not None:
+    state, data_state, _ = checkpoint.restore(manager, start, trainer.abstract_state(setup))
+    train_iter.set_state(data_state["iterator"])
+    log(f"resumed from the checkpoint of step {start} in {cfg.output_dir}")
+  else:
+    start, state = 0, trainer.init_state(setup)
+  is_main = pid == 0
+  if is_main:
+    config.save(cfg, os.path.join(cfg.output_dir, "config.yml"))
+  writer = metrics.Writer(cfg.output_dir, tensorboard=cfg.metrics.tensorboard, enabled=is_main)
+  val = [trainer.global_batch(setup, b) for b in val_local]
+  try:
+    result = trainer.train(setup, state, train_iter, val, writer=writer, manager=manager,
+                           start_step=start, config_dict=cfg.to_dict(), log=log)
+    manager.wait_until_finished()
+  finally:
+    writer.close()
+    manager.close()
+  if vocab is not None and cfg.sample.max_new_tokens:
+    try:
+      tokenizer = get_tokenizer(cfg.data.tokenizer)
+    except UserError as e:  # e.g. tiktoken offline: the run itself succeeded
+      logging.warning("no sample: %s", e)
+    else:
+      text = sample_text(setup.graphdef, result.state["params"], cfg, tokenizer,
+                         cfg.sample.prompt)
+      log(f"sample: {cfg.sample.prompt}{text}")
+  return result
+
+
+def main(argv) -> None:
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax and grain log every step at INFO
+  try:
+    path, overrides = parse_args(argv[1:])
+    run(path, overrides, log=lambda s: print(s, flush=True) if _is_main() else None)
+  except UserError as e:
+    fail(str(e))
+
+
+def _is_main() -> bool:
+  import jax
+  return jax.process_index() == 0
+
+
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(f"{e}")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)

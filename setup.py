@@ -1,0 +1,32 @@
+"""nanotext: config-driven GPT pretraining in JAX (install: pip install -e '.[test]')."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="nanotext",
+    version="0.1.0",
+    description="A small, config-driven JAX framework for pretraining GPT-style language models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["nanotext", "nanotext.*"]),
+    package_data={"nanotext.data": ["shakespeare/*.md", "shakespeare/*.txt", "shakespeare/*.tsv",
+                                    "shakespeare/*.json", "shakespeare/texts/*.txt.gz"]},
+    install_requires=[
+        "jax>=0.7",
+        "flax>=0.12.0",
+        "optax>=0.2.6",
+        "orbax-checkpoint>=0.11.20",
+        "grain>=0.2.12",
+        "ml-collections>=1.0",
+        "absl-py>=2.0",
+        "tensorflow-datasets>=4.9.9",
+        "pyyaml>=6.0",
+        "tokenizers>=0.20",
+        "tensorboardX>=2.6",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        "gpt2": ["tiktoken>=0.7"],
+        "plots": ["matplotlib>=3.8"],
+    },
+)

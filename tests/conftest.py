@@ -1,0 +1,34 @@
+"""Test setup: 8 fake CPU devices (set before jax is imported) and shared helpers."""
+
+import os
+import subprocess
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(REPO, "configs", "base.yml")
+SPEEDRUN = os.path.join(REPO, "configs", "speedrun.yml")
+
+# A model small enough that a few steps take well under a second on 2 cores.
+TINY = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
+        "model.vocab_size=512", "model.align=0", "train.batch_size=8", "train.seq_len=32",
+        "train.steps=4", "train.log_every=1", "train.eval_every=2", "train.eval_batches=2",
+        "data.source=synthetic", "data.tokenizer=none", "metrics.tensorboard=false",
+        "checkpoint.every=0"]
+
+
+def run_cli(*args, env=None, timeout=300):
+  """Run `python -m ARGS...` from the repo root; returns the CompletedProcess."""
+  full_env = dict(os.environ, **(env or {}))
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=full_env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def tiny():
+  return list(TINY)

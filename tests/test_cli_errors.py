@@ -1,0 +1,145 @@
+"""Bad input through the real CLIs: exit status 2, one `nanotext: error:` line, no traceback,
+and nothing in an existing output_dir touched."""
+
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import BASE, TINY, run_cli
+from nanotext.data import binfile
+
+
+def snapshot(root) -> dict:
+  """Relative path -> (mtime, contents) of every file under `root`."""
+  out = {}
+  for dirpath, _, files in os.walk(root):
+    for name in files:
+      p = os.path.join(dirpath, name)
+      with open(p, "rb") as f:
+        out[os.path.relpath(p, root)] = (os.stat(p).st_mtime_ns, f.read())
+  return out
+
+
+def expect_error(result, *needles) -> str:
+  """Assert a clean user error; returns its last line."""
+  assert result.returncode == 2, result.stderr
+  assert "Traceback" not in result.stderr
+  lines = [l for l in result.stderr.splitlines() if l.strip()]
+  last = lines[-1]
+  assert last.startswith("nanotext: error:"), result.stderr
+  for needle in needles:
+    assert needle in last
+  return last
+
+
+@pytest.fixture
+def out(tmp_path):
+  """An existing output_dir holding one file."""
+  d = tmp_path / "run"
+  d.mkdir()
+  (d / "notes.txt").write_text("keep me")
+  return d
+
+
+def train(out, *args):
+  """Run the trainer on `args` into `out`; asserts it left `out` untouched."""
+  before = snapshot(out)
+  result = run_cli("nanotext.train", *args, f"output_dir={out}")
+  assert snapshot(out) == before
+  return result
+
+
+def test_unknown_key(out):
+  expect_error(train(out, BASE, *TINY, "train.step=5"), "'train.step'", "'train.steps'")
+
+
+def test_wrong_type(out):
+  expect_error(train(out, BASE, *TINY, "train.steps=ten"), "'train.steps'", "'ten'", "integer")
+
+
+def test_missing_config_file(out, tmp_path):
+  missing = str(tmp_path / "nope.yml")
+  expect_error(train(out, missing, *TINY), missing)
+
+
+@pytest.mark.parametrize("key", ["train.steps", "train.batch_size", "train.seq_len"])
+def test_non_positive(out, key):
+  expect_error(train(out, BASE, *TINY, f"{key}={-1 if key == 'train.steps' else 0}"),
+               key, "positive")
+
+
+def test_batch_not_divisible_by_devices(out):
+  assert "--xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]
+  expect_error(train(out, BASE, *TINY, "train.batch_size=6"),
+               "train.batch_size=6", "mesh.fsdp", "=8")
+
+
+def test_vocab_smaller_than_tokenizer(out):
+  expect_error(train(out, BASE, *TINY, "data.source=shakespeare", "data.tokenizer=shakespeare",
+                     "model.vocab_size=512"), "model.vocab_size=512", "8192")
+
+
+def corrupt(path, word, value):
+  header = np.memmap(path, dtype="<i4", mode="r+", shape=(binfile.HEADER_WORDS,))
+  header[word] = value
+  header.flush()
+  del header
+
+
+@pytest.mark.parametrize("word,value,needle", [(0, 1234, "magic"), (1, 7, "version"),
+                                               (2, 5000, "claims 5000 tokens")])
+def test_bad_bin_shard(out, tmp_path, word, value, needle):
+  path = str(tmp_path / "shard.bin")
+  binfile.write_shard(path, np.arange(1000) % 512)
+  corrupt(path, word, value)
+  expect_error(train(out, BASE, *TINY, "data.source=bin", f"data.train_files={path}",
+                     f"data.val_files={path}", "data.tokenizer=none"), path, needle)
+
+
+def test_data_path_matches_nothing(out):
+  expect_error(train(out, BASE, *TINY, "data.source=bin", "data.train_files=/nonexistent/*.bin",
+                     "data.val_files=/nonexistent/*.bin"),
+               "/nonexistent/*.bin", "data.train_files")
+
+
+def test_output_dir_of_another_run(tmp_path):
+  out = tmp_path / "run"
+  args = [BASE, *TINY, "train.steps=2", f"output_dir={out}"]
+  first = run_cli("nanotext.train", *args)
+  assert first.returncode == 0, first.stderr
+  before = snapshot(out)
+  assert "config.yml" in before and "metrics.jsonl" in before
+  last = expect_error(run_cli("nanotext.train", *args, "model.d_model=32"),
+                      str(out), "overwrite", "model.d_model")
+  assert snapshot(out) == before
+  same = run_cli("nanotext.train", *args)  # the same run: resumes from its checkpoint
+  assert same.returncode == 0, same.stderr
+  assert "resumed from the checkpoint of step 2" in same.stdout
+  again = run_cli("nanotext.train", *args, "model.d_model=32", "overwrite=true")
+  assert again.returncode == 0, again.stderr
+  with open(out / "config.yml") as f:
+    assert yaml.safe_load(f)["model"]["d_model"] == 32
+
+
+def test_bad_flag():
+  result = run_cli("nanotext.train", BASE, "--no_such_flag")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == ["nanotext: error: Unknown command line flag "
+                                                "'no_such_flag'"]
+
+
+def test_no_config_argument():
+  expect_error(run_cli("nanotext.train"), "no config file")
+  expect_error(run_cli("nanotext.train", "train.steps=2"), "no config file")
+
+
+def test_generate_without_output_dir():
+  expect_error(run_cli("nanotext.generate", "prompt=hi"), "output_dir is required")
+
+
+def test_generate_output_dir_without_config(out):
+  before = snapshot(out)
+  expect_error(run_cli("nanotext.generate", f"output_dir={out}"), str(out), "config.yml")
+  assert snapshot(out) == before

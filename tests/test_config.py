@@ -1,0 +1,261 @@
+"""Tests of nanotext.config: loading, inheritance, overrides, validation, finalize, round trip."""
+
+import os
+
+import pytest
+
+from conftest import BASE, SPEEDRUN
+from nanotext import config
+from nanotext.errors import UserError
+
+SECTIONS = ("model", "attention", "train", "optim", "mesh", "data", "checkpoint", "metrics",
+            "sample")
+
+
+def load(*overrides, path=BASE):
+  return config.load(path, list(overrides))
+
+
+def write(path, text):
+  path.write_text(text)
+  return str(path)
+
+
+def error(*overrides, path=BASE) -> str:
+  with pytest.raises(UserError) as e:
+    config.load(path, list(overrides))
+  return str(e.value)
+
+
+# Loading.
+
+def test_base_has_all_sections_and_is_locked():
+  cfg = load()
+  for name in SECTIONS:
+    assert name in cfg
+  assert cfg.train.steps == 400 and cfg.model.d_model == 256
+  with pytest.raises(AttributeError):
+    cfg.no_such_key = 1
+  with pytest.raises(AttributeError):
+    cfg.train.step = 5
+
+
+# Overrides and type coercion.
+
+def test_override_int_and_str():
+  cfg = load("train.steps=7", "output_dir=/tmp/x", "sample.prompt=12")
+  assert cfg.train.steps == 7 and type(cfg.train.steps) is int
+  assert cfg.output_dir == "/tmp/x"
+  assert cfg.sample.prompt == "12"
+
+
+@pytest.mark.parametrize("value,expected", [("1e-3", 1e-3), ("3", 3.0), ("0.5", 0.5)])
+def test_override_float(value, expected):
+  lr = load(f"optim.lr={value}").optim.lr
+  assert lr == expected and type(lr) is float
+
+
+@pytest.mark.parametrize("value,expected", [("true", True), ("false", False), ("yes", True),
+                                            ("no", False), ("1", True), ("0", False),
+                                            ("True", True)])
+def test_override_bool(value, expected):
+  assert load(f"model.bias={value}").model.bias is expected
+
+
+def test_override_list():
+  cfg = load("mesh.rules=[[batch, fsdp]]")
+  assert list(cfg.mesh.rules) == [["batch", "fsdp"]]
+
+
+def test_later_override_wins():
+  assert load("train.steps=3", "train.steps=9").train.steps == 9
+
+
+def test_override_without_equals_sign():
+  assert "key=value" in error("train.steps")
+
+
+# Inheritance.
+
+def test_child_inherits_with_absolute_base(tmp_path):
+  child = write(tmp_path / "child.yml", f"base: {BASE}\ntrain:\n  steps: 11\n")
+  cfg = load(path=child)
+  assert cfg.train.steps == 11
+  assert cfg.train.batch_size == 16  # from the parent
+  assert cfg.base == ""
+
+
+def test_child_inherits_with_relative_base(tmp_path):
+  rel = os.path.relpath(BASE, tmp_path)
+  child = write(tmp_path / "child.yml", f"base: {rel}\nmodel:\n  d_model: 128\n")
+  assert load(path=child).model.d_model == 128
+
+
+def test_multi_level_inheritance_and_overrides(tmp_path):
+  write(tmp_path / "parent.yml", f"base: {BASE}\ntrain:\n  steps: 11\n  seq_len: 64\n")
+  child = write(tmp_path / "child.yml", "base: parent.yml\ntrain:\n  steps: 22\n")
+  cfg = load(path=child)
+  assert (cfg.train.steps, cfg.train.seq_len, cfg.train.batch_size) == (22, 64, 16)
+  cfg = load("train.steps=33", "train.seq_len=128", path=child)
+  assert (cfg.train.steps, cfg.train.seq_len) == (33, 128)
+
+
+def test_inheritance_cycle(tmp_path):
+  write(tmp_path / "a.yml", "base: b.yml\n")
+  a = write(tmp_path / "b.yml", "base: a.yml\n")
+  assert "inherits from itself" in error(path=a)
+
+
+def test_missing_parent(tmp_path):
+  child = write(tmp_path / "child.yml", "base: nope.yml\n")
+  assert "nope.yml" in error(path=child)
+
+
+def test_speedrun_loads():
+  if not os.path.exists(SPEEDRUN):
+    pytest.skip("configs/speedrun.yml does not exist yet")
+  cfg = load(path=SPEEDRUN)
+  assert cfg.base == "" and cfg.to_dict() != load().to_dict()
+
+
+# Errors.
+
+@pytest.mark.parametrize("key,suggestion", [("train.step", "train.steps"),
+                                            ("model.num_layer", "model.num_layers"),
+                                            ("optim.weight_decy", "optim.weight_decay")])
+def test_unknown_key_suggests(key, suggestion):
+  msg = error(f"{key}=5")
+  assert f"unknown config key '{key}'" in msg and f"did you mean '{suggestion}'" in msg
+
+
+def test_base_override_rejected_without_self_suggestion():
+  msg = error("base=other.yml")
+  assert "'base'" in msg and "did you mean 'base'" not in msg
+
+
+def test_unknown_key_in_file(tmp_path):
+  child = write(tmp_path / "child.yml", f"base: {BASE}\ntrain:\n  step: 5\n")
+  msg = error(path=child)
+  assert "'train.step'" in msg and "'train.steps'" in msg and "child.yml" in msg
+
+
+def test_unknown_section():
+  assert "'trian.steps'" in error("trian.steps=5")
+
+
+@pytest.mark.parametrize("arg,expected", [("train.steps=abc", "an integer"),
+                                          ("train.steps=1.5", "an integer"),
+                                          ("model.bias=maybe", "a boolean"),
+                                          ("optim.lr=fast", "a number"),
+                                          ("mesh.rules=[oops", "a YAML list"),
+                                          ("mesh.rules=7", "a list")])
+def test_wrong_type(arg, expected):
+  key, value = arg.split("=", 1)
+  msg = error(arg)
+  assert f"'{key}'" in msg and value in msg and expected in msg
+
+
+def test_wrong_type_in_file(tmp_path):
+  child = write(tmp_path / "child.yml", f"base: {BASE}\ntrain:\n  steps: [1, 2]\n")
+  assert "'train.steps'" in error(path=child)
+
+
+def test_missing_file(tmp_path):
+  assert "does not exist" in error(path=str(tmp_path / "nope.yml"))
+
+
+def test_invalid_yaml(tmp_path):
+  bad = write(tmp_path / "bad.yml", "train:\n  steps: [1,\n")
+  msg = error(path=bad)
+  assert "bad.yml" in msg and "not valid YAML" in msg
+
+
+def test_non_mapping_yaml(tmp_path):
+  bad = write(tmp_path / "list.yml", "- 1\n- 2\n")
+  assert "mapping" in error(path=bad)
+
+
+# Validation.
+
+@pytest.mark.parametrize("key", ["train.steps", "train.batch_size", "train.seq_len"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_must_be_positive(key, value):
+  msg = error(f"{key}={value}")
+  assert key in msg and "positive" in msg
+
+
+def test_bad_choice():
+  msg = error("attention.impl=foo")
+  assert "attention.impl" in msg and "'foo'" in msg and "xla" in msg
+
+
+def test_batch_not_divisible_by_grad_accum():
+  msg = error("train.batch_size=6", "train.grad_accum=4")
+  assert "train.batch_size=6" in msg and "train.grad_accum=4" in msg
+  assert load("train.batch_size=8", "train.grad_accum=4").train.grad_accum == 4
+
+
+# finalize.
+
+def finalize(*overrides, num_devices=8):
+  return config.finalize(load(*overrides), num_devices=num_devices, backend="cpu")
+
+
+def test_finalize_fills_derived_values():
+  cfg = finalize("model.head_dim=0", "train.seq_len=128")
+  m = cfg.model
+  assert m.head_dim == 256 // 4 and m.mlp_dim == 4 * 256 and m.max_seq_len == 128
+  assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, 8, 1)
+  assert cfg.data.dir and cfg.metrics.peak_flops > 0
+  with pytest.raises(AttributeError):
+    cfg.new_key = 1
+
+
+def test_finalize_keeps_explicit_values_and_input():
+  raw = load("model.mlp_dim=512", "model.max_seq_len=512", "data.dir=/d", "metrics.peak_flops=5")
+  cfg = config.finalize(raw, num_devices=8, backend="cpu")
+  assert (cfg.model.mlp_dim, cfg.model.max_seq_len) == (512, 512)
+  assert cfg.data.dir == "/d" and cfg.metrics.peak_flops == 5.0
+  assert raw.mesh.fsdp == -1  # the input is not modified
+
+
+def test_finalize_batch_not_divisible_by_mesh():
+  with pytest.raises(UserError) as e:
+    finalize("train.batch_size=6")
+  msg = str(e.value)
+  assert "train.batch_size=6" in msg and "mesh.data" in msg and "mesh.fsdp" in msg
+
+
+def test_finalize_mesh_product_mismatch():
+  with pytest.raises(UserError, match="8 devices"):
+    finalize("mesh.fsdp=2")
+  with pytest.raises(UserError, match="at most one"):
+    finalize("mesh.data=-1")
+
+
+def test_finalize_strict_align():
+  with pytest.raises(UserError, match=r"model\.d_model=100"):
+    finalize("model.d_model=100", "model.strict_align=true", num_devices=4)
+  cfg = finalize("model.d_model=100", "model.strict_align=false", num_devices=4)
+  assert "model.d_model=100" in config.misaligned_dims(cfg.model)
+  assert config.misaligned_dims(finalize().model) == []
+
+
+# Round trip and run identity.
+
+def test_save_load_round_trip(tmp_path):
+  cfg = finalize("train.steps=5", "mesh.rules=[[batch, fsdp], [embed, null]]")
+  path = tmp_path / "sub" / "config.yml"
+  config.save(cfg, path)
+  assert config.load(str(path)).to_dict() == cfg.to_dict()
+  assert os.listdir(path.parent) == ["config.yml"]  # no temporary file left
+
+
+def test_run_identity_diff():
+  old = finalize().to_dict()
+  same = finalize("train.steps=9", "train.log_every=3", "checkpoint.every=7",
+                  "sample.prompt=x", "output_dir=elsewhere").to_dict()
+  assert config.run_identity_diff(old, same) == []
+  diff = config.run_identity_diff(old, finalize("model.d_model=512").to_dict())
+  assert any(d.startswith("model.d_model: 256 -> 512") for d in diff)
+  assert config.run_identity_diff(old, finalize("seed=1").to_dict()) == ["seed: 0 -> 1"]

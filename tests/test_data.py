@@ -1,0 +1,431 @@
+"""Tests of the data layer: shards, tokenizer, corpus, preparation, pipelines, sources."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import json
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+import yaml
+
+from nanotext.data import binfile, prepare
+from nanotext.data.corpus import load_corpus
+from nanotext.data.pipeline import make_train_iter, make_val_batches
+from nanotext.data.prepare import VAL_WORKS, prepare_shakespeare
+from nanotext.data.tokenizer import get_tokenizer, train_tokenizer
+from nanotext.errors import UserError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def data_cfg(**overrides) -> ml_collections.ConfigDict:
+  """The `data:` section of configs/base.yml with some keys changed."""
+  with open(os.path.join(REPO, "configs", "base.yml")) as f:
+    cfg = ml_collections.ConfigDict(yaml.safe_load(f)["data"])
+  cfg.update(overrides)
+  return cfg
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+  """The Shakespeare shards, prepared once per session (a few seconds)."""
+  return prepare_shakespeare(str(tmp_path_factory.mktemp("shakespeare")))
+
+
+@pytest.fixture
+def arange_bins(tmp_path):
+  """Two train shards and one val shard whose tokens are their positions: windows are traceable."""
+  binfile.write_shard(tmp_path / "train_0.bin", np.arange(0, 1000))
+  binfile.write_shard(tmp_path / "train_1.bin", np.arange(1000, 2000))
+  binfile.write_shard(tmp_path / "val_0.bin", np.arange(5000, 5500))
+  return data_cfg(source="bin", train_files=str(tmp_path / "train_*.bin"),
+                  val_files=str(tmp_path / "val_*.bin"))
+
+
+def take(it, n):
+  """The next n batches of an iterator."""
+  return [next(it) for _ in range(n)]
+
+
+def assert_same(a, b):
+  """Two lists of batches are equal."""
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x["inputs"], y["inputs"])
+    np.testing.assert_array_equal(x["targets"], y["targets"])
+
+
+# --- .bin shards -------------------------------------------------------------------------------
+
+
+def test_shard_round_trip(tmp_path):
+  tokens = np.array([0, 1, 65535, 50256, 7], dtype=np.int64)
+  path = tmp_path / "deep" / "dir" / "a.bin"
+  binfile.write_shard(str(path), tokens)
+  out = binfile.read_shard(str(path))
+  assert out.dtype == np.uint16 and isinstance(out, np.memmap)
+  np.testing.assert_array_equal(out, tokens)
+  assert os.path.getsize(path) == 1024 + 2 * len(tokens)
+  assert os.listdir(path.parent) == ["a.bin"]  # No temp file left behind.
+
+
+def test_write_rejects_out_of_range(tmp_path):
+  for bad in ([1, 65536], [-1, 3]):
+    with pytest.raises(UserError, match=r"\[0, 65536\)"):
+      binfile.write_shard(str(tmp_path / "x.bin"), bad)
+  assert not os.listdir(tmp_path)
+
+
+def _raw_shard(path, header_words, n_tokens):
+  """A shard with a hand-made header."""
+  header = np.zeros(256, dtype="<i4")
+  header[:len(header_words)] = header_words
+  with open(path, "wb") as f:
+    f.write(header.tobytes() + np.zeros(n_tokens, dtype="<u2").tobytes())
+  return str(path)
+
+
+@pytest.mark.parametrize("make,pattern", [
+    (lambda p: _raw_shard(p, [123, 1, 4], 4), r"magic number 123, expected 20240520"),
+    (lambda p: _raw_shard(p, [20240520, 7, 4], 4), r"version 7, expected 1"),
+    (lambda p: _raw_shard(p, [20240520, 1, 10], 4), r"claims 10 tokens but the file holds 4"),
+    (lambda p: p.write_bytes(b"\x00" * 100) and str(p), r"100 bytes, shorter than the 1024"),
+    (lambda p: str(p), r"does not exist"),
+])
+def test_bad_shards(tmp_path, make, pattern):
+  path = make(tmp_path / "bad.bin")
+  with pytest.raises(UserError, match=pattern) as e:
+    binfile.read_shard(path)
+  assert "bad.bin" in str(e.value)
+
+
+def test_find_shards(tmp_path):
+  for name in ("b.bin", "a.bin", "c.txt"):
+    (tmp_path / name).write_bytes(b"")
+  assert binfile.find_shards(str(tmp_path / "*.bin")) == [
+      str(tmp_path / "a.bin"), str(tmp_path / "b.bin")]
+  with pytest.raises(UserError, match=r"matches no file: check data.val_files"):
+    binfile.find_shards(str(tmp_path / "nope_*.bin"), key="data.val_files")
+  with pytest.raises(UserError, match=r"data.train_files is empty"):
+    binfile.find_shards("")
+
+
+# --- tokenizer and corpus ----------------------------------------------------------------------
+
+
+def test_shakespeare_tokenizer():
+  tok = get_tokenizer("shakespeare")
+  assert tok.vocab_size == 8192
+  assert 0 <= tok.eot_id < tok.vocab_size
+  text = "ROMEO:\nBut, soft! what light through yonder window breaks?\n\n\tIt is the east.  ~{}|"
+  ids = tok.encode(text)
+  assert all(0 <= i < 8192 for i in ids) and len(ids) < len(text) / 2
+  assert tok.decode(ids) == text
+  assert tok.decode([tok.eot_id]) == "<|endoftext|>"
+
+
+def test_train_tokenizer_small():
+  tok = train_tokenizer(["hello world, hello there"] * 10, vocab_size=300)
+  assert 257 < tok.get_vocab_size() <= 300  # 256 bytes + eot + merges (few in a tiny corpus).
+  assert tok.token_to_id("<|endoftext|>") == 0
+  assert tok.decode(tok.encode("xyz hello!").ids) == "xyz hello!"  # Unseen bytes still round trip.
+
+
+def test_tokenizer_errors():
+  with pytest.raises(UserError, match=r"shakespeare, gpt2, none"):
+    get_tokenizer("bpe9000")
+  none = get_tokenizer("none")
+  with pytest.raises(UserError, match=r"data.tokenizer"):
+    none.encode("x")
+  with pytest.raises(UserError, match=r"data.tokenizer"):
+    none.decode([1])
+
+
+def test_gpt2_without_tiktoken_is_a_user_error():
+  try:
+    import tiktoken  # pylint: disable=unused-import
+    pytest.skip("tiktoken installed; loading gpt2 may need the network")
+  except ImportError:
+    with pytest.raises(UserError, match=r"tiktoken"):
+      get_tokenizer("gpt2")
+
+
+def test_corpus():
+  corpus = load_corpus()
+  names = [name for name, _ in corpus]
+  assert len(corpus) == 42 and names == sorted(names)
+  assert set(VAL_WORKS) <= set(names)
+  assert 5_000_000 < sum(len(text) for _, text in corpus) < 5_200_000
+  assert dict(corpus)["hamlet_gut"].startswith("HAMLET, PRINCE OF DENMARK")
+
+
+# --- preparation -------------------------------------------------------------------------------
+
+
+def test_prepare_writes_valid_shards(prepared):
+  train = binfile.read_shard(os.path.join(prepared["dir"], "train_000000.bin"))
+  val = binfile.read_shard(os.path.join(prepared["dir"], "val_000000.bin"))
+  assert len(train) == prepared["train_tokens"] > 1_000_000
+  assert len(val) == prepared["val_tokens"] > 50_000
+  with open(os.path.join(prepared["dir"], "meta.json")) as f:
+    meta = json.load(f)
+  assert meta["vocab_size"] == 8192 and meta["tokenizer"] == "shakespeare"
+  assert 5.0 < meta["unigram_entropy_nats"] < np.log(8192)
+  eot = meta["eot_id"]
+  # One separator BEFORE each document: 40 train works, 2 val works.
+  assert train[0] == eot and val[0] == eot
+  assert (train == eot).sum() == 40 and (val == eot).sum() == 2
+
+
+def test_prepare_split_is_disjoint_and_whole_works(prepared):
+  tok = get_tokenizer("shakespeare")
+  docs = dict(load_corpus())
+
+  def split_docs(name):
+    tokens = np.asarray(binfile.read_shard(os.path.join(prepared["dir"], name)))
+    starts = np.flatnonzero(tokens == tok.eot_id)
+    return [tok.decode(d[1:]) for d in np.split(tokens, starts[1:])]
+
+  val_docs, train_docs = split_docs("val_000000.bin"), split_docs("train_000000.bin")
+  assert val_docs == [docs[name] for name in sorted(VAL_WORKS)]
+  assert train_docs == [text for name, text in sorted(docs.items()) if name not in VAL_WORKS]
+
+
+def test_prepare_is_idempotent(prepared):
+  paths = [os.path.join(prepared["dir"], f) for f in ("train_000000.bin", "val_000000.bin",
+                                                      "meta.json")]
+  before = [os.stat(p).st_mtime_ns for p in paths]
+  again = prepare_shakespeare(prepared["dir"])
+  assert [os.stat(p).st_mtime_ns for p in paths] == before
+  assert again == prepared
+
+
+def test_prepare_detects_a_corrupt_cache(prepared, tmp_path):
+  # Checks the cache test only: a rebuild re-tokenizes the corpus, which the fixture covers.
+  digest = prepare._tokenizer_digest()
+  out = tmp_path / "copy"
+  out.mkdir()
+  for name in ("train_000000.bin", "val_000000.bin", "meta.json"):
+    (out / name).write_bytes(open(os.path.join(prepared["dir"], name), "rb").read())
+  assert prepare._cached(str(out), digest)["val_tokens"] == prepared["val_tokens"]
+  assert prepare._cached(str(out), "other tokenizer") is None
+  with open(out / "val_000000.bin", "r+b") as f:
+    f.truncate(2000)
+  assert prepare._cached(str(out), digest) is None
+
+
+def test_prepare_cli(prepared):
+  env = {**os.environ, "PYTHONPATH": REPO}
+  ok = subprocess.run([sys.executable, "-m", "nanotext.data.prepare", "--out", prepared["dir"]],
+                      capture_output=True, text=True, env=env, cwd=REPO, check=False)
+  assert ok.returncode == 0, ok.stderr
+  assert f"{prepared['train_tokens']:,}" in ok.stdout and "nats/token" in ok.stdout
+  bad = subprocess.run([sys.executable, "-m", "nanotext.data.prepare", "--out",
+                        "/proc/nanotext-cannot-write"],
+                       capture_output=True, text=True, env=env, cwd=REPO, check=False)
+  assert bad.returncode == 2
+  assert bad.stderr.startswith("nanotext: error: ") and "Traceback" not in bad.stderr
+
+
+# --- training iterator -------------------------------------------------------------------------
+
+
+def test_train_iter_shapes_and_shift(arange_bins):
+  it = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=0)
+  for batch in take(it, 20):
+    assert set(batch) == {"inputs", "targets"}
+    for v in batch.values():
+      assert v.shape == (4, 8) and v.dtype == np.int32
+    np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+    # Windows are contiguous token runs that never cross a shard boundary (999 -> 1000).
+    rows = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+    assert (np.diff(rows, axis=1) == 1).all()
+    assert ((rows[:, 0] < 1000) == (rows[:, -1] < 1000)).all()
+
+
+def test_train_iter_is_deterministic_and_shuffled(arange_bins):
+  a = take(make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=1), 10)
+  assert_same(a, take(make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=1), 10))
+  b = take(make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=2), 10)
+  assert not np.array_equal(a[0]["inputs"], b[0]["inputs"])
+  firsts = np.concatenate([x["inputs"][:, 0] for x in a])
+  assert not (np.diff(firsts) > 0).all()  # Not in file order.
+
+
+def test_processes_get_disjoint_data_covering_an_epoch(arange_bins):
+  # 2 shards x (999 // 8) = 248 windows; 2 processes x 31 batches x 4 = one epoch.
+  starts = []
+  for p in range(2):
+    it = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=5, process_index=p,
+                         process_count=2)
+    starts.append({int(s) for b in take(it, 31) for s in b["inputs"][:, 0]})
+  assert not starts[0] & starts[1]
+  assert starts[0] | starts[1] == {8 * i for i in range(124)} | {1000 + 8 * i for i in range(124)}
+
+
+def test_train_iter_state_resumes_exactly(arange_bins):
+  it = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=3)
+  take(it, 70)  # Past the first epoch (62 batches): resume must also hold across epochs.
+  state = it.get_state()
+  expected = take(it, 10)
+  fresh = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=3)
+  fresh.set_state(state)
+  assert_same(take(fresh, 10), expected)
+  json.dumps(state)  # The state is plain JSON: it can sit next to a checkpoint.
+
+
+def test_shakespeare_source(prepared):
+  cfg = data_cfg(source="shakespeare", dir=prepared["dir"])
+  batch = next(make_train_iter(cfg, seq_len=64, batch_size=2, seed=0))
+  assert batch["inputs"].shape == (2, 64) and batch["inputs"].max() < 8192
+  val = make_val_batches(cfg, seq_len=64, batch_size=2, num_batches=3)
+  val_tokens = binfile.read_shard(os.path.join(prepared["dir"], "val_000000.bin"))
+  np.testing.assert_array_equal(val[0]["inputs"][0], val_tokens[:64])
+
+
+# --- validation batches ------------------------------------------------------------------------
+
+
+def test_val_batches(arange_bins):
+  # 499 // 8 = 62 windows: 7 full batches of 8, so 7 even when 10 are asked for.
+  a = make_val_batches(arange_bins, seq_len=8, batch_size=8, num_batches=10)
+  assert len(a) == 7
+  assert_same(a, make_val_batches(arange_bins, seq_len=8, batch_size=8, num_batches=10))
+  assert a[0]["inputs"][:, 0].tolist() == [5000 + 8 * i for i in range(8)]  # Unshuffled, first.
+  assert a[0]["inputs"].shape == (8, 8) and a[0]["targets"].dtype == np.int32
+  assert len(make_val_batches(arange_bins, seq_len=8, batch_size=8, num_batches=2)) == 2
+
+
+def test_val_batches_split_over_processes(arange_bins):
+  parts = [make_val_batches(arange_bins, seq_len=8, batch_size=4, num_batches=10,
+                            process_index=p, process_count=2) for p in range(2)]
+  assert len(parts[0]) == len(parts[1]) == 7
+  seen = [int(s) for part in parts for b in part for s in b["inputs"][:, 0]]
+  assert sorted(seen) == [5000 + 8 * i for i in range(56)]
+
+
+def test_val_tokens_cap_and_too_little_data(arange_bins):
+  arange_bins.val_tokens = 100  # 99 // 8 = 12 windows: one batch of 8.
+  assert len(make_val_batches(arange_bins, seq_len=8, batch_size=8, num_batches=10)) == 1
+  with pytest.raises(UserError, match=r"data.val_files.*train.batch_size"):
+    make_val_batches(arange_bins, seq_len=8, batch_size=16, num_batches=10)
+
+
+def test_bad_data_config(tmp_path):
+  with pytest.raises(UserError, match=r"shakespeare, bin, tfds, synthetic"):
+    make_train_iter(data_cfg(source="parquet"), seq_len=8, batch_size=2, seed=0)
+  with pytest.raises(UserError, match=r"matches no file: check data.train_files"):
+    make_train_iter(data_cfg(source="bin", train_files=str(tmp_path / "*.bin")), seq_len=8,
+                    batch_size=2, seed=0)
+  binfile.write_shard(str(tmp_path / "bad.bin"), [1, 2, 3])
+  with open(tmp_path / "bad.bin", "r+b") as f:
+    f.write(np.int32(99).tobytes())
+  with pytest.raises(UserError, match=r"bad.bin.*magic"):
+    make_train_iter(data_cfg(source="bin", train_files=str(tmp_path / "*.bin")), seq_len=8,
+                    batch_size=2, seed=0)
+
+
+# --- TFDS --------------------------------------------------------------------------------------
+
+
+class NanotextTinyDocs(tfds.core.GeneratorBasedBuilder):
+  """A tiny tokenized-documents data set, built locally in array_record format."""
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+        {"tokens": tfds.features.Tensor(shape=(None,), dtype=np.int32)}))
+
+  def _split_generators(self, dl_manager):
+    return {"train": self._generate_examples(100, 30),
+            "validation": self._generate_examples(5000, 6)}
+
+  def _generate_examples(self, start, n):
+    for i in range(n):
+      yield i, {"tokens": np.arange(start + 100 * i, start + 100 * i + 5 + 3 * i, dtype=np.int32)}
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory):
+  """data_dir holding the prepared nanotext_tiny_docs data set."""
+  path = str(tmp_path_factory.mktemp("tfds"))
+  NanotextTinyDocs(data_dir=path, file_format="array_record").download_and_prepare()
+  return path
+
+
+def test_tfds_train_iter(tfds_dir):
+  cfg = data_cfg(source="tfds", tfds_name="nanotext_tiny_docs", tfds_dir=tfds_dir, eot_id=1)
+  # The stream the packer should see: every document, in record order, after an eot of 1.
+  docs = tfds.data_source("nanotext_tiny_docs", split="train", data_dir=tfds_dir)
+  stream = np.concatenate([np.concatenate([[1], d["tokens"]]) for d in docs])
+  windows = {tuple(stream[i * 16:i * 16 + 17]) for i in range((len(stream) - 1) // 16)}
+  it = make_train_iter(cfg, seq_len=16, batch_size=3, seed=0)
+  seen = set()
+  for batch in take(it, (len(windows)) // 3):
+    assert batch["inputs"].shape == (3, 16) and batch["inputs"].dtype == np.int32
+    for x, y in zip(batch["inputs"], batch["targets"]):
+      row = tuple(np.concatenate([x, y[-1:]]))
+      assert row in windows  # Windows span document boundaries with the separator between.
+      seen.add(row)
+  assert len(seen) == 3 * (len(windows) // 3)
+  state = it.get_state()
+  expected = take(it, 4)
+  fresh = make_train_iter(cfg, seq_len=16, batch_size=3, seed=0)
+  fresh.set_state(state)
+  assert_same(take(fresh, 4), expected)
+
+
+def test_tfds_val_and_errors(tfds_dir):
+  cfg = data_cfg(source="tfds", tfds_name="nanotext_tiny_docs", tfds_dir=tfds_dir, eot_id=-1,
+                 tokenizer="none")
+  # No separator (eot_id -1, tokenizer none): documents simply concatenated in record order.
+  docs = tfds.data_source("nanotext_tiny_docs", split="validation", data_dir=tfds_dir)
+  stream = np.concatenate([d["tokens"] for d in docs])
+  val = make_val_batches(cfg, seq_len=4, batch_size=2, num_batches=3)
+  assert len(val) == 3
+  got = np.concatenate([b["inputs"].reshape(-1) for b in val])
+  np.testing.assert_array_equal(got, stream[:24])  # The first windows, in order.
+  assert len(make_val_batches(cfg, seq_len=4, batch_size=2, num_batches=99)) == (
+      (len(stream) - 1) // 4 // 2)
+  with pytest.raises(UserError, match=r"no_such_data_set"):
+    make_train_iter(data_cfg(source="tfds", tfds_name="no_such_data_set", tfds_dir=tfds_dir),
+                    seq_len=4, batch_size=2, seed=0)
+  with pytest.raises(UserError, match=r"data.tfds_field"):
+    make_train_iter(data_cfg(source="tfds", tfds_name="nanotext_tiny_docs", tfds_dir=tfds_dir,
+                             tfds_field="ids"), seq_len=4, batch_size=2, seed=0)
+
+
+# --- synthetic ---------------------------------------------------------------------------------
+
+
+def test_synthetic():
+  cfg = data_cfg(source="synthetic")
+  a = take(make_train_iter(cfg, seq_len=32, batch_size=4, seed=7, vocab_size=100), 3)
+  assert a[0]["inputs"].shape == (4, 32) and a[0]["inputs"].dtype == np.int32
+  assert 0 <= min(b["inputs"].min() for b in a) and max(b["inputs"].max() for b in a) < 100
+  np.testing.assert_array_equal(a[0]["inputs"][:, 1:], a[0]["targets"][:, :-1])
+  assert_same(a, take(make_train_iter(cfg, seq_len=32, batch_size=4, seed=7, vocab_size=100), 3))
+  other = next(make_train_iter(cfg, seq_len=32, batch_size=4, seed=8, vocab_size=100))
+  assert not np.array_equal(a[0]["inputs"], other["inputs"])
+  p1 = next(make_train_iter(cfg, seq_len=32, batch_size=4, seed=7, vocab_size=100,
+                            process_index=1, process_count=2))
+  assert not np.array_equal(a[0]["inputs"], p1["inputs"])
+  val = make_val_batches(cfg, seq_len=32, batch_size=4, num_batches=2, vocab_size=100)
+  assert len(val) == 2 and not np.array_equal(val[0]["inputs"], a[0]["inputs"])
+
+
+def test_worker_processes_match_in_process(arange_bins):
+  expected = take(make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=9), 6)
+  arange_bins.workers = 1  # One worker: each spawn costs about a second.
+  it = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=9)
+  assert_same(take(it, 3), expected[:3])
+  state = it.get_state()
+  fresh = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=9)
+  fresh.set_state(state)
+  assert_same(take(fresh, 3), expected[3:])

@@ -1,0 +1,130 @@
+"""Model family: logical axes on every parameter, config switches, causality, rotary embeddings."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import BASE, SPEEDRUN
+from nanotext import config, sharding
+from nanotext.model import GPT, count_params
+from nanotext.model.attention import apply_rope, rope_frequencies
+
+SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
+         "model.vocab_size=256", "model.align=0", "train.seq_len=16", "train.batch_size=8"]
+
+
+def build(path=BASE, *overrides, seed=0):
+  cfg = config.finalize(config.load(path, SMALL + list(overrides)), num_devices=8, backend="cpu")
+  return cfg, GPT(cfg.model, cfg.attention, rngs=nnx.Rngs(seed))
+
+
+def tokens(seed=0, batch=2, length=16, vocab=256):
+  return jax.random.randint(jax.random.key(seed), (batch, length), 0, vocab)
+
+
+@pytest.mark.parametrize("path", [BASE, SPEEDRUN])
+def test_every_parameter_has_known_logical_axes(path):
+  cfg, model = build(path)
+  specs = jax.tree.leaves(sharding.param_specs(nnx.state(model, nnx.Param)),
+                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  values = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert len(specs) == len(values) > 0
+  for spec, value in zip(specs, values):
+    assert len(spec) == value.ndim
+    assert all(a is None or a in sharding.LOGICAL_AXES for a in spec), spec
+  # Every matrix names what each of its dimensions is.
+  assert all(None not in s for s, v in zip(specs, values) if v.ndim == 2)
+
+
+@pytest.mark.parametrize("path", [BASE, SPEEDRUN])
+def test_forward_shapes_and_dtype(path):
+  cfg, model = build(path)
+  logits = model(tokens())
+  assert logits.shape == (2, 16, 256) and logits.dtype == jnp.float32
+  assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+  for path in (BASE, SPEEDRUN):
+    _, model = build(path, "model.zero_init_head=false", "model.zero_init_proj=false")
+    a = tokens(0)
+    b = a.at[:, 10:].set((a[:, 10:] + 1) % 256)
+    la, lb = model(a), model(b)
+    np.testing.assert_allclose(la[:, :10], lb[:, :10], atol=1e-5)
+    assert not np.allclose(la[:, 10:], lb[:, 10:])
+
+
+def test_speedrun_zero_head_gives_uniform_logits():
+  _, model = build(SPEEDRUN, "model.dtype=float32")
+  np.testing.assert_array_equal(np.asarray(model(tokens())), 0.0)
+
+
+def test_classic_gpt2_switches():
+  cfg, model = build(BASE)
+  assert cfg.model.tie_embeddings and model.head is None and model.pos is not None
+  assert model.blocks[0].ln1.kind == "layernorm" and model.blocks[0].mlp.act == "gelu"
+  assert model.blocks[0].attn.q.bias is not None
+  _, untied = build(BASE, "model.tie_embeddings=false")
+  assert count_params(nnx.state(untied, nnx.Param)) == \
+      count_params(nnx.state(model, nnx.Param)) + 64 * 256
+
+
+def test_logit_softcap_bounds_logits():
+  _, model = build(BASE, "model.logit_softcap=2.0", "model.embed_std=5.0")
+  logits = np.asarray(model(tokens()))
+  assert np.abs(logits).max() <= 2.0 and np.abs(logits).max() > 1.0
+
+
+def test_x0_mix_lambdas_start_as_identity_and_matter():
+  cfg, model = build(BASE, "model.x0_mix=true")
+  _, plain = build(BASE)
+  np.testing.assert_allclose(model(tokens()), plain(tokens()), atol=1e-5)
+  model.blocks[1].lambdas.value = jnp.array([1.0, 1.0])
+  assert not np.allclose(model(tokens()), plain(tokens()), atol=1e-4)
+
+
+def test_rope_frequencies_full_and_half_truncated():
+  full = rope_frequencies(16, 10000.0, truncate=False)
+  assert full.shape == (8,) and full[0] == 1.0 and np.all(np.diff(full) < 0)
+  half = rope_frequencies(16, 1024.0, truncate=True)
+  assert half.shape == (8,)
+  np.testing.assert_allclose(half[:4], (1 / 1024) ** np.linspace(0, 1, 4))
+  np.testing.assert_array_equal(half[4:], 0.0)
+
+
+def test_rope_is_relative_and_truncated_half_is_untouched():
+  x = jax.random.normal(jax.random.key(0), (1, 8, 1, 16))
+  freq = rope_frequencies(16, 1024.0, truncate=True)
+  y = apply_rope(x, freq)
+  np.testing.assert_allclose(y[0, 0], x[0, 0], atol=1e-6)  # position 0 is not rotated
+  # Pairs (i, i + 8) with zero frequency are never rotated.
+  np.testing.assert_allclose(y[..., 4:8], x[..., 4:8], atol=1e-6)
+  np.testing.assert_allclose(y[..., 12:], x[..., 12:], atol=1e-6)
+  # Rotation preserves the norm of each vector.
+  np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+  # q.k depends only on the offset: same content at positions (1, 3) and (4, 6).
+  q = jnp.broadcast_to(x[:, :1], x.shape)
+  rq = apply_rope(q, freq)
+  np.testing.assert_allclose(jnp.dot(rq[0, 1, 0], rq[0, 3, 0]), jnp.dot(rq[0, 4, 0], rq[0, 6, 0]),
+                             rtol=1e-4)
+
+
+def test_sliding_window_limits_attention():
+  _, model = build(BASE, "attention.window=4", "model.positions=rope")
+  a = tokens(1)
+  b = a.at[:, 0].set((a[:, 0] + 1) % 256)
+  la, lb = model(a), model(b)
+  # Two layers of window 4 see back at most 6 tokens: position 12 cannot see position 0.
+  np.testing.assert_allclose(la[:, 12:], lb[:, 12:], atol=1e-5)
+  assert not np.allclose(la[:, 1:4], lb[:, 1:4])
+
+
+def test_unavailable_kernels_raise_clear_errors():
+  from nanotext.errors import UserError
+  from nanotext.model.attention import resolve_impl
+  assert resolve_impl("auto", "cpu") == "xla"
+  for impl in ("cudnn", "splash"):
+    with pytest.raises(UserError, match="attention.impl"):
+      resolve_impl(impl, "cpu")

@@ -1,0 +1,77 @@
+"""Mesh from config and logical-axis rules."""
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import BASE, TINY
+from nanotext import config, sharding, trainer
+from nanotext.errors import UserError
+
+
+def mesh_cfg(**kw):
+  cfg = config.load(BASE, [f"mesh.{k}={v}" for k, v in kw.items()])
+  return cfg.mesh
+
+
+def test_mesh_shape_resolves_minus_one():
+  assert sharding.mesh_shape(mesh_cfg(), 8) == (1, 8, 1)
+  assert sharding.mesh_shape(mesh_cfg(data=2, fsdp=-1, tensor=2), 8) == (2, 2, 2)
+  assert sharding.mesh_shape(mesh_cfg(data=8, fsdp=1), 8) == (8, 1, 1)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(data=3, fsdp=1), "product"),
+    (dict(data=3, fsdp=-1), "cannot be split"),
+    (dict(data=-1, fsdp=-1), "at most one"),
+    (dict(tensor=0), "positive"),
+])
+def test_mesh_shape_errors(kw, match):
+  with pytest.raises(UserError, match=match):
+    sharding.mesh_shape(mesh_cfg(**kw), 8)
+
+
+def test_logical_to_spec_uses_each_mesh_axis_once():
+  rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["embed", "fsdp"],
+                                ["mlp", "tensor"]])
+  assert sharding.logical_to_spec(("batch", "length", "embed"), rules) == \
+      P(("data", "fsdp"), None, None)
+  assert sharding.logical_to_spec(("embed", "mlp"), rules) == P("fsdp", "tensor")
+  assert sharding.logical_to_spec(("vocab", "embed"), rules) == P(None, "fsdp")
+
+
+@pytest.mark.parametrize("rules, match", [
+    ([["bogus", "fsdp"]], "unknown logical axis 'bogus'"),
+    ([["embed", "model"]], "unknown mesh axis 'model'"),
+    ([["embed"]], "must be"),
+])
+def test_bad_rules(rules, match):
+  with pytest.raises(UserError, match=match):
+    sharding.parse_rules(rules)
+
+
+def test_divisibility_errors_name_the_keys():
+  cfg = config.load(BASE, ["mesh.tensor=2", "model.num_heads=3", "model.head_dim=64"])
+  with pytest.raises(UserError, match=r"model.num_heads=3 .*mesh.tensor=2"):
+    config.finalize(cfg, num_devices=8, backend="cpu")
+  cfg = config.load(BASE, ["train.batch_size=12"])
+  with pytest.raises(UserError, match=r"train.batch_size=12 .*mesh.data\*mesh.fsdp=8"):
+    config.finalize(cfg, num_devices=8, backend="cpu")
+
+
+def test_state_follows_the_rules_under_fsdp_and_tp():
+  cfg = config.finalize(config.load(BASE, TINY + ["mesh.fsdp=4", "mesh.tensor=2"]),
+                        num_devices=8, backend="cpu")
+  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), "cpu")
+  state = trainer.init_state(setup)
+  q = state["params"]["blocks"][0]["attn"]["q"]["kernel"]
+  assert q.sharding.spec == P("fsdp", "tensor")
+  assert q.addressable_shards[0].data.shape == (64 // 4, 64 // 2)
+  emb = state["params"]["embed"]["embedding"]
+  assert emb.sharding.spec == P("tensor", "fsdp")
+  # Adam moments live exactly where their parameters live.
+  suffix = "['blocks'][0]['attn']['q']['kernel']"
+  moments = [x for path, x in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]
+             if jax.tree_util.keystr(path).endswith(suffix)]
+  assert len(moments) == 2  # Adam's mu and nu
+  assert all(x.sharding.spec == P("fsdp", "tensor") for x in moments)
