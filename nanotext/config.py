@@ -255,8 +255,8 @@ def finalize(cfg, *, num_devices: int, backend: str) -> ml_collections.ConfigDic
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = shape
   sharding.check_divisibility(cfg)
   if not cfg.data.dir:
-    cache = os.environ.get("NANOTEXT_CACHE", os.path.expanduser("~/.cache/nanotext"))
-    cfg.data.dir = os.path.join(cache, "shakespeare")
+    from nanotext.data.prepare import default_dir
+    cfg.data.dir = default_dir()
   if not cfg.metrics.peak_flops:
     from nanotext import metrics
     cfg.metrics.peak_flops = metrics.default_peak_flops(backend, m.dtype)
