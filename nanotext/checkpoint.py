@@ -16,8 +16,10 @@ def make_manager(output_dir: str, *, keep: int, create: bool = True) -> ocp.Chec
   """A manager that keeps the newest `keep` steps; saves are async and atomic."""
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
                                          enable_async_checkpointing=True)
+  handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+              "config": ocp.JsonCheckpointHandler()}
   return ocp.CheckpointManager(checkpoint_dir(output_dir), options=options,
-                               item_names=("state", "data", "config"))
+                               item_handlers=handlers)
 
 
 def save(manager, step: int, state, data_state: dict, config_dict: dict) -> None:
@@ -49,7 +51,7 @@ def abstract_with_shardings(tree, shardings):
 
 
 def latest_params(output_dir: str, step: int = -1):
-  """Parameters of a run's newest (or given) checkpoint, as saved (host arrays); for sampling."""
+  """Parameters of a run's newest (or given) checkpoint on one local device; for sampling."""
   if not os.path.isdir(checkpoint_dir(output_dir)):
     raise UserError(f"output_dir '{output_dir}' holds no checkpoints")
   manager = make_manager(output_dir, keep=1, create=False)
@@ -57,8 +59,12 @@ def latest_params(output_dir: str, step: int = -1):
   if step is None or step not in manager.all_steps():
     raise UserError(f"output_dir '{output_dir}' has no checkpoint for step {step}; "
                     f"it has {list(manager.all_steps())}")
+  # An explicit single-device target: checkpoints written by several processes restore too.
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   try:
-    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    meta = manager.item_metadata(step)["state"]
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
   except Exception as e:  # orbax raises many kinds for unreadable folders
     raise UserError(f"cannot read the checkpoint of step {step} in '{output_dir}': "
                     f"{str(e).splitlines()[0][:200]}") from None

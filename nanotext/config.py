@@ -25,6 +25,7 @@ CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "attention.impl": ("auto", "xla", "cudnn", "splash"),
     "optim.name": ("adamw", "muon"),
+    "optim.muon_layout": ("distributed", "replicated", "sharded"),
     "data.source": ("shakespeare", "bin", "tfds", "synthetic"),
     "data.tokenizer": ("shakespeare", "gpt2", "none"),
 }
@@ -37,7 +38,7 @@ NON_NEGATIVE = ("train.eval_every", "checkpoint.every", "model.head_dim", "model
                 "sample.temperature", "model.logit_softcap", "model.attn_scale",
                 "model.init_std", "model.embed_std")
 # Keys a continued or resumed run may change without becoming "a different run".
-RUN_IDENTITY_IGNORES = ("overwrite", "train.steps", "train.log_every", "train.eval_every",
+RUN_IDENTITY_IGNORES = ("overwrite", "distributed", "train.steps", "train.log_every", "train.eval_every",
                         "train.eval_batches", "checkpoint", "metrics", "sample", "output_dir",
                         "data.workers")
 

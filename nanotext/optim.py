@@ -11,6 +11,8 @@ import numpy as np
 import optax
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
+from nanotext import sharding
+
 # Keller Jordan's quintic Newton-Schulz coefficients (modded-nanogpt `zeropower_via_newtonschulz5`).
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 GROUPS = ("matrix", "embed", "head", "scalar")
@@ -87,14 +89,44 @@ def scale_by_muon(optim_cfg) -> optax.GradientTransformation:
       look = jax.tree.map(lambda g, b: g + m * (b - g), updates, mu)
     else:
       look = mu
-    def ortho(x):
-      y = orthogonalize_via_newton_schulz(x.astype(ns_dtype), coeffs.astype(ns_dtype),
-                                          optim_cfg.muon_ns_steps, eps=1e-7)
-      return y.astype(x.dtype) * jnp.sqrt(max(1.0, x.shape[1] / x.shape[0]))
-    out = jax.tree.map(ortho, look)
+    out = orthogonalize_all(look, optim_cfg.muon_layout,
+                            lambda x: orthogonalize_via_newton_schulz(
+                                x.astype(ns_dtype), coeffs.astype(ns_dtype),
+                                optim_cfg.muon_ns_steps, eps=1e-7))
+    out = jax.tree.map(lambda y, x: y.astype(x.dtype) * jnp.sqrt(max(1.0, x.shape[1] / x.shape[0])),
+                       out, look)
     return out, {"count": state["count"] + 1, "mu": mu}
 
   return optax.GradientTransformation(init, update)
+
+
+def orthogonalize_all(tree, layout: str, ortho):
+  """Apply `ortho` to every matrix of a tree, placing the work by `layout`.
+
+  sharded: each matrix keeps its parameter's sharding and XLA partitions the Newton-Schulz
+  matmuls (collectives inside every iteration). replicated: every device gathers every matrix
+  and orthogonalises all of them (no collectives in the loop, all the compute everywhere).
+  distributed: same-shape matrices are stacked and the stack is split over all devices, so each
+  orthogonalises a share and the results are gathered back (the speedrun's distributed Muon).
+  """
+  if layout == "sharded":
+    return jax.tree.map(ortho, tree)
+  if layout == "replicated":
+    return jax.tree.map(lambda x: ortho(sharding.replicate(x)), tree)
+  leaves, treedef = jax.tree.flatten(tree)
+  groups = {}
+  for i, x in enumerate(leaves):
+    groups.setdefault((x.shape, x.dtype), []).append(i)
+  out = [None] * len(leaves)
+  n_dev = sharding.spread_count()
+  for idx in groups.values():
+    stack = jnp.stack([leaves[i] for i in idx])
+    pad = -len(idx) % n_dev  # whole matrices per device; zero matrices orthogonalise to zero
+    stack = jnp.pad(stack, ((0, pad), (0, 0), (0, 0))) if pad else stack
+    done = sharding.replicate(jax.vmap(ortho)(sharding.spread_leading(stack)))
+    for j, i in enumerate(idx):
+      out[i] = done[j]
+  return jax.tree.unflatten(treedef, out)
 
 
 def _adam(optim_cfg, lr):

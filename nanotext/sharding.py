@@ -160,3 +160,24 @@ def like_params(tree, param_shardings, shapes_of_params, default):
         return s
     return default
   return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def replicate(x):
+  """Constrain an array to be whole on every device (inside `use_rules`; else a no-op)."""
+  if not _active_rules:
+    return x
+  _, mesh = _active_rules[-1]
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+
+
+def spread_count() -> int:
+  """How many devices `spread_leading` splits over (1 outside `use_rules`)."""
+  return _active_rules[-1][1].size if _active_rules else 1
+
+
+def spread_leading(x):
+  """Split the leading axis over every device (each holds whole items of a stack)."""
+  if not _active_rules:
+    return x
+  _, mesh = _active_rules[-1]
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(MESH_AXES)))

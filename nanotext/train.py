@@ -43,23 +43,30 @@ def check_output_dir(cfg) -> None:
     raise UserError(f"output_dir '{cfg.output_dir}' holds a different run ({diff[0]}"
                     f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); choose another "
                     "output_dir or pass overwrite=true to replace it")
-  for name in ("checkpoints", "tb", "metrics.jsonl", "config.yml"):
-    p = os.path.join(cfg.output_dir, name)
-    if os.path.isdir(p):
-      shutil.rmtree(p)
-    elif os.path.exists(p):
-      os.remove(p)
+  import jax
+  if jax.process_index() == 0:
+    for name in ("checkpoints", "tb", "metrics.jsonl", "config.yml"):
+      p = os.path.join(cfg.output_dir, name)
+      if os.path.isdir(p):
+        shutil.rmtree(p)
+      elif os.path.exists(p):
+        os.remove(p)
+  if jax.process_count() > 1:  # nobody reads the old run while process 0 removes it
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("nanotext: output_dir cleared")
 
 
 def run(path: str, overrides, log=print):
   """Load, check and train; returns the loop result. Raises UserError on bad input."""
   import jax
-  from nanotext import checkpoint, config, metrics, sharding, trainer
+  from nanotext import checkpoint, config, distributed, metrics, sharding, trainer
   from nanotext.data import pipeline
   from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
   from nanotext.generate import sample_text
 
   cfg = config.load(path, overrides)
+  # Joining the other processes must precede the first backend use (device counts in finalize).
+  distributed.maybe_initialize(cfg.distributed)
   backend = jax.default_backend()
   cfg = config.finalize(cfg, num_devices=jax.device_count(), backend=backend)
   bad = config.misaligned_dims(cfg.model)
@@ -71,6 +78,9 @@ def run(path: str, overrides, log=print):
     raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
                     f"'{cfg.data.tokenizer}' tokenizer's vocabulary ({vocab}); "
                     f"set model.vocab_size>={vocab}")
+  if cfg.train.batch_size % jax.process_count():
+    raise UserError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
+                    f"{jax.process_count()} processes; each loads an equal share")
   check_output_dir(cfg)
 
   mesh = sharding.make_mesh(cfg.mesh)

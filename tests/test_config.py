@@ -33,7 +33,7 @@ def test_base_has_all_sections_and_is_locked():
   cfg = load()
   for name in SECTIONS:
     assert name in cfg
-  assert cfg.train.steps == 400 and cfg.model.d_model == 256
+  assert cfg.train.steps == 200 and cfg.model.d_model == 256
   with pytest.raises(AttributeError):
     cfg.no_such_key = 1
   with pytest.raises(AttributeError):

@@ -1,0 +1,45 @@
+"""Where should Muon's Newton-Schulz run? `python benchmarks/muon_layout.py CONFIG [key=value ...]`.
+
+Times the full train step under each `optim.muon_layout` (distributed, replicated, sharded),
+interleaved over `--rounds` so that machine noise hits all of them alike, and prints the median
+step time of each with its ratio to the fastest.
+"""
+
+import os
+import statistics
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds per layout.")
+_STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per round.")
+LAYOUTS = ("distributed", "replicated", "sharded")
+
+
+def main(argv):
+  from nanotext.errors import UserError, fail
+  from step_time import measure
+  if len(argv) < 2:
+    fail("usage: python benchmarks/muon_layout.py CONFIG [key=value ...]")
+  times = {k: [] for k in LAYOUTS}
+  try:
+    for _ in range(_ROUNDS.value):
+      for layout in LAYOUTS:
+        r = measure(argv[1], argv[2:] + [f"optim.muon_layout={layout}"], steps=_STEPS.value,
+                    repeats=1, warmup=1)
+        times[layout].append(r["step_s"])
+  except UserError as e:
+    fail(str(e))
+  med = {k: statistics.median(v) for k, v in times.items()}
+  best = min(med.values())
+  print(f"| optim.muon_layout | step time (median of {_ROUNDS.value}) | vs fastest | rounds |")
+  print("| --- | --- | --- | --- |")
+  for k in LAYOUTS:
+    rounds = ", ".join(f"{1e3 * t:.0f}" for t in times[k])
+    print(f"| {k} | {1e3 * med[k]:.1f} ms | {med[k] / best:.2f}x | {rounds} |")
+
+
+if __name__ == "__main__":
+  app.run(main)

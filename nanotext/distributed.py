@@ -1,0 +1,118 @@
+"""Multi-process start: join the JAX distributed runtime before any backend exists.
+
+One process per host (or several on one host for testing) each run the same command; after
+`maybe_initialize` every process sees all devices of all processes in `jax.devices()`, so the
+mesh, the shardings and the train step are unchanged. The `distributed:` config section selects
+the mode; `NANOTEXT_COORDINATOR_ADDRESS`, `NANOTEXT_NUM_PROCESSES` and `NANOTEXT_PROCESS_ID` fill
+keys left at their defaults (launchers find env vars easier to set per process than arguments).
+"""
+
+import dataclasses
+import os
+import socket
+
+from nanotext.errors import UserError
+
+ENV_PREFIX = "NANOTEXT_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What to pass to jax.distributed.initialize; None = let JAX detect it."""
+  coordinator_address: str | None
+  num_processes: int | None
+  process_id: int | None
+  auto: bool
+  init_timeout: int
+
+
+def _env_int(name: str, key: str):
+  raw = os.environ.get(ENV_PREFIX + name)
+  if raw is None or raw.strip() == "":
+    return None
+  try:
+    return int(raw)
+  except ValueError:
+    raise UserError(f"environment variable {ENV_PREFIX}{name}={raw!r} (for {key}) must be an "
+                    "integer") from None
+
+
+def plan(dist_cfg) -> Plan | None:
+  """The checked distributed settings (config, then NANOTEXT_* env), or None for one process."""
+  address = dist_cfg.coordinator_address.strip() or \
+      os.environ.get(ENV_PREFIX + "COORDINATOR_ADDRESS", "").strip()
+  num = dist_cfg.num_processes or _env_int("NUM_PROCESSES", "distributed.num_processes") or 0
+  pid = dist_cfg.process_id
+  if pid == -1:
+    env_pid = _env_int("PROCESS_ID", "distributed.process_id")
+    pid = -1 if env_pid is None else env_pid
+  if num < 0:
+    raise UserError(f"distributed.num_processes={num} must not be negative (0 = not set)")
+  if pid < -1:
+    raise UserError(f"distributed.process_id={pid} must be -1 (not set) or in "
+                    "[0, distributed.num_processes)")
+  if dist_cfg.local_device_count < 0:
+    raise UserError(f"distributed.local_device_count={dist_cfg.local_device_count} must not be "
+                    "negative (0 = the platform's own count)")
+  if dist_cfg.init_timeout <= 0:
+    raise UserError(f"distributed.init_timeout={dist_cfg.init_timeout} must be positive")
+  if address:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise UserError(f"distributed.coordinator_address={address!r} must be HOST:PORT, e.g. "
+                      "127.0.0.1:12345 (the address of process 0)")
+  if not dist_cfg.auto:
+    if not address:
+      if num or pid != -1:
+        raise UserError("distributed.num_processes and distributed.process_id need "
+                        "distributed.coordinator_address (or distributed.auto=true)")
+      return None
+    if num < 1:
+      raise UserError(f"distributed.coordinator_address={address!r} needs "
+                      "distributed.num_processes >= 1 (the number of processes in the run)")
+    if pid == -1:
+      raise UserError(f"distributed.coordinator_address={address!r} needs "
+                      "distributed.process_id (0 for the coordinator, 1.. for the others)")
+  if num and pid >= num:
+    raise UserError(f"distributed.process_id={pid} must be in [0, distributed.num_processes="
+                    f"{num})")
+  return Plan(address or None, num or None, None if pid == -1 else pid, dist_cfg.auto,
+              dist_cfg.init_timeout)
+
+
+def maybe_initialize(dist_cfg, log=print) -> bool:
+  """Set the CPU device count and join the distributed runtime if configured; True if joined.
+
+  Must run before anything touches a JAX backend (jax.devices(), jax.device_count(), arrays).
+  """
+  import jax
+  from jax._src import xla_bridge  # the only way to ask whether backends exist without making them
+
+  p = plan(dist_cfg)  # validate first: bad keys fail fast, before any network wait
+  n = dist_cfg.local_device_count
+  if n and jax.config.jax_num_cpu_devices != n:
+    if xla_bridge.backends_are_initialized():
+      raise UserError(f"distributed.local_device_count={n} must be set before JAX starts; "
+                      "this process already uses JAX (run it from a fresh process)")
+    jax.config.update("jax_num_cpu_devices", n)
+  if p is None:
+    return False
+  if jax.distributed.is_initialized():
+    return True  # an in-process caller (a notebook, a test) already joined
+  if xla_bridge.backends_are_initialized():
+    raise UserError("the distributed: settings need a fresh process (JAX is already running here)")
+  try:
+    jax.distributed.initialize(
+        coordinator_address=p.coordinator_address, num_processes=p.num_processes,
+        process_id=p.process_id, initialization_timeout=p.init_timeout,
+        # Only auto mode may consult SLURM/MPI/TPU env; explicit settings must win as given.
+        cluster_detection_method=None if p.auto else "deactivate")
+  except (ValueError, RuntimeError) as e:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    where = p.coordinator_address or "auto-detected coordinator"
+    hint = " (distributed.auto=true found no cluster: set distributed.coordinator_address)" \
+        if p.auto and p.coordinator_address is None else ""
+    raise UserError(f"cannot join the distributed run at {where}: {first}{hint}") from None
+  log(f"process {jax.process_index()}/{jax.process_count()} on host {socket.gethostname()} "
+      f"with {jax.local_device_count()} local devices ({jax.device_count()} in all)")
+  return True

@@ -1,0 +1,152 @@
+"""Two processes x 4 CPU devices train exactly like one process x 8; distributed-key validation."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import BASE, REPO, TINY, run_cli
+from nanotext import checkpoint, config, distributed, sharding, trainer
+from nanotext.errors import UserError
+from nanotext.train import run
+
+TIMEOUT_S = 240  # both processes, start to finish; about 35 s when the machine is idle
+# Losses agree to float32 rounding, not bit for bit: process i holds every i-th sequence of the
+# global batch, so the rows sit in another order and the mean-loss and gradient reductions add
+# in another order (observed: at most ~2e-7 relative after 4 steps).
+RTOL = 1e-5
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def metrics_of(out):
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def launch_two(overrides, timeout=TIMEOUT_S) -> list:
+  """Run processes 0 and 1 of one distributed run; returns their combined outputs."""
+  address = f"127.0.0.1:{free_port()}"
+  # distributed.local_device_count beats the 8 devices conftest puts in XLA_FLAGS.
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "nanotext.train", BASE, *overrides,
+       f"distributed.coordinator_address={address}", "distributed.num_processes=2",
+       f"distributed.process_id={i}", "distributed.local_device_count=4",
+       "distributed.init_timeout=60"],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
+  deadline = time.monotonic() + timeout
+  outputs = []
+  try:
+    for p in procs:
+      outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    tails = [(p.communicate()[0] or "")[-2000:] for p in procs]
+    pytest.fail(f"2-process run did not finish in {timeout} s; outputs:\n" +
+                "\n--- process 1 ---\n".join(tails))
+  for i, (p, out) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{out[-3000:]}"
+  return outputs
+
+
+def test_two_processes_match_one(tmp_path):
+  common = TINY + ["train.steps=4"]
+  multi = str(tmp_path / "multi")
+  outputs = launch_two(common + [f"output_dir={multi}"])
+  for i, out in enumerate(outputs):
+    assert f"process {i}/2 on host" in out and "with 4 local devices (8 in all)" in out, out
+  assert "on 8 cpu device(s)" in outputs[0]
+  assert "model:" not in outputs[1]  # only process 0 prints the run's log lines
+
+  single = str(tmp_path / "single")
+  result = run(BASE, common + [f"output_dir={single}"], log=lambda s: None)
+
+  got, want = metrics_of(multi), metrics_of(single)
+  # Process 1 writes nothing: each step is logged once, by process 0.
+  assert [(r["step"], sorted(r)) for r in got] == [(r["step"], sorted(r)) for r in want]
+  diffs = []
+  for g, w in zip(got, want):
+    for key in ("loss", "val_loss", "grad_norm"):
+      if key in w:
+        np.testing.assert_allclose(g[key], w[key], rtol=RTOL, err_msg=f"step {g['step']} {key}")
+        diffs.append(abs(g[key] - w[key]) / abs(w[key]))
+  print(f"max relative difference 1x8 vs 2x4: {max(diffs):.2e}")
+  assert config.load(os.path.join(multi, "config.yml")).mesh.fsdp == 8
+  # Both processes wrote one checkpoint together (each its own shards, process 0 the metadata):
+  # it must restore into one process's 8-device shardings (the resume path) whole, holding the
+  # single-process run's parameters.
+  cfg = config.finalize(config.load(BASE, common), num_devices=jax.device_count(), backend="cpu")
+  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), "cpu")
+  manager = checkpoint.make_manager(multi, keep=1, create=False)
+  assert list(manager.all_steps()) == [4]
+  state, _, _ = checkpoint.restore(manager, 4, trainer.abstract_state(setup))
+  manager.close()
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-6),
+               jax.device_get(state["params"]), jax.device_get(result.state["params"]))
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["distributed.num_processes=2", "distributed.process_id=0"],
+     "need distributed.coordinator_address"),
+    (["distributed.coordinator_address=127.0.0.1:1234", "distributed.process_id=0"],
+     "distributed.num_processes >= 1"),
+    (["distributed.coordinator_address=127.0.0.1:1234", "distributed.num_processes=2"],
+     "needs distributed.process_id"),
+    (["distributed.coordinator_address=127.0.0.1:1234", "distributed.num_processes=2",
+      "distributed.process_id=2"], "distributed.process_id=2 must be in [0, "),
+    (["distributed.coordinator_address=localhost", "distributed.num_processes=2",
+      "distributed.process_id=0"], "must be HOST:PORT"),
+    (["distributed.num_processes=-1"], "distributed.num_processes=-1 must not be negative"),
+    (["distributed.process_id=-2"], "distributed.process_id=-2 must be -1"),
+    (["distributed.local_device_count=-1"], "distributed.local_device_count=-1"),
+    (["distributed.init_timeout=0"], "distributed.init_timeout=0 must be positive"),
+])
+def test_bad_distributed_keys_are_user_errors(overrides, needle, tmp_path):
+  # Checked before any connection attempt, so these fail at once and touch nothing.
+  with pytest.raises(UserError) as e:
+    run(BASE, TINY + overrides + [f"output_dir={tmp_path / 'run'}"], log=lambda s: None)
+  assert needle in str(e.value), str(e.value)
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_env_fallbacks_and_auto(monkeypatch):
+  cfg = config.load(BASE)
+  assert distributed.plan(cfg.distributed) is None  # the default: one process
+  monkeypatch.setenv("NANOTEXT_COORDINATOR_ADDRESS", "10.0.0.1:5000")
+  monkeypatch.setenv("NANOTEXT_NUM_PROCESSES", "4")
+  monkeypatch.setenv("NANOTEXT_PROCESS_ID", "3")
+  p = distributed.plan(cfg.distributed)
+  assert (p.coordinator_address, p.num_processes, p.process_id, p.auto) == \
+      ("10.0.0.1:5000", 4, 3, False)
+  # Config keys win over the environment.
+  p = distributed.plan(config.load(BASE, ["distributed.process_id=1"]).distributed)
+  assert p.process_id == 1
+  monkeypatch.setenv("NANOTEXT_PROCESS_ID", "x")
+  with pytest.raises(UserError, match="NANOTEXT_PROCESS_ID"):
+    distributed.plan(cfg.distributed)
+  for name in ("COORDINATOR_ADDRESS", "NUM_PROCESSES", "PROCESS_ID"):
+    monkeypatch.delenv("NANOTEXT_" + name)
+  # auto: unset values stay None for JAX to detect (SLURM, Open MPI, TPU pods).
+  p = distributed.plan(config.load(BASE, ["distributed.auto=true"]).distributed)
+  assert (p.coordinator_address, p.num_processes, p.process_id, p.auto) == \
+      (None, None, None, True)
+
+
+def test_cli_reports_a_bad_distributed_key():
+  r = run_cli("nanotext.train", BASE, *TINY, "distributed.num_processes=2", timeout=120)
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+  assert r.stderr.strip().splitlines()[-1].startswith(
+      "nanotext: error: distributed.num_processes and distributed.process_id need")
