@@ -68,3 +68,11 @@ def test_fsdp_holds_at_least_7x_less_state_per_device_than_dp():
   _, dp = losses(BASE, (8, 1, 1))
   _, fsdp = losses(BASE, (1, 8, 1))
   assert state_bytes_per_device(dp) >= 7 * state_bytes_per_device(fsdp)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_muon_layouts_agree(layout):
+  extra = ["model.zero_init_head=false", "model.mlp_dim=0"]
+  ref, _ = losses(SPEEDRUN, (1, 1, 1), extra)
+  got, _ = losses(SPEEDRUN, (1, 4, 2), extra + [f"optim.muon_layout={layout}"])
+  np.testing.assert_allclose(got, ref, rtol=2e-5)

@@ -75,3 +75,15 @@ def test_state_follows_the_rules_under_fsdp_and_tp():
              if jax.tree_util.keystr(path).endswith(suffix)]
   assert len(moments) == 2  # Adam's mu and nu
   assert all(x.sharding.spec == P("fsdp", "tensor") for x in moments)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.d_model=100", "model.d_model=100"),
+    ("model.mlp_dim=100", "model.mlp_dim=100"),
+    ("model.vocab_size=1001", "model.vocab_size=1001"),
+])
+def test_dims_must_divide_their_mesh_axes(override, key):
+  rules = "mesh.rules=[[batch, [data, fsdp]], [embed, fsdp], [mlp, fsdp], [vocab, fsdp]]"
+  cfg = config.load(BASE, [override, "model.head_dim=64", rules])
+  with pytest.raises(UserError, match=rf"{key} is not divisible by mesh.fsdp=8"):
+    config.finalize(cfg, num_devices=8, backend="cpu")

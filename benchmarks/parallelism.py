@@ -1,0 +1,361 @@
+"""Parallelism ablation: `python benchmarks/parallelism.py CONFIG [key=value ...] [--layouts L]
+[--steps K] [--out PREFIX]`.
+
+Runs the same model, data and seed (data.source=synthetic) under several mesh layouts and writes
+`PREFIX.md` (a table) and `PREFIX.png` (bar plots). Per layout: compile time, median step time
+and tokens/s, per-device bytes (exact params + optimizer state from the state arrays; arguments,
+outputs, temporaries and aliased bytes from the executable's memory_analysis), the loss of each
+of the first K steps, and the collectives in the compiled HLO (count, and bytes of their results
+per device).
+
+Layout syntax (`--layouts`): a comma list of layouts, each one or more `AXISn` terms joined by
+`x`, AXIS in dp (mesh.data), fsdp (mesh.fsdp), tp (mesh.tensor); unnamed axes are 1 and the sizes
+must multiply to the device count. Example for 8 devices: `dp8,fsdp8,tp8,fsdp4xtp2,dp2xfsdp2xtp2`
+(the default on N devices: dpN, fsdpN, tpN, fsdp{N/2}xtp2, dp2xfsdp{N/4}xtp2 where they fit).
+A layout this model cannot use (say heads not divisible by tp) becomes a row saying why.
+"""
+
+import math
+import os
+import re
+import statistics
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_LAYOUTS = flags.DEFINE_string("layouts", "", "Comma list like dp8,fsdp8,fsdp4xtp2; "
+                               "empty = the defaults for this device count.")
+_STEPS = flags.DEFINE_integer("steps", 5, "Steps whose losses are recorded (also the warmup).")
+_TIMED = flags.DEFINE_integer("timed_steps", 3, "Steps per timed window.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed windows (the median is reported).")
+_OUT = flags.DEFINE_string("out", "benchmarks/parallelism_base", "Output prefix (.md, .png).")
+
+AXES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor"}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
+          "collective-permute": "CP"}
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+                "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+                "c64": 8, "c128": 16}
+_SHAPE_RE = re.compile(r"\b([a-z]+[0-9][a-z0-9]*|pred)\[([0-9,]*)\]")
+_OP_RE = re.compile(r"=\s*([^=]*?)\s(" + "|".join(COLLECTIVES) + r")(-start|-done)?\(")
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
+MIB = 2**20
+
+
+# ---- layouts ----
+
+def parse_layout(text: str, num_devices: int | None = None) -> tuple:
+  """'fsdp4xtp2' -> ('fsdp4xtp2', (data, fsdp, tensor)); UserError on bad syntax or size."""
+  from nanotext.errors import UserError
+  sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+  seen = set()
+  for term in text.strip().lower().split("x"):
+    m = re.fullmatch(r"(dp|fsdp|tp)([1-9][0-9]*)", term)
+    if not m or m.group(1) in seen:
+      raise UserError(f"layout '{text}' is not like dp8, fsdp4xtp2 or dp2xfsdp2xtp2 "
+                      "(terms dpN, fsdpN, tpN joined by 'x', each axis at most once)")
+    seen.add(m.group(1))
+    sizes[AXES[m.group(1)]] = int(m.group(2))
+  shape = (sizes["data"], sizes["fsdp"], sizes["tensor"])
+  if num_devices is not None and math.prod(shape) != num_devices:
+    raise UserError(f"layout '{text}' uses {math.prod(shape)} devices but there are "
+                    f"{num_devices}")
+  return layout_name(shape), shape
+
+
+def layout_name(shape) -> str:
+  """(2, 2, 2) -> 'dp2xfsdp2xtp2'; axes of size 1 are left out (all 1 -> 'dp1')."""
+  terms = [f"{k}{n}" for k, n in zip(AXES, shape) if n > 1]
+  return "x".join(terms) or "dp1"
+
+
+def parse_layouts(text: str, num_devices: int) -> list:
+  """A comma list of layouts (duplicates dropped); empty text -> the defaults."""
+  from nanotext.errors import UserError
+  if not text.strip():
+    return default_layouts(num_devices)
+  out = [parse_layout(t, num_devices) for t in text.split(",") if t.strip()]
+  if not out:
+    raise UserError(f"--layouts '{text}' names no layout")
+  return _unique(out)
+
+
+def default_layouts(n: int) -> list:
+  """DP, FSDP, TP over all n devices, then the FSDPxTP and DPxFSDPxTP hybrids where they fit."""
+  shapes = [(n, 1, 1), (1, n, 1), (1, 1, n)]
+  if n % 2 == 0 and n >= 4:
+    shapes.append((1, n // 2, 2))
+  if n % 4 == 0 and n >= 8:
+    shapes.append((2, n // 4, 2))
+  return _unique([(layout_name(s), s) for s in shapes])
+
+
+def _unique(layouts) -> list:
+  seen, out = set(), []
+  for name, shape in layouts:
+    if shape not in seen:
+      seen.add(shape)
+      out.append((name, shape))
+  return out
+
+
+# ---- HLO collectives ----
+
+def shape_bytes(text: str) -> int:
+  """Bytes of every array shape in an HLO type string, e.g. '(f32[64,128]{1,0}, bf16[8])'."""
+  total = 0
+  for dtype, dims in _SHAPE_RE.findall(text):
+    n = math.prod(int(d) for d in dims.split(",") if d)
+    total += n * _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+  return int(total)
+
+
+def collectives(hlo_text: str) -> dict:
+  """{op: {'count', 'bytes'}} for each collective in HLO text; bytes are per-device results.
+
+  An async pair counts once: `-start` adds to the count and its `-done` (whose type is exactly
+  the result, while the start's tuple also holds the operands) adds the bytes.
+  """
+  out = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
+  for line in hlo_text.splitlines():
+    m = _OP_RE.search(_COMMENT_RE.sub("", line))  # long tuples carry /*index=5*/ comments
+    if not m:
+      continue
+    result, op, suffix = m.groups()
+    if suffix != "-done":
+      out[op]["count"] += 1
+    if suffix != "-start":
+      out[op]["bytes"] += shape_bytes(result)
+  return out
+
+
+# ---- measurement ----
+
+def _scalar(x) -> float:
+  """A replicated scalar as a float, reading only a local shard (works on many hosts)."""
+  import numpy as np
+  return float(np.asarray(x.addressable_data(0)))
+
+
+def _local_bytes(tree) -> int:
+  """Bytes one device holds of a tree of jax.Arrays (first addressable shard of each leaf)."""
+  import jax
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def measure_layout(path, overrides, name, shape, *, steps, timed_steps, repeats) -> dict:
+  """Compile and run one layout; an invalid layout gives {'invalid': reason}."""
+  import jax
+  from nanotext import config, sharding, trainer
+  from nanotext.data import pipeline
+  from nanotext.errors import UserError
+
+  row = {"layout": name, "shape": shape}
+  mesh_kv = [f"mesh.{a}={n}" for a, n in zip(sharding.MESH_AXES, shape)]
+  cfg = config.load(path, list(overrides) + mesh_kv)
+  try:  # layout-dependent checks (mesh size, divisibility) make a row, not an exit
+    cfg = config.finalize(cfg, num_devices=jax.device_count(), backend=jax.default_backend())
+  except UserError as e:
+    return {**row, "invalid": str(e)}
+  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), jax.default_backend())
+  it = pipeline.make_train_iter(cfg.data, seq_len=cfg.train.seq_len,
+                                batch_size=cfg.train.batch_size // jax.process_count(),
+                                seed=cfg.seed, process_index=jax.process_index(),
+                                process_count=jax.process_count(),
+                                vocab_size=cfg.model.vocab_size)
+  batches = [trainer.global_batch(setup, next(it)) for _ in range(max(steps, 1))]
+  try:
+    state = trainer.init_state(setup)
+    t0 = time.perf_counter()
+    compiled = trainer.make_train_step(setup).lower(state, batches[0]).compile()
+    row["compile_s"] = time.perf_counter() - t0
+    row["state_bytes"] = _local_bytes((state["params"], state["opt_state"]))
+    row["losses"] = []
+    for b in batches[:steps]:  # fresh data each step, like training; doubles as warmup
+      state, m = compiled(state, b)
+      row["losses"].append(_scalar(m["loss"]))
+    row["step_s_all"] = _time_windows(compiled, state, batches[-1], timed_steps, repeats)
+  except Exception as e:  # a layout that does not fit in device memory is a result
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    return {**row, "invalid": "out of memory: " + str(e).splitlines()[0][:200]}
+  row["step_s"] = statistics.median(row["step_s_all"])
+  row["tokens_per_s"] = cfg.train.batch_size * cfg.train.seq_len / row["step_s"]
+  row["memory"] = _memory(compiled)
+  row["collectives"] = collectives(compiled.as_text())
+  return row
+
+
+def _time_windows(compiled, state, batch, timed_steps, repeats) -> list:
+  """Seconds per step of each timed window (the state is donated, so it is threaded through)."""
+  import jax
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(timed_steps):
+      state, m = compiled(state, batch)
+    jax.block_until_ready((state, m))
+    times.append((time.perf_counter() - t0) / timed_steps)
+  return times
+
+
+def _memory(compiled) -> dict:
+  """Per-device argument / output / temporary / aliased bytes; NaN where the backend is silent."""
+  mem = compiled.memory_analysis()
+  keys = ("argument", "output", "temp", "alias")
+  return {k: float(getattr(mem, f"{k}_size_in_bytes", float("nan")) if mem else float("nan"))
+          for k in keys}
+
+
+def measure(path, overrides, layouts, *, steps=5, timed_steps=3, repeats=3, log=None) -> list:
+  """One row per layout; config errors common to all layouts raise UserError first."""
+  from nanotext import config
+  config.load(path, list(overrides))  # fail fast on keys and values before any compile
+  over = list(overrides) + ["data.source=synthetic", "data.tokenizer=none"]
+  rows = []
+  for name, shape in layouts:
+    t0 = time.perf_counter()
+    rows.append(measure_layout(path, over, name, shape, steps=steps, timed_steps=timed_steps,
+                               repeats=repeats))
+    if log:
+      log(f"{name}: {rows[-1].get('invalid') or 'done'} ({time.perf_counter() - t0:.1f} s)")
+  return rows
+
+
+# ---- reporting ----
+
+def _mib(x) -> str:
+  return "n/a" if x != x else f"{x / MIB:.2f}"
+
+
+def table(rows) -> str:
+  """The main markdown table, one row per layout."""
+  head = ("| layout | data×fsdp×tensor | compile s | step ms | tokens/s | params+opt MiB/dev "
+          "| args MiB | outputs MiB | temps MiB | alias MiB | final loss | collectives "
+          "(count) | collective MiB/step |")
+  lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+  for r in rows:
+    mesh = "×".join(map(str, r["shape"]))
+    if "invalid" in r:
+      lines.append(f"| {r['layout']} | {mesh} | invalid: {r['invalid']} |" + " |" * 10)
+      continue
+    mem, col = r["memory"], r["collectives"]
+    counts = " ".join(f"{_SHORT[k]} {v['count']}" for k, v in col.items() if v["count"])
+    lines.append(
+        f"| {r['layout']} | {mesh} | {r['compile_s']:.1f} | {1e3 * r['step_s']:.0f} "
+        f"| {r['tokens_per_s']:,.0f} | {_mib(r['state_bytes'])} | {_mib(mem['argument'])} "
+        f"| {_mib(mem['output'])} | {_mib(mem['temp'])} | {_mib(mem['alias'])} "
+        f"| {r['losses'][-1]:.6f} | {counts or 'none'} "
+        f"| {_mib(sum(v['bytes'] for v in col.values()))} |")
+  return "\n".join(lines)
+
+
+def loss_table(rows) -> str:
+  """Loss of every recorded step per layout, and the largest relative spread across layouts."""
+  ok = [r for r in rows if "invalid" not in r and r["losses"]]
+  if not ok:
+    return ""
+  steps = len(ok[0]["losses"])
+  lines = ["| step | " + " | ".join(r["layout"] for r in ok) + " | max rel. spread |",
+           "| --- |" + " --- |" * (len(ok) + 1)]
+  for i in range(steps):
+    vals = [r["losses"][i] for r in ok]
+    spread = (max(vals) - min(vals)) / abs(min(vals)) if min(vals) else float("nan")
+    lines.append(f"| {i + 1} | " + " | ".join(f"{v:.6f}" for v in vals) + f" | {spread:.1e} |")
+  return "\n".join(lines)
+
+
+def device_description() -> str:
+  import jax
+  d = jax.devices()[0]
+  return (f"{jax.device_count()} × {d.device_kind} ({jax.default_backend()}, "
+          f"{jax.process_count()} process(es)), jax {jax.__version__}")
+
+
+def report(rows, command: str) -> str:
+  """The markdown file: command, devices, caveat, the table and the per-step losses."""
+  parts = [
+      "# Parallelism ablation", "", f"Command: `{command}`", "", f"Devices: {device_description()}",
+      "",
+      "Caveat: on fake CPU devices all 'devices' share the same cores and memory and collectives "
+      "are memory copies, so CPU timings say nothing about accelerator communication; the byte "
+      "and collective columns are what carries over.", "",
+      "Memory columns are per device. params+opt is exact (the state arrays' shards); args, "
+      "outputs, temps and alias come from the compiled step's memory_analysis (args include the "
+      "batch; outputs alias the donated state). Collective MiB is the summed result size of each "
+      "collective in the HLO, per device, counting an op inside a loop once.", "",
+      table(rows), "", "Loss per step (same seed and data in every layout):", "",
+      loss_table(rows), ""]
+  return "\n".join(parts)
+
+
+def plot(rows, path: str) -> None:
+  """Three bar panels: step time, per-device state+temporaries, collective bytes by kind."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  names = [r["layout"] for r in rows]
+  ok = ["invalid" not in r for r in rows]
+  get = lambda f: [f(r) if good else 0.0 for r, good in zip(rows, ok)]
+  x = range(len(rows))
+  fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+  axes[0].bar(x, get(lambda r: 1e3 * r["step_s"]), color="tab:blue")
+  axes[0].set(title="step time (median)", ylabel="ms")
+  state = get(lambda r: r["state_bytes"] / MIB)
+  temps = get(lambda r: r["memory"]["temp"] / MIB)
+  axes[1].bar(x, state, label="params + opt state", color="tab:green")
+  axes[1].bar(x, temps, bottom=state, label="temporaries", color="tab:orange")
+  axes[1].set(title="per-device memory", ylabel="MiB")
+  axes[1].legend()
+  bottom = [0.0] * len(rows)
+  for op in COLLECTIVES:
+    vals = get(lambda r: r["collectives"][op]["bytes"] / MIB)
+    if any(vals):
+      axes[2].bar(x, vals, bottom=bottom, label=op)
+      bottom = [b + v for b, v in zip(bottom, vals)]
+  axes[2].set(title="collective result bytes per step (per device)", ylabel="MiB")
+  if any(bottom):
+    axes[2].legend()
+  for ax in axes:
+    ax.set_xticks(list(x), names, rotation=30, ha="right")
+    for i, good in enumerate(ok):
+      if not good:  # say why a bar is missing instead of drawing a misleading zero
+        ax.text(i, 0.03, "invalid", transform=ax.get_xaxis_transform(), ha="center",
+                va="bottom", rotation=90, color="tab:red")
+  fig.suptitle(f"parallelism ablation: {device_description()}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv):
+  import jax
+  from nanotext.errors import UserError, fail
+  if len(argv) < 2:
+    fail("usage: python benchmarks/parallelism.py CONFIG [key=value ...] [--layouts L] "
+         "[--steps K] [--out PREFIX]")
+  try:
+    if _STEPS.value < 1 or _TIMED.value < 1 or _REPEATS.value < 1:
+      raise UserError("--steps, --timed_steps and --repeats must be at least 1")
+    layouts = parse_layouts(_LAYOUTS.value, jax.device_count())
+    rows = measure(argv[1], argv[2:], layouts, steps=_STEPS.value, timed_steps=_TIMED.value,
+                   repeats=_REPEATS.value, log=lambda s: print(s, file=sys.stderr, flush=True))
+  except UserError as e:
+    fail(str(e))
+  print(table(rows))
+  if jax.process_index() == 0:  # one writer on many hosts
+    command = " ".join(["python", *sys.argv])
+    xla = os.environ.get("XLA_FLAGS")
+    command = f"XLA_FLAGS={xla} {command}" if xla else command
+    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+    with open(_OUT.value + ".md", "w") as f:
+      f.write(report(rows, command))
+    plot(rows, _OUT.value + ".png")
+
+
+if __name__ == "__main__":
+  app.run(main)
