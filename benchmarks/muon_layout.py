@@ -12,22 +12,21 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_time import measure  # noqa: E402  (also defines --steps: timed steps per round)
 
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds per layout.")
-_STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per round.")
 LAYOUTS = ("distributed", "replicated", "sharded")
 
 
 def main(argv):
   from nanotext.errors import UserError, fail
-  from step_time import measure
   if len(argv) < 2:
     fail("usage: python benchmarks/muon_layout.py CONFIG [key=value ...]")
   times = {k: [] for k in LAYOUTS}
   try:
     for _ in range(_ROUNDS.value):
       for layout in LAYOUTS:
-        r = measure(argv[1], argv[2:] + [f"optim.muon_layout={layout}"], steps=_STEPS.value,
+        r = measure(argv[1], argv[2:] + [f"optim.muon_layout={layout}"], steps=flags.FLAGS.steps,
                     repeats=1, warmup=1)
         times[layout].append(r["step_s"])
   except UserError as e:
