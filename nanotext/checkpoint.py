@@ -1,53 +1,217 @@
-"""Orbax CheckpointManager over one step's train state, data-iterator state and config."""
+"""Orbax CheckpointManager over one step's train state, every process's data state and config.
 
+A step directory holds three items: `state` (params, optimizer state, step: sharded arrays, each
+process writes its shards), `data` (one JSON file per process, `process_<i>-of-<n>.json`, with
+that process's grain iterator state, because each process reads a different stride of the data)
+and `config` (the resolved config, written by process 0). Orbax writes a step into a temporary
+directory and renames it when every item is complete, so a killed save leaves no step behind.
+"""
+
+import dataclasses
+import json
 import os
+import re
 
+from absl import logging
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from nanotext.errors import UserError
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint write failed (disk full, permissions, ...): not bad input, exit status 1."""
+
+
+class ProcessJsonHandler(ocp.CheckpointHandler):
+  """Each process writes its own JSON file; restore returns {process index: value} of all."""
+
+  def save(self, directory: epath.Path, args: "ProcessJsonSave") -> None:
+    name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    (directory / name).write_text(json.dumps(args.item))
+
+  def restore(self, directory: epath.Path, args: "ProcessJsonRestore" = None) -> dict:
+    del args
+    out = {}
+    for path in directory.iterdir():
+      m = re.fullmatch(r"process_(\d+)-of-(\d+)\.json", path.name)
+      if m:
+        out[int(m.group(1))] = {"count": int(m.group(2)), **json.loads(path.read_text())}
+    return out
+
+  def metadata(self, directory: epath.Path):
+    del directory
+    return None
+
+  def finalize(self, directory: epath.Path) -> None:
+    del directory
+
+  def close(self) -> None:
+    pass
+
+
+@ocp.args.register_with_handler(ProcessJsonHandler, for_save=True)
+@dataclasses.dataclass
+class ProcessJsonSave(ocp.args.CheckpointArgs):
+  item: dict
+
+
+@ocp.args.register_with_handler(ProcessJsonHandler, for_restore=True)
+@dataclasses.dataclass
+class ProcessJsonRestore(ocp.args.CheckpointArgs):
+  pass
+
+
+class Manager(ocp.CheckpointManager):
+  """A CheckpointManager that remembers its last requested step, to prove it reached disk."""
+  requested = None
 
 
 def checkpoint_dir(output_dir: str) -> str:
   return os.path.join(os.path.abspath(output_dir), "checkpoints")
 
 
-def make_manager(output_dir: str, *, keep: int, create: bool = True) -> ocp.CheckpointManager:
-  """A manager that keeps the newest `keep` steps; saves are async and atomic."""
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
-                                         enable_async_checkpointing=True)
-  handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+def make_manager(output_dir: str, *, keep: int, create: bool = True,
+                 async_save: bool = True) -> Manager:
+  """A manager that keeps the newest `keep` steps; saves are atomic, async unless told not."""
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=create, enable_async_checkpointing=async_save,
+      # Leftovers of a save killed midway are removed, never mistaken for a step.
+      cleanup_tmp_directories=create)
+  handlers = {"state": ocp.StandardCheckpointHandler(), "data": ProcessJsonHandler(),
               "config": ocp.JsonCheckpointHandler()}
-  return ocp.CheckpointManager(checkpoint_dir(output_dir), options=options,
-                               item_handlers=handlers)
+  return Manager(checkpoint_dir(output_dir), options=options, item_handlers=handlers)
 
 
-def save(manager, step: int, state, data_state: dict, config_dict: dict) -> None:
-  """Start saving a step (returns while the write continues in the background)."""
-  manager.save(step, args=ocp.args.Composite(
+def save(manager: Manager, step: int, state, data_state: dict, config_dict: dict) -> None:
+  """Start saving a step; async saves return once the arrays are copied off the devices."""
+  wait(manager)  # surfaces a failed earlier write before starting the next
+  manager.save(step, force=True, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
-      data=ocp.args.JsonSave(data_state),
+      data=ProcessJsonSave(data_state),
       config=ocp.args.JsonSave(config_dict)))
+  manager.requested = step
+
+
+def wait(manager: Manager) -> None:
+  """Block until the last save is on disk; raise CheckpointError if it never got there."""
+  try:
+    manager.wait_until_finished()
+    manager.check_for_errors()
+  except Exception as e:  # whatever the writer raised, the run must not go on silently
+    raise CheckpointError(f"writing a checkpoint failed: {_first_line(e)}") from e
+  step = manager.requested
+  if step is None:
+    return
+  # Orbax's finalizer logs (and consumes) a background error instead of raising it, so look
+  # at the disk: a step that failed never loses its temporary name.
+  manager.reload()
+  if step not in manager.all_steps():
+    raise CheckpointError(f"the checkpoint of step {step} in '{manager.directory}' was not "
+                          "completed (see the orbax error logged above)")
+  manager.requested = None
+
+
+def close(manager: Manager) -> None:
+  """Close on the way out of a failing run: a late write error is logged, not raised over it."""
+  try:
+    manager.close()
+  except Exception as e:  # the run's own error (already propagating) is the one to report
+    logging.error("closing the checkpoint manager: %s", _first_line(e))
 
 
 def restore(manager, step: int, abstract_state):
-  """Restore `step` straight into the shardings carried by `abstract_state`'s leaves."""
+  """Restore `step` straight into the shardings carried by `abstract_state`'s leaves.
+
+  Returns (state, data, config); data is {process index: its saved data dict}.
+  """
   try:
     out = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
-        data=ocp.args.JsonRestore(),
+        data=ProcessJsonRestore(),
         config=ocp.args.JsonRestore()))
-  except (ValueError, KeyError, FileNotFoundError) as e:
+  except (ValueError, KeyError, FileNotFoundError, TypeError) as e:
     where = os.path.join(str(manager.directory), str(step))
     raise UserError(f"checkpoint '{where}' does not match this model or is damaged "
-                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+                    f"({type(e).__name__}: {_first_line(e)})") from None
   return out.state, out.data, out.config
+
+
+def own_data(data: dict, where: str) -> dict:
+  """This process's entry of a restored `data` item; refuses another process count."""
+  pid, count = jax.process_index(), jax.process_count()
+  saved = data.get(pid)
+  if saved is None or saved["count"] != count:
+    counts = sorted({d["count"] for d in data.values()})
+    raise UserError(f"checkpoint '{where}' holds data-iterator states of {counts or 'no'} "
+                    f"process(es) but this run has {count}; resume it with the same number "
+                    "of processes, or start a new output_dir with "
+                    "checkpoint.load_params_from")
+  return saved
 
 
 def abstract_with_shardings(tree, shardings):
   """ShapeDtypeStructs carrying target shardings, for restore."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       tree, shardings)
+
+
+def find_params_item(path: str) -> tuple:
+  """(item dir, whether it holds the whole train state) of a run dir, its checkpoints/ dir, a
+  step dir (the newest step where there are several) or a params-only folder (convert)."""
+  if not os.path.isdir(path):
+    raise UserError(f"checkpoint.load_params_from='{path}' is not a directory")
+  if os.path.isdir(os.path.join(path, "state")):
+    return os.path.join(os.path.abspath(path), "state"), True
+  root = os.path.join(path, "checkpoints")
+  if not os.path.isdir(root) and os.path.isdir(os.path.join(path, "params")):
+    return os.path.join(os.path.abspath(path), "params"), False
+  root = root if os.path.isdir(root) else path
+  steps = [int(n) for n in os.listdir(root) if n.isdigit()
+           and os.path.isdir(os.path.join(root, n, "state"))]
+  if not steps:
+    raise UserError(f"checkpoint.load_params_from='{path}' holds no complete checkpoint "
+                    "(give a run directory, a checkpoint step directory or a params-only "
+                    "folder)")
+  return os.path.join(os.path.abspath(root), str(max(steps)), "state"), True
+
+
+def load_params(path: str, abstract_params):
+  """Only the parameters of a checkpoint, into `abstract_params`' shapes and shardings."""
+  item, whole_state = find_params_item(path)
+  where = os.path.dirname(item)
+  ckptr = ocp.PyTreeCheckpointer()
+  try:
+    meta = ckptr.metadata(item).item_metadata.tree
+  except Exception as e:  # orbax raises many kinds for unreadable folders
+    raise UserError(f"cannot read the checkpoint '{where}': {_first_line(e)}") from None
+  if whole_state and not (isinstance(meta, dict) and "params" in meta):
+    raise UserError(f"checkpoint '{where}' holds no parameters")
+  _check_same_params(meta["params"] if whole_state else meta, abstract_params, where)
+  restore_args = jax.tree.map(
+      lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
+      abstract_params)
+  wrap = (lambda t: {"params": t}) if whole_state else (lambda t: t)
+  out = ckptr.restore(item, args=ocp.args.PyTreeRestore(
+      item=wrap(abstract_params), restore_args=wrap(restore_args), partial_restore=whole_state))
+  return where, out["params"] if whole_state else out
+
+
+def _check_same_params(saved, wanted, where: str) -> None:
+  """UserError naming the first parameter whose presence or shape differs."""
+  def shapes(tree):
+    # Saved trees key list positions by strings ('0'), live ones by ints: compare as text.
+    name = lambda k: str(getattr(k, "key", getattr(k, "idx", k)))
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(map(name, p)): tuple(x.shape) for p, x in flat}
+  a, b = shapes(saved), shapes(wanted)
+  for key in sorted(set(a) | set(b)):
+    if a.get(key) != b.get(key):
+      got = "missing" if key not in a else f"shape {a[key]}"
+      want = "absent" if key not in b else f"shape {b[key]}"
+      raise UserError(f"checkpoint '{where}' does not fit this model: parameter {key} is {got} "
+                      f"in the checkpoint but {want} here (check the model.* keys)")
 
 
 def latest_params(output_dir: str, step: int = -1):
@@ -67,5 +231,9 @@ def latest_params(output_dir: str, step: int = -1):
     out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
   except Exception as e:  # orbax raises many kinds for unreadable folders
     raise UserError(f"cannot read the checkpoint of step {step} in '{output_dir}': "
-                    f"{str(e).splitlines()[0][:200]}") from None
+                    f"{_first_line(e)}") from None
   return step, out.state["params"]
+
+
+def _first_line(e: Exception) -> str:
+  return (str(e).splitlines() or [type(e).__name__])[0][:200]

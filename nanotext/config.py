@@ -28,6 +28,7 @@ CHOICES = {
     "optim.muon_layout": ("distributed", "replicated", "sharded"),
     "data.source": ("shakespeare", "bin", "tfds", "synthetic"),
     "data.tokenizer": ("shakespeare", "gpt2", "none"),
+    "train.on_nonfinite": ("abort", "skip"),
 }
 POSITIVE = ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
             "train.log_every", "train.eval_batches", "model.vocab_size", "model.num_layers",

@@ -75,8 +75,13 @@ def main(argv) -> None:
   overrides = [f"sample.{k}={v}" for k, v in args.items()]
   cfg = config.load(cfg_path, overrides)
   tokenizer = get_tokenizer(cfg.data.tokenizer)
-  step, params = checkpoint.latest_params(out, step)
-  impl = resolve_impl(cfg.attention.impl, jax.default_backend())
+  if os.path.isdir(os.path.join(out, "params")):  # a params-only folder (nanotext.convert)
+    from nanotext.convert import load_params
+    step, params = load_params(out)
+  else:
+    step, params = checkpoint.latest_params(out, step)
+  impl = resolve_impl(cfg.attention.impl, jax.default_backend(), head_dim=cfg.model.head_dim,
+                      seq_len=cfg.train.seq_len)
   graphdef, _ = nnx.split(nnx.eval_shape(
       lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(0))))
   print(f"[step {step}] {cfg.sample.prompt}", end="", flush=True)

@@ -6,6 +6,7 @@ flags: `--config=CONFIG --set=train.steps=50 --set=model.num_layers=2`.
 
 import os
 import shutil
+import sys
 
 from absl import app, flags, logging
 
@@ -94,12 +95,23 @@ def run(path: str, overrides, log=print):
       f"tensor={cfg.mesh.tensor} on {jax.device_count()} {backend} device(s) | "
       f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens/step")
 
-  manager = checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep)
-  start = manager.latest_step()
+  manager = checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep,
+                                    async_save=cfg.checkpoint["async"])
+  start, skipped = manager.latest_step(), 0
   if start is not None:
-    state, data_state, _ = checkpoint.restore(manager, start, trainer.abstract_state(setup))
-    train_iter.set_state(data_state["iterator"])
+    where = os.path.join(checkpoint.checkpoint_dir(cfg.output_dir), str(start))
+    state, data, _ = checkpoint.restore(manager, start, trainer.abstract_state(setup))
+    mine = checkpoint.own_data(data, where)
+    train_iter.set_state(mine["iterator"])
+    skipped = mine.get("skipped_steps", 0)
     log(f"resumed from the checkpoint of step {start} in {cfg.output_dir}")
+    if cfg.checkpoint.load_params_from:
+      log("checkpoint.load_params_from is ignored: this output_dir already has checkpoints")
+  elif cfg.checkpoint.load_params_from:
+    source, params = checkpoint.load_params(cfg.checkpoint.load_params_from,
+                                            trainer.abstract_state(setup)["params"])
+    start, state = 0, trainer.state_from_params(setup, params)
+    log(f"initialised parameters from {source} (fresh optimizer state, step 0)")
   else:
     start, state = 0, trainer.init_state(setup)
   is_main = pid == 0
@@ -109,11 +121,17 @@ def run(path: str, overrides, log=print):
   val = [trainer.global_batch(setup, b) for b in val_local]
   try:
     result = trainer.train(setup, state, train_iter, val, writer=writer, manager=manager,
-                           start_step=start, config_dict=cfg.to_dict(), log=log)
-    manager.wait_until_finished()
+                           start_step=start, config_dict=cfg.to_dict(), log=log,
+                           skipped_steps=skipped)
+    checkpoint.wait(manager)  # the run is not over until its last save is on disk
+  except BaseException:
+    checkpoint.close(manager)  # waits for earlier saves without hiding this error
+    raise
   finally:
     writer.close()
-    manager.close()
+  manager.close()
+  if result.preempted:
+    return result
   if vocab is not None and cfg.sample.max_new_tokens:
     try:
       tokenizer = get_tokenizer(cfg.data.tokenizer)
@@ -127,6 +145,8 @@ def run(path: str, overrides, log=print):
 
 
 def main(argv) -> None:
+  from nanotext.checkpoint import CheckpointError
+  from nanotext.trainer import NonFiniteError
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every step at INFO
   try:
@@ -134,6 +154,10 @@ def main(argv) -> None:
     run(path, overrides, log=lambda s: print(s, flush=True) if _is_main() else None)
   except UserError as e:
     fail(str(e))
+  except (NonFiniteError, CheckpointError) as e:
+    # Not bad input (status 2) but a failed run: one line, status 1, checkpoints left intact.
+    print(f"nanotext: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def _is_main() -> bool:

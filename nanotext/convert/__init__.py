@@ -1,0 +1,36 @@
+"""Checkpoint conversion: `python -m nanotext.convert SUBCOMMAND --flag=value ... [key=value ...]`.
+
+  from-hf      --hf=HF_DIR --out=RUN_DIR [--config=BASE.yml] [--force] [key=value ...]
+               HF GPT2LMHeadModel (config.json + model.safetensors) -> nanotext run directory
+               (config.yml + checkpoint of step 0 with a fresh optimizer state); train on with
+               `python -m nanotext.train RUN_DIR/config.yml output_dir=RUN_DIR`.
+  to-hf        --run=RUN_DIR [--step=N] --out=HF_DIR [--force]
+               nanotext classic GPT-2 checkpoint -> GPT2LMHeadModel.from_pretrained directory.
+  params-only  --run=RUN_DIR [--step=N] --out=DIR [--dtype=bfloat16|float32] [--force]
+               train state -> DIR/config.yml + DIR/params/ (orbax StandardCheckpointer, the params
+               tree only) + DIR/convert.json; `nanotext.convert.load_params(DIR)` reads it.
+  export-torch --run=RUN_DIR [--step=N] --out=FILE.safetensors [--force]
+               speedrun-architecture checkpoint -> modded-nanogpt `GPT` state dict (torch names).
+
+--step defaults to the newest checkpoint. An existing non-empty --out is refused unless --force;
+outputs are written next to --out and renamed into place, so a failure leaves --out untouched.
+
+nanotext <-> HF GPT-2 (HF names without 'transformer.'; both sides store matrices as [in, out]):
+  embed.embedding [V, D]            wte.weight [V, D] (lm_head.weight is tied to it)
+  pos [P, D]                        wpe.weight [P, D] (P = model.max_seq_len = n_positions)
+  blocks.{i}.ln1|ln2.scale|bias     h.{i}.ln_1|ln_2.weight|bias [D]
+  blocks.{i}.attn.q|k|v.kernel      h.{i}.attn.c_attn.weight [D, 3D] columns [q | k | v]
+  blocks.{i}.attn.q|k|v.bias        h.{i}.attn.c_attn.bias [3D], same split
+  blocks.{i}.attn.o.kernel|bias     h.{i}.attn.c_proj.weight [D, D] | bias
+  blocks.{i}.mlp.fc.kernel|bias     h.{i}.mlp.c_fc.weight [D, F] | bias
+  blocks.{i}.mlp.proj.kernel|bias   h.{i}.mlp.c_proj.weight [F, D] | bias
+  ln_f.scale|bias                   ln_f.weight|bias
+HF's gelu_new (tanh form) is jax.nn.gelu's default (approximate=True); LayerNorm eps is 1e-5 on
+both sides. The speedrun mapping is in nanotext.convert.torch_export and docs/convert.md.
+"""
+
+from nanotext.convert.hf import from_hf, to_hf
+from nanotext.convert.params import load_params, params_only
+from nanotext.convert.torch_export import export_torch
+
+__all__ = ["from_hf", "to_hf", "params_only", "load_params", "export_torch"]

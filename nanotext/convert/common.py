@@ -1,0 +1,133 @@
+"""Shared pieces of the converters: reading a run, flat parameter names, all-or-nothing outputs."""
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+
+from nanotext.errors import UserError
+
+
+def load_run(run: str, step: int = -1):
+  """(config, step, params as numpy) of a run directory's newest (or given) checkpoint."""
+  from nanotext import checkpoint, config
+  if not os.path.isdir(run):
+    raise UserError(f"run directory '{run}' does not exist")
+  cfg_path = os.path.join(run, "config.yml")
+  if not os.path.isfile(cfg_path):
+    raise UserError(f"run directory '{run}' holds no config.yml (is it a nanotext run directory?)")
+  cfg = config.load(cfg_path)
+  step, params = checkpoint.latest_params(run, step)
+  return cfg, step, jax.device_get(params)
+
+
+def path_name(path) -> str:
+  """'blocks.0.attn.q.kernel' for a pytree key path (dict keys may be ints or strings)."""
+  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def flatten(params) -> dict:
+  """Parameter tree -> {dotted name: array}."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {path_name(p): v for p, v in leaves}
+
+
+def fill(template, flat: dict, what: str):
+  """A tree shaped like `template` (ShapeDtypeStructs with shardings) holding `flat`'s arrays.
+
+  Every template leaf must have a value of its shape and every value must be used, so a mapping
+  that drifts from the model fails loudly instead of training on half-initialised weights.
+  """
+  flat = dict(flat)
+  def one(path, sds):
+    name = path_name(path)
+    if name not in flat:
+      raise UserError(f"{what} has no value for nanotext parameter '{name}' {tuple(sds.shape)}")
+    value = np.asarray(flat.pop(name))
+    if value.shape != tuple(sds.shape):
+      raise UserError(f"{what}: '{name}' has shape {value.shape}, the nanotext model expects "
+                      f"{tuple(sds.shape)}")
+    return jax.device_put(value.astype(sds.dtype), getattr(sds, "sharding", None))
+  out = jax.tree_util.tree_map_with_path(one, template)
+  if flat:
+    raise UserError(f"{what}: parameters with no place in the nanotext model: "
+                    f"{', '.join(sorted(flat)[:5])}")
+  return out
+
+
+def require(cfg, wanted: dict, why: str) -> None:
+  """Refuse the first config key whose value differs from `wanted[key]`, naming it."""
+  from nanotext import config
+  for key, value in wanted.items():
+    have = config.get(cfg, key)
+    ok = value(have) if callable(value) else have == value
+    if not ok:
+      want = "" if callable(value) else f" (needs {value!r})"
+      raise UserError(f"{why}: {key}={have!r} is not supported{want}")
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def _check_target(out: str, force: bool, protect=()) -> str:
+  out = os.path.abspath(out)
+  for p in protect:
+    p = os.path.abspath(p)
+    if out == p or p.startswith(out + os.sep):
+      raise UserError(f"--out '{out}' would replace the input '{p}'; choose another path")
+  if os.path.isdir(out) and not os.listdir(out):
+    return out
+  if os.path.lexists(out) and not force:
+    raise UserError(f"output '{out}' already exists; choose another path or pass --force "
+                    "to replace it")
+  return out
+
+
+@contextlib.contextmanager
+def staged_dir(out: str, *, force: bool, protect=()):
+  """Yield a temporary folder next to `out`; on success it replaces `out` in one rename.
+
+  A failure leaves `out` as it was: a partial conversion never stands where a good one stood.
+  """
+  out = _check_target(out, force, protect)
+  parent, name = os.path.split(out)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+  os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's private 0700 would outlive the rename
+  try:
+    yield tmp
+    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+      old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+      os.replace(out, os.path.join(old, name))  # aside first: rename cannot replace a full folder
+      os.replace(tmp, out)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      os.replace(tmp, out)
+  finally:
+    if os.path.isdir(tmp):
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_file(out: str, *, force: bool, protect=()):
+  """Yield a temporary file path next to `out`; on success it replaces `out` atomically."""
+  out = _check_target(out, force, protect)
+  if os.path.isdir(out):
+    raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
+  parent, name = os.path.split(out)
+  os.makedirs(parent, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
+  os.close(fd)
+  os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's private 0600 would outlive the rename
+  try:
+    yield tmp
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)

@@ -1,0 +1,259 @@
+"""Hugging Face GPT2LMHeadModel <-> nanotext classic GPT-2 (learned positions, LayerNorm, GELU).
+
+HF GPT-2 stores Conv1D weights as [in, out], the nanotext kernel layout, so matrices copy as they
+are; only the merged c_attn [d, 3d] splits into q | k | v (head-major within each, as nanotext).
+"""
+
+import json
+import os
+
+import numpy as np
+
+from nanotext.convert.common import fill, flatten, load_run, require, staged_dir
+from nanotext.errors import UserError
+
+LN_EPS = 1e-5  # nanotext's LayerNorm epsilon (layers.Norm); GPT-2's layer_norm_epsilon too
+# HF activations equal to jax.nn.gelu's default (approximate=True, the tanh form).
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+# Buffers some older GPT-2 files carry; they are masks, not weights.
+IGNORED = (".attn.bias", ".attn.masked_bias")
+
+# nanotext architecture of a classic GPT-2: what to-hf needs and from-hf writes.
+CLASSIC = {"model.positions": "learned", "model.norm": "layernorm", "model.mlp_act": "gelu",
+           "model.bias": True, "model.tie_embeddings": True, "model.logit_softcap": 0.0,
+           "model.x0_mix": False, "model.qk_norm": False, "attention.window": 0}
+
+
+def _block_names(i: int) -> dict:
+  """nanotext name -> HF name (without 'transformer.') for the one-to-one tensors of block i."""
+  h, b = f"h.{i}", f"blocks.{i}"
+  return {f"{b}.ln1.scale": f"{h}.ln_1.weight", f"{b}.ln1.bias": f"{h}.ln_1.bias",
+          f"{b}.ln2.scale": f"{h}.ln_2.weight", f"{b}.ln2.bias": f"{h}.ln_2.bias",
+          f"{b}.attn.o.kernel": f"{h}.attn.c_proj.weight",
+          f"{b}.attn.o.bias": f"{h}.attn.c_proj.bias",
+          f"{b}.mlp.fc.kernel": f"{h}.mlp.c_fc.weight", f"{b}.mlp.fc.bias": f"{h}.mlp.c_fc.bias",
+          f"{b}.mlp.proj.kernel": f"{h}.mlp.c_proj.weight",
+          f"{b}.mlp.proj.bias": f"{h}.mlp.c_proj.bias"}
+
+
+def _shared_names() -> dict:
+  return {"embed.embedding": "wte.weight", "pos": "wpe.weight", "ln_f.scale": "ln_f.weight",
+          "ln_f.bias": "ln_f.bias"}
+
+
+# ---------------------------------------------------------------------------------------------
+# from-hf
+
+def _read_hf_config(hf: str) -> dict:
+  path = os.path.join(hf, "config.json")
+  if not os.path.isfile(path):
+    raise UserError(f"'{hf}' holds no config.json (is it a Hugging Face model directory?)")
+  try:
+    with open(path) as f:
+      c = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise UserError(f"cannot read '{path}': {e}") from None
+  if c.get("model_type") != "gpt2":
+    raise UserError(f"'{path}' has model_type={c.get('model_type')!r}; only gpt2 converts")
+  unsupported = {
+      "activation_function": lambda v: v in TANH_GELUS,  # nanotext has the tanh GELU only
+      "scale_attn_by_inverse_layer_idx": lambda v: not v,
+      "add_cross_attention": lambda v: not v,
+      "tie_word_embeddings": lambda v: v is None or v,
+      "layer_norm_epsilon": lambda v: abs(float(v) - LN_EPS) <= 1e-12,
+  }
+  for key, ok in unsupported.items():
+    if key in c and not ok(c[key]):
+      raise UserError(f"Hugging Face option {key}={c[key]!r} in '{path}' has no nanotext "
+                      "equivalent")
+  # reorder_and_upcast_attn only changes where the float32 upcast happens: same function.
+  return c
+
+
+def _read_hf_tensors(hf: str) -> dict:
+  """All tensors of model.safetensors (or its shards) as numpy, 'transformer.' stripped."""
+  from safetensors.numpy import load_file
+  single = os.path.join(hf, "model.safetensors")
+  index = os.path.join(hf, "model.safetensors.index.json")
+  if os.path.isfile(single):
+    files = [single]
+  elif os.path.isfile(index):
+    with open(index) as f:
+      files = [os.path.join(hf, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+  else:
+    raise UserError(f"'{hf}' holds no model.safetensors (a pytorch_model.bin must be re-saved "
+                    "with save_pretrained(safe_serialization=True) first)")
+  out = {}
+  for path in files:
+    try:
+      tensors = load_file(path)
+    except Exception as e:  # safetensors raises its own error types for damaged files
+      raise UserError(f"cannot read '{path}': {str(e).splitlines()[0][:200]}") from None
+    for name, value in tensors.items():
+      out[name.removeprefix("transformer.")] = value
+  return out
+
+
+def _hf_to_flat(c: dict, t: dict) -> dict:
+  """HF tensors -> {nanotext dotted name: float32 array}."""
+  t = {k: v for k, v in t.items() if not k.endswith(IGNORED)}
+  head = t.pop("lm_head.weight", None)
+  if head is not None and not np.array_equal(head, t.get("wte.weight")):
+    raise UserError("lm_head.weight differs from wte.weight (an untied head); nanotext's "
+                    "classic GPT-2 ties them")
+  d = c["n_embd"]
+  flat = {ours: t.pop(theirs, None) for ours, theirs in _shared_names().items()}
+  for i in range(c["n_layer"]):
+    flat.update({ours: t.pop(theirs, None) for ours, theirs in _block_names(i).items()})
+    w, b = t.pop(f"h.{i}.attn.c_attn.weight", None), t.pop(f"h.{i}.attn.c_attn.bias", None)
+    if w is None or b is None or w.shape != (d, 3 * d) or b.shape != (3 * d,):
+      raise UserError(f"block {i}: attn.c_attn must be weight [{d}, {3 * d}] and bias "
+                      f"[{3 * d}]; got {getattr(w, 'shape', None)} and {getattr(b, 'shape', None)}")
+    for j, name in enumerate("qkv"):
+      flat[f"blocks.{i}.attn.{name}.kernel"] = w[:, j * d:(j + 1) * d]
+      flat[f"blocks.{i}.attn.{name}.bias"] = b[j * d:(j + 1) * d]
+  missing = [k for k, v in flat.items() if v is None]
+  if missing:
+    raise UserError(f"the Hugging Face checkpoint lacks tensors for {', '.join(missing[:5])}")
+  if t:
+    raise UserError(f"the Hugging Face checkpoint has tensors nanotext cannot place: "
+                    f"{', '.join(sorted(t)[:5])}")
+  return {k: np.asarray(v, np.float32) for k, v in flat.items()}
+
+
+def hf_overrides(c: dict) -> dict:
+  """nanotext config keys (dotted) that a HF GPT-2 config determines."""
+  d, h = c["n_embd"], c["n_head"]
+  if d % h:
+    raise UserError(f"n_embd={d} is not divisible by n_head={h}")
+  derived = {"model.vocab_size": c["vocab_size"], "model.num_layers": c["n_layer"],
+             "model.d_model": d, "model.num_heads": h, "model.head_dim": d // h,
+             "model.mlp_dim": c.get("n_inner") or 4 * d, "model.max_seq_len": c["n_positions"],
+             # scale_attn_weights=false is plain q.k, which nanotext states as attn_scale=1.
+             "model.attn_scale": 0.0 if c.get("scale_attn_weights", True) else 1.0}
+  derived.update(CLASSIC)
+  return derived
+
+
+def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bool = False,
+            log=print) -> str:
+  """Convert a HF GPT-2 directory into a nanotext run directory holding a step-0 checkpoint."""
+  import jax
+  import jax.numpy as jnp
+  from nanotext import checkpoint, config, sharding, trainer
+
+  if not os.path.isdir(hf):
+    raise UserError(f"Hugging Face directory '{hf}' does not exist")
+  c = _read_hf_config(hf)
+  flat = _hf_to_flat(c, _read_hf_tensors(hf))
+  derived = hf_overrides(c)
+  out_abs = os.path.abspath(out)
+  # Sequences no longer than the position table unless the user says otherwise (then validated).
+  base = config_path or config.SCHEMA_PATH
+  seq = min(config.load(base).train.seq_len, c["n_positions"])
+  if c["vocab_size"] == 50257:  # the real GPT-2 vocabulary: train on with its tokenizer
+    derived.setdefault("data.tokenizer", "gpt2")
+  args = [f"{k}={v}" for k, v in derived.items()] + [f"train.seq_len={seq}"] + list(overrides)
+  cfg = config.load(base, args + [f"output_dir={out_abs}"])
+  for key, want in derived.items():
+    if key.startswith(("model.", "attention.")) and config.get(cfg, key) != want:
+      raise UserError(f"{key}={config.get(cfg, key)!r} conflicts with the Hugging Face "
+                      f"checkpoint, which needs {want!r}")
+  backend = jax.default_backend()
+  cfg = config.finalize(cfg, num_devices=jax.device_count(), backend=backend)
+  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), backend)
+  template = trainer.abstract_state(setup)
+  params = fill(template["params"], flat, "the Hugging Face checkpoint")
+  opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings["opt_state"])(params)
+  step = jax.device_put(jnp.zeros([], jnp.int32), setup.state_shardings["step"])
+  state = {"step": step, "params": params, "opt_state": opt_state}
+  data_state = {"iterator": _fresh_iterator_state(cfg)}
+  with staged_dir(out_abs, force=force, protect=(hf,)) as tmp:
+    config.save(cfg, os.path.join(tmp, "config.yml"))
+    manager = checkpoint.make_manager(tmp, keep=cfg.checkpoint.keep)
+    try:
+      checkpoint.save(manager, 0, state, data_state, cfg.to_dict())
+      manager.wait_until_finished()
+    finally:
+      manager.close()
+  log(f"wrote {out_abs}: {setup.num_params:,} parameters at step 0; train on with "
+      f"python -m nanotext.train {os.path.join(out_abs, 'config.yml')} output_dir={out_abs}")
+  return out_abs
+
+
+def _fresh_iterator_state(cfg) -> dict:
+  """The data-iterator state a new run starts from (train.py restores it with the params).
+
+  The state of an unread grain pipeline holds indices only, so when the run's data is not on
+  this machine the same pipeline over synthetic tokens gives the identical state.
+  """
+  import ml_collections
+  from nanotext.data import pipeline
+  kw = dict(seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, seed=cfg.seed,
+            vocab_size=cfg.model.vocab_size)
+  try:
+    return pipeline.make_train_iter(cfg.data, **kw).get_state()
+  except (UserError, OSError):
+    data = ml_collections.ConfigDict(cfg.data.to_dict())
+    data.source, data.workers = "synthetic", 0
+    return pipeline.make_train_iter(data, **kw).get_state()
+
+
+# ---------------------------------------------------------------------------------------------
+# to-hf
+
+def check_classic(cfg) -> None:
+  """Refuse architectures that HF GPT-2 cannot express, naming the config key."""
+  why = "Hugging Face GPT-2 cannot express this model"
+  require(cfg, CLASSIC, why)
+  m = cfg.model
+  if m.num_heads * m.head_dim != m.d_model:
+    raise UserError(f"{why}: model.num_heads*model.head_dim={m.num_heads * m.head_dim} differs "
+                    f"from model.d_model={m.d_model}")
+  if m.attn_scale and m.attn_scale != 1.0 and abs(m.attn_scale * np.sqrt(m.head_dim) - 1) > 1e-6:
+    raise UserError(f"{why}: model.attn_scale={m.attn_scale} is neither 1/sqrt(head_dim) nor 1")
+
+
+def hf_config(cfg) -> dict:
+  """config.json of the GPT2LMHeadModel equivalent to a classic nanotext model."""
+  m = cfg.model
+  c = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
+       "n_positions": m.max_seq_len, "n_embd": m.d_model, "n_layer": m.num_layers,
+       "n_head": m.num_heads, "n_inner": m.mlp_dim, "activation_function": "gelu_new",
+       "layer_norm_epsilon": LN_EPS, "initializer_range": m.init_std or 0.02,
+       "scale_attn_weights": m.attn_scale != 1.0, "scale_attn_by_inverse_layer_idx": False,
+       "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
+       # nanotext trains without dropout; HF's 0.1 defaults would change fine-tuning behaviour.
+       "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dtype": "float32"}
+  # HF would default both to GPT-2's 50256, out of range for other vocabularies.
+  eot = 50256 if cfg.data.tokenizer == "gpt2" else None
+  c["bos_token_id"] = c["eos_token_id"] = eot
+  return c
+
+
+def to_hf(run: str, out: str, *, step: int = -1, force: bool = False, log=print) -> str:
+  """A classic-GPT-2 nanotext checkpoint -> HF directory (config.json, model.safetensors)."""
+  from safetensors.numpy import save_file
+  cfg, step, params = load_run(run, step)
+  check_classic(cfg)
+  flat = flatten(params)
+  tensors = {theirs: flat.pop(ours) for ours, theirs in _shared_names().items()}
+  for i in range(cfg.model.num_layers):
+    tensors.update({theirs: flat.pop(ours) for ours, theirs in _block_names(i).items()})
+    a = f"blocks.{i}.attn"
+    tensors[f"h.{i}.attn.c_attn.weight"] = np.concatenate(
+        [flat.pop(f"{a}.{n}.kernel") for n in "qkv"], axis=1)
+    tensors[f"h.{i}.attn.c_attn.bias"] = np.concatenate(
+        [flat.pop(f"{a}.{n}.bias") for n in "qkv"])
+  if flat:
+    raise UserError(f"run '{run}' has parameters with no GPT-2 counterpart: "
+                    f"{', '.join(sorted(flat)[:5])}")
+  # The tied lm_head is left out, as save_pretrained does; from_pretrained ties it to wte.
+  tensors = {f"transformer.{k}": np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
+  out_abs = os.path.abspath(out)
+  with staged_dir(out_abs, force=force, protect=(run,)) as tmp:
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(hf_config(cfg), f, indent=2)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+  log(f"wrote {out_abs} (GPT2LMHeadModel, step {step} of {run})")
+  return out_abs

@@ -1,0 +1,251 @@
+"""Checkpoints: exact resume after SIGTERM/SIGKILL, atomic saves, the NaN guard, restoring onto
+other meshes, and load_params_from."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import BASE, REPO, TINY
+from nanotext import checkpoint, config, sharding, trainer
+from nanotext.errors import UserError
+from nanotext.train import run
+
+# 24 steps with a checkpoint every 4: long enough for a signal to land mid-run.
+RESUME = [o for o in TINY if not o.startswith(("train.steps", "train.eval_every",
+                                               "checkpoint.every"))] + [
+    "train.steps=24", "checkpoint.every=4", "train.eval_every=0", "checkpoint.keep=2",
+    "sample.max_new_tokens=0"]
+
+
+FSDP8 = TINY + ["train.eval_every=0", "sample.max_new_tokens=0"]
+
+
+@pytest.fixture(scope="module")
+def fsdp8_run(tmp_path_factory):
+  """Two steps under FSDP=8 (all 8 devices), checkpointed at step 2."""
+  out = str(tmp_path_factory.mktemp("fsdp8"))
+  quiet_run(FSDP8 + [f"output_dir={out}", "train.steps=2"])
+  return out
+
+
+def quiet_run(overrides, log=None):
+  lines = []
+  def record(line):
+    lines.append(line)
+    if log:
+      log(line)
+  return run(BASE, overrides, log=record), lines
+
+
+def train_losses(out) -> dict:
+  """{step: loss} from metrics.jsonl; a restarted run appends, so the last row of a step wins."""
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def steps_on_disk(out) -> list:
+  root = os.path.join(out, "checkpoints")
+  return sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
+
+
+def start(out, devices: int):
+  """`python -m nanotext.train` in the background, stdout and stderr to out.log."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  log = open(f"{out}.log", "ab")
+  return subprocess.Popen([sys.executable, "-m", "nanotext.train", BASE, *RESUME,
+                           f"output_dir={out}"], cwd=REPO, env=env, stdout=log,
+                          stderr=subprocess.STDOUT)
+
+
+def wait_for(proc, condition, what: str, timeout: float = 120):
+  """Poll every 10 ms until `condition()`; fails if the process ends first."""
+  deadline = time.time() + timeout
+  while not condition():
+    assert proc.poll() is None, f"the run ended (status {proc.returncode}) before {what}"
+    assert time.time() < deadline, f"timed out waiting for {what}"
+    time.sleep(0.01)
+
+
+def saving_now(out) -> bool:
+  root = os.path.join(out, "checkpoints")
+  return os.path.isdir(root) and any(".orbax-checkpoint-tmp" in n for n in os.listdir(root))
+
+
+def final_params(out):
+  step, params = checkpoint.latest_params(out)
+  assert step == 24
+  return jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_sigterm_then_sigkill_resumes_bitwise_exactly(tmp_path, devices):
+  straight, broken = str(tmp_path / "straight"), str(tmp_path / "broken")
+  reference = start(straight, devices)  # runs alongside the interrupted one
+  # 1. SIGTERM mid-run: the process finishes its step, saves it, and exits 0 by itself.
+  proc = start(broken, devices)
+  wait_for(proc, lambda: max(train_losses(broken), default=0) >= 6
+           if os.path.exists(os.path.join(broken, "metrics.jsonl")) else False, "step 6")
+  proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=120) == 0
+  with open(f"{broken}.log") as f:
+    log = f.read()
+  assert "received SIGTERM: saved the checkpoint of step" in log, log[-2000:]
+  stopped = steps_on_disk(broken)[-1]
+  assert 6 <= stopped < 24 and f"checkpoint of step {stopped} and stopped" in log
+  # 2. The same command resumes; SIGKILL it while a later save is being written (or just
+  # after one completed), so nothing gets a chance to clean up.
+  proc = start(broken, devices)
+  wait_for(proc, lambda: saving_now(broken) or steps_on_disk(broken)[-1] > stopped + 4,
+           "a later save")
+  proc.kill()
+  assert proc.wait(timeout=60) == -signal.SIGKILL
+  assert steps_on_disk(broken)[-1] < 24, "the kill came after the end of the run"
+  # 3. The same command again finishes the run from the newest complete checkpoint.
+  proc = start(broken, devices)
+  assert proc.wait(timeout=180) == 0, open(f"{broken}.log").read()[-3000:]
+  assert reference.wait(timeout=180) == 0, open(f"{straight}.log").read()[-3000:]
+  with open(f"{broken}.log") as f:
+    assert f.read().count("resumed from the checkpoint of step") == 2
+  assert not saving_now(broken)
+
+  want, got = train_losses(straight), train_losses(broken)
+  assert list(want) == list(range(1, 25)) and sorted(got) == list(want)
+  assert [got[s] for s in want] == list(want.values())  # bitwise: == on floats
+  for (path_a, a), (path_b, b) in zip(final_params(straight), final_params(broken)):
+    assert path_a == path_b and np.array_equal(a, b), jax.tree_util.keystr(path_a)
+
+
+def test_an_unfinished_save_is_ignored_and_cleaned(fsdp8_run, tmp_path):
+  out = str(tmp_path / "run")
+  shutil.copytree(fsdp8_run, out)
+  # What a process killed while writing step 3 leaves behind.
+  junk = os.path.join(out, "checkpoints", "3.orbax-checkpoint-tmp-1700000000000000")
+  os.makedirs(os.path.join(junk, "state"))
+  with open(os.path.join(junk, "state", "half_written"), "w") as f:
+    f.write("x")
+  result, lines = quiet_run(FSDP8 + [f"output_dir={out}", "train.steps=3"])
+  assert any("resumed from the checkpoint of step 2" in l for l in lines)
+  assert not os.path.exists(junk) and steps_on_disk(out) == [2, 3]
+  assert int(result.state["step"]) == 3
+
+
+def test_nonfinite_loss_aborts_before_the_bad_state_is_saved(tmp_path):
+  out = str(tmp_path)
+  # Log rarely so the bad step is first read back by the save of that very step.
+  args = [BASE, *TINY, f"output_dir={out}", "train.steps=8", "checkpoint.every=2",
+          "train.log_every=100", "train.debug_nan_step=6", "sample.max_new_tokens=0"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  proc = subprocess.run([sys.executable, "-m", "nanotext.train", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=180)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  err = [l for l in proc.stderr.splitlines() if l.startswith("nanotext: error:")]
+  assert len(err) == 1 and "step 6 has a non-finite loss" in err[0], proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  assert steps_on_disk(out) == [2, 4]  # keep=2; step 6 was never written
+
+
+def test_skip_leaves_the_state_and_counts_the_step(tmp_path):
+  result, _ = quiet_run(FSDP8 + [f"output_dir={tmp_path}", "train.steps=6",
+                                 "train.on_nonfinite=skip", "train.debug_nan_step=3"])
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if '"loss"' in line]
+  assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1, 1]
+  assert np.isnan(rows[2]["loss"]) and all(np.isfinite(r["loss"]) for r in rows[3:])
+  assert result.skipped_steps == 1 and int(result.state["step"]) == 6
+  counts = [int(x) for p, x in jax.tree_util.tree_flatten_with_path(result.state["opt_state"])[0]
+            if "count" in jax.tree_util.keystr(p)]
+  assert counts and set(counts) == {5}  # the optimizer never saw the skipped step
+
+
+def test_sigterm_in_process_saves_stops_and_restores_handlers(tmp_path):
+  before = signal.getsignal(signal.SIGTERM)
+  def send_at_step_3(line):
+    if line.startswith("step      3/"):
+      os.kill(os.getpid(), signal.SIGTERM)
+  result, lines = quiet_run(FSDP8 + [f"output_dir={tmp_path}", "train.steps=50"],
+                            log=send_at_step_3)
+  assert result.preempted and signal.getsignal(signal.SIGTERM) is before
+  stopped = int(result.state["step"])
+  assert 3 <= stopped < 50 and steps_on_disk(str(tmp_path)) == [stopped]
+  assert f"received SIGTERM: saved the checkpoint of step {stopped} and stopped; " \
+         "the same command resumes from it" in lines
+
+
+
+
+def setup_for(overrides, devices: int):
+  cfg = config.finalize(config.load(BASE, TINY + overrides), num_devices=devices, backend="cpu")
+  mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:devices])
+  return trainer.build(cfg, mesh, "cpu")
+
+
+def test_restore_onto_other_meshes_gives_the_same_next_loss(fsdp8_run):
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 512, size=(8, 33), dtype=np.int32)
+  local = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  losses = {}
+  for name, overrides, devices in [("fsdp8", ["mesh.fsdp=8"], 8),
+                                   ("tp2xfsdp4", ["mesh.fsdp=4", "mesh.tensor=2"], 8),
+                                   ("one", ["mesh.fsdp=1"], 1)]:
+    setup = setup_for(overrides, devices)
+    manager = checkpoint.make_manager(fsdp8_run, keep=2, create=False)
+    state, _, _ = checkpoint.restore(manager, 2, trainer.abstract_state(setup))
+    manager.close()
+    wte = jax.tree.leaves(state["params"])[0]
+    assert wte.sharding.mesh.devices.size == devices
+    _, m = trainer.make_train_step(setup)(state, trainer.global_batch(setup, local))
+    losses[name] = float(m["loss"])
+  np.testing.assert_allclose(losses["tp2xfsdp4"], losses["fsdp8"], rtol=1e-5)
+  np.testing.assert_allclose(losses["one"], losses["fsdp8"], rtol=1e-5)
+
+
+def test_load_params_from_starts_fresh_from_those_parameters(fsdp8_run, tmp_path):
+  # lr=0: the one step changes nothing, so the new run's checkpoint must hold the old params.
+  result, lines = quiet_run(FSDP8 + [f"output_dir={tmp_path}", "train.steps=1", "optim.lr=0",
+                                     f"checkpoint.load_params_from={fsdp8_run}"])
+  assert any(f"initialised parameters from {fsdp8_run}/checkpoints/2" in l for l in lines)
+  assert int(result.state["step"]) == 1
+  counts = [int(x) for p, x in jax.tree_util.tree_flatten_with_path(result.state["opt_state"])[0]
+            if "count" in jax.tree_util.keystr(p)]
+  assert counts and set(counts) == {1}  # a fresh optimizer state
+  _, old = checkpoint.latest_params(fsdp8_run)
+  _, new = checkpoint.latest_params(str(tmp_path))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), old, new)
+
+
+def test_load_params_from_a_params_only_folder(fsdp8_run, tmp_path):
+  import orbax.checkpoint as ocp
+  _, params = checkpoint.latest_params(fsdp8_run)
+  ckptr = ocp.StandardCheckpointer()  # the layout of `nanotext.convert`'s params-only output
+  ckptr.save(str(tmp_path / "only" / "params"), params)
+  ckptr.wait_until_finished()
+  setup = setup_for(["mesh.fsdp=4", "mesh.tensor=2"], 8)
+  where, got = checkpoint.load_params(str(tmp_path / "only"),
+                                      trainer.abstract_state(setup)["params"])
+  assert where == str(tmp_path / "only")
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(got)), strict=True):
+    np.testing.assert_array_equal(a, b)  # (saved trees key layers '0', live ones 0)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.d_model=128"], "in the checkpoint but shape ("),
+    (["model.num_layers=3"], "is missing in the checkpoint"),
+])
+def test_load_params_from_refuses_another_architecture(fsdp8_run, tmp_path, overrides, needle):
+  step_dir = os.path.join(fsdp8_run, "checkpoints", "2")
+  with pytest.raises(UserError, match="does not fit this model") as e:
+    quiet_run(TINY + overrides + [f"output_dir={tmp_path}",
+                                  f"checkpoint.load_params_from={step_dir}"])
+  assert needle in str(e.value), str(e.value)
+  with pytest.raises(UserError, match="is not a directory"):
+    quiet_run(TINY + [f"output_dir={tmp_path}", f"checkpoint.load_params_from={tmp_path}/nope"])

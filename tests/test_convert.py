@@ -1,0 +1,224 @@
+"""Checkpoint conversion: HF GPT-2 both ways (logits match), params-only, speedrun torch export,
+and refusals; all on tiny models built here (no downloads)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from conftest import BASE, SPEEDRUN, TINY, run_cli  # noqa: E402
+from nanotext import config, train  # noqa: E402
+from nanotext.convert import export_torch, from_hf, load_params, params_only, to_hf  # noqa: E402
+from nanotext.convert.common import load_run  # noqa: E402
+from nanotext.errors import UserError  # noqa: E402
+from nanotext.model import GPT  # noqa: E402
+
+# Both sides compute in float32 with different matmul blocking and reduction orders; over two
+# blocks that moves logits of magnitude ~1-5 by ~1e-6..1e-5. 1e-4 is well above that noise and
+# far below any mapping error (a swapped q/k, a missing bias or the erf GELU move logits >1e-3).
+ATOL = 1e-4
+# Keys from TINY that describe data and training (the model keys come from the HF config).
+TRAIN_KEYS = [a for a in TINY if not a.startswith("model.")] + ["model.align=0"]
+FAST = ["train.steps=2", "train.eval_every=0", "train.eval_batches=1"]
+quiet = lambda *a, **k: None
+
+
+def nanotext_logits(run_dir, params, tokens):
+  cfg = config.load(os.path.join(run_dir, "config.yml"))
+  graphdef = nnx.split(nnx.eval_shape(
+      lambda: GPT(cfg.model, cfg.attention, impl="xla", rngs=nnx.Rngs(0))))[0]
+  return np.asarray(nnx.merge(graphdef, params)(tokens))
+
+
+def hf_logits(model, tokens):
+  model.eval()
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  """A random tiny GPT2LMHeadModel saved as safetensors, biases and LayerNorms perturbed too."""
+  torch.manual_seed(0)
+  cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64,
+                                bos_token_id=0, eos_token_id=0)
+  model = transformers.GPT2LMHeadModel(cfg)
+  with torch.no_grad():  # HF inits biases to 0 and LN to 1, which would hide mapping mistakes
+    for name, p in model.named_parameters():
+      if p.ndim == 1:
+        p.add_(0.1 * torch.randn_like(p))
+  path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
+  model.save_pretrained(path)
+  return str(path), model
+
+
+@pytest.fixture(scope="module")
+def converted(hf_dir, tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("conv") / "run")
+  from_hf(hf_dir[0], out, TRAIN_KEYS, log=quiet)
+  return out
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("base") / "run")
+  train.run(BASE, TINY + FAST + [f"output_dir={out}"], log=quiet)
+  return out
+
+
+@pytest.fixture(scope="module")
+def speedrun_run(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("speedrun") / "run")
+  train.run(SPEEDRUN, TINY + FAST + ["model.mlp_dim=256", f"output_dir={out}"],
+            log=quiet)
+  return out
+
+
+def test_from_hf_logits_match(hf_dir, converted):
+  cfg, step, params = load_run(converted)
+  assert step == 0 and cfg.model.max_seq_len == 64 and cfg.train.seq_len == 32
+  tokens = np.random.default_rng(0).integers(0, 512, (2, 64), dtype=np.int32)
+  ours, theirs = nanotext_logits(converted, params, tokens), hf_logits(hf_dir[1], tokens)
+  print(f"from-hf max |logit diff| = {np.abs(ours - theirs).max():.2e}")
+  np.testing.assert_allclose(ours, theirs, atol=ATOL, rtol=0)
+
+
+def test_from_hf_then_to_hf_is_lossless(hf_dir, converted, tmp_path):
+  to_hf(converted, str(tmp_path / "back"), step=0, log=quiet)
+  before = safetensors_numpy.load_file(os.path.join(hf_dir[0], "model.safetensors"))
+  after = safetensors_numpy.load_file(str(tmp_path / "back" / "model.safetensors"))
+  assert sorted(before) == sorted(after)
+  for k in before:
+    np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+
+
+def test_to_hf_logits_match(base_run, tmp_path):
+  out = str(tmp_path / "hf")
+  to_hf(base_run, out, log=quiet)
+  model = transformers.GPT2LMHeadModel.from_pretrained(out)
+  _, _, params = load_run(base_run)
+  tokens = np.random.default_rng(1).integers(0, 512, (2, 32), dtype=np.int32)
+  ours, theirs = nanotext_logits(base_run, params, tokens), hf_logits(model, tokens)
+  print(f"to-hf max |logit diff| = {np.abs(ours - theirs).max():.2e}")
+  np.testing.assert_allclose(theirs, ours, atol=ATOL, rtol=0)
+
+
+def test_converted_run_trains_on(converted):
+  lines = []
+  result = train.run(os.path.join(converted, "config.yml"),
+                     [f"output_dir={converted}", "train.steps=3"], log=lines.append)
+  assert any("resumed from the checkpoint of step 0" in l for l in lines), lines
+  assert np.isfinite(result.last_loss)
+  assert int(result.state["step"]) == 3
+
+
+@pytest.mark.parametrize("dtype", ["", "bfloat16"])
+def test_params_only(base_run, tmp_path, dtype):
+  out = str(tmp_path / "p")
+  params_only(base_run, out, dtype=dtype, log=quiet)
+  assert os.path.isfile(os.path.join(out, "config.yml"))
+  step, got = load_params(out)
+  _, want_step, want = load_run(base_run)
+  assert step == want_step == 2
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == (dtype or w.dtype)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w).astype(g.dtype))
+
+
+def test_export_torch_names_shapes_values(speedrun_run, tmp_path):
+  out = str(tmp_path / "gpt.safetensors")
+  export_torch(speedrun_run, out, log=quiet)
+  got = safetensors_numpy.load_file(out)
+  _, _, p = load_run(speedrun_run)
+  V, D, HK, F = 512, 64, 64, 256
+  want = {"embed.weight": ((V, D), p["embed"]["embedding"]),
+          "lm_head.weight": ((V, D), p["head"]["kernel"].T)}
+  for i in range(2):
+    b = p["blocks"][i] if i in p["blocks"] else p["blocks"][str(i)]
+    a = b["attn"]
+    want[f"blocks.{i}.attn.qkv_w"] = ((3, HK, D), np.stack([a[n]["kernel"].T for n in "qkv"]))
+    want[f"blocks.{i}.attn.c_proj.weight"] = ((D, HK), a["o"]["kernel"].T)
+    want[f"blocks.{i}.mlp.c_fc.weight"] = ((F, D), b["mlp"]["fc"]["kernel"].T)
+    want[f"blocks.{i}.mlp.c_proj.weight"] = ((D, F), b["mlp"]["proj"]["kernel"].T)
+    want[f"blocks.{i}.lambdas"] = ((2,), b["lambdas"])
+  assert sorted(got) == sorted(want)
+  for name, (shape, value) in want.items():
+    assert got[name].shape == shape, name
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+  assert np.abs(got["lm_head.weight"]).max() > 0  # trained off its zero init: a real check
+
+
+# Refusals.
+
+def one_line_error(result, *needles):
+  assert result.returncode == 2, result.stderr
+  assert "Traceback" not in result.stderr
+  lines = [l for l in result.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), result.stderr
+  for n in needles:
+    assert n in lines[0], lines[0]
+
+
+def test_cli_to_hf_refuses_speedrun(speedrun_run, tmp_path):
+  out = tmp_path / "hf"
+  one_line_error(run_cli("nanotext.convert", "to-hf", f"--run={speedrun_run}", f"--out={out}"),
+                 "model.positions")
+  assert not out.exists() and os.listdir(tmp_path) == []
+
+
+def test_cli_export_torch_refuses_base(base_run, tmp_path):
+  out = tmp_path / "x.safetensors"
+  one_line_error(run_cli("nanotext.convert", "export-torch", f"--run={base_run}",
+                         f"--out={out}"), "speedrun", "model.positions")
+  assert os.listdir(tmp_path) == []
+
+
+def test_cli_missing_run_dir(tmp_path):
+  one_line_error(run_cli("nanotext.convert", "params-only", f"--run={tmp_path / 'nope'}",
+                         f"--out={tmp_path / 'p'}"), "does not exist")
+
+
+@pytest.mark.parametrize("option,value", [("scale_attn_by_inverse_layer_idx", True),
+                                          ("activation_function", "gelu"),
+                                          ("add_cross_attention", True)])
+def test_from_hf_refuses_unsupported_option(hf_dir, tmp_path, option, value):
+  src = tmp_path / "hf"
+  src.mkdir()
+  c = json.loads(open(os.path.join(hf_dir[0], "config.json")).read())
+  c[option] = value
+  (src / "config.json").write_text(json.dumps(c))
+  os.symlink(os.path.join(hf_dir[0], "model.safetensors"), src / "model.safetensors")
+  with pytest.raises(UserError, match=option):
+    from_hf(str(src), str(tmp_path / "run"), TRAIN_KEYS, log=quiet)
+  assert not (tmp_path / "run").exists()
+
+
+def test_from_hf_refuses_conflicting_override(hf_dir, tmp_path):
+  with pytest.raises(UserError, match="model.vocab_size=1024 conflicts"):
+    from_hf(hf_dir[0], str(tmp_path / "run"), TRAIN_KEYS + ["model.vocab_size=1024"], log=quiet)
+
+
+def test_existing_out_refused_then_forced(base_run, tmp_path):
+  out = tmp_path / "p"
+  out.mkdir()
+  (out / "keep.txt").write_text("mine")
+  with pytest.raises(UserError, match="--force"):
+    params_only(base_run, str(out), log=quiet)
+  assert os.listdir(out) == ["keep.txt"]
+  params_only(base_run, str(out), force=True, log=quiet)
+  assert sorted(os.listdir(out)) == ["config.yml", "convert.json", "params"]
+  assert sorted(os.listdir(tmp_path)) == ["p"]  # no staging folders left behind
+
+
+def test_refuses_out_that_is_the_run(base_run):
+  with pytest.raises(UserError, match="would replace the input"):
+    params_only(base_run, base_run, force=True, log=quiet)
