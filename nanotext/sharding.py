@@ -181,3 +181,8 @@ def spread_leading(x):
     return x
   _, mesh = _active_rules[-1]
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(MESH_AXES)))
+
+
+def active():
+  """The innermost (rules, mesh) of `use_rules`, or None outside it."""
+  return _active_rules[-1] if _active_rules else None

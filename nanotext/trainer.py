@@ -1,6 +1,8 @@
 """The train step, the eval step and the training loop."""
 
 import dataclasses
+import signal
+import threading
 import time
 
 import jax
@@ -12,7 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nanotext import checkpoint, metrics, optim, sharding
 from nanotext.model import GPT, count_params
-from nanotext.model.attention import resolve_impl
+from nanotext.errors import UserError
+from nanotext.model.attention import resolve_impl, segment_ids_from_tokens
 
 
 class CompileCounter:
@@ -42,12 +45,15 @@ class Setup:
   state_shardings: dict
   batch_sharding: NamedSharding
   num_params: int
+  eot_id: int | None  # set when attention.doc_mask: documents start at this token
 
 
 def build(cfg, mesh, backend: str) -> Setup:
   """Abstract model -> logical specs -> shardings and optimizer, without allocating anything."""
   rules = sharding.parse_rules(cfg.mesh.rules)
-  impl = resolve_impl(cfg.attention.impl, backend)
+  impl = resolve_impl(cfg.attention.impl, backend, head_dim=cfg.model.head_dim,
+                      seq_len=cfg.train.seq_len)
+  eot_id = doc_mask_eot(cfg) if cfg.attention.doc_mask else None
   def create_model():
     return GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(cfg.seed))
   graphdef, abstract = nnx.split(nnx.eval_shape(create_model))
@@ -63,7 +69,17 @@ def build(cfg, mesh, backend: str) -> Setup:
   opt_sh = sharding.like_params(opt_shapes, param_sh, abstract_params, replicated)
   state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
   return Setup(cfg, mesh, rules, graphdef, create_model, tx, state_sh,
-               sharding.batch_sharding(mesh, rules), count_params(abstract_params))
+               sharding.batch_sharding(mesh, rules), count_params(abstract_params), eot_id)
+
+
+def doc_mask_eot(cfg) -> int:
+  """The end-of-text id that separates documents for attention.doc_mask."""
+  from nanotext.data.tokenizer import known_eot_id
+  eot = cfg.data.eot_id if cfg.data.eot_id >= 0 else known_eot_id(cfg.data.tokenizer)
+  if eot is None:
+    raise UserError("attention.doc_mask=true needs an end-of-text id: set data.eot_id or a "
+                    "data.tokenizer that has one")
+  return int(eot)
 
 
 def init_state(setup: Setup):
@@ -75,6 +91,13 @@ def init_state(setup: Setup):
   return jax.jit(init, out_shardings=setup.state_shardings)()
 
 
+def state_from_params(setup: Setup, params):
+  """A step-0 state around given params, with a fresh optimizer state (load_params_from)."""
+  def init(params):
+    return {"step": jnp.zeros([], jnp.int32), "params": params, "opt_state": setup.tx.init(params)}
+  return jax.jit(init, out_shardings=setup.state_shardings)(params)
+
+
 def abstract_state(setup: Setup):
   """ShapeDtypeStructs of the train state carrying its target shardings (for restore)."""
   shapes = jax.eval_shape(lambda: {
@@ -84,16 +107,28 @@ def abstract_state(setup: Setup):
   return checkpoint.abstract_with_shardings(shapes, setup.state_shardings)
 
 
-def loss_fn(graphdef, params, inputs_BT, targets_BT):
-  """Mean next-token cross-entropy."""
-  logits_BTV = nnx.merge(graphdef, params)(inputs_BT)
+def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None):
+  """Mean next-token cross-entropy; with `eot_id`, attention stays within documents."""
+  segments_BT = None if eot_id is None else segment_ids_from_tokens(inputs_BT, eot_id)
+  logits_BTV = nnx.merge(graphdef, params)(inputs_BT, segments_BT)
   return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
 
 
 def make_train_step(setup: Setup):
-  """jit(state, batch) -> (state, metrics), state donated, with gradient accumulation."""
+  """jit(state, batch) -> (state, metrics), state donated, with gradient accumulation.
+
+  A step whose loss or gradient norm is not finite leaves params and optimizer state as they
+  were when train.on_nonfinite=skip (selected on device: no host sync); with abort the host
+  stops the run when it reads the step's metrics, before that state is checkpointed.
+  """
   accum, graphdef, tx = setup.cfg.train.grad_accum, setup.graphdef, setup.tx
-  grad_fn = jax.value_and_grad(lambda p, x, y: loss_fn(graphdef, p, x, y))
+  skip = setup.cfg.train.on_nonfinite == "skip"
+  nan_step = setup.cfg.train.debug_nan_step
+
+  def objective(p, x, y, poison):
+    loss = loss_fn(graphdef, p, x, y, setup.eot_id)
+    return loss if poison is None else loss * poison
+  grad_fn = jax.value_and_grad(objective)
 
   def micro_batches(a_BT):
     # Row r goes to micro-batch r % accum, so each device's rows spread over all micro-batches.
@@ -102,22 +137,31 @@ def make_train_step(setup: Setup):
     return sharding.constrain(a, (None, "batch", "length"))
 
   def step_fn(state, batch):
+    # Testing hook: train.debug_nan_step=N makes step N's loss (and so its gradients) NaN.
+    poison = None if nan_step < 0 else \
+        jnp.where(state["step"] + 1 == nan_step, jnp.nan, 1.0).astype(jnp.float32)
     with sharding.use_rules(setup.rules, setup.mesh):
       params = state["params"]
       if accum == 1:
-        loss, grads = grad_fn(params, batch["inputs"], batch["targets"])
+        loss, grads = grad_fn(params, batch["inputs"], batch["targets"], poison)
       else:
         def body(carry, xy):
-          loss, grads = grad_fn(params, *xy)
+          loss, grads = grad_fn(params, *xy, poison)
           return jax.tree.map(jnp.add, carry, (loss, grads)), None
         zeros = (jnp.zeros([], jnp.float32), jax.tree.map(jnp.zeros_like, params))
         xs = (micro_batches(batch["inputs"]), micro_batches(batch["targets"]))
         (loss, grads), _ = jax.lax.scan(body, zeros, xs)
         loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+      grad_norm = optax.global_norm(grads)
       updates, opt_state = tx.update(grads, state["opt_state"], params)
       new_params = optax.apply_updates(params, updates)
+      if skip:
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jnp.where(finite, new, old)
+        new_params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
     new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
-    return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return new_state, {"loss": loss, "grad_norm": grad_norm}
 
   batch_sh = {"inputs": setup.batch_sharding, "targets": setup.batch_sharding}
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sh),
@@ -128,7 +172,7 @@ def make_eval_step(setup: Setup):
   """jit(params, batch) -> mean loss."""
   def eval_fn(params, batch):
     with sharding.use_rules(setup.rules, setup.mesh):
-      return loss_fn(setup.graphdef, params, batch["inputs"], batch["targets"])
+      return loss_fn(setup.graphdef, params, batch["inputs"], batch["targets"], setup.eot_id)
   batch_sh = {"inputs": setup.batch_sharding, "targets": setup.batch_sharding}
   return jax.jit(eval_fn, in_shardings=(setup.state_shardings["params"], batch_sh))
 
@@ -139,6 +183,10 @@ def global_batch(setup: Setup, local: dict) -> dict:
           for k, v in local.items()}
 
 
+class NonFiniteError(RuntimeError):
+  """A non-finite loss or gradient norm under train.on_nonfinite=abort: exit status 1."""
+
+
 @dataclasses.dataclass
 class LoopResult:
   state: dict
@@ -146,94 +194,180 @@ class LoopResult:
   val_loss: float
   compiles_in_loop: int
   compile_seconds: float
+  preempted: bool = False
+  skipped_steps: int = 0
+
+
+class Preemption:
+  """While active, SIGTERM and SIGINT only set a flag; the loop saves and exits at a step end."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self, log_every: int):
+    self.received, self.log_every, self._previous = None, log_every, {}
+
+  def __enter__(self):
+    # signal.signal works only in the main thread; elsewhere (a library caller) keep defaults.
+    if threading.current_thread() is threading.main_thread():
+      for sig in self.SIGNALS:
+        self._previous[sig] = signal.signal(sig, self._on_signal)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous = {}
+
+  def _on_signal(self, signum, frame):
+    del frame
+    self.received = signal.Signals(signum).name
+
+  def requested(self, step: int) -> bool:
+    """True when this run must stop after `step`; all processes agree on the step."""
+    if jax.process_count() == 1:
+      return self.received is not None
+    if step % self.log_every:  # a host collective only on logging steps, not every step
+      return False
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.int32(self.received is not None))
+    self.received = self.received or ("SIGTERM" if np.any(flags) else None)
+    return self.received is not None
+
+
+class Monitor:
+  """Reads finished steps' metrics late, checks them finite, counts skips, writes log rows."""
+
+  def __init__(self, setup: Setup, writer, log, counter, *, start_step: int, skipped: int):
+    cfg, t_cfg = setup.cfg, setup.cfg.train
+    self.setup, self.writer, self.log, self.counter = setup, writer, log, counter
+    self.tokens_per_step = t_cfg.batch_size * t_cfg.seq_len
+    self.flops_per_step = metrics.flops_per_token(cfg.model, t_cfg.seq_len,
+                                                  cfg.attention.window) * self.tokens_per_step
+    self.peak = cfg.metrics.peak_flops * jax.device_count()
+    self.clock = [start_step, time.perf_counter()]  # last reported step and when it was read
+    self.unverified = []  # [(step, device metrics)] not yet read back
+    self.skipped, self.last_loss, self.verified = skipped, float("nan"), start_step
+
+  def add(self, step: int, dev) -> None:
+    self.unverified.append((step, dev))
+
+  def is_log_step(self, step: int) -> bool:
+    return step % self.setup.cfg.train.log_every == 0 or step == 1
+
+  def flush_if_logging(self) -> None:
+    """Read back the pending steps if one of them is a logging step (one step late)."""
+    if any(self.is_log_step(s) for s, _ in self.unverified):
+      self.flush()
+
+  def flush(self, final: bool = False) -> None:
+    """Read every pending step (blocking on the newest); abort on a non-finite one."""
+    if not self.unverified:
+      return
+    pending, self.unverified = self.unverified, []
+    values = jax.device_get([dev for _, dev in pending])
+    last = pending[-1][0]
+    for (step, _), v in zip(pending, values):
+      loss, grad_norm = float(v["loss"]), float(v["grad_norm"])
+      finite = np.isfinite(loss) and np.isfinite(grad_norm)
+      if not finite and self.setup.cfg.train.on_nonfinite == "abort":
+        raise NonFiniteError(
+            f"step {step} has a non-finite {'loss' if not np.isfinite(loss) else 'gradient norm'}"
+            f" (loss {loss}, grad_norm {grad_norm}); stopped before checkpointing it, the newest "
+            f"checkpoint is the last finite state (train.on_nonfinite=skip skips such steps)")
+      self.skipped += not finite
+      self.verified = step
+      if finite:
+        self.last_loss = loss
+      if self.is_log_step(step) or (final and step == last):
+        self._row(step, loss, grad_norm)
+
+  def _row(self, step: int, loss: float, grad_norm: float) -> None:
+    now = time.perf_counter()
+    steps, dt = step - self.clock[0], now - self.clock[1]
+    self.clock[:] = [step, now]
+    tok_s = steps * self.tokens_per_step / dt if dt > 0 else 0.0
+    mfu = tok_s / self.tokens_per_step * self.flops_per_step / self.peak if self.peak else 0.0
+    cfg = self.setup.cfg
+    lr = optim.current_lr(cfg.optim, cfg.train.steps, step - 1)
+    self.writer.write(step, {"loss": loss, "lr": lr, "tokens_per_sec": tok_s, "mfu": mfu,
+                             "grad_norm": grad_norm, "compiles": self.counter.count,
+                             "skipped_steps": self.skipped})
+    skips = f" | {self.skipped} skipped" if self.skipped else ""
+    self.log(f"step {step:>6d}/{cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | "
+             f"{tok_s:,.0f} tok/s | mfu {100 * mfu:.1f}%{skips}")
 
 
 def train(setup: Setup, state, train_iter, val_batches, *, writer, manager, start_step: int,
-          config_dict: dict, log=print) -> LoopResult:
-  """Run steps start_step..train.steps: log one step late, evaluate, checkpoint."""
+          config_dict: dict, log=print, skipped_steps: int = 0) -> LoopResult:
+  """Run steps start_step..train.steps: log one step late, evaluate, checkpoint, and stop
+  cleanly (save, then return) on SIGTERM/SIGINT."""
   cfg = setup.cfg
   t_cfg = cfg.train
-  tokens_per_step = t_cfg.batch_size * t_cfg.seq_len
-  flops_per_step = metrics.flops_per_token(cfg.model, t_cfg.seq_len, cfg.attention.window) \
-      * tokens_per_step
-  peak = cfg.metrics.peak_flops * jax.device_count()
   counter = CompileCounter()
 
   # Compile ahead of time so that compile time is reported apart and the loop cannot retrace.
   t0 = time.perf_counter()
   first = global_batch(setup, next(train_iter))
+  data_state = train_iter.get_state()  # batches consumed through the step about to run
   step_exec = make_train_step(setup).lower(state, first).compile()
   eval_exec = make_eval_step(setup).lower(state["params"], val_batches[0]).compile() \
       if val_batches else None
   compile_s = time.perf_counter() - t0
   log(f"compiled train and eval steps in {compile_s:.1f} s")
+  mon = Monitor(setup, writer, log, counter, start_step=start_step, skipped=skipped_steps)
 
   def evaluate(params):
     losses = [eval_exec(params, b) for b in val_batches]
     return float(np.mean(jax.device_get(losses)))
 
-  def save(step, state):
+  def save(step, state, data_state):
+    # Only a state whose every step was read back finite may reach disk.
+    mon.flush()
     if manager is not None:
       active, counter.active = counter.active, False  # orbax compiles its own transfers
-      checkpoint.save(manager, step, state, {"iterator": train_iter.get_state()}, config_dict)
+      checkpoint.save(manager, step, state, {"iterator": data_state,
+                                             "skipped_steps": mon.skipped}, config_dict)
       counter.active = active
 
-  pending = None  # (step, device metrics) read one step late
-  last_loss, val_loss = float("nan"), float("nan")
-  clock = [start_step, time.perf_counter()]  # last reported step and when it was read
-  counter.active = True
+  val_loss = float("nan")
   batch = first
-  for step in range(start_step, t_cfg.steps):
-    state, step_metrics = step_exec(state, batch)
-    if step + 1 < t_cfg.steps:
-      batch = global_batch(setup, next(train_iter))  # overlaps with the step just dispatched
-    if pending is not None:
-      loss = _report(pending, setup, writer, log, clock, flops_per_step, tokens_per_step, peak,
-                     counter.count, force=False)
-      last_loss = last_loss if loss is None else loss
-    pending = (step + 1, step_metrics)
-    done = step + 1
-    if (t_cfg.eval_every and done % t_cfg.eval_every == 0 and done < t_cfg.steps
-        and eval_exec is not None):
+  with Preemption(t_cfg.log_every) as preemption:
+    counter.active = True
+    for step in range(start_step, t_cfg.steps):
+      done = step + 1
+      state, step_metrics = step_exec(state, batch)
+      saved_state = data_state
+      if done < t_cfg.steps:
+        batch = global_batch(setup, next(train_iter))  # overlaps with the step just dispatched
+        data_state = train_iter.get_state()
+      mon.flush_if_logging()
+      mon.add(done, step_metrics)
+      if (t_cfg.eval_every and done % t_cfg.eval_every == 0 and done < t_cfg.steps
+          and eval_exec is not None):
+        val_loss = evaluate(state["params"])
+        writer.write(done, {"val_loss": val_loss})
+        log(f"step {done:>6d} | val_loss {val_loss:.4f}")
+      stop = done < t_cfg.steps and preemption.requested(done)
+      if done < t_cfg.steps and (stop or (cfg.checkpoint.every and
+                                          done % cfg.checkpoint.every == 0)):
+        save(done, state, saved_state)
+      if stop:
+        mon.flush(final=True)
+        counter.active = False
+        if manager is not None:
+          checkpoint.wait(manager)
+        log(f"received {preemption.received}: saved the checkpoint of step {done} and "
+            "stopped; the same command resumes from it")
+        return LoopResult(state, mon.last_loss, val_loss, counter.count, compile_s,
+                          preempted=True, skipped_steps=mon.skipped)
+    mon.flush(final=True)
+    counter.active = False
+    if eval_exec is not None:
       val_loss = evaluate(state["params"])
-      writer.write(done, {"val_loss": val_loss})
-      log(f"step {done:>6d} | val_loss {val_loss:.4f}")
-    if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t_cfg.steps:
-      save(done, state)
-  if pending is not None:
-    last_loss = _report(pending, setup, writer, log, clock, flops_per_step, tokens_per_step,
-                        peak, counter.count, force=True)
-  counter.active = False
-  if eval_exec is not None:
-    val_loss = evaluate(state["params"])
-    writer.write(t_cfg.steps, {"val_loss": val_loss})
-    log(f"step {t_cfg.steps:>6d} | val_loss {val_loss:.4f} (final)")
-  if start_step < t_cfg.steps:
-    save(t_cfg.steps, state)
+      writer.write(t_cfg.steps, {"val_loss": val_loss})
+      log(f"step {t_cfg.steps:>6d} | val_loss {val_loss:.4f} (final)")
+    if start_step < t_cfg.steps:
+      save(t_cfg.steps, state, data_state)
   log(f"compilations inside the training loop: {counter.count}")
-  return LoopResult(state, last_loss, val_loss, counter.count, compile_s)
-
-
-def _report(pending, setup, writer, log, clock, flops_per_step, tokens_per_step, peak, compiles,
-            *, force):
-  """Fetch a finished step's metrics and log them if it is a logging step; returns its loss.
-
-  Throughput covers the steps since the last report; `clock` is [that step, its time].
-  """
-  step, dev = pending
-  t_cfg = setup.cfg.train
-  if not force and step % t_cfg.log_every and step != 1:
-    return None
-  values = jax.device_get(dev)  # waits for this step only; the next one is already queued
-  now = time.perf_counter()
-  steps, dt = step - clock[0], now - clock[1]
-  clock[:] = [step, now]
-  tok_s = steps * tokens_per_step / dt if dt > 0 else 0.0
-  mfu = tok_s / tokens_per_step * flops_per_step / peak if peak else 0.0
-  lr = optim.current_lr(setup.cfg.optim, t_cfg.steps, step - 1)
-  loss = float(values["loss"])
-  writer.write(step, {"loss": loss, "lr": lr, "tokens_per_sec": tok_s, "mfu": mfu,
-                      "grad_norm": float(values["grad_norm"]), "compiles": compiles})
-  log(f"step {step:>6d}/{t_cfg.steps} | loss {loss:.4f} | lr {lr:.2e} | "
-      f"{tok_s:,.0f} tok/s | mfu {100 * mfu:.1f}%")
-  return loss
+  return LoopResult(state, mon.last_loss, val_loss, counter.count, compile_s,
+                    skipped_steps=mon.skipped)

@@ -121,10 +121,12 @@ def test_sliding_window_limits_attention():
   assert not np.allclose(la[:, 1:4], lb[:, 1:4])
 
 
-def test_unavailable_kernels_raise_clear_errors():
+def test_kernel_resolution_on_cpu():
   from nanotext.errors import UserError
   from nanotext.model.attention import resolve_impl
   assert resolve_impl("auto", "cpu") == "xla"
-  for impl in ("cudnn", "splash"):
-    with pytest.raises(UserError, match="attention.impl"):
-      resolve_impl(impl, "cpu")
+  assert resolve_impl("splash", "cpu") == "splash"  # interpret mode off TPU
+  with pytest.raises(UserError, match="attention.impl"):
+    resolve_impl("cudnn", "cpu")
+  with pytest.raises(UserError, match="train.seq_len"):
+    resolve_impl("splash", "cpu", seq_len=100)

@@ -1,36 +1,193 @@
 """Causal self-attention, rotary embeddings, and the one dispatch point for attention kernels."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from nanotext import sharding
 from nanotext.errors import UserError
 from nanotext.model.layers import Linear, rms_norm
 
 IMPLS = ("auto", "xla", "cudnn", "splash")
+SPLASH_LANES = 128  # splash tiles must be multiples of the TPU lane width, also in interpret mode
 
 
-def resolve_impl(impl: str, backend: str) -> str:
-  """The concrete kernel for `attention.impl` on this backend."""
-  if impl == "auto":
-    return "xla"  # the speedrun issue teaches auto to pick cudnn on GPU and splash on TPU
-  if impl in ("cudnn", "splash"):
-    raise UserError(f"attention.impl={impl} is not available in this version of nanotext; "
-                    "use attention.impl=xla or auto")
+def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0) -> str:
+  """The concrete kernel for `attention.impl` on this backend (the one place that decides).
+
+  `head_dim` and `seq_len` (0 = unknown) let `auto` check that the kernel accepts the model's
+  shapes: on GPU `auto` is cudnn when a trial trace of cuDNN flash attention succeeds, else xla;
+  on TPU it is splash when the sequence length tiles into 128-wide blocks, else xla; xla elsewhere.
+  """
   if impl not in IMPLS:
     raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
+  if impl == "auto":
+    if backend == "gpu" and _cudnn_problem(head_dim, seq_len) is None:
+      return "cudnn"
+    if backend == "tpu" and seq_len % SPLASH_LANES == 0:
+      return "splash"
+    return "xla"
+  if impl == "cudnn":
+    if backend != "gpu":
+      raise UserError(f"attention.impl=cudnn needs an NVIDIA GPU with cuDNN, but the backend is "
+                      f"{backend}; use attention.impl=xla or auto")
+    problem = _cudnn_problem(head_dim, seq_len)
+    if problem is not None:
+      raise UserError(f"attention.impl=cudnn is not usable on backend {backend} "
+                      f"(head_dim={head_dim or 'unknown'}, seq_len={seq_len or 'unknown'}): "
+                      f"{problem}; use attention.impl=xla or auto")
+  if impl == "splash" and seq_len:
+    _splash_block(seq_len)  # raises UserError early for a sequence length splash cannot tile
   return impl
 
 
-def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, window: int = 0):
-  """Causal (optionally sliding-window) attention through the selected kernel."""
+@functools.lru_cache(maxsize=None)
+def _cudnn_problem(head_dim: int, seq_len: int):
+  """None if a cuDNN flash-attention training step traces for these shapes, else the reason."""
+  # The shape/dtype/version checks of jax's cuDNN path run at trace time, so an abstract trace of
+  # forward + backward (bfloat16, as `_cudnn` feeds it) finds unsupported cases without compiling.
+  T, K = seq_len or 128, head_dim or 64
+  x = jax.ShapeDtypeStruct((1, T, 1, K), jnp.bfloat16)
+  def loss(q, k, v):
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return out.astype(jnp.float32).sum()
+  try:
+    jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), x, x, x)
+  except Exception as e:  # noqa: BLE001 -- any failure means "not this kernel"; the reason is kept
+    return f"{type(e).__name__}: {e}"
+  return None
+
+
+def segment_ids_from_tokens(tokens_BT, eot_id: int):
+  """Document id per position: the count of EOT tokens at or before it (EOT opens a document)."""
+  return jnp.cumsum(tokens_BT == eot_id, axis=1, dtype=jnp.int32)
+
+
+def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, window: int = 0,
+                          segment_ids_BT=None):
+  """Causal attention, optionally windowed and/or document-masked, through the selected kernel.
+
+  A query at t sees keys s <= t, also t - window < s when `window` > 0, also only keys with the
+  same segment id when `segment_ids_BT` [B, T] is given. `window` must be a static Python int:
+  it shapes the kernel's mask (and splash's block-sparsity tables), so every distinct window in a
+  schedule is its own compiled program, to be compiled ahead rather than traced as an array.
+  """
+  if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 0:
+    raise TypeError(f"window must be a static non-negative Python int, got {window!r}")
+  T = q_BTHK.shape[1]
+  window = 0 if window >= T else int(window)  # a window covering the whole sequence is plain causal
+  if impl == "auto":
+    impl = resolve_impl(impl, jax.default_backend(), head_dim=q_BTHK.shape[-1], seq_len=T)
+  if impl == "xla":
+    return _xla(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, "xla")
+  if impl == "cudnn":
+    return _cudnn(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT)
+  if impl == "splash":
+    return _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT)
+  raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
+
+
+def _segment_mask(segment_ids_BT):
+  """Boolean [B, 1, T, T] mask (broadcast over heads): True where query and key share a segment."""
+  if segment_ids_BT is None:
+    return None
+  return segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
+
+
+def _xla(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, implementation):
+  """jax.nn.dot_product_attention; local_window_size (left, right) counts keys besides the query."""
   local = (window - 1, 0) if window else None
-  out = jax.nn.dot_product_attention(
-      q_BTHK, k_BTHK, v_BTHK, scale=scale, is_causal=True, local_window_size=local,
-      implementation=impl)
-  return out
+  return jax.nn.dot_product_attention(
+      q_BTHK, k_BTHK, v_BTHK, mask=_segment_mask(segment_ids_BT), scale=scale, is_causal=True,
+      local_window_size=local, implementation=implementation)
+
+
+def _cudnn(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT):
+  """cuDNN flash attention; float32 inputs run in bfloat16 and the output is cast back.
+
+  cuDNN's fused kernel takes only fp16/bf16 (head_dim a multiple of 8, <= 128, or 256 on Hopper),
+  so float32 models get bf16 attention here: expect ~1e-2 relative differences from xla. Document
+  masks go through the public `mask=` argument, which jax turns into an additive [B, 1, T, T] bias:
+  correct, but it is read by the kernel (memory O(B T^2), and T must be even for training).
+  """
+  backend = jax.default_backend()
+  if backend != "gpu":
+    raise UserError(f"attention.impl=cudnn needs an NVIDIA GPU with cuDNN, but the backend is "
+                    f"{backend}; use attention.impl=xla or auto")
+  dtype = q_BTHK.dtype
+  if dtype not in (jnp.bfloat16, jnp.float16):
+    q_BTHK, k_BTHK, v_BTHK = (x.astype(jnp.bfloat16) for x in (q_BTHK, k_BTHK, v_BTHK))
+  out_BTHK = _xla(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, "cudnn")
+  return out_BTHK.astype(dtype)
+
+
+def _splash_block(T: int) -> int:
+  """Largest of 512/256/128 dividing T: splash tiles must be lane-width multiples dividing T."""
+  for block in (512, 256, SPLASH_LANES):
+    if T % block == 0:
+      return block
+  raise UserError(f"attention.impl=splash needs train.seq_len to be a multiple of {SPLASH_LANES} "
+                  f"(got {T}); use attention.impl=xla or auto")
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(T: int, H: int, window: int, block: int, interpret: bool):
+  """A splash kernel for [H, T, K] inputs; cached, as building its block tables is numpy work."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+  if window:
+    head_mask = splash.LocalMask((T, T), window_size=(window - 1, 0), offset=0)
+  else:
+    head_mask = splash.CausalMask((T, T))
+  sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                            block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                            block_q_dq=block, block_kv_dq=block)
+  # Concrete tables even when first built inside a trace: the cache outlives that trace.
+  with jax.ensure_compile_time_eval():
+    return splash.make_splash_mha_single_device(
+        splash.MultiHeadMask([head_mask] * H), block_sizes=sizes, interpret=interpret)
+
+
+def _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT):
+  """Splash attention, run per device on its batch/head shard when a mesh is active."""
+  local = functools.partial(_splash_local, scale=scale, window=window)
+  args = (q_BTHK, k_BTHK, v_BTHK) + (() if segment_ids_BT is None else (segment_ids_BT,))
+  active = sharding.active()
+  if active is None:  # no mesh while tracing: a plain call
+    return local(*args)
+  # A Pallas kernel is opaque to the SPMD partitioner (it would gather everything onto every
+  # device), so shard_map it: batch and heads split as the rules say, the sequence kept whole.
+  rules, mesh = active
+  B, _, H, _ = q_BTHK.shape
+  def axes_for(logical, size):
+    axes = sharding.logical_to_spec((logical,), rules)[0]
+    names = (axes,) if isinstance(axes, str) else axes or ()
+    return axes if size % int(np.prod([mesh.shape[a] for a in names])) == 0 else None
+  b, h = axes_for("batch", B), axes_for("heads", H)  # e.g. sampling with batch 1: replicated
+  spec_BTHK = P(b, None, h, None)
+  in_specs = (spec_BTHK,) * 3 + (() if segment_ids_BT is None else (P(b, None),))
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec_BTHK,
+                       check_vma=False)(*args)
+
+
+def _splash_local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale, window):
+  """Pallas splash attention per example (vmapped over batch); interpreted off TPU (slow)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+  _, T, H, _ = q_BTHK.shape
+  kernel = _splash_kernel(T, H, window, _splash_block(T), jax.default_backend() != "tpu")
+  # Splash applies no softmax scale of its own, so fold it into q.
+  q_BHTK = jnp.swapaxes(q_BTHK * jnp.asarray(scale, q_BTHK.dtype), 1, 2)
+  k_BHTK, v_BHTK = jnp.swapaxes(k_BTHK, 1, 2), jnp.swapaxes(v_BTHK, 1, 2)
+  if segment_ids_BT is None:
+    out_BHTK = jax.vmap(kernel)(q_BHTK, k_BHTK, v_BHTK)
+  else:
+    def one(q_HTK, k_HTK, v_HTK, seg_T):
+      return kernel(q_HTK, k_HTK, v_HTK, segment_ids=SegmentIds(q=seg_T, kv=seg_T))
+    out_BHTK = jax.vmap(one)(q_BHTK, k_BHTK, v_BHTK, segment_ids_BT.astype(jnp.int32))
+  return jnp.swapaxes(out_BHTK, 1, 2)
 
 
 def rope_frequencies(head_dim: int, base: float, truncate: bool) -> np.ndarray:
@@ -76,7 +233,8 @@ class CausalSelfAttention(nnx.Module):
     self.rope = (cfg.rope_base, cfg.rope_truncate) if cfg.positions == "rope" else None
     self.impl, self.window = impl, attn_cfg.window
 
-  def __call__(self, x_BTD):
+  def __call__(self, x_BTD, segment_ids_BT=None, window=None):
+    """Attention over [B, T, D]; `window` (static int) overrides attention.window for a schedule."""
     B, T, _ = x_BTD.shape
     shape = (B, T, self.num_heads, self.head_dim)
     names = ("batch", "length", "heads", "kv")
@@ -90,6 +248,7 @@ class CausalSelfAttention(nnx.Module):
       q, k = apply_rope(q, freq), apply_rope(k, freq)
     with jax.named_scope("attention_kernel"):
       out_BTHK = dot_product_attention(q, k, v, impl=self.impl, scale=self.scale,
-                                       window=self.window)
+                                       window=self.window if window is None else window,
+                                       segment_ids_BT=segment_ids_BT)
     out_BTHK = sharding.constrain(out_BTHK, names)
     return self.o(out_BTHK.reshape(B, T, -1))

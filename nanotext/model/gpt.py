@@ -39,11 +39,11 @@ class Block(nnx.Module):
     # x <- lambdas[0] * x + lambdas[1] * x0 (modded-nanogpt), starting as the identity.
     self.lambdas = param(jnp.array([1.0, 0.0], cfg.param_dtype), (None,)) if cfg.x0_mix else None
 
-  def __call__(self, x_BTD, x0_BTD):
+  def __call__(self, x_BTD, x0_BTD, segment_ids_BT=None):
     if self.lambdas is not None:
       lam = self.lambdas.value.astype(x_BTD.dtype)
       x_BTD = lam[0] * x_BTD + lam[1] * x0_BTD
-    x_BTD = x_BTD + self.attn(self.ln1(x_BTD))
+    x_BTD = x_BTD + self.attn(self.ln1(x_BTD), segment_ids_BT)
     x_BTD = x_BTD + self.mlp(self.ln2(x_BTD))
     return sharding.constrain(x_BTD, ("batch", "length", "embed"))
 
@@ -73,7 +73,8 @@ class GPT(nnx.Module):
       self.head = Linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), std=std, bias=False,
                          param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
 
-  def __call__(self, tokens_BT):
+  def __call__(self, tokens_BT, segment_ids_BT=None):
+    """Logits; with `segment_ids_BT`, attention stays within each document."""
     x_BTD = self.embed(tokens_BT)
     if self.pos is not None:
       x_BTD = x_BTD + self.pos.value[: tokens_BT.shape[1]].astype(x_BTD.dtype)[None]
@@ -81,7 +82,7 @@ class GPT(nnx.Module):
       x_BTD = self.ln_embed(x_BTD)
     x0_BTD = x_BTD
     for block in self.blocks:
-      x_BTD = block(x_BTD, x0_BTD)
+      x_BTD = block(x_BTD, x0_BTD, segment_ids_BT)
     x_BTD = self.ln_f(x_BTD)
     logits_BTV = self.embed.attend(x_BTD) if self.head is None else self.head(x_BTD)
     logits_BTV = sharding.constrain(logits_BTV.astype(jnp.float32), ("batch", "length", "vocab"))

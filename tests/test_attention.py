@@ -1,0 +1,180 @@
+"""Attention kernels: masks, the xla / splash / cudnn dispatch, and `auto` resolution (CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nanotext.errors import UserError
+from nanotext.model import attention
+from nanotext.model.attention import (dot_product_attention, resolve_impl,
+                                      segment_ids_from_tokens)
+
+B, H, K = 2, 2, 32
+SCALE = 0.7 / np.sqrt(K)  # not 1/sqrt(K), so a kernel that applies its own default scale fails
+
+# (window, documents?) -- causal, sliding window, document-causal, and both.
+MASKS = [(0, False), (16, False), (0, True), (16, True)]
+
+
+def inputs(T, seed=0):
+  """Random q, k, v [B, T, H, K], an output cotangent, and segment ids with 2-4 documents."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q, k, v, g = (jax.random.normal(kk, (B, T, H, K), jnp.float32) for kk in keys)
+  rng = np.random.RandomState(seed)
+  tokens = rng.randint(1, 50, (B, T))
+  tokens[0, [0, T // 3, T // 2]] = 0  # example 0 starts with EOT: documents 1..3
+  tokens[1, [T // 4, T - 5]] = 0      # example 1 does not: documents 0..2
+  return q, k, v, g, segment_ids_from_tokens(jnp.asarray(tokens), 0)
+
+
+def reference(q_BTHK, k_BTHK, v_BTHK, *, scale, window=0, segment_ids_BT=None):
+  """Softmax of explicitly masked float32 scores; no kernel, no window normalisation."""
+  T = q_BTHK.shape[1]
+  s_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BTHK, precision="highest") * scale
+  t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+  mask_TS = (s <= t) & ((t - s < window) if window else True)
+  mask_BHTS = jnp.broadcast_to(mask_TS, (B, 1, T, T))
+  if segment_ids_BT is not None:
+    mask_BHTS = mask_BHTS & (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
+  p_BHTS = jax.nn.softmax(jnp.where(mask_BHTS, s_BHTS, -jnp.inf), axis=-1)
+  return jnp.einsum("bhts,bshk->bthk", p_BHTS, v_BTHK, precision="highest")
+
+
+def forward_and_grads(fn, q, k, v, g, **kw):
+  """fn's output and d(sum(out * g))/d(q, k, v)."""
+  out = fn(q, k, v, **kw)
+  grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, **kw) * g), argnums=(0, 1, 2))(q, k, v)
+  return out, grads
+
+
+def max_errors(a, b):
+  """Max abs difference of the outputs and of each gradient."""
+  (oa, ga), (ob, gb) = a, b
+  return [float(jnp.max(jnp.abs(x - y))) for x, y in zip((oa, *ga), (ob, *gb))]
+
+
+def kernel(impl):
+  """dot_product_attention bound to one impl, with the reference's keyword names."""
+  return lambda q, k, v, **kw: dot_product_attention(q, k, v, impl=impl, **kw)
+
+
+@pytest.mark.parametrize("window,docs", MASKS)
+def test_xla_matches_reference(window, docs):
+  q, k, v, g, seg = inputs(64)
+  kw = dict(scale=SCALE, window=window, segment_ids_BT=seg if docs else None)
+  errs = max_errors(forward_and_grads(kernel("xla"), q, k, v, g, **kw),
+                    forward_and_grads(reference, q, k, v, g, **kw))
+  assert max(errs) < 1e-5, errs
+
+
+# Splash (interpret mode) against xla. Tolerance 5e-5 absolute: splash is a flash kernel (online
+# softmax over kv blocks, backward recomputing probabilities from the saved logsumexp, q pre-scaled
+# before the dot product), so its float32 round-off differs from xla's one-shot softmax; observed
+# max errors are <= 5e-7 forward and <= 2e-6 for gradients of O(1) size (10x+ headroom).
+SPLASH_TOL = 5e-5
+
+
+@pytest.mark.parametrize("window,docs", MASKS)
+def test_splash_matches_xla(window, docs):
+  q, k, v, g, seg = inputs(128, seed=1)
+  kw = dict(scale=SCALE, window=window, segment_ids_BT=seg if docs else None)
+  errs = max_errors(forward_and_grads(kernel("splash"), q, k, v, g, **kw),
+                    forward_and_grads(kernel("xla"), q, k, v, g, **kw))
+  assert max(errs) < SPLASH_TOL, errs
+
+
+def test_splash_multi_block(monkeypatch):
+  """T=256 in 128-wide blocks: the block-sparse tables skip and partially mask whole tiles."""
+  monkeypatch.setattr(attention, "_splash_block", lambda T: 128)
+  q, k, v, g, seg = inputs(256, seed=2)
+  kw = dict(scale=SCALE, window=40, segment_ids_BT=seg)
+  errs = max_errors(forward_and_grads(kernel("splash"), q, k, v, g, **kw),
+                    forward_and_grads(reference, q, k, v, g, **kw))
+  assert max(errs) < SPLASH_TOL, errs
+
+
+def test_splash_rejects_untileable_length():
+  q, k, v, _, _ = inputs(64)
+  with pytest.raises(UserError, match="attention.impl=splash"):
+    dot_product_attention(q, k, v, impl="splash", scale=SCALE)
+  with pytest.raises(UserError, match="multiple of 128"):
+    resolve_impl("splash", "cpu", seq_len=200)
+
+
+def test_window_at_least_T_is_causal():
+  q, k, v, g, _ = inputs(64)
+  causal = forward_and_grads(kernel("xla"), q, k, v, g, scale=SCALE)
+  for window in (64, 1000):
+    assert max(max_errors(forward_and_grads(kernel("xla"), q, k, v, g, scale=SCALE,
+                                            window=window), causal)) == 0.0
+    assert max(max_errors(forward_and_grads(reference, q, k, v, g, scale=SCALE, window=window),
+                          causal)) < 1e-5
+
+
+def test_single_document_equals_no_documents():
+  q, k, v, _, _ = inputs(64)
+  one_doc = jnp.zeros((B, 64), jnp.int32)
+  a = dot_product_attention(q, k, v, impl="xla", scale=SCALE, segment_ids_BT=one_doc)
+  b = dot_product_attention(q, k, v, impl="xla", scale=SCALE)
+  np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_window_must_be_static():
+  q, k, v, _, _ = inputs(64)
+  with pytest.raises(TypeError, match="static"):
+    jax.jit(lambda w: dot_product_attention(q, k, v, impl="xla", scale=SCALE, window=w))(8)
+
+
+def test_segment_ids_from_tokens():
+  eot = 0
+  tokens = jnp.array([[0, 5, 6, 0, 7, 0],
+                      [4, 5, 0, 0, 6, 7]])
+  expected = [[1, 1, 1, 2, 2, 3],
+              [0, 0, 1, 2, 2, 2]]
+  ids = segment_ids_from_tokens(tokens, eot)
+  assert ids.dtype == jnp.int32
+  np.testing.assert_array_equal(ids, expected)
+
+
+def test_cudnn_on_cpu_is_a_user_error():
+  with pytest.raises(UserError, match=r"attention\.impl=cudnn.*cpu"):
+    resolve_impl("cudnn", "cpu")
+  q, k, v, _, _ = inputs(64)
+  with pytest.raises(UserError, match=r"attention\.impl=cudnn.*cpu"):
+    dot_product_attention(q, k, v, impl="cudnn", scale=SCALE)
+
+
+def test_auto_resolution():
+  assert resolve_impl("auto", "cpu") == "xla"
+  assert resolve_impl("auto", jax.default_backend()) == "xla"
+  assert resolve_impl("auto", "tpu", seq_len=1024) == "splash"
+  assert resolve_impl("auto", "tpu", seq_len=100) == "xla"
+  # On a GPU backend auto follows a trial trace of cuDNN (which fails on a CPU-only jax, so xla).
+  cudnn_ok = attention._cudnn_problem(64, 128) is None
+  assert resolve_impl("auto", "gpu", head_dim=64, seq_len=128) == ("cudnn" if cudnn_ok else "xla")
+  assert resolve_impl("auto", "gpu", head_dim=12, seq_len=128) == "xla"  # cuDNN wants K % 8 == 0
+  assert resolve_impl("xla", "tpu") == "xla"
+  with pytest.raises(UserError, match="attention.impl='flash'"):
+    resolve_impl("flash", "cpu")
+
+
+def test_splash_under_a_mesh_is_sharded():
+  """With sharding rules active, splash runs per device (shard_map) on batch/head shards."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from nanotext import sharding
+  mesh = jax.make_mesh((1, 2, 2), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                       devices=jax.devices()[:4])
+  rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["heads", "tensor"]])
+  q, k, v, g, seg = inputs(128, seed=3)
+  x_sh = NamedSharding(mesh, P("fsdp", None, "tensor", None))
+  q, k, v, g = (jax.device_put(x, x_sh) for x in (q, k, v, g))
+  kw = dict(scale=SCALE, window=16, segment_ids_BT=jax.device_put(seg, NamedSharding(
+      mesh, P("fsdp", None))))
+  def run(impl):
+    with sharding.use_rules(rules, mesh):
+      return jax.jit(lambda q, k, v, g: forward_and_grads(kernel(impl), q, k, v, g, **kw))(
+          q, k, v, g)
+  got, want = run("splash"), run("xla")
+  assert max(max_errors(got, want)) < SPLASH_TOL
+  assert got[0].sharding.is_equivalent_to(x_sh, 4)
