@@ -21,11 +21,12 @@ setup(
         "tensorflow-datasets>=4.9.9",
         "pyyaml>=6.0",
         "tokenizers>=0.20",
+        "huggingface_hub>=0.24",
         "tensorboardX>=2.6",
         "numpy>=1.26",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "torch", "transformers", "safetensors"],
         "gpt2": ["tiktoken>=0.7"],
         "plots": ["matplotlib>=3.8"],
     },

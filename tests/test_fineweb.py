@@ -1,0 +1,141 @@
+"""The FineWeb downloader against a local stand-in for the Hub (no network)."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from nanotext.data import binfile, fineweb
+from nanotext.errors import UserError
+
+
+@pytest.fixture
+def remote(tmp_path):
+  """A folder standing in for the Hub repo: the val shard and 5 tiny train shards."""
+  d = tmp_path / "remote"
+  for i, name in enumerate(fineweb.file_names(5)):
+    binfile.write_shard(str(d / name), np.arange(10 + i, dtype=np.uint16))
+  return d
+
+
+class Fetch:
+  """A fetch stand-in that copies from `remote` into tmp_dir and records what it fetched."""
+
+  def __init__(self, remote, corrupt=()):
+    self.remote, self.corrupt, self.calls = remote, set(corrupt), []
+
+  def __call__(self, filename, tmp_dir):
+    self.calls.append(filename)
+    dst = os.path.join(tmp_dir, filename)
+    if filename in self.corrupt:
+      with open(dst, "wb") as f:
+        f.write(b"<html>rate limited</html>")
+    else:
+      shutil.copyfile(self.remote / filename, dst)
+    return dst
+
+
+def quiet(*_):
+  pass
+
+
+def listing(d):
+  """The visible files in `d` (the downloader's staging folder is hidden)."""
+  return sorted(n for n in os.listdir(d) if not n.startswith("."))
+
+
+def test_downloads_then_skips(remote, tmp_path):
+  out = tmp_path / "out"
+  fetch = Fetch(remote)
+  info = fineweb.download(3, str(out), fetch=fetch, log=quiet)
+  names = ["fineweb_train_000001.bin", "fineweb_train_000002.bin", "fineweb_train_000003.bin",
+           "fineweb_val_000000.bin"]
+  assert listing(out) == names
+  assert sorted(fetch.calls) == names
+  assert not os.path.exists(out / fineweb.TMP_DIR)
+  assert [binfile.read_header(str(out / n)) for n in names] == [11, 12, 13, 10]
+  assert (info["train_tokens"], info["val_tokens"]) == (36, 10)
+  assert sorted(binfile.find_shards(info["train_files"])) == [str(out / n) for n in names[:3]]
+  again = Fetch(remote)
+  info = fineweb.download(3, str(out), fetch=again, log=quiet)
+  assert again.calls == [] and info["downloaded"] == [] and len(info["skipped"]) == 4
+  assert (info["train_tokens"], info["val_tokens"]) == (36, 10)
+
+
+def test_redownloads_corrupt_shard(remote, tmp_path):
+  out = tmp_path / "out"
+  fineweb.download(2, str(out), fetch=Fetch(remote), log=quiet)
+  bad = out / "fineweb_train_000002.bin"
+  bad.write_bytes(bad.read_bytes()[:-4])  # truncated: header claims more tokens than it holds
+  fetch = Fetch(remote)
+  lines = []
+  info = fineweb.download(2, str(out), fetch=fetch, log=lines.append)
+  assert fetch.calls == ["fineweb_train_000002.bin"]
+  assert binfile.read_header(str(bad)) == 12
+  assert info["train_tokens"] == 23
+  assert any("not a valid shard" in l for l in lines)
+
+
+def test_corrupt_download_leaves_nothing(remote, tmp_path):
+  out = tmp_path / "out"
+  fetch = Fetch(remote, corrupt=["fineweb_train_000002.bin"])
+  with pytest.raises(UserError, match="fineweb_train_000002.bin.*not a valid shard"):
+    fineweb.download(3, str(out), fetch=fetch, log=quiet)
+  assert listing(out) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin"]
+  assert os.listdir(out / fineweb.TMP_DIR) == []
+
+
+def test_fetch_returning_file_elsewhere_is_copied(remote, tmp_path):
+  out = tmp_path / "out"
+  info = fineweb.download(1, str(out), fetch=lambda name, _: str(remote / name), log=quiet)
+  assert info["train_tokens"] == 11
+  assert os.path.exists(remote / "fineweb_train_000001.bin")  # the fetch's own file is kept
+
+
+def test_fetch_error_is_user_error(tmp_path):
+  def fetch(name, tmp_dir):
+    raise FileNotFoundError(f"no such file: {name}")
+  with pytest.raises(UserError, match="cannot download 'fineweb_val_000000.bin'"):
+    fineweb.download(1, str(tmp_path / "out"), fetch=fetch, log=quiet)
+
+
+@pytest.mark.parametrize("n", [0, -1, fineweb.MAX_TRAIN_SHARDS + 1, 2.5, "3", True])
+def test_bad_train_shards(n, tmp_path):
+  with pytest.raises(UserError, match="--train-shards"):
+    fineweb.download(n, str(tmp_path / "out"), fetch=Fetch(tmp_path), log=quiet)
+  assert not os.path.exists(tmp_path / "out")
+
+
+def test_names():
+  assert fineweb.file_names(2) == ["fineweb_val_000000.bin", "fineweb_train_000001.bin",
+                                   "fineweb_train_000002.bin"]
+  assert fineweb.train_file(103) == "fineweb_train_000103.bin"
+
+
+@pytest.mark.parametrize("flag", [["--train-shards", "0"], ["--train-shards=0"],
+                                  ["--train_shards=104"]])
+def test_cli_bad_count(flag, tmp_path):
+  result = run_cli("nanotext.data.fineweb", *flag, "--out", str(tmp_path / "x"))
+  assert result.returncode == 2, result.stderr
+  lines = [l for l in result.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("nanotext: error: --train-shards must be in")
+  assert not os.path.exists(tmp_path / "x")
+
+
+def test_cli_help_mentions_flags():
+  result = run_cli("nanotext.data.fineweb", "--helpshort")  # absl exits 1 after help
+  assert "--train_shards" in result.stdout and "--out" in result.stdout
+
+
+def test_cli_offline_hub_error(tmp_path):
+  pytest.importorskip("huggingface_hub")
+  # HF_HUB_OFFLINE makes the real hf_hub_download fail at once, without touching the network.
+  result = run_cli("nanotext.data.fineweb", "--train-shards=1", f"--out={tmp_path / 'x'}",
+                   env={"HF_HUB_OFFLINE": "1"})
+  assert result.returncode == 2, result.stderr
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("nanotext: error: cannot download 'fineweb_val_000000.bin'")
+  assert "unreachable" in last
+  assert listing(tmp_path / "x") == []
