@@ -26,7 +26,7 @@ def measure(path, overrides, *, steps, repeats, warmup) -> dict:
   from nanotext import config, metrics, sharding, trainer
   from nanotext.data import pipeline
 
-  cfg = config.load(path, list(overrides) + ["data.source=synthetic", "data.tokenizer=none"])
+  cfg = config.load(path, list(overrides) + ["data.source=synthetic"])
   cfg = config.finalize(cfg, num_devices=jax.device_count(), backend=jax.default_backend())
   setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), jax.default_backend())
   state = trainer.init_state(setup)
