@@ -215,7 +215,7 @@ def measure(path, overrides, layouts, *, steps=5, timed_steps=3, repeats=3, log=
   """One row per layout; config errors common to all layouts raise UserError first."""
   from nanotext import config
   config.load(path, list(overrides))  # fail fast on keys and values before any compile
-  over = list(overrides) + ["data.source=synthetic", "data.tokenizer=none"]
+  over = list(overrides) + ["data.source=synthetic"]
   rows = []
   for name, shape in layouts:
     t0 = time.perf_counter()
