@@ -3,6 +3,8 @@
 Parameter groups come from each parameter's logical axes (its role), decided in `param_group`:
 a [vocab, embed] table is an embedding, an [embed, vocab] matrix is the lm head, other matrices
 are hidden weights (Muon), and vectors / scalars (gains, biases, mixing lambdas) are scalars.
+A leading unsharded (None) axis on a 3-D parameter is a stack: [3, embed, heads] (merged QKV) is
+three hidden matrices, each orthogonalised on its own.
 """
 
 import jax
@@ -15,12 +17,26 @@ from nanotext import sharding
 
 # Keller Jordan's quintic Newton-Schulz coefficients (modded-nanogpt `zeropower_via_newtonschulz5`).
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
+# Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): one quintic per step,
+# optimal for 5 steps with safety factor 2e-2 and cushion 2, as modded-nanogpt's later records use
+# them (`polar_express_coeffs`). optax (0.2.8, and its main branch as of 2026-08) has no such
+# preset (`_NS_COEFFS_PRESET_DICT` holds only 'standard' and 'dion'), hence the table here.
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+POLAR_EXPRESS_SAFETY = 1.02  # the coefficients assume X / (1.02 * ||X||_F): spectral norm < 1
 GROUPS = ("matrix", "embed", "head", "scalar")
 
 
 def param_group(logical_axes) -> str:
   """The optimizer group of a parameter from its logical axis names."""
   axes = tuple(logical_axes)
+  if len(axes) >= 2 and axes[0] is None:  # a stack (merged QKV kernel or biases): one item's role
+    axes = axes[1:]
   if len(axes) < 2:
     return "scalar"
   if axes[0] == "vocab":
@@ -65,16 +81,34 @@ def muon_momentum(optim_cfg):
   return lambda step: lo + (hi - lo) * jnp.clip(jnp.asarray(step, jnp.float32) / n, 0.0, 1.0)
 
 
+def ns_coefficients(optim_cfg) -> jnp.ndarray:
+  """Newton-Schulz coefficients for optim.muon_ns_coeffs: [3] (one quintic) or [steps, 3].
+
+  polar_express takes its first muon_ns_steps quintics (the last repeats beyond five) and folds
+  the safety factor into the first: p(X / s) with p = aX + bXX'X + c(XX')^2X equals the quintic
+  (a / s, b / s^3, c / s^5) of X, so optax's plain Frobenius normalisation can stay as it is.
+  """
+  if optim_cfg.muon_ns_coeffs == "jordan":
+    return jnp.asarray(NS_COEFFS, jnp.float32)
+  n = optim_cfg.muon_ns_steps
+  table = [POLAR_EXPRESS_COEFFS[min(i, len(POLAR_EXPRESS_COEFFS) - 1)] for i in range(n)]
+  s = POLAR_EXPRESS_SAFETY
+  a, b, c = table[0]
+  table[0] = (a / s, b / s ** 3, c / s ** 5)
+  return jnp.asarray(table, jnp.float32)
+
+
 def scale_by_muon(optim_cfg) -> optax.GradientTransformation:
   """Muon on [in, out] matrices, as modded-nanogpt computes it.
 
   Differences from `optax.contrib.scale_by_muon`: the momentum is a schedule (warmup) and is not
   bias-corrected (the speedrun's `buf.lerp_(g, 1 - m)`; Nesterov `g.lerp_(buf, m)`), Newton-Schulz
   optionally runs in bfloat16, and updates are scaled by sqrt(max(1, fan_out / fan_in)).
-  The orthogonalisation itself is optax's `orthogonalize_via_newton_schulz`.
+  The orthogonalisation itself is optax's `orthogonalize_via_newton_schulz`; a [n, in, out] stack
+  (merged QKV) is n matrices, each orthogonalised and scaled on its own, as the record's qkv_w.
   """
   momentum = muon_momentum(optim_cfg)
-  coeffs = jnp.asarray(NS_COEFFS, jnp.float32)
+  coeffs = ns_coefficients(optim_cfg)
   ns_dtype = jnp.bfloat16 if optim_cfg.muon_bf16 else jnp.float32
 
   def init(params):
@@ -93,8 +127,8 @@ def scale_by_muon(optim_cfg) -> optax.GradientTransformation:
                             lambda x: orthogonalize_via_newton_schulz(
                                 x.astype(ns_dtype), coeffs.astype(ns_dtype),
                                 optim_cfg.muon_ns_steps, eps=1e-7))
-    out = jax.tree.map(lambda y, x: y.astype(x.dtype) * jnp.sqrt(max(1.0, x.shape[1] / x.shape[0])),
-                       out, look)
+    scale = lambda x: jnp.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))  # fan_out / fan_in per matrix
+    out = jax.tree.map(lambda y, x: y.astype(x.dtype) * scale(x), out, look)
     return out, {"count": state["count"] + 1, "mu": mu}
 
   return optax.GradientTransformation(init, update)
@@ -108,24 +142,33 @@ def orthogonalize_all(tree, layout: str, ortho):
   and orthogonalises all of them (no collectives in the loop, all the compute everywhere).
   distributed: same-shape matrices are stacked and the stack is split over all devices, so each
   orthogonalises a share and the results are gathered back (the speedrun's distributed Muon).
+  A 3-D leaf is a stack of matrices (leading axis unsharded): each is orthogonalised on its own.
   """
+  per_matrix = lambda f: lambda x: jax.vmap(f)(x) if x.ndim == 3 else f(x)
   if layout == "sharded":
-    return jax.tree.map(ortho, tree)
+    return jax.tree.map(per_matrix(ortho), tree)
   if layout == "replicated":
-    return jax.tree.map(lambda x: ortho(sharding.replicate(x)), tree)
+    return jax.tree.map(lambda x: per_matrix(ortho)(sharding.replicate(x)), tree)
   leaves, treedef = jax.tree.flatten(tree)
+  # Every matrix, stacks unstacked, joins the group of its shape: q, k, v of a merged [3, D, HK]
+  # go with the other [D, HK] matrices, three items of the spread stack.
   groups = {}
   for i, x in enumerate(leaves):
-    groups.setdefault((x.shape, x.dtype), []).append(i)
-  out = [None] * len(leaves)
+    for j in range(x.shape[0]) if x.ndim == 3 else (None,):
+      shape = x.shape[1:] if j is not None else x.shape
+      groups.setdefault((shape, x.dtype), []).append((i, j))
+  done_of = {}
   n_dev = sharding.spread_count()
-  for idx in groups.values():
-    stack = jnp.stack([leaves[i] for i in idx])
-    pad = -len(idx) % n_dev  # whole matrices per device; zero matrices orthogonalise to zero
+  for items in groups.values():
+    stack = jnp.stack([leaves[i] if j is None else leaves[i][j] for i, j in items])
+    pad = -len(items) % n_dev  # whole matrices per device; zero matrices orthogonalise to zero
     stack = jnp.pad(stack, ((0, pad), (0, 0), (0, 0))) if pad else stack
     done = sharding.replicate(jax.vmap(ortho)(sharding.spread_leading(stack)))
-    for j, i in enumerate(idx):
-      out[i] = done[j]
+    for k, item in enumerate(items):
+      done_of[item] = done[k]
+  out = [done_of[(i, None)] if x.ndim == 2 else jnp.stack([done_of[(i, j)]
+                                                           for j in range(x.shape[0])])
+         for i, x in enumerate(leaves)]
   return jax.tree.unflatten(treedef, out)
 
 

@@ -140,12 +140,17 @@ def test_export_torch_names_shapes_values(speedrun_run, tmp_path):
   got = safetensors_numpy.load_file(out)
   _, _, p = load_run(speedrun_run)
   V, D, HK, F = 512, 64, 64, 256
+  key = lambda tree, i: tree[i] if i in tree else tree[str(i)]
   want = {"embed.weight": ((V, D), p["embed"]["embedding"]),
-          "lm_head.weight": ((V, D), p["head"]["kernel"].T)}
+          "lm_head.weight": ((V, D), p["head"]["kernel"].T),
+          # Two layers: one value-embedding table (min(3, L // 2)), one U-net skip weight.
+          "value_embeds.0.weight": ((V, D), key(p["value_embeds"], 0)["embedding"]),
+          "skip_weights": ((1,), p["skip_weights"])}
   for i in range(2):
-    b = p["blocks"][i] if i in p["blocks"] else p["blocks"][str(i)]
+    b = key(p["blocks"], i)
     a = b["attn"]
-    want[f"blocks.{i}.attn.qkv_w"] = ((3, HK, D), np.stack([a[n]["kernel"].T for n in "qkv"]))
+    want[f"blocks.{i}.attn.qkv_w"] = ((3, HK, D), np.swapaxes(a["qkv"]["kernel"], 1, 2))
+    want[f"blocks.{i}.attn.lambdas"] = ((2,), a["v_lambdas"])
     want[f"blocks.{i}.attn.c_proj.weight"] = ((D, HK), a["o"]["kernel"].T)
     want[f"blocks.{i}.mlp.c_fc.weight"] = ((F, D), b["mlp"]["fc"]["kernel"].T)
     want[f"blocks.{i}.mlp.c_proj.weight"] = ((D, F), b["mlp"]["proj"]["kernel"].T)

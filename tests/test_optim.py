@@ -34,7 +34,7 @@ def test_speedrun_model_groups():
   labels = optim.group_labels(sharding.param_specs(abstract).to_pure_dict())
   assert labels["embed"]["embedding"] == "embed"
   assert labels["head"]["kernel"] == "head"
-  assert labels["blocks"][0]["attn"]["q"]["kernel"] == "matrix"
+  assert labels["blocks"][0]["attn"]["qkv"]["kernel"] == "matrix"  # merged QKV: 3 matrices
   assert labels["blocks"][1]["mlp"]["proj"]["kernel"] == "matrix"
   assert labels["blocks"][0]["lambdas"] == "scalar"
 

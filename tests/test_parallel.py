@@ -52,12 +52,12 @@ def test_layouts_match_one_device(path):
 
 def test_muon_momentum_is_sharded_like_its_parameter():
   _, state = losses(SPEEDRUN, (1, 4, 2))
-  q = state["params"]["blocks"][0]["attn"]["q"]["kernel"]
-  suffix = "['blocks'][0]['attn']['q']['kernel']"
+  q = state["params"]["blocks"][0]["attn"]["qkv"]["kernel"]  # merged QKV [3, embed, heads]
+  suffix = "['blocks'][0]['attn']['qkv']['kernel']"
   found = [x for path, x in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]
            if jax.tree_util.keystr(path).endswith(suffix)]
   assert found and all(x.sharding.spec == q.sharding.spec for x in found)
-  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
 
 
 def state_bytes_per_device(path, layout):

@@ -5,8 +5,11 @@ Every parameter is an `nnx.Param` tagged with `out_sharding=(logical names...)`;
 nanotext.sharding turns those names into mesh axes.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nanotext import sharding
@@ -37,6 +40,23 @@ class Linear(nnx.Module):
     y = x.astype(self.dtype) @ self.kernel.value.astype(self.dtype)
     if self.bias is not None:
       y = y + self.bias.value.astype(self.dtype)
+    return y
+
+
+class StackedLinear(nnx.Module):
+  """n projections of one input in one [n, in, out] parameter (merged QKV): y [n, ..., out]."""
+
+  def __init__(self, n, d_in, d_out, axes, *, std, bias, param_dtype, dtype, rngs):
+    # The stack axis is unsharded (None): optim treats such a parameter as n separate matrices.
+    self.kernel = param(init_array(rngs, (n, d_in, d_out), std, param_dtype), (None,) + tuple(axes))
+    self.bias = param(jnp.zeros((n, d_out), param_dtype), (None, axes[1])) if bias else None
+    self.dtype = dtype
+
+  def __call__(self, x):
+    y = jnp.einsum("...d,nde->n...e", x.astype(self.dtype), self.kernel.value.astype(self.dtype))
+    if self.bias is not None:
+      b = self.bias.value.astype(self.dtype)
+      y = y + b.reshape(b.shape[:1] + (1,) * (y.ndim - 2) + b.shape[1:])
     return y
 
 
@@ -78,3 +98,67 @@ class Embed(nnx.Module):
 
   def attend(self, x_BTD):
     return x_BTD.astype(self.dtype) @ self.embedding.value.astype(self.dtype).T
+
+
+# FP8 matmul (modded-nanogpt's FP8 lm head). Per-tensor scales are static, so no amax pass over the
+# [tokens, vocab] gradient is needed. Values are divided by their scale, saturated to the format's
+# largest finite value (float8_e4m3fn has no inf: an overflow would be NaN), rounded to FP8 and
+# dequantised (`q.astype(dtype) * scale`) right before each dot: the pattern XLA's GPU compiler
+# rewrites into one scaled FP8 GEMM on FP8 hardware (H100 and newer). Elsewhere (CPU, older GPUs)
+# the same code runs a bf16/f32 matmul of FP8-rounded values: the numerics, not the speed.
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def _quantize(x, scale, q_dtype):
+  """x / scale rounded to FP8, saturating at the format's largest finite value."""
+  big = float(jnp.finfo(q_dtype).max)
+  return jnp.clip(x.astype(jnp.float32) / scale, -big, big).astype(q_dtype)
+
+
+def _dequantize(q, scale, dtype):
+  return q.astype(dtype) * jnp.asarray(scale, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def fp8_matmul(x_ND, w_DV, x_s: float, w_s: float, grad_s: float):
+  """x @ w with both operands in float8_e4m3fn (scales x_s, w_s), output in x's dtype.
+
+  The backward pass rounds the output gradient to float8_e5m2 (scale grad_s), as the record.
+  """
+  return _fp8_fwd(x_ND, w_DV, x_s, w_s, grad_s)[0]
+
+
+def _fp8_fwd(x_ND, w_DV, x_s, w_s, grad_s):
+  x8, w8 = _quantize(x_ND, x_s, E4M3), _quantize(w_DV, w_s, E4M3)
+  dt = x_ND.dtype
+  out = jnp.dot(_dequantize(x8, x_s, dt), _dequantize(w8, w_s, dt),
+                preferred_element_type=jnp.float32).astype(dt)
+  # FP8 residuals: the backward pass reuses the rounded operands (a quarter of f32's memory).
+  return out, (x8, w8, jnp.zeros((0,), dt), jnp.zeros((0,), w_DV.dtype))
+
+
+def _fp8_bwd(x_s, w_s, grad_s, res, g_NV):
+  x8, w8, x_like, w_like = res
+  g8 = _quantize(g_NV, grad_s, E5M2)
+  dt = x_like.dtype
+  g = _dequantize(g8, grad_s, dt)
+  dx = jnp.dot(g, _dequantize(w8, w_s, dt).T, preferred_element_type=jnp.float32).astype(dt)
+  dw = jnp.dot(_dequantize(x8, x_s, dt).T, g, preferred_element_type=jnp.float32)
+  return dx, dw.astype(w_like.dtype)
+
+
+fp8_matmul.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def fp8_head_scales(d_model: int, tokens: int) -> tuple:
+  """(x_s, w_s, grad_s) of the record's head, carried over to nanotext's parameterisation.
+
+  The record (train_gpt.py 587b45fb, `CastedLinear(..., x_s=(model_dim**0.5)/448, w_s=24/448,
+  grad_s=1/448)`) computes z = x W, logits 30 * sigmoid(z / (7.5 sqrt(d))), a summed loss. nanotext
+  computes z' = x W', 15 * tanh(z' / 15) (the same up to a constant when z' = z / sqrt(d)), and
+  the mean over `tokens`. So W' = W / sqrt(d) and dL/dz' = sqrt(d) / tokens * dL/dz, giving
+  x_s = sqrt(d) / 448 (an RMS-normalised row has |x_i| <= sqrt(d)), w_s = 24 / (448 sqrt(d)) and
+  grad_s = sqrt(d) / (448 tokens): the same FP8 codes as the record's.
+  """
+  r = float(np.sqrt(d_model))
+  return r / 448.0, 24.0 / (448.0 * r), r / (448.0 * tokens)
