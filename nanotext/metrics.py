@@ -27,20 +27,25 @@ def default_peak_flops(backend: str, dtype: str) -> float:
   return 100e12
 
 
-def flops_per_token(model_cfg, seq_len: int, window: int = 0) -> float:
+def flops_per_token(model_cfg, seq_len: int, window=0) -> float:
   """Training FLOPs per token: 6 * matmul params plus causal attention (forward + backward).
 
   Matmul params are the blocks' linear weights and the lm head (embedding lookups are free).
   Attention scores and the weighted sum cost 2 * 2 * ctx * H * K per token forward, where ctx is
   the average number of keys a query sees (about T / 2 when causal, at most the window).
+  `window` is one window for every layer or a sequence of per-layer windows (0 = causal).
   """
   m = model_cfg
   hk = m.num_heads * m.head_dim
-  per_layer = 4 * m.d_model * hk + 2 * m.d_model * m.mlp_dim
-  matmul_params = m.num_layers * per_layer + m.d_model * m.vocab_size
+  # MLP-only blocks (model.no_attention_layers) have neither attention weights nor scores.
+  no_attn = {i for i in m.no_attention_layers if i < m.num_layers}
+  matmul_params = ((m.num_layers - len(no_attn)) * 4 * m.d_model * hk
+                   + m.num_layers * 2 * m.d_model * m.mlp_dim + m.d_model * m.vocab_size)
   t = seq_len
-  ctx = (t + 1) / 2 if not window or window >= t else window - (window - 1) * window / (2 * t)
-  attn = m.num_layers * 4 * ctx * hk
+  def ctx(w):
+    return (t + 1) / 2 if not w or w >= t else w - (w - 1) * w / (2 * t)
+  windows = list(window) if isinstance(window, (list, tuple)) else [window] * m.num_layers
+  attn = sum(4 * ctx(w) * hk for i, w in enumerate(windows) if i not in no_attn)
   return 6 * matmul_params + 3 * attn
 
 

@@ -1,6 +1,9 @@
 """The train step, the eval step and the training loop."""
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import os
 import signal
 import threading
 import time
@@ -13,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nanotext import checkpoint, metrics, optim, sharding
-from nanotext.model import GPT, count_params
+from nanotext.model import GPT, attention, count_params
 from nanotext.errors import UserError
 from nanotext.model.attention import resolve_impl, segment_ids_from_tokens
 
@@ -107,15 +110,32 @@ def abstract_state(setup: Setup):
   return checkpoint.abstract_with_shardings(shapes, setup.state_shardings)
 
 
-def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None):
-  """Mean next-token cross-entropy; with `eot_id`, attention stays within documents."""
+def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None):
+  """Mean next-token cross-entropy; with `eot_id`, attention stays within documents.
+
+  `windows`: per-layer sliding windows (static ints) of one schedule stage; None = the final ones.
+  """
   segments_BT = None if eot_id is None else segment_ids_from_tokens(inputs_BT, eot_id)
-  logits_BTV = nnx.merge(graphdef, params)(inputs_BT, segments_BT)
-  return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
+  logits_BTV = nnx.merge(graphdef, params)(inputs_BT, segments_BT, windows)
+  with jax.named_scope("loss"):
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
 
 
-def make_train_step(setup: Setup):
+def step_windows(cfg, step: int) -> tuple:
+  """Per-layer windows, as the kernels see them, of 0-based train step `step`.
+
+  Steps whose windows agree (e.g. every window >= train.seq_len, i.e. plain causal) share a
+  compiled program; step == train.steps gives the final windows.
+  """
+  w = attention.windows_at(cfg.attention, cfg.model.num_layers, step, cfg.train.steps)
+  return attention.effective_windows(w, cfg.train.seq_len)
+
+
+def make_train_step(setup: Setup, windows=None):
   """jit(state, batch) -> (state, metrics), state donated, with gradient accumulation.
+
+  `windows` (a tuple of static per-layer ints, one attention.window_schedule stage) is baked into
+  the program: each distinct tuple is its own executable, compiled before the loop starts.
 
   A step whose loss or gradient norm is not finite leaves params and optimizer state as they
   were when train.on_nonfinite=skip (selected on device: no host sync); with abort the host
@@ -126,7 +146,7 @@ def make_train_step(setup: Setup):
   nan_step = setup.cfg.train.debug_nan_step
 
   def objective(p, x, y, poison):
-    loss = loss_fn(graphdef, p, x, y, setup.eot_id)
+    loss = loss_fn(graphdef, p, x, y, setup.eot_id, windows)
     return loss if poison is None else loss * poison
   grad_fn = jax.value_and_grad(objective)
 
@@ -169,7 +189,11 @@ def make_train_step(setup: Setup):
 
 
 def make_eval_step(setup: Setup):
-  """jit(params, batch) -> mean loss."""
+  """jit(params, batch) -> mean loss, at the final windows of the schedule.
+
+  One eval program for the whole run; the last evaluation equals the record's, which evaluates
+  at the current window and so at the full one after the last step.
+  """
   def eval_fn(params, batch):
     with sharding.use_rules(setup.rules, setup.mesh):
       return loss_fn(setup.graphdef, params, batch["inputs"], batch["targets"], setup.eot_id)
@@ -181,6 +205,60 @@ def global_batch(setup: Setup, local: dict) -> dict:
   """Global jax.Arrays sharded along `batch`, built from this process's rows."""
   return {k: jax.make_array_from_process_local_data(setup.batch_sharding, np.asarray(v))
           for k, v in local.items()}
+
+
+def compile_train_steps(setup: Setup, state, batch, steps) -> dict:
+  """AOT-compile one train program per distinct window tuple that `steps` (0-based) need.
+
+  Tracing runs one after another; XLA compilations run in a thread pool, since they are
+  independent and release the GIL (many schedule stages on a many-core host).
+  """
+  needed = list(dict.fromkeys(step_windows(setup.cfg, s) for s in steps))  # in order of use
+  lowered = {w: make_train_step(setup, w).lower(state, batch) for w in needed}
+  workers = max(1, min(len(lowered), os.cpu_count() or 1))
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    futures = {w: pool.submit(low.compile) for w, low in lowered.items()}
+    return {w: f.result() for w, f in futures.items()}
+
+
+class Profiler:
+  """jax.profiler trace of profile.steps steps, from the one run after profile.start_step steps.
+
+  Every process traces its own devices; with several processes each writes under
+  DIR/process_I (processes sharing a host would otherwise overwrite one <host>.xplane.pb).
+  Open DIR (or one process's folder) with TensorBoard's profile plugin or XProf.
+  """
+
+  def __init__(self, cfg, log):
+    p = cfg.profile
+    self.first = p.start_step if p.steps > 0 and p.start_step >= 0 else None
+    self.last = None if self.first is None else p.start_step + p.steps - 1
+    self.dir = p.dir or os.path.join(cfg.output_dir, "profile")
+    if jax.process_count() > 1:
+      self.dir = os.path.join(self.dir, f"process_{jax.process_index()}")
+    self.log, self.tracing = log, False
+
+  def step(self, step: int):
+    """Context around 0-based step `step`: starts the trace at the first and annotates steps."""
+    if self.first is not None and step == self.first and not self.tracing:
+      jax.profiler.start_trace(self.dir)
+      self.tracing = True
+    if not self.tracing:
+      return contextlib.nullcontext()
+    return jax.profiler.StepTraceAnnotation("train", step_num=step)
+
+  def after(self, step: int, state) -> None:
+    """Stops the trace after the last traced step, once its device work has finished."""
+    if self.tracing and step >= self.last:
+      jax.block_until_ready(state)
+      self.stop()
+
+  def stop(self) -> None:
+    if self.tracing:
+      jax.profiler.stop_trace()
+      self.tracing = False
+      # Logged with the 1-based step numbers of the metric lines.
+      self.log(f"profile of steps {self.first + 1}..{self.last + 1} written to {self.dir}")
 
 
 class NonFiniteError(RuntimeError):
@@ -196,6 +274,7 @@ class LoopResult:
   compile_seconds: float
   preempted: bool = False
   skipped_steps: int = 0
+  programs: int = 0  # executables compiled before the loop (train stages + eval)
 
 
 class Preemption:
@@ -241,12 +320,20 @@ class Monitor:
     cfg, t_cfg = setup.cfg, setup.cfg.train
     self.setup, self.writer, self.log, self.counter = setup, writer, log, counter
     self.tokens_per_step = t_cfg.batch_size * t_cfg.seq_len
-    self.flops_per_step = metrics.flops_per_token(cfg.model, t_cfg.seq_len,
-                                                  cfg.attention.window) * self.tokens_per_step
+    self._flops = {}  # per-layer windows -> FLOPs per step (the schedule changes them)
     self.peak = cfg.metrics.peak_flops * jax.device_count()
     self.clock = [start_step, time.perf_counter()]  # last reported step and when it was read
     self.unverified = []  # [(step, device metrics)] not yet read back
     self.skipped, self.last_loss, self.verified = skipped, float("nan"), start_step
+
+  def flops_per_step(self, step: int) -> float:
+    """Training FLOPs of (1-based) step `step`, at its schedule stage's windows."""
+    cfg = self.setup.cfg
+    windows = step_windows(cfg, step - 1)
+    if windows not in self._flops:
+      self._flops[windows] = metrics.flops_per_token(cfg.model, cfg.train.seq_len,
+                                                     windows) * self.tokens_per_step
+    return self._flops[windows]
 
   def add(self, step: int, dev) -> None:
     self.unverified.append((step, dev))
@@ -286,12 +373,15 @@ class Monitor:
     steps, dt = step - self.clock[0], now - self.clock[1]
     self.clock[:] = [step, now]
     tok_s = steps * self.tokens_per_step / dt if dt > 0 else 0.0
-    mfu = tok_s / self.tokens_per_step * self.flops_per_step / self.peak if self.peak else 0.0
+    flops = self.flops_per_step(step)
+    mfu = tok_s / self.tokens_per_step * flops / self.peak if self.peak else 0.0
     cfg = self.setup.cfg
     lr = optim.current_lr(cfg.optim, cfg.train.steps, step - 1)
-    self.writer.write(step, {"loss": loss, "lr": lr, "tokens_per_sec": tok_s, "mfu": mfu,
-                             "grad_norm": grad_norm, "compiles": self.counter.count,
-                             "skipped_steps": self.skipped})
+    row = {"loss": loss, "lr": lr, "tokens_per_sec": tok_s, "mfu": mfu, "grad_norm": grad_norm,
+           "compiles": self.counter.count, "skipped_steps": self.skipped}
+    if cfg.attention.window_schedule:
+      row["attn_window"] = attention.long_window(cfg.attention, step - 1, cfg.train.steps)
+    self.writer.write(step, row)
     skips = f" | {self.skipped} skipped" if self.skipped else ""
     self.log(f"step {step:>6d}/{cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | "
              f"{tok_s:,.0f} tok/s | mfu {100 * mfu:.1f}%{skips}")
@@ -309,12 +399,18 @@ def train(setup: Setup, state, train_iter, val_batches, *, writer, manager, star
   t0 = time.perf_counter()
   first = global_batch(setup, next(train_iter))
   data_state = train_iter.get_state()  # batches consumed through the step about to run
-  step_exec = make_train_step(setup).lower(state, first).compile()
+  # Every window tuple of the schedule is its own program: all of them are compiled here, so a
+  # window change in the loop only switches executables.
+  train_execs = compile_train_steps(setup, state, first, range(start_step, t_cfg.steps))
   eval_exec = make_eval_step(setup).lower(state["params"], val_batches[0]).compile() \
       if val_batches else None
   compile_s = time.perf_counter() - t0
-  log(f"compiled train and eval steps in {compile_s:.1f} s")
+  programs = len(train_execs) + (eval_exec is not None)
+  log(f"compiled {len(train_execs)} train step program(s)"
+      f"{' and the eval step' if eval_exec is not None else ''} ({programs} in all) in "
+      f"{compile_s:.1f} s")
   mon = Monitor(setup, writer, log, counter, start_step=start_step, skipped=skipped_steps)
+  profiler = Profiler(cfg, log)
 
   def evaluate(params):
     losses = [eval_exec(params, b) for b in val_batches]
@@ -331,15 +427,18 @@ def train(setup: Setup, state, train_iter, val_batches, *, writer, manager, star
 
   val_loss = float("nan")
   batch = first
-  with Preemption(t_cfg.log_every) as preemption:
+  with Preemption(t_cfg.log_every) as preemption, contextlib.ExitStack() as stack:
+    stack.callback(profiler.stop)  # a trace in progress is written even if the loop fails
     counter.active = True
     for step in range(start_step, t_cfg.steps):
       done = step + 1
-      state, step_metrics = step_exec(state, batch)
+      with profiler.step(step):
+        state, step_metrics = train_execs[step_windows(cfg, step)](state, batch)
       saved_state = data_state
       if done < t_cfg.steps:
         batch = global_batch(setup, next(train_iter))  # overlaps with the step just dispatched
         data_state = train_iter.get_state()
+      profiler.after(step, state)
       mon.flush_if_logging()
       mon.add(done, step_metrics)
       if (t_cfg.eval_every and done % t_cfg.eval_every == 0 and done < t_cfg.steps
@@ -359,7 +458,7 @@ def train(setup: Setup, state, train_iter, val_batches, *, writer, manager, star
         log(f"received {preemption.received}: saved the checkpoint of step {done} and "
             "stopped; the same command resumes from it")
         return LoopResult(state, mon.last_loss, val_loss, counter.count, compile_s,
-                          preempted=True, skipped_steps=mon.skipped)
+                          preempted=True, skipped_steps=mon.skipped, programs=programs)
     mon.flush(final=True)
     counter.active = False
     if eval_exec is not None:
@@ -370,4 +469,4 @@ def train(setup: Setup, state, train_iter, val_batches, *, writer, manager, star
       save(t_cfg.steps, state, data_state)
   log(f"compilations inside the training loop: {counter.count}")
   return LoopResult(state, mon.last_loss, val_loss, counter.count, compile_s,
-                    skipped_steps=mon.skipped)
+                    skipped_steps=mon.skipped, programs=programs)

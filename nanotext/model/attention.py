@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from nanotext import sharding
 from nanotext.errors import UserError
-from nanotext.model.layers import Linear, rms_norm
+from nanotext.model.layers import Linear, StackedLinear, param, rms_norm
 
 IMPLS = ("auto", "xla", "cudnn", "splash")
 SPLASH_LANES = 128  # splash tiles must be multiples of the TPU lane width, also in interpret mode
@@ -190,6 +190,63 @@ def _splash_local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale, window)
   return jnp.swapaxes(out_BHTK, 1, 2)
 
 
+def long_window(attn_cfg, step: int, steps: int) -> int:
+  """The long sliding window (tokens) at 0-based `step` of `steps`: the schedule, or the config.
+
+  With attention.window_schedule the window grows in whole blocks of `b` = window_block tokens,
+  from window_start to window over the run, as modded-nanogpt train_gpt.py (587b45fb)
+  get_window_size_blocks: `next_multiple_of_n(1728 * step / num_iterations, n=128)`, i.e.
+  128 * max(1, ceil(13.5 * progress)) for 128 -> 1792. In blocks, with s = start / b and
+  e = window / b, that is max(s, s - 1 + ceil((e - s + 1/2) * progress)): every size in between
+  gets an equal share of the run, the final one half a share. Exact integer arithmetic (the
+  record's float product can land one block apart exactly at a block boundary).
+  """
+  if not attn_cfg.window_schedule:
+    return int(attn_cfg.window)
+  b = attn_cfg.window_block
+  s, e = attn_cfg.window_start // b, attn_cfg.window // b
+  step = min(max(step, 0), steps)
+  grown = s - 1 - (-(2 * (e - s) + 1) * step // (2 * steps))  # s - 1 + ceil(...)
+  return b * min(e, max(s, grown))
+
+
+def short_window(attn_cfg, long: int) -> int:
+  """Window of an 'S' layer: half the long one in whole blocks, at least one block.
+
+  The record halves the block count (`sliding_window_num_blocks // 2`); its 0-block short window
+  at the first size still attends within the query's own block, so one block is the floor here.
+  Without window_block alignment (no schedule) it is long // 2 tokens.
+  """
+  b = attn_cfg.window_block
+  if long % b:
+    return max(1, long // 2)
+  return b * max(1, long // b // 2)
+
+
+def layer_windows(attn_cfg, num_layers: int, long: int) -> tuple:
+  """Per-layer windows (static ints) for a long window: attention.window_pattern letters map
+  L -> long, S -> short_window; the pattern repeats (or is cut) to num_layers; '' = all long."""
+  pattern = attn_cfg.window_pattern
+  if not pattern or not long:  # no window at all: every layer plain causal
+    return (int(long),) * num_layers
+  short = short_window(attn_cfg, long)
+  return tuple(int(long) if pattern[i % len(pattern)] == "L" else short
+               for i in range(num_layers))
+
+
+def windows_at(attn_cfg, num_layers: int, step: int, steps: int) -> tuple:
+  """Per-layer windows of 0-based train step `step` (step == steps: the final ones)."""
+  return layer_windows(attn_cfg, num_layers, long_window(attn_cfg, step, steps))
+
+
+def effective_windows(windows, seq_len: int) -> tuple:
+  """Windows as the kernel sees them: one covering the whole sequence is plain causal (0).
+
+  Two schedule stages with the same effective windows share one compiled program.
+  """
+  return tuple(0 if not w or w >= seq_len else int(w) for w in windows)
+
+
 def rope_frequencies(head_dim: int, base: float, truncate: bool) -> np.ndarray:
   """Angular frequency per rotated pair (head_dim // 2 of them).
 
@@ -221,9 +278,16 @@ class CausalSelfAttention(nnx.Module):
     d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
     lin = dict(bias=cfg.bias, param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
     std = cfg.init_std or 0.5 / np.sqrt(d)
-    self.q = Linear(d, h * k, ("embed", "heads"), std=std, **lin)
-    self.k = Linear(d, h * k, ("embed", "heads"), std=std, **lin)
-    self.v = Linear(d, h * k, ("embed", "heads"), std=std, **lin)
+    self.merged_qkv = cfg.merged_qkv
+    if cfg.merged_qkv:  # one [3, D, H*K] parameter (record: qkv_w), one matmul
+      self.qkv = StackedLinear(3, d, h * k, ("embed", "heads"), std=std, **lin)
+    else:
+      self.q = Linear(d, h * k, ("embed", "heads"), std=std, **lin)
+      self.k = Linear(d, h * k, ("embed", "heads"), std=std, **lin)
+      self.v = Linear(d, h * k, ("embed", "heads"), std=std, **lin)
+    # v <- lambdas[0] * v + lambdas[1] * ve (value embeddings; record init 0.5, 0.5).
+    self.v_lambdas = param(jnp.array([0.5, 0.5], cfg.param_dtype), (None,)) \
+        if cfg.value_embeds else None
     proj_std = 0.0 if cfg.zero_init_proj else (cfg.init_std or 0.5 / np.sqrt(h * k)) / np.sqrt(
         2 * cfg.num_layers)
     self.o = Linear(h * k, d, ("heads", "embed"), std=proj_std, **lin)
@@ -233,14 +297,21 @@ class CausalSelfAttention(nnx.Module):
     self.rope = (cfg.rope_base, cfg.rope_truncate) if cfg.positions == "rope" else None
     self.impl, self.window = impl, attn_cfg.window
 
-  def __call__(self, x_BTD, segment_ids_BT=None, window=None):
-    """Attention over [B, T, D]; `window` (static int) overrides attention.window for a schedule."""
+  def __call__(self, x_BTD, segment_ids_BT=None, window=None, ve_BTD=None):
+    """Attention over [B, T, D]; `window` (static int) overrides attention.window for a schedule;
+    `ve_BTD` is this layer's value embedding (with model.value_embeds; None for middle layers)."""
     B, T, _ = x_BTD.shape
     shape = (B, T, self.num_heads, self.head_dim)
     names = ("batch", "length", "heads", "kv")
-    q = sharding.constrain(self.q(x_BTD).reshape(shape), names)
-    k = sharding.constrain(self.k(x_BTD).reshape(shape), names)
-    v = sharding.constrain(self.v(x_BTD).reshape(shape), names)
+    if self.merged_qkv:
+      q, k, v = self.qkv(x_BTD)
+    else:
+      q, k, v = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
+    q, k, v = (sharding.constrain(a.reshape(shape), names) for a in (q, k, v))
+    if self.v_lambdas is not None:
+      lam = self.v_lambdas.value.astype(v.dtype)
+      # Layers without a value embedding still scale v by lambdas[0], as the record does.
+      v = lam[0] * v if ve_BTD is None else lam[0] * v + lam[1] * ve_BTD.reshape(shape)
     if self.qk_norm:
       q, k = rms_norm(q), rms_norm(k)
     if self.rope is not None:

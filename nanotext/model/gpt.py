@@ -6,8 +6,9 @@ import numpy as np
 from flax import nnx
 
 from nanotext import sharding
-from nanotext.model.attention import CausalSelfAttention
-from nanotext.model.layers import Embed, Linear, Norm, init_array, param
+from nanotext.model.attention import CausalSelfAttention, layer_windows
+from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul, init_array,
+                                   param)
 
 
 class MLP(nnx.Module):
@@ -31,20 +32,25 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm transformer block, optionally mixing the initial embedding x0 back in."""
 
-  def __init__(self, cfg, attn_cfg, *, impl, rngs):
-    self.ln1 = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype)
-    self.attn = CausalSelfAttention(cfg, attn_cfg, impl=impl, rngs=rngs)
+  def __init__(self, cfg, attn_cfg, *, impl, rngs, attention: bool = True):
+    # attention=False: an MLP-only block (record: blocks.7 has no attention).
+    self.ln1 = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype) if attention else None
+    self.attn = CausalSelfAttention(cfg, attn_cfg, impl=impl, rngs=rngs) if attention else None
     self.ln2 = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype)
     self.mlp = MLP(cfg, rngs=rngs)
     # x <- lambdas[0] * x + lambdas[1] * x0 (modded-nanogpt), starting as the identity.
     self.lambdas = param(jnp.array([1.0, 0.0], cfg.param_dtype), (None,)) if cfg.x0_mix else None
 
-  def __call__(self, x_BTD, x0_BTD, segment_ids_BT=None):
+  def __call__(self, x_BTD, x0_BTD, segment_ids_BT=None, window=None, ve_BTD=None):
+    """`window` (static int) overrides attention.window; `ve_BTD`: this layer's value embedding."""
     if self.lambdas is not None:
       lam = self.lambdas.value.astype(x_BTD.dtype)
       x_BTD = lam[0] * x_BTD + lam[1] * x0_BTD
-    x_BTD = x_BTD + self.attn(self.ln1(x_BTD), segment_ids_BT)
-    x_BTD = x_BTD + self.mlp(self.ln2(x_BTD))
+    if self.attn is not None:
+      with jax.named_scope("attention"):
+        x_BTD = x_BTD + self.attn(self.ln1(x_BTD), segment_ids_BT, window, ve_BTD)
+    with jax.named_scope("mlp"):
+      x_BTD = x_BTD + self.mlp(self.ln2(x_BTD))
     return sharding.constrain(x_BTD, ("batch", "length", "embed"))
 
 
@@ -63,8 +69,20 @@ class GPT(nnx.Module):
     # The speedrun normalises the embedding before the first block; GPT-2 does not.
     self.ln_embed = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype) \
         if cfg.norm == "rmsnorm" else None
-    self.blocks = nnx.List([Block(cfg, attn_cfg, impl=impl, rngs=rngs)
-                            for _ in range(cfg.num_layers)])
+    # Per-layer windows when the caller names none: the pattern at the full (final) window.
+    self.windows = layer_windows(attn_cfg, cfg.num_layers, attn_cfg.window)
+    no_attn = set(cfg.no_attention_layers)  # indices past the last layer do not apply
+    self.blocks = nnx.List([Block(cfg, attn_cfg, impl=impl, rngs=rngs, attention=i not in no_attn)
+                            for i in range(cfg.num_layers)])
+    # Value embeddings: extra token tables mixed into v of the first and last layers.
+    self.ve_layers = value_embed_layers(cfg.value_embeds, cfg.num_layers)
+    self.value_embeds = nnx.List([
+        Embed(cfg.vocab_size, cfg.d_model, std=cfg.embed_std, param_dtype=cfg.param_dtype,
+              dtype=cfg.dtype, rngs=rngs)
+        for _ in range(min(cfg.value_embeds, cfg.num_layers // 2))])
+    # U-net: the first L // 2 blocks' outputs come back, weighted, before the last L // 2 blocks.
+    self.skip_weights = param(jnp.ones((cfg.num_layers // 2,), cfg.param_dtype), (None,)) \
+        if cfg.unet_skips else None
     self.ln_f = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype)
     if cfg.tie_embeddings:
       self.head = None
@@ -72,22 +90,53 @@ class GPT(nnx.Module):
       std = 0.0 if cfg.zero_init_head else cfg.init_std or 0.5 / np.sqrt(cfg.d_model)
       self.head = Linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), std=std, bias=False,
                          param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
+    self.fp8_head = cfg.fp8_head
 
-  def __call__(self, tokens_BT, segment_ids_BT=None):
-    """Logits; with `segment_ids_BT`, attention stays within each document."""
+  def __call__(self, tokens_BT, segment_ids_BT=None, windows=None):
+    """Logits; with `segment_ids_BT`, attention stays within each document.
+
+    `windows`: per-layer sliding windows (a tuple of static ints, e.g. one stage of
+    attention.window_schedule); None = the configured pattern at attention.window.
+    """
     x_BTD = self.embed(tokens_BT)
     if self.pos is not None:
       x_BTD = x_BTD + self.pos.value[: tokens_BT.shape[1]].astype(x_BTD.dtype)[None]
     if self.ln_embed is not None:
       x_BTD = self.ln_embed(x_BTD)
     x0_BTD = x_BTD
-    for block in self.blocks:
-      x_BTD = block(x_BTD, x0_BTD, segment_ids_BT)
+    windows = self.windows if windows is None else tuple(windows)
+    ve = [table(tokens_BT) for table in self.value_embeds]
+    L = len(self.blocks)
+    n_skip = 0 if self.skip_weights is None else L // 2
+    skips = []
+    for i, block in enumerate(self.blocks):
+      if i >= L - n_skip:  # decoder half: the mirrored encoder output (a stack: last in, first out)
+        x_BTD = x_BTD + self.skip_weights.value[i - (L - n_skip)].astype(x_BTD.dtype) * skips.pop()
+      with jax.named_scope(f"block_{i}"):
+        j = self.ve_layers[i]
+        x_BTD = block(x_BTD, x0_BTD, segment_ids_BT, windows[i], None if j is None else ve[j])
+      if i < n_skip:
+        skips.append(x_BTD)
     x_BTD = self.ln_f(x_BTD)
-    logits_BTV = self.embed.attend(x_BTD) if self.head is None else self.head(x_BTD)
+    if self.head is None:
+      logits_BTV = self.embed.attend(x_BTD)
+    elif self.fp8_head:
+      B, T, D = x_BTD.shape
+      logits_NV = fp8_matmul(x_BTD.reshape(B * T, D), self.head.kernel.value,
+                             *fp8_head_scales(D, B * T))
+      logits_BTV = logits_NV.reshape(B, T, -1)
+    else:
+      logits_BTV = self.head(x_BTD)
     logits_BTV = sharding.constrain(logits_BTV.astype(jnp.float32), ("batch", "length", "vocab"))
     c = self.softcap
     return c * jnp.tanh(logits_BTV / c) if c else logits_BTV
+
+
+def value_embed_layers(n: int, num_layers: int) -> tuple:
+  """Value-embedding table of each layer (None = none): tables 0..m-1 on the first m layers and
+  again on the last m, m = min(n, num_layers // 2) (record, n=3 of 12: 0 1 2 - - - - - - 0 1 2)."""
+  m = min(n, num_layers // 2)
+  return tuple(range(m)) + (None,) * (num_layers - 2 * m) + tuple(range(m))
 
 
 def count_params(state) -> int:
