@@ -26,6 +26,7 @@ CHOICES = {
     "attention.impl": ("auto", "xla", "cudnn", "splash"),
     "optim.name": ("adamw", "muon"),
     "optim.muon_layout": ("distributed", "replicated", "sharded"),
+    "optim.muon_ns_coeffs": ("jordan", "polar_express"),
     "data.source": ("shakespeare", "bin", "tfds", "synthetic"),
     "data.tokenizer": ("shakespeare", "gpt2", "none"),
     "train.on_nonfinite": ("abort", "skip"),
@@ -37,11 +38,13 @@ NON_NEGATIVE = ("train.eval_every", "checkpoint.every", "model.head_dim", "model
                 "model.max_seq_len", "model.align", "optim.warmup_steps", "optim.grad_clip",
                 "data.workers", "data.val_tokens", "sample.max_new_tokens", "sample.top_k",
                 "sample.temperature", "model.logit_softcap", "model.attn_scale",
-                "model.init_std", "model.embed_std")
+                "model.init_std", "model.embed_std", "attention.window",
+                "profile.steps", "train.target_val_loss")
 # Keys a continued or resumed run may change without becoming "a different run".
 RUN_IDENTITY_IGNORES = ("overwrite", "distributed", "train.steps", "train.log_every", "train.eval_every",
                         "train.eval_batches", "checkpoint", "metrics", "sample", "output_dir",
-                        "data.workers")
+                        "data.workers", "profile", "train.compile_cache_dir",
+                        "train.target_val_loss")
 
 
 def _read_yaml(path: Path) -> dict:
@@ -221,6 +224,7 @@ def validate(cfg) -> None:
   if m.positions == "rope" and head_dim % (4 if m.rope_truncate else 2):
     raise UserError(f"rotary embeddings need an even head_dim (a multiple of 4 with "
                     f"model.rope_truncate); got model.head_dim={head_dim}")
+  _validate_speedrun_switches(m)
   if m.max_seq_len and m.max_seq_len < t.seq_len:
     raise UserError(f"model.max_seq_len={m.max_seq_len} is shorter than train.seq_len="
                     f"{t.seq_len}")
@@ -230,8 +234,51 @@ def validate(cfg) -> None:
     raise UserError("data.source=bin needs data.train_files (a glob of .bin shards)")
   if cfg.data.source == "tfds" and not cfg.data.tfds_name:
     raise UserError("data.source=tfds needs data.tfds_name")
+  _validate_windows(cfg.attention)
+  if cfg.profile.start_step < -1:
+    raise UserError(f"profile.start_step={cfg.profile.start_step} must be a step >= 0 or -1 (off)")
   if cfg.checkpoint.keep < 1:
     raise UserError(f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
+
+
+def _validate_windows(a) -> None:
+  """Sliding-window pattern and schedule keys (attention.*)."""
+  pattern = a.window_pattern
+  if pattern and set(pattern) - set("LS"):
+    raise UserError(f"attention.window_pattern={pattern!r} may hold only the letters L (long "
+                    "window) and S (short window), one per layer, or be ''")
+  if (pattern or a.window_schedule) and not a.window:
+    raise UserError("attention.window_pattern / attention.window_schedule need attention.window > 0"
+                    " (the long window in tokens)")
+  if not a.window_schedule:
+    return
+  if a.window_block <= 0:
+    raise UserError(f"attention.window_block={a.window_block} must be positive")
+  for key in ("window_start", "window"):
+    value = a[key]
+    if value <= 0 or value % a.window_block:
+      raise UserError(f"attention.{key}={value} must be a positive multiple of "
+                      f"attention.window_block={a.window_block}")
+  if a.window_start > a.window:
+    raise UserError(f"attention.window_start={a.window_start} exceeds attention.window="
+                    f"{a.window} (the schedule grows from the first to the second)")
+
+
+def _validate_speedrun_switches(m) -> None:
+  """The modded-nanogpt architecture switches of the model section."""
+  layers = m.no_attention_layers
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+    raise UserError(f"model.no_attention_layers={layers!r} must be a list of 0-based layer "
+                    "indices (non-negative integers)")
+  if m.value_embeds < 0:
+    raise UserError(f"model.value_embeds={m.value_embeds} must not be negative")
+  head_dim = m.head_dim or m.d_model // m.num_heads
+  if m.value_embeds and m.num_heads * head_dim != m.d_model:
+    raise UserError(f"model.value_embeds={m.value_embeds} adds [vocab, d_model] tables to v, so it "
+                    f"needs model.num_heads*model.head_dim={m.num_heads * head_dim} to equal "
+                    f"model.d_model={m.d_model}")
+  if m.fp8_head and m.tie_embeddings:
+    raise UserError("model.fp8_head=true needs an untied head (model.tie_embeddings=false)")
 
 
 def misaligned_dims(model_cfg) -> list:

@@ -57,6 +57,18 @@ def check_output_dir(cfg) -> None:
     multihost_utils.sync_global_devices("nanotext: output_dir cleared")
 
 
+def enable_compile_cache(path: str) -> None:
+  """JAX's persistent compilation cache in `path`: later runs reuse every compiled program.
+
+  Every program is cached (no minimum compile time or size): a window schedule has many
+  step programs, and a restart should compile none of them again.
+  """
+  import jax
+  jax.config.update("jax_compilation_cache_dir", os.path.abspath(os.path.expanduser(path)))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 def run(path: str, overrides, log=print):
   """Load, check and train; returns the loop result. Raises UserError on bad input."""
   import jax
@@ -66,6 +78,8 @@ def run(path: str, overrides, log=print):
   from nanotext.generate import sample_text
 
   cfg = config.load(path, overrides)
+  if cfg.train.compile_cache_dir:  # before the first compilation of this process
+    enable_compile_cache(cfg.train.compile_cache_dir)
   # Joining the other processes must precede the first backend use (device counts in finalize).
   distributed.maybe_initialize(cfg.distributed)
   backend = jax.default_backend()
@@ -132,6 +146,11 @@ def run(path: str, overrides, log=print):
   manager.close()
   if result.preempted:
     return result
+  target = cfg.train.target_val_loss
+  if target:
+    reached = result.val_loss <= target
+    log(f"target val_loss <= {target}: {'reached' if reached else 'not reached'} "
+        f"(final val_loss {result.val_loss:.4f})")
   if vocab is not None and cfg.sample.max_new_tokens:
     try:
       tokenizer = get_tokenizer(cfg.data.tokenizer)

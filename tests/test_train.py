@@ -36,7 +36,8 @@ def corpus_run(tmp_path_factory):
                                             "train.log_every=1", "train.eval_every=30",
                                             "checkpoint.every=30", "metrics.tensorboard=true",
                                             "optim.lr=0.01", "optim.warmup_steps=5",
-                                            "sample.max_new_tokens=8"])
+                                            "sample.max_new_tokens=8",
+                                            "train.target_val_loss=8.0"])
   return out, result, lines
 
 
@@ -127,3 +128,8 @@ def test_speedrun_family_trains_with_muon(tmp_path):
   assert rows[-1]["loss"] < rows[0]["loss"]
   with open(os.path.join(tmp_path, "config.yml")) as f:
     assert yaml.safe_load(f)["optim"]["name"] == "muon"
+
+
+def test_target_val_loss_is_reported(corpus_run):
+  _, result, lines = corpus_run
+  assert f"target val_loss <= 8.0: reached (final val_loss {result.val_loss:.4f})" in lines
