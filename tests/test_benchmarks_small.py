@@ -1,0 +1,77 @@
+"""benchmarks/overhead.py, reference_step.py and convergence.py on tiny shapes."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import BASE, REPO, SPEEDRUN
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # overhead.py imports reference_step by name
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(
+      f"{name}_bench", os.path.join(REPO, "benchmarks", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+overhead = _load("overhead")
+convergence = _load("convergence")
+reference = _load("reference_step")
+
+# GPT-2 as configs/base.yml, only small; a short warmup so the timed steps cross the schedule.
+SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
+         "model.vocab_size=512", "model.align=0", "train.batch_size=4", "train.seq_len=32",
+         "train.steps=10", "optim.warmup_steps=2", "optim.weight_decay=0.1"]
+
+
+def test_reference_step_is_the_same_math_as_nanotext():
+  r = overhead.measure(BASE, SMALL, rounds=2, steps=2, warmup=1)
+  assert r["loss_rel_diff"] <= overhead.LOSS_RTOL
+  # Five optimizer steps later (warmup, clipping, decay) the two still agree.
+  assert r["nt_loss_end"] == pytest.approx(r["ref_loss_end"], rel=1e-5)
+  assert r["nt_loss_end"] < r["nt_loss0"]
+  assert "same math: yes" in overhead.table(r, "small")
+
+
+def test_reference_schedule_matches_nanotext():
+  from nanotext import config, optim
+  cfg = config.load(BASE, ["train.steps=30", "optim.warmup_steps=5"])
+  hp = overhead.hparams(config.finalize(cfg, num_devices=1, backend="cpu"))
+  ref = reference.schedule(hp)
+  nt = optim.lr_factor(cfg.optim, 30, xp=np)
+  np.testing.assert_allclose([float(ref(s)) for s in range(31)],
+                             [cfg.optim.lr * float(nt(s)) for s in range(31)], rtol=1e-6)
+
+
+def test_overhead_refuses_other_architectures():
+  proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "overhead.py"), SPEEDRUN],
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.startswith("nanotext: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_steps_to_reach_interpolates():
+  curve = [(10, 5.0), (20, 4.0), (30, 3.0)]
+  assert convergence.steps_to_reach(curve, 3.5) == pytest.approx(25.0)
+  assert convergence.steps_to_reach(curve, 5.5) == 10.0  # already there at the first evaluation
+  assert convergence.steps_to_reach(curve, 2.9) is None
+
+
+def test_convergence_report_and_plot(tmp_path):
+  curves = {"baseline (AdamW GPT-2)": [(10, 6.0), (20, 5.0), (40, 4.0)],
+            "speedrun recipe": [(10, 5.0), (20, 3.9), (40, 3.5)]}
+  walls = {name: 1.0 for name in curves}
+  settings = dict(steps=40, batch_size=4, seq_len=8, eval_every=10, eval_batches=1)
+  md = convergence.report(curves, walls, settings, "python benchmarks/convergence.py")
+  assert "| speedrun recipe | 3.5000 | 19.1 |" in md
+  assert "ratio 0.48" in md and "target (<= 0.5) met" in md
+  png = tmp_path / "c.png"
+  convergence.plot(curves, 4.0, 19.1, str(png))
+  assert png.read_bytes()[:4] == b"\x89PNG"
