@@ -26,7 +26,7 @@ setup(
         "numpy>=1.26",
     ],
     extras_require={
-        "test": ["pytest>=8", "torch", "transformers", "safetensors"],
+        "test": ["pytest>=8", "torch", "transformers", "safetensors", "matplotlib>=3.8"],
         "gpt2": ["tiktoken>=0.7"],
         "plots": ["matplotlib>=3.8"],
     },

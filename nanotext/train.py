@@ -165,7 +165,7 @@ def run(path: str, overrides, log=print):
 
 def main(argv) -> None:
   from nanotext.checkpoint import CheckpointError
-  from nanotext.trainer import NonFiniteError
+  from nanotext.watch import NonFiniteError
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every step at INFO
   try:

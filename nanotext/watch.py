@@ -1,0 +1,183 @@
+"""What watches the training loop: compilations, metrics read late, signals, the profiler."""
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+
+from nanotext import metrics, optim
+from nanotext.model import attention
+
+
+class CompileCounter:
+  """Counts XLA backend compilations (via jax.monitoring) while `active`."""
+
+  _EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self):
+    self.count, self.active = 0, False
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, event, duration, **kwargs):
+    del duration, kwargs
+    if self.active and event == self._EVENT:
+      self.count += 1
+
+
+class Profiler:
+  """jax.profiler trace of profile.steps steps, from the one run after profile.start_step steps.
+
+  Every process traces its own devices; with several processes each writes under
+  DIR/process_I (processes sharing a host would otherwise overwrite one <host>.xplane.pb).
+  Open DIR (or one process's folder) with TensorBoard's profile plugin or XProf.
+  """
+
+  def __init__(self, cfg, log):
+    p = cfg.profile
+    self.first = p.start_step if p.steps > 0 and p.start_step >= 0 else None
+    self.last = None if self.first is None else p.start_step + p.steps - 1
+    self.dir = p.dir or os.path.join(cfg.output_dir, "profile")
+    if jax.process_count() > 1:
+      self.dir = os.path.join(self.dir, f"process_{jax.process_index()}")
+    self.log, self.tracing = log, False
+
+  def step(self, step: int):
+    """Context around 0-based step `step`: starts the trace at the first and annotates steps."""
+    if self.first is not None and step == self.first and not self.tracing:
+      jax.profiler.start_trace(self.dir)
+      self.tracing = True
+    if not self.tracing:
+      return contextlib.nullcontext()
+    return jax.profiler.StepTraceAnnotation("train", step_num=step)
+
+  def after(self, step: int, state) -> None:
+    """Stops the trace after the last traced step, once its device work has finished."""
+    if self.tracing and step >= self.last:
+      jax.block_until_ready(state)
+      self.stop()
+
+  def stop(self) -> None:
+    if self.tracing:
+      jax.profiler.stop_trace()
+      self.tracing = False
+      # Logged with the 1-based step numbers of the metric lines.
+      self.log(f"profile of steps {self.first + 1}..{self.last + 1} written to {self.dir}")
+
+
+class NonFiniteError(RuntimeError):
+  """A non-finite loss or gradient norm under train.on_nonfinite=abort: exit status 1."""
+
+
+class Preemption:
+  """While active, SIGTERM and SIGINT only set a flag; the loop saves and exits at a step end."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self, log_every: int):
+    self.received, self.log_every, self._previous = None, log_every, {}
+
+  def __enter__(self):
+    # signal.signal works only in the main thread; elsewhere (a library caller) keep defaults.
+    if threading.current_thread() is threading.main_thread():
+      for sig in self.SIGNALS:
+        self._previous[sig] = signal.signal(sig, self._on_signal)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous = {}
+
+  def _on_signal(self, signum, frame):
+    del frame
+    self.received = signal.Signals(signum).name
+
+  def requested(self, step: int) -> bool:
+    """True when this run must stop after `step`; all processes agree on the step."""
+    if jax.process_count() == 1:
+      return self.received is not None
+    if step % self.log_every:  # a host collective only on logging steps, not every step
+      return False
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.int32(self.received is not None))
+    self.received = self.received or ("SIGTERM" if np.any(flags) else None)
+    return self.received is not None
+
+
+class Monitor:
+  """Reads finished steps' metrics late, checks them finite, counts skips, writes log rows."""
+
+  def __init__(self, setup, writer, log, counter, *, start_step: int, skipped: int, windows_of):
+    cfg, t_cfg = setup.cfg, setup.cfg.train
+    self.windows_of = windows_of  # 0-based step -> per-layer attention windows
+    self.setup, self.writer, self.log, self.counter = setup, writer, log, counter
+    self.tokens_per_step = t_cfg.batch_size * t_cfg.seq_len
+    self._flops = {}  # per-layer windows -> FLOPs per step (the schedule changes them)
+    self.peak = cfg.metrics.peak_flops * jax.device_count()
+    self.clock = [start_step, time.perf_counter()]  # last reported step and when it was read
+    self.unverified = []  # [(step, device metrics)] not yet read back
+    self.skipped, self.last_loss, self.verified = skipped, float("nan"), start_step
+
+  def flops_per_step(self, step: int) -> float:
+    """Training FLOPs of (1-based) step `step`, at its schedule stage's windows."""
+    cfg = self.setup.cfg
+    windows = self.windows_of(step - 1)
+    if windows not in self._flops:
+      self._flops[windows] = metrics.flops_per_token(cfg.model, cfg.train.seq_len,
+                                                     windows) * self.tokens_per_step
+    return self._flops[windows]
+
+  def add(self, step: int, dev) -> None:
+    self.unverified.append((step, dev))
+
+  def is_log_step(self, step: int) -> bool:
+    return step % self.setup.cfg.train.log_every == 0 or step == 1
+
+  def flush_if_logging(self) -> None:
+    """Read back the pending steps if one of them is a logging step (one step late)."""
+    if any(self.is_log_step(s) for s, _ in self.unverified):
+      self.flush()
+
+  def flush(self, final: bool = False) -> None:
+    """Read every pending step (blocking on the newest); abort on a non-finite one."""
+    if not self.unverified:
+      return
+    pending, self.unverified = self.unverified, []
+    values = jax.device_get([dev for _, dev in pending])
+    last = pending[-1][0]
+    for (step, _), v in zip(pending, values):
+      loss, grad_norm = float(v["loss"]), float(v["grad_norm"])
+      finite = np.isfinite(loss) and np.isfinite(grad_norm)
+      if not finite and self.setup.cfg.train.on_nonfinite == "abort":
+        raise NonFiniteError(
+            f"step {step} has a non-finite {'loss' if not np.isfinite(loss) else 'gradient norm'}"
+            f" (loss {loss}, grad_norm {grad_norm}); stopped before checkpointing it, the newest "
+            f"checkpoint is the last finite state (train.on_nonfinite=skip skips such steps)")
+      self.skipped += not finite
+      self.verified = step
+      if finite:
+        self.last_loss = loss
+      if self.is_log_step(step) or (final and step == last):
+        self._row(step, loss, grad_norm)
+
+  def _row(self, step: int, loss: float, grad_norm: float) -> None:
+    now = time.perf_counter()
+    steps, dt = step - self.clock[0], now - self.clock[1]
+    self.clock[:] = [step, now]
+    tok_s = steps * self.tokens_per_step / dt if dt > 0 else 0.0
+    flops = self.flops_per_step(step)
+    mfu = tok_s / self.tokens_per_step * flops / self.peak if self.peak else 0.0
+    cfg = self.setup.cfg
+    lr = optim.current_lr(cfg.optim, cfg.train.steps, step - 1)
+    row = {"loss": loss, "lr": lr, "tokens_per_sec": tok_s, "mfu": mfu, "grad_norm": grad_norm,
+           "compiles": self.counter.count, "skipped_steps": self.skipped}
+    if cfg.attention.window_schedule:
+      row["attn_window"] = attention.long_window(cfg.attention, step - 1, cfg.train.steps)
+    self.writer.write(step, row)
+    skips = f" | {self.skipped} skipped" if self.skipped else ""
+    self.log(f"step {step:>6d}/{cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | "
+             f"{tok_s:,.0f} tok/s | mfu {100 * mfu:.1f}%{skips}")
