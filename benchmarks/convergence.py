@@ -192,14 +192,7 @@ def argv_flags() -> list:
   return [f"--{n}={flags.FLAGS[n].value}" for n in names if flags.FLAGS[n].present]
 
 
-def _parse_flags(argv):
-  from nanotext.errors import fail
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    fail(str(e))
-
-
 if __name__ == "__main__":
+  from nanotext.errors import parse_flags
   _define_flags()
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=parse_flags)

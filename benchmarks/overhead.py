@@ -222,14 +222,7 @@ def main(argv):
   print(table(r, " ".join([os.path.relpath(path)] + list(overrides))))
 
 
-def _parse_flags(argv):
-  from nanotext.errors import fail
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    fail(str(e))
-
-
 if __name__ == "__main__":
+  from nanotext.errors import parse_flags
   _define_flags()
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=parse_flags)

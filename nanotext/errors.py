@@ -19,3 +19,12 @@ def run_cli(main, argv=None) -> None:
     main(sys.argv[1:] if argv is None else argv)
   except UserError as e:
     fail(str(e))
+
+
+def parse_flags(argv):
+  """absl `flags_parser` for app.run: a bad flag is one error line and exit 2, not usage text."""
+  from absl import flags
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(str(e))

@@ -10,7 +10,7 @@ import sys
 
 from absl import app, flags, logging
 
-from nanotext.errors import UserError, fail
+from nanotext.errors import UserError, fail, parse_flags
 
 _CONFIG = flags.DEFINE_string("config", None, "Config YAML (instead of the first argument).")
 _SET = flags.DEFINE_multi_string("set", [], "A key=value override; repeatable.")
@@ -184,12 +184,5 @@ def _is_main() -> bool:
   return jax.process_index() == 0
 
 
-def _parse_flags(argv):
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    fail(f"{e}")
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=parse_flags)
