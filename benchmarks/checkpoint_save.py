@@ -39,14 +39,12 @@ def time_saves(state, config_dict, out: str, *, async_save: bool, repeats: int) 
 
 def main(argv) -> None:
   import jax
-  from nanotext import config, sharding, trainer
+  from nanotext import wiring
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   path, overrides = argv[1], argv[2:]
-  cfg = config.load(path, list(overrides) + ["data.source=synthetic", "data.tokenizer=none"])
-  cfg = config.finalize(cfg, num_devices=jax.device_count(), backend=jax.default_backend())
-  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), jax.default_backend())
-  state = jax.block_until_ready(trainer.init_state(setup))
+  setup = wiring.prepare(path, list(overrides) + ["data.source=synthetic", "data.tokenizer=none"])
+  cfg, state = setup.cfg, jax.block_until_ready(setup.init_state())
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   root = _DIR.value or tempfile.mkdtemp(prefix="ckpt_bench_")
   results = {}

@@ -100,19 +100,15 @@ class Pair:
   def __init__(self, path, overrides):
     import jax
     import reference_step as ref
-    from nanotext import config, sharding, trainer
-    from nanotext.data import pipeline
-    cfg = config.load(path, list(overrides) + ["data.source=synthetic", "data.tokenizer=none"])
-    cfg = config.finalize(cfg, num_devices=1, backend=jax.default_backend())
+    from nanotext import trainer, wiring
+    self.setup = wiring.prepare(path, list(overrides) + ["data.source=synthetic",
+                                                         "data.tokenizer=none"],
+                                devices=jax.devices()[:1])
+    cfg = self.setup.cfg
     check_supported(cfg)
     self.cfg, self.hp = cfg, hparams(cfg)
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    self.setup = trainer.build(cfg, mesh, jax.default_backend())
-    self.state = trainer.init_state(self.setup)
-    it = pipeline.make_train_iter(cfg.data, seq_len=cfg.train.seq_len,
-                                  batch_size=cfg.train.batch_size, seed=cfg.seed,
-                                  vocab_size=cfg.model.vocab_size)
-    self.batch = trainer.global_batch(self.setup, next(it))
+    self.state = self.setup.init_state()
+    self.batch = trainer.global_batch(self.setup, next(self.setup.train_iter()))
     self.params = reference_params(self.state["params"])
     self.tx = ref.make_optimizer(self.hp)
     self.opt_state = self.tx.init(self.params)

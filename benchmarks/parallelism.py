@@ -149,27 +149,19 @@ def _local_bytes(tree) -> int:
 
 def measure_layout(path, overrides, name, shape, *, steps, timed_steps, repeats) -> dict:
   """Compile and run one layout; an invalid layout gives {'invalid': reason}."""
-  import jax
-  from nanotext import config, sharding, trainer
-  from nanotext.data import pipeline
+  from nanotext import sharding, trainer, wiring
   from nanotext.errors import UserError
 
   row = {"layout": name, "shape": shape}
   mesh_kv = [f"mesh.{a}={n}" for a, n in zip(sharding.MESH_AXES, shape)]
-  cfg = config.load(path, list(overrides) + mesh_kv)
   try:  # layout-dependent checks (mesh size, divisibility) make a row, not an exit
-    cfg = config.finalize(cfg, num_devices=jax.device_count(), backend=jax.default_backend())
+    setup = wiring.prepare(path, list(overrides) + mesh_kv)
   except UserError as e:
     return {**row, "invalid": str(e)}
-  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), jax.default_backend())
-  it = pipeline.make_train_iter(cfg.data, seq_len=cfg.train.seq_len,
-                                batch_size=cfg.train.batch_size // jax.process_count(),
-                                seed=cfg.seed, process_index=jax.process_index(),
-                                process_count=jax.process_count(),
-                                vocab_size=cfg.model.vocab_size)
+  cfg, it = setup.cfg, setup.train_iter()
   batches = [trainer.global_batch(setup, next(it)) for _ in range(max(steps, 1))]
   try:
-    state = trainer.init_state(setup)
+    state = setup.init_state()
     t0 = time.perf_counter()
     compiled = trainer.make_train_step(setup).lower(state, batches[0]).compile()
     row["compile_s"] = time.perf_counter() - t0

@@ -23,19 +23,11 @@ _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
 def measure(path, overrides, *, steps, repeats, warmup) -> dict:
   """Compile and time the train step of a config on synthetic data."""
   import jax
-  from nanotext import config, metrics, sharding, trainer
-  from nanotext.data import pipeline
+  from nanotext import metrics, trainer, wiring
 
-  cfg = config.load(path, list(overrides) + ["data.source=synthetic"])
-  cfg = config.finalize(cfg, num_devices=jax.device_count(), backend=jax.default_backend())
-  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), jax.default_backend())
-  state = trainer.init_state(setup)
-  it = pipeline.make_train_iter(cfg.data, seq_len=cfg.train.seq_len,
-                                batch_size=cfg.train.batch_size // jax.process_count(),
-                                seed=cfg.seed, process_index=jax.process_index(),
-                                process_count=jax.process_count(),
-                                vocab_size=cfg.model.vocab_size)
-  batch = trainer.global_batch(setup, next(it))
+  setup = wiring.prepare(path, list(overrides) + ["data.source=synthetic"])
+  cfg, state = setup.cfg, setup.init_state()
+  batch = trainer.global_batch(setup, next(setup.train_iter()))
   t0 = time.perf_counter()
   compiled = trainer.make_train_step(setup).lower(state, batch).compile()
   compile_s = time.perf_counter() - t0

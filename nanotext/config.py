@@ -292,23 +292,22 @@ def misaligned_dims(model_cfg) -> list:
   return [f"{k}={v}" for k, v in dims.items() if v % a]
 
 
-def finalize(cfg, *, num_devices: int, backend: str) -> ml_collections.ConfigDict:
-  """Fill in every derived value (the only place that computes them); returns a locked copy."""
-  from nanotext import sharding  # the mesh arithmetic lives with the mesh
+def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str) -> ml_collections.ConfigDict:
+  """Fill in every derived value (the only place that computes them); returns a locked copy.
+
+  Values that depend on the devices come from the caller (`nanotext.run.finalize`), so this
+  module imports nothing above it: `mesh_sizes` {mesh.* key: size} with -1 resolved,
+  `peak_flops` per device, `data_dir` the default for data.dir.
+  """
   cfg = ml_collections.ConfigDict(cfg.to_dict())
   m = cfg.model
   m.head_dim = m.head_dim or m.d_model // m.num_heads
   m.mlp_dim = m.mlp_dim or 4 * m.d_model
   m.max_seq_len = m.max_seq_len or cfg.train.seq_len
-  shape = sharding.mesh_shape(cfg.mesh, num_devices)
-  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = shape
-  sharding.check_divisibility(cfg)
-  if not cfg.data.dir:
-    from nanotext.data.prepare import default_dir
-    cfg.data.dir = default_dir()
-  if not cfg.metrics.peak_flops:
-    from nanotext import metrics
-    cfg.metrics.peak_flops = metrics.default_peak_flops(backend, m.dtype)
+  for axis, size in mesh_sizes.items():
+    cfg.mesh[axis] = size
+  cfg.data.dir = cfg.data.dir or data_dir
+  cfg.metrics.peak_flops = cfg.metrics.peak_flops or peak_flops
   bad = misaligned_dims(m)
   if bad and m.strict_align:
     raise UserError(f"matmul dims not multiples of model.align={m.align}: {', '.join(bad)} "

@@ -55,10 +55,8 @@ def sample_text(graphdef, params, cfg, tokenizer, prompt: str) -> str:
 
 
 def main(argv) -> None:
-  from nanotext import checkpoint, config
+  from nanotext import checkpoint, config, wiring
   from nanotext.data.tokenizer import get_tokenizer
-  from nanotext.model import GPT
-  from nanotext.model.attention import resolve_impl
 
   args = dict(config.parse_override(a) for a in argv)
   allowed = {"output_dir", "prompt", "max_new_tokens", "temperature", "top_k", "seed", "step"}
@@ -80,10 +78,7 @@ def main(argv) -> None:
     step, params = load_params(out)
   else:
     step, params = checkpoint.latest_params(out, step)
-  impl = resolve_impl(cfg.attention.impl, jax.default_backend(), head_dim=cfg.model.head_dim,
-                      seq_len=cfg.train.seq_len)
-  graphdef, _ = nnx.split(nnx.eval_shape(
-      lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(0))))
+  graphdef = wiring.abstract_model(cfg, jax.default_backend())[0]  # params come restored
   print(f"[step {step}] {cfg.sample.prompt}", end="", flush=True)
   print(sample_text(graphdef, params, cfg, tokenizer, cfg.sample.prompt))
 

@@ -3,8 +3,6 @@
 import json
 import os
 
-import jax
-
 # Dense bf16 peak FLOP/s per device, from vendor spec sheets; MFU is quoted against these.
 _PEAK_BY_KIND = (
     ("h200", 989e12), ("h100", 989e12), ("a100", 312e12), ("l4", 121e12),
@@ -14,13 +12,14 @@ _PEAK_BY_KIND = (
 CPU_PEAK_FLOPS = 250e9
 
 
-def default_peak_flops(backend: str, dtype: str) -> float:
-  """Per-device peak FLOP/s for MFU when metrics.peak_flops is 0."""
-  del dtype  # quoted against the bf16 dense peak on accelerators, f32 on CPU
-  if backend == "cpu":
+def default_peak_flops(devices) -> float:
+  """Per-device peak FLOP/s for MFU when metrics.peak_flops is 0, for the run's `devices`."""
+  first = devices[0]
+  if first.platform == "cpu":
     # Fake CPU devices share the same cores, so each gets its share of the machine's peak.
-    return CPU_PEAK_FLOPS / max(1, jax.local_device_count())
-  kind = jax.devices()[0].device_kind.lower()
+    local = [d for d in devices if d.process_index == first.process_index]
+    return CPU_PEAK_FLOPS / max(1, len(local))
+  kind = first.device_kind.lower()
   for name, peak in _PEAK_BY_KIND:
     if name in kind:
       return peak

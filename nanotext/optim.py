@@ -1,10 +1,8 @@
 """optax optimizers: AdamW baseline, or Muon for hidden matrices with Adam groups for the rest.
 
-Parameter groups come from each parameter's logical axes (its role), decided in `param_group`:
-a [vocab, embed] table is an embedding, an [embed, vocab] matrix is the lm head, other matrices
-are hidden weights (Muon), and vectors / scalars (gains, biases, mixing lambdas) are scalars.
-A leading unsharded (None) axis on a 3-D parameter is a stack: [3, embed, heads] (merged QKV) is
-three hidden matrices, each orthogonalised on its own.
+Parameter groups are the `role` each parameter is given where the model makes it
+(nanotext.model.layers.ROLES): matrix (Muon), embed, head and scalar (Adam groups). A 3-D matrix
+is a stack: [3, embed, heads] (merged QKV) is three hidden matrices, each orthogonalised alone.
 """
 
 import jax
@@ -29,27 +27,14 @@ POLAR_EXPRESS_COEFFS = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 POLAR_EXPRESS_SAFETY = 1.02  # the coefficients assume X / (1.02 * ||X||_F): spectral norm < 1
-GROUPS = ("matrix", "embed", "head", "scalar")
 
 
-def param_group(logical_axes) -> str:
-  """The optimizer group of a parameter from its logical axis names."""
-  axes = tuple(logical_axes)
-  if len(axes) >= 2 and axes[0] is None:  # a stack (merged QKV kernel or biases): one item's role
-    axes = axes[1:]
-  if len(axes) < 2:
-    return "scalar"
-  if axes[0] == "vocab":
-    return "embed"
-  if axes[-1] == "vocab":
-    return "head"
-  return "matrix"
-
-
-def group_labels(spec_tree):
-  """Tree of group names matching a tree of logical PartitionSpecs."""
-  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
-  return jax.tree.map(lambda s: param_group(tuple(s)), spec_tree, is_leaf=is_spec)
+def group_labels(state):
+  """Tree of optimizer groups (each parameter's `role`, set where it is made) of an nnx State."""
+  from flax import nnx
+  labels = jax.tree.map(lambda v: v.get_metadata()["role"], state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return labels.to_pure_dict() if hasattr(labels, "to_pure_dict") else labels
 
 
 def lr_factor(optim_cfg, total_steps: int, xp=jnp):

@@ -106,11 +106,15 @@ def param_specs(abstract_state):
   return nnx.get_partition_spec(abstract_state)
 
 
-def state_shardings(tree, mesh: Mesh, rules):
-  """NamedShardings for a tree of nnx Variables (or State), following their logical tags."""
-  def one(spec):
-    return NamedSharding(mesh, logical_to_spec(tuple(spec), rules))
-  return jax.tree.map(one, param_specs(tree), is_leaf=lambda x: isinstance(x, P))
+def shardings_of(spec_tree, mesh: Mesh, rules):
+  """NamedShardings for a tree of logical PartitionSpecs (as `param_specs` gives)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(tuple(s), rules)),
+                      spec_tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def describe(mesh: Mesh) -> str:
+  """'data=1 fsdp=8 tensor=1': the mesh axes and their sizes, for logs."""
+  return " ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
 
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:

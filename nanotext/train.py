@@ -72,8 +72,7 @@ def enable_compile_cache(path: str) -> None:
 def run(path: str, overrides, log=print):
   """Load, check and train; returns the loop result. Raises UserError on bad input."""
   import jax
-  from nanotext import checkpoint, config, distributed, metrics, sharding, trainer
-  from nanotext.data import pipeline
+  from nanotext import checkpoint, config, distributed, metrics, trainer, wiring
   from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
   from nanotext.generate import sample_text
 
@@ -82,8 +81,8 @@ def run(path: str, overrides, log=print):
     enable_compile_cache(cfg.train.compile_cache_dir)
   # Joining the other processes must precede the first backend use (device counts in finalize).
   distributed.maybe_initialize(cfg.distributed)
-  backend = jax.default_backend()
-  cfg = config.finalize(cfg, num_devices=jax.device_count(), backend=backend)
+  run_ = wiring.from_config(cfg)
+  cfg = run_.cfg
   bad = config.misaligned_dims(cfg.model)
   if bad:
     logging.warning("matmul dims not multiples of model.align=%d: %s", cfg.model.align,
@@ -98,44 +97,25 @@ def run(path: str, overrides, log=print):
                     f"{jax.process_count()} processes; each loads an equal share")
   check_output_dir(cfg)
 
-  mesh = sharding.make_mesh(cfg.mesh)
-  setup = trainer.build(cfg, mesh, backend)
-  pid, nproc = jax.process_index(), jax.process_count()
-  data_kw = dict(seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size // nproc,
-                 process_index=pid, process_count=nproc, vocab_size=cfg.model.vocab_size)
-  train_iter = pipeline.make_train_iter(cfg.data, seed=cfg.seed, **data_kw)
-  val_local = pipeline.make_val_batches(cfg.data, num_batches=cfg.train.eval_batches, **data_kw)
-  log(f"model: {setup.num_params:,} parameters | mesh data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} "
-      f"tensor={cfg.mesh.tensor} on {jax.device_count()} {backend} device(s) | "
+  train_iter, val_local = run_.train_iter(), run_.val_batches()
+  log(f"model: {run_.num_params:,} parameters | {sharding_summary(run_)} | "
       f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens/step")
 
   manager = checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep,
                                     async_save=cfg.checkpoint["async"])
-  start, skipped = manager.latest_step(), 0
-  if start is not None:
-    where = os.path.join(checkpoint.checkpoint_dir(cfg.output_dir), str(start))
-    state, data, _ = checkpoint.restore(manager, start, trainer.abstract_state(setup))
-    mine = checkpoint.own_data(data, where)
-    train_iter.set_state(mine["iterator"])
-    skipped = mine.get("skipped_steps", 0)
-    log(f"resumed from the checkpoint of step {start} in {cfg.output_dir}")
-    if cfg.checkpoint.load_params_from:
-      log("checkpoint.load_params_from is ignored: this output_dir already has checkpoints")
-  elif cfg.checkpoint.load_params_from:
-    source, params = checkpoint.load_params(cfg.checkpoint.load_params_from,
-                                            trainer.abstract_state(setup)["params"])
-    start, state = 0, trainer.state_from_params(setup, params)
-    log(f"initialised parameters from {source} (fresh optimizer state, step 0)")
-  else:
-    start, state = 0, trainer.init_state(setup)
-  is_main = pid == 0
+  start = wiring.initial_state(run_, manager, log)
+  skipped = 0
+  if start.data is not None:
+    train_iter.set_state(start.data["iterator"])
+    skipped = start.data.get("skipped_steps", 0)
+  is_main = jax.process_index() == 0
   if is_main:
     config.save(cfg, os.path.join(cfg.output_dir, "config.yml"))
   writer = metrics.Writer(cfg.output_dir, tensorboard=cfg.metrics.tensorboard, enabled=is_main)
-  val = [trainer.global_batch(setup, b) for b in val_local]
+  val = [trainer.global_batch(run_, b) for b in val_local]
   try:
-    result = trainer.train(setup, state, train_iter, val, writer=writer, manager=manager,
-                           start_step=start, config_dict=cfg.to_dict(), log=log,
+    result = trainer.train(run_, start.state, train_iter, val, writer=writer, manager=manager,
+                           start_step=start.step, config_dict=cfg.to_dict(), log=log,
                            skipped_steps=skipped)
     checkpoint.wait(manager)  # the run is not over until its last save is on disk
   except BaseException:
@@ -157,10 +137,16 @@ def run(path: str, overrides, log=print):
     except UserError as e:  # e.g. tiktoken offline: the run itself succeeded
       logging.warning("no sample: %s", e)
     else:
-      text = sample_text(setup.graphdef, result.state["params"], cfg, tokenizer,
+      text = sample_text(run_.graphdef, result.state["params"], cfg, tokenizer,
                          cfg.sample.prompt)
       log(f"sample: {cfg.sample.prompt}{text}")
   return result
+
+
+def sharding_summary(run_) -> str:
+  """'mesh data=1 fsdp=8 tensor=1 on 8 cpu device(s)' for the start-up line."""
+  from nanotext import sharding
+  return f"mesh {sharding.describe(run_.mesh)} on {run_.mesh.size} {run_.backend} device(s)"
 
 
 def main(argv) -> None:

@@ -11,87 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nanotext import checkpoint, optim, sharding
+from nanotext import checkpoint, sharding
+from nanotext.wiring import Run, new_state
 from nanotext.watch import CompileCounter, Monitor, Preemption, Profiler
-from nanotext.model import GPT, attention, count_params
-from nanotext.errors import UserError
-from nanotext.model.attention import resolve_impl, segment_ids_from_tokens
-
-
-@dataclasses.dataclass
-class Setup:
-  """Everything built from the config once: model structure, optimizer, shardings."""
-  cfg: object
-  mesh: object
-  rules: tuple
-  graphdef: object
-  create_model: object
-  tx: object
-  state_shardings: dict
-  batch_sharding: NamedSharding
-  num_params: int
-  eot_id: int | None  # set when attention.doc_mask: documents start at this token
-
-
-def build(cfg, mesh, backend: str) -> Setup:
-  """Abstract model -> logical specs -> shardings and optimizer, without allocating anything."""
-  rules = sharding.parse_rules(cfg.mesh.rules)
-  impl = resolve_impl(cfg.attention.impl, backend, head_dim=cfg.model.head_dim,
-                      seq_len=cfg.train.seq_len)
-  eot_id = doc_mask_eot(cfg) if cfg.attention.doc_mask else None
-  def create_model():
-    return GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(cfg.seed))
-  graphdef, abstract = nnx.split(nnx.eval_shape(create_model))
-  specs = sharding.param_specs(abstract).to_pure_dict()
-  labels = optim.group_labels(specs)
-  tx = optim.make_optimizer(cfg.optim, labels, cfg.train.steps)
-  is_spec = lambda x: isinstance(x, P)
-  param_sh = jax.tree.map(lambda s: NamedSharding(mesh, sharding.logical_to_spec(tuple(s), rules)),
-                          specs, is_leaf=is_spec)
-  replicated = NamedSharding(mesh, P())
-  abstract_params = abstract.to_pure_dict()
-  opt_shapes = jax.eval_shape(tx.init, abstract_params)
-  opt_sh = sharding.like_params(opt_shapes, param_sh, abstract_params, replicated)
-  state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
-  return Setup(cfg, mesh, rules, graphdef, create_model, tx, state_sh,
-               sharding.batch_sharding(mesh, rules), count_params(abstract_params), eot_id)
-
-
-def doc_mask_eot(cfg) -> int:
-  """The end-of-text id that separates documents for attention.doc_mask."""
-  from nanotext.data.tokenizer import known_eot_id
-  eot = cfg.data.eot_id if cfg.data.eot_id >= 0 else known_eot_id(cfg.data.tokenizer)
-  if eot is None:
-    raise UserError("attention.doc_mask=true needs an end-of-text id: set data.eot_id or a "
-                    "data.tokenizer that has one")
-  return int(eot)
-
-
-def init_state(setup: Setup):
-  """Create params and optimizer state directly in their shardings (no host copy)."""
-  def init():
-    params = nnx.state(setup.create_model()).to_pure_dict()
-    return {"step": jnp.zeros([], jnp.int32), "params": params,
-            "opt_state": setup.tx.init(params)}
-  return jax.jit(init, out_shardings=setup.state_shardings)()
-
-
-def state_from_params(setup: Setup, params):
-  """A step-0 state around given params, with a fresh optimizer state (load_params_from)."""
-  def init(params):
-    return {"step": jnp.zeros([], jnp.int32), "params": params, "opt_state": setup.tx.init(params)}
-  return jax.jit(init, out_shardings=setup.state_shardings)(params)
-
-
-def abstract_state(setup: Setup):
-  """ShapeDtypeStructs of the train state carrying its target shardings (for restore)."""
-  shapes = jax.eval_shape(lambda: {
-      "step": jnp.zeros([], jnp.int32),
-      "params": (p := nnx.state(setup.create_model()).to_pure_dict()),
-      "opt_state": setup.tx.init(p)})
-  return checkpoint.abstract_with_shardings(shapes, setup.state_shardings)
+from nanotext.model import attention
+from nanotext.model.attention import segment_ids_from_tokens
 
 
 def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None):
@@ -115,7 +40,7 @@ def step_windows(cfg, step: int) -> tuple:
   return attention.effective_windows(w, cfg.train.seq_len)
 
 
-def make_train_step(setup: Setup, windows=None):
+def make_train_step(run: Run, windows=None):
   """jit(state, batch) -> (state, metrics), state donated, with gradient accumulation.
 
   `windows` (a tuple of static per-layer ints, one attention.window_schedule stage) is baked into
@@ -125,12 +50,12 @@ def make_train_step(setup: Setup, windows=None):
   were when train.on_nonfinite=skip (selected on device: no host sync); with abort the host
   stops the run when it reads the step's metrics, before that state is checkpointed.
   """
-  accum, graphdef, tx = setup.cfg.train.grad_accum, setup.graphdef, setup.tx
-  skip = setup.cfg.train.on_nonfinite == "skip"
-  nan_step = setup.cfg.train.debug_nan_step
+  accum, graphdef, tx = run.cfg.train.grad_accum, run.graphdef, run.tx
+  skip = run.cfg.train.on_nonfinite == "skip"
+  nan_step = run.cfg.train.debug_nan_step
 
   def objective(p, x, y, poison):
-    loss = loss_fn(graphdef, p, x, y, setup.eot_id, windows)
+    loss = loss_fn(graphdef, p, x, y, run.eot_id, windows)
     return loss if poison is None else loss * poison
   grad_fn = jax.value_and_grad(objective)
 
@@ -144,7 +69,7 @@ def make_train_step(setup: Setup, windows=None):
     # Testing hook: train.debug_nan_step=N makes step N's loss (and so its gradients) NaN.
     poison = None if nan_step < 0 else \
         jnp.where(state["step"] + 1 == nan_step, jnp.nan, 1.0).astype(jnp.float32)
-    with sharding.use_rules(setup.rules, setup.mesh):
+    with sharding.use_rules(run.rules, run.mesh):
       params = state["params"]
       if accum == 1:
         loss, grads = grad_fn(params, batch["inputs"], batch["targets"], poison)
@@ -164,41 +89,41 @@ def make_train_step(setup: Setup, windows=None):
         keep = lambda new, old: jnp.where(finite, new, old)
         new_params = jax.tree.map(keep, new_params, params)
         opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
-    new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
-    return new_state, {"loss": loss, "grad_norm": grad_norm}
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    return new_state(state["step"] + 1, new_params, opt_state), metrics
 
-  batch_sh = {"inputs": setup.batch_sharding, "targets": setup.batch_sharding}
-  return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sh),
-                 out_shardings=(setup.state_shardings, None), donate_argnums=0)
+  batch_sh = {"inputs": run.batch_sharding, "targets": run.batch_sharding}
+  return jax.jit(step_fn, in_shardings=(run.state_shardings, batch_sh),
+                 out_shardings=(run.state_shardings, None), donate_argnums=0)
 
 
-def make_eval_step(setup: Setup):
+def make_eval_step(run: Run):
   """jit(params, batch) -> mean loss, at the final windows of the schedule.
 
   One eval program for the whole run; the last evaluation equals the record's, which evaluates
   at the current window and so at the full one after the last step.
   """
   def eval_fn(params, batch):
-    with sharding.use_rules(setup.rules, setup.mesh):
-      return loss_fn(setup.graphdef, params, batch["inputs"], batch["targets"], setup.eot_id)
-  batch_sh = {"inputs": setup.batch_sharding, "targets": setup.batch_sharding}
-  return jax.jit(eval_fn, in_shardings=(setup.state_shardings["params"], batch_sh))
+    with sharding.use_rules(run.rules, run.mesh):
+      return loss_fn(run.graphdef, params, batch["inputs"], batch["targets"], run.eot_id)
+  batch_sh = {"inputs": run.batch_sharding, "targets": run.batch_sharding}
+  return jax.jit(eval_fn, in_shardings=(run.state_shardings["params"], batch_sh))
 
 
-def global_batch(setup: Setup, local: dict) -> dict:
+def global_batch(run: Run, local: dict) -> dict:
   """Global jax.Arrays sharded along `batch`, built from this process's rows."""
-  return {k: jax.make_array_from_process_local_data(setup.batch_sharding, np.asarray(v))
+  return {k: jax.make_array_from_process_local_data(run.batch_sharding, np.asarray(v))
           for k, v in local.items()}
 
 
-def compile_train_steps(setup: Setup, state, batch, steps) -> dict:
+def compile_train_steps(run: Run, state, batch, steps) -> dict:
   """AOT-compile one train program per distinct window tuple that `steps` (0-based) need.
 
   Tracing runs one after another; XLA compilations run in a thread pool, since they are
   independent and release the GIL (many schedule stages on a many-core host).
   """
-  needed = list(dict.fromkeys(step_windows(setup.cfg, s) for s in steps))  # in order of use
-  lowered = {w: make_train_step(setup, w).lower(state, batch) for w in needed}
+  needed = list(dict.fromkeys(step_windows(run.cfg, s) for s in steps))  # in order of use
+  lowered = {w: make_train_step(run, w).lower(state, batch) for w in needed}
   workers = max(1, min(len(lowered), os.cpu_count() or 1))
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     futures = {w: pool.submit(low.compile) for w, low in lowered.items()}
@@ -217,29 +142,29 @@ class LoopResult:
   programs: int = 0  # executables compiled before the loop (train stages + eval)
 
 
-def train(setup: Setup, state, train_iter, val_batches, *, writer, manager, start_step: int,
+def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_step: int,
           config_dict: dict, log=print, skipped_steps: int = 0) -> LoopResult:
   """Run steps start_step..train.steps: log one step late, evaluate, checkpoint, and stop
   cleanly (save, then return) on SIGTERM/SIGINT."""
-  cfg = setup.cfg
+  cfg = run.cfg
   t_cfg = cfg.train
   counter = CompileCounter()
 
   # Compile ahead of time so that compile time is reported apart and the loop cannot retrace.
   t0 = time.perf_counter()
-  first = global_batch(setup, next(train_iter))
+  first = global_batch(run, next(train_iter))
   data_state = train_iter.get_state()  # batches consumed through the step about to run
   # Every window tuple of the schedule is its own program: all of them are compiled here, so a
   # window change in the loop only switches executables.
-  train_execs = compile_train_steps(setup, state, first, range(start_step, t_cfg.steps))
-  eval_exec = make_eval_step(setup).lower(state["params"], val_batches[0]).compile() \
+  train_execs = compile_train_steps(run, state, first, range(start_step, t_cfg.steps))
+  eval_exec = make_eval_step(run).lower(state["params"], val_batches[0]).compile() \
       if val_batches else None
   compile_s = time.perf_counter() - t0
   programs = len(train_execs) + (eval_exec is not None)
   log(f"compiled {len(train_execs)} train step program(s)"
       f"{' and the eval step' if eval_exec is not None else ''} ({programs} in all) in "
       f"{compile_s:.1f} s")
-  mon = Monitor(setup, writer, log, counter, start_step=start_step, skipped=skipped_steps,
+  mon = Monitor(run, writer, log, counter, start_step=start_step, skipped=skipped_steps,
                 windows_of=lambda step: step_windows(cfg, step))
   profiler = Profiler(cfg, log)
 
@@ -267,7 +192,7 @@ def train(setup: Setup, state, train_iter, val_batches, *, writer, manager, star
         state, step_metrics = train_execs[step_windows(cfg, step)](state, batch)
       saved_state = data_state
       if done < t_cfg.steps:
-        batch = global_batch(setup, next(train_iter))  # overlaps with the step just dispatched
+        batch = global_batch(run, next(train_iter))  # overlaps with the step just dispatched
         data_state = train_iter.get_state()
       profiler.after(step, state)
       mon.flush_if_logging()

@@ -111,10 +111,10 @@ class Preemption:
 class Monitor:
   """Reads finished steps' metrics late, checks them finite, counts skips, writes log rows."""
 
-  def __init__(self, setup, writer, log, counter, *, start_step: int, skipped: int, windows_of):
-    cfg, t_cfg = setup.cfg, setup.cfg.train
+  def __init__(self, run, writer, log, counter, *, start_step: int, skipped: int, windows_of):
+    cfg, t_cfg = run.cfg, run.cfg.train
     self.windows_of = windows_of  # 0-based step -> per-layer attention windows
-    self.setup, self.writer, self.log, self.counter = setup, writer, log, counter
+    self.run, self.writer, self.log, self.counter = run, writer, log, counter
     self.tokens_per_step = t_cfg.batch_size * t_cfg.seq_len
     self._flops = {}  # per-layer windows -> FLOPs per step (the schedule changes them)
     self.peak = cfg.metrics.peak_flops * jax.device_count()
@@ -124,7 +124,7 @@ class Monitor:
 
   def flops_per_step(self, step: int) -> float:
     """Training FLOPs of (1-based) step `step`, at its schedule stage's windows."""
-    cfg = self.setup.cfg
+    cfg = self.run.cfg
     windows = self.windows_of(step - 1)
     if windows not in self._flops:
       self._flops[windows] = metrics.flops_per_token(cfg.model, cfg.train.seq_len,
@@ -135,7 +135,7 @@ class Monitor:
     self.unverified.append((step, dev))
 
   def is_log_step(self, step: int) -> bool:
-    return step % self.setup.cfg.train.log_every == 0 or step == 1
+    return step % self.run.cfg.train.log_every == 0 or step == 1
 
   def flush_if_logging(self) -> None:
     """Read back the pending steps if one of them is a logging step (one step late)."""
@@ -152,7 +152,7 @@ class Monitor:
     for (step, _), v in zip(pending, values):
       loss, grad_norm = float(v["loss"]), float(v["grad_norm"])
       finite = np.isfinite(loss) and np.isfinite(grad_norm)
-      if not finite and self.setup.cfg.train.on_nonfinite == "abort":
+      if not finite and self.run.cfg.train.on_nonfinite == "abort":
         raise NonFiniteError(
             f"step {step} has a non-finite {'loss' if not np.isfinite(loss) else 'gradient norm'}"
             f" (loss {loss}, grad_norm {grad_norm}); stopped before checkpointing it, the newest "
@@ -171,7 +171,7 @@ class Monitor:
     tok_s = steps * self.tokens_per_step / dt if dt > 0 else 0.0
     flops = self.flops_per_step(step)
     mfu = tok_s / self.tokens_per_step * flops / self.peak if self.peak else 0.0
-    cfg = self.setup.cfg
+    cfg = self.run.cfg
     lr = optim.current_lr(cfg.optim, cfg.train.steps, step - 1)
     row = {"loss": loss, "lr": lr, "tokens_per_sec": tok_s, "mfu": mfu, "grad_norm": grad_norm,
            "compiles": self.counter.count, "skipped_steps": self.skipped}

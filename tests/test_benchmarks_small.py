@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -41,9 +42,9 @@ def test_reference_step_is_the_same_math_as_nanotext():
 
 
 def test_reference_schedule_matches_nanotext():
-  from nanotext import config, optim
+  from nanotext import config, optim, wiring
   cfg = config.load(BASE, ["train.steps=30", "optim.warmup_steps=5"])
-  hp = overhead.hparams(config.finalize(cfg, num_devices=1, backend="cpu"))
+  hp = overhead.hparams(wiring.finalize(cfg, jax.devices()[:1]))
   ref = reference.schedule(hp)
   nt = optim.lr_factor(cfg.optim, 30, xp=np)
   np.testing.assert_allclose([float(ref(s)) for s in range(31)],

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, REPO, TINY
-from nanotext import checkpoint, config, sharding, trainer
+from nanotext import checkpoint, trainer, wiring
 from nanotext.errors import UserError
 from nanotext.train import run
 
@@ -184,9 +184,7 @@ def test_sigterm_in_process_saves_stops_and_restores_handlers(tmp_path):
 
 
 def setup_for(overrides, devices: int):
-  cfg = config.finalize(config.load(BASE, TINY + overrides), num_devices=devices, backend="cpu")
-  mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:devices])
-  return trainer.build(cfg, mesh, "cpu")
+  return wiring.prepare(BASE, TINY + overrides, devices=jax.devices()[:devices])
 
 
 def test_restore_onto_other_meshes_gives_the_same_next_loss(fsdp8_run):
@@ -199,7 +197,7 @@ def test_restore_onto_other_meshes_gives_the_same_next_loss(fsdp8_run):
                                    ("one", ["mesh.fsdp=1"], 1)]:
     setup = setup_for(overrides, devices)
     manager = checkpoint.make_manager(fsdp8_run, keep=2, create=False)
-    state, _, _ = checkpoint.restore(manager, 2, trainer.abstract_state(setup))
+    state, _, _ = checkpoint.restore(manager, 2, setup.abstract_state())
     manager.close()
     wte = jax.tree.leaves(state["params"])[0]
     assert wte.sharding.mesh.devices.size == devices
@@ -231,7 +229,7 @@ def test_load_params_from_a_params_only_folder(fsdp8_run, tmp_path):
   ckptr.wait_until_finished()
   setup = setup_for(["mesh.fsdp=4", "mesh.tensor=2"], 8)
   where, got = checkpoint.load_params(str(tmp_path / "only"),
-                                      trainer.abstract_state(setup)["params"])
+                                      setup.abstract_state()["params"])
   assert where == str(tmp_path / "only")
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(got)), strict=True):
     np.testing.assert_array_equal(a, b)  # (saved trees key layers '0', live ones 0)

@@ -1,3 +1,4 @@
+import jax
 """Tests of nanotext.config: loading, inheritance, overrides, validation, finalize, round trip."""
 
 import os
@@ -5,7 +6,7 @@ import os
 import pytest
 
 from conftest import BASE, SPEEDRUN
-from nanotext import config
+from nanotext import config, wiring
 from nanotext.errors import UserError
 
 SECTIONS = ("model", "attention", "train", "optim", "mesh", "data", "checkpoint", "metrics",
@@ -198,7 +199,7 @@ def test_batch_not_divisible_by_grad_accum():
 # finalize.
 
 def finalize(*overrides, num_devices=8):
-  return config.finalize(load(*overrides), num_devices=num_devices, backend="cpu")
+  return wiring.finalize(load(*overrides), jax.devices()[:num_devices])
 
 
 def test_finalize_fills_derived_values():
@@ -213,7 +214,7 @@ def test_finalize_fills_derived_values():
 
 def test_finalize_keeps_explicit_values_and_input():
   raw = load("model.mlp_dim=512", "model.max_seq_len=512", "data.dir=/d", "metrics.peak_flops=5")
-  cfg = config.finalize(raw, num_devices=8, backend="cpu")
+  cfg = wiring.finalize(raw, jax.devices()[:8])
   assert (cfg.model.mlp_dim, cfg.model.max_seq_len) == (512, 512)
   assert cfg.data.dir == "/d" and cfg.metrics.peak_flops == 5.0
   assert raw.mesh.fsdp == -1  # the input is not modified

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from conftest import BASE, SPEEDRUN
-from nanotext import config, sharding
+from nanotext import config, sharding, wiring
 from nanotext.model import GPT, count_params
 from nanotext.model.attention import apply_rope, rope_frequencies
 
@@ -16,7 +16,7 @@ SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.h
 
 
 def build(path=BASE, *overrides, seed=0):
-  cfg = config.finalize(config.load(path, SMALL + list(overrides)), num_devices=8, backend="cpu")
+  cfg = wiring.finalize(config.load(path, SMALL + list(overrides)), jax.devices()[:8])
   return cfg, GPT(cfg.model, cfg.attention, rngs=nnx.Rngs(seed))
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, REPO, TINY, run_cli
-from nanotext import checkpoint, config, distributed, sharding, trainer
+from nanotext import checkpoint, config, distributed, wiring
 from nanotext.errors import UserError
 from nanotext.train import run
 
@@ -88,11 +88,10 @@ def test_two_processes_match_one(tmp_path):
   # Both processes wrote one checkpoint together (each its own shards, process 0 the metadata):
   # it must restore into one process's 8-device shardings (the resume path) whole, holding the
   # single-process run's parameters.
-  cfg = config.finalize(config.load(BASE, common), num_devices=jax.device_count(), backend="cpu")
-  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), "cpu")
+  setup = wiring.prepare(BASE, common)
   manager = checkpoint.make_manager(multi, keep=1, create=False)
   assert list(manager.all_steps()) == [4]
-  state, _, _ = checkpoint.restore(manager, 4, trainer.abstract_state(setup))
+  state, _, _ = checkpoint.restore(manager, 4, setup.abstract_state())
   manager.close()
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-6),
                jax.device_get(state["params"]), jax.device_get(result.state["params"]))

@@ -3,11 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
+import pytest
+
 from conftest import BASE, SPEEDRUN
-from nanotext import config, optim, sharding
+from nanotext import config, optim, wiring
 from nanotext.model import GPT
 
 
@@ -15,23 +16,25 @@ def optim_cfg(path=SPEEDRUN, *overrides):
   return config.load(path, list(overrides)).optim
 
 
-def test_param_group_from_logical_axes():
-  assert optim.param_group(("vocab", "embed")) == "embed"
-  assert optim.param_group(("embed", "vocab")) == "head"
-  assert optim.param_group(("embed", "mlp")) == "matrix"
-  assert optim.param_group(("heads", "embed")) == "matrix"
-  assert optim.param_group(("embed",)) == "scalar"
-  assert optim.param_group(()) == "scalar"
+def test_groups_are_the_roles_given_where_parameters_are_made():
+  from nanotext.model.layers import Linear, param
+  # A 2-D bias stays in the scalar group whatever its axes: nothing is guessed from them.
+  bias = param(jnp.zeros((3, 4)), ("layers", "embed"), "scalar")
+  head = Linear(4, 8, ("embed", "vocab"), std=0.02, bias=True, param_dtype=jnp.float32,
+                dtype=jnp.float32, rngs=nnx.Rngs(0), role="head")
+  labels = optim.group_labels(nnx.state(nnx.Dict(bias=bias, head=head), nnx.Param))
+  assert labels == {"bias": "scalar", "head": {"kernel": "head", "bias": "scalar"}}
+  with pytest.raises(AssertionError):
+    param(jnp.zeros((2,)), ("embed",), "adam")
 
 
 def test_speedrun_model_groups():
-  cfg = config.finalize(config.load(SPEEDRUN, ["model.num_layers=2", "model.d_model=64",
+  cfg = wiring.finalize(config.load(SPEEDRUN, ["model.num_layers=2", "model.d_model=64",
                                                "model.num_heads=2", "model.head_dim=32",
                                                "model.mlp_dim=128", "model.vocab_size=256",
-                                               "model.align=0", "train.batch_size=8"]),
-                        num_devices=8, backend="cpu")
+                                               "model.align=0", "train.batch_size=8"]), jax.devices()[:8])
   abstract = nnx.state(nnx.eval_shape(lambda: GPT(cfg.model, cfg.attention, rngs=nnx.Rngs(0))))
-  labels = optim.group_labels(sharding.param_specs(abstract).to_pure_dict())
+  labels = optim.group_labels(abstract)
   assert labels["embed"]["embedding"] == "embed"
   assert labels["head"]["kernel"] == "head"
   assert labels["blocks"][0]["attn"]["qkv"]["kernel"] == "matrix"  # merged QKV: 3 matrices

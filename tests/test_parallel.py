@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, SPEEDRUN, TINY
-from nanotext import config, sharding, trainer
-from nanotext.data import pipeline
+from nanotext import trainer, wiring
 
 STEPS = 4
 LAYOUTS = {"dp8": (8, 1, 1), "fsdp8": (1, 8, 1), "fsdp4_tp2": (1, 4, 2),
@@ -21,13 +20,9 @@ def losses(path, layout, extra=()):
   overrides = TINY + EXACT + list(extra) + [f"mesh.data={data}", f"mesh.fsdp={fsdp}",
                                             f"mesh.tensor={tensor}"]
   n = data * fsdp * tensor
-  cfg = config.finalize(config.load(path, overrides), num_devices=n, backend="cpu")
-  mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:n])
-  setup = trainer.build(cfg, mesh, "cpu")
-  state = trainer.init_state(setup)
-  it = pipeline.make_train_iter(cfg.data, seq_len=cfg.train.seq_len,
-                                batch_size=cfg.train.batch_size, seed=cfg.seed,
-                                vocab_size=cfg.model.vocab_size)
+  setup = wiring.prepare(path, overrides, devices=jax.devices()[:n])
+  state = setup.init_state()
+  it = setup.train_iter()
   step = trainer.make_train_step(setup)
   out = []
   for _ in range(STEPS):
@@ -63,11 +58,9 @@ def test_muon_momentum_is_sharded_like_its_parameter():
 def state_bytes_per_device(path, layout):
   """Per-device bytes of params + optimizer state, from the compiled step's memory analysis."""
   data, fsdp, tensor = layout
-  cfg = config.finalize(config.load(path, TINY + [f"mesh.data={data}", f"mesh.fsdp={fsdp}",
-                                                  f"mesh.tensor={tensor}"]),
-                        num_devices=8, backend="cpu")
-  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), "cpu")
-  state = trainer.abstract_state(setup)
+  setup = wiring.prepare(path, TINY + [f"mesh.data={data}", f"mesh.fsdp={fsdp}",
+                                       f"mesh.tensor={tensor}"])
+  state = setup.abstract_state()
   batch = {k: jax.ShapeDtypeStruct((8, 32), np.int32, sharding=setup.batch_sharding)
            for k in ("inputs", "targets")}
   mem = trainer.make_train_step(setup).lower(state, batch).compile().memory_analysis()

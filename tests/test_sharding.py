@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import BASE, TINY
-from nanotext import config, sharding, trainer
+from nanotext import config, sharding, wiring
 from nanotext.errors import UserError
 
 
@@ -53,17 +53,15 @@ def test_bad_rules(rules, match):
 def test_divisibility_errors_name_the_keys():
   cfg = config.load(BASE, ["mesh.tensor=2", "model.num_heads=3", "model.head_dim=64"])
   with pytest.raises(UserError, match=r"model.num_heads=3 .*mesh.tensor=2"):
-    config.finalize(cfg, num_devices=8, backend="cpu")
+    wiring.finalize(cfg, jax.devices()[:8])
   cfg = config.load(BASE, ["train.batch_size=12"])
   with pytest.raises(UserError, match=r"train.batch_size=12 .*mesh.data\*mesh.fsdp=8"):
-    config.finalize(cfg, num_devices=8, backend="cpu")
+    wiring.finalize(cfg, jax.devices()[:8])
 
 
 def test_state_follows_the_rules_under_fsdp_and_tp():
-  cfg = config.finalize(config.load(BASE, TINY + ["mesh.fsdp=4", "mesh.tensor=2"]),
-                        num_devices=8, backend="cpu")
-  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), "cpu")
-  state = trainer.init_state(setup)
+  setup = wiring.prepare(BASE, TINY + ["mesh.fsdp=4", "mesh.tensor=2"])
+  state = setup.init_state()
   q = state["params"]["blocks"][0]["attn"]["q"]["kernel"]
   assert q.sharding.spec == P("fsdp", "tensor")
   assert q.addressable_shards[0].data.shape == (64 // 4, 64 // 2)
@@ -86,4 +84,4 @@ def test_dims_must_divide_their_mesh_axes(override, key):
   rules = "mesh.rules=[[batch, [data, fsdp]], [embed, fsdp], [mlp, fsdp], [vocab, fsdp]]"
   cfg = config.load(BASE, [override, "model.head_dim=64", rules])
   with pytest.raises(UserError, match=rf"{key} is not divisible by mesh.fsdp=8"):
-    config.finalize(cfg, num_devices=8, backend="cpu")
+    wiring.finalize(cfg, jax.devices()[:8])

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from conftest import REPO, SPEEDRUN, TINY
-from nanotext import config, optim, sharding
+from nanotext import config, optim, sharding, wiring
 from nanotext.errors import UserError
 from nanotext.model import GPT, count_params
 from nanotext.model.gpt import value_embed_layers
@@ -25,7 +25,7 @@ SMALL = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2", "model.h
 
 
 def build(*overrides, path=SPEEDRUN, seed=0):
-  cfg = config.finalize(config.load(path, SMALL + list(overrides)), num_devices=8, backend="cpu")
+  cfg = wiring.finalize(config.load(path, SMALL + list(overrides)), jax.devices()[:8])
   return cfg, GPT(cfg.model, cfg.attention, rngs=nnx.Rngs(seed))
 
 
@@ -51,7 +51,7 @@ def test_speedrun_switches_are_on_in_speedrun_and_off_in_base():
 def test_new_parameters_shapes_axes_and_groups():
   _, model = build("model.no_attention_layers=[2]")
   params, specs = params_and_specs(model)
-  labels = optim.group_labels(sharding.param_specs(nnx.state(model, nnx.Param)).to_pure_dict())
+  labels = optim.group_labels(nnx.state(model, nnx.Param))
   attn = params["blocks"][0]["attn"]
   assert attn["qkv"]["kernel"].shape == (3, 64, 64) and "q" not in attn
   assert tuple(specs["blocks"][0]["attn"]["qkv"]["kernel"]) == (None, "embed", "heads")
@@ -123,7 +123,7 @@ def test_merged_qkv_equals_separate_projections():
 
 def test_merged_qkv_with_bias_keeps_biases_out_of_muon():
   _, model = build("model.bias=true")
-  labels = optim.group_labels(sharding.param_specs(nnx.state(model, nnx.Param)).to_pure_dict())
+  labels = optim.group_labels(nnx.state(model, nnx.Param))
   assert model.blocks[0].attn.qkv.bias.value.shape == (3, 64)
   assert labels["blocks"][0]["attn"]["qkv"]["bias"] == "scalar"
 
@@ -229,7 +229,7 @@ def test_config_errors_name_the_key():
 
 
 def test_speedrun_gpt2_has_the_record_shape():
-  cfg = config.finalize(config.load(SPEEDRUN_GPT2), num_devices=8, backend="cpu")
+  cfg = wiring.finalize(config.load(SPEEDRUN_GPT2), jax.devices()[:8])
   m = cfg.model
   assert (m.d_model, m.num_heads, m.head_dim, m.mlp_dim, m.vocab_size, m.align) == \
       (768, 6, 128, 3072, 50304, 128)

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from conftest import BASE, SPEEDRUN, TINY
-from nanotext import config, metrics
+from nanotext import config, metrics, wiring
 from nanotext.errors import UserError
 from nanotext.model import GPT
 from nanotext.model import attention as A
@@ -85,7 +85,7 @@ def test_speedrun_turns_the_record_schedule_on():
 
 
 def test_per_layer_flops_take_every_window():
-  m = config.finalize(config.load(BASE, ["train.seq_len=64"]), num_devices=8, backend="cpu").model
+  m = wiring.finalize(config.load(BASE, ["train.seq_len=64"]), jax.devices()[:8]).model
   same = metrics.flops_per_token(m, 64, 16)
   assert metrics.flops_per_token(m, 64, (16,) * m.num_layers) == pytest.approx(same)
   mixed = metrics.flops_per_token(m, 64, (16, 0, 16, 0))
@@ -93,10 +93,10 @@ def test_per_layer_flops_take_every_window():
 
 
 def test_a_short_window_layer_cannot_see_beyond_its_window():
-  cfg = config.finalize(config.load(BASE, [
+  cfg = wiring.finalize(config.load(BASE, [
       "model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
       "model.vocab_size=256", "model.align=0", "train.seq_len=32", "attention.window=16",
-      "attention.window_pattern=S"]), num_devices=8, backend="cpu")
+      "attention.window_pattern=S"]), jax.devices()[:8])
   model = GPT(cfg.model, cfg.attention, rngs=nnx.Rngs(0))
   assert model.windows == (8,)  # S = half of the 16-token long window
   a = jax.random.randint(jax.random.key(0), (2, 32), 0, 256)

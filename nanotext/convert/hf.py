@@ -138,9 +138,7 @@ def hf_overrides(c: dict) -> dict:
 def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bool = False,
             log=print) -> str:
   """Convert a HF GPT-2 directory into a nanotext run directory holding a step-0 checkpoint."""
-  import jax
-  import jax.numpy as jnp
-  from nanotext import checkpoint, config, sharding, trainer
+  from nanotext import checkpoint, config, wiring
 
   if not os.path.isdir(hf):
     raise UserError(f"Hugging Face directory '{hf}' does not exist")
@@ -159,14 +157,10 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
     if key.startswith(("model.", "attention.")) and config.get(cfg, key) != want:
       raise UserError(f"{key}={config.get(cfg, key)!r} conflicts with the Hugging Face "
                       f"checkpoint, which needs {want!r}")
-  backend = jax.default_backend()
-  cfg = config.finalize(cfg, num_devices=jax.device_count(), backend=backend)
-  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), backend)
-  template = trainer.abstract_state(setup)
-  params = fill(template["params"], flat, "the Hugging Face checkpoint")
-  opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings["opt_state"])(params)
-  step = jax.device_put(jnp.zeros([], jnp.int32), setup.state_shardings["step"])
-  state = {"step": step, "params": params, "opt_state": opt_state}
+  run = wiring.from_config(cfg)
+  cfg = run.cfg
+  params = fill(run.abstract_state()["params"], flat, "the Hugging Face checkpoint")
+  state = run.state_from_params(params)
   data_state = {"iterator": _fresh_iterator_state(cfg)}
   with staged_dir(out_abs, force=force, protect=(hf,)) as tmp:
     config.save(cfg, os.path.join(tmp, "config.yml"))
@@ -176,7 +170,7 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
       manager.wait_until_finished()
     finally:
       manager.close()
-  log(f"wrote {out_abs}: {setup.num_params:,} parameters at step 0; train on with "
+  log(f"wrote {out_abs}: {run.num_params:,} parameters at step 0; train on with "
       f"python -m nanotext.train {os.path.join(out_abs, 'config.yml')} output_dir={out_abs}")
   return out_abs
 

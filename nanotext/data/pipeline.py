@@ -5,20 +5,13 @@ import numpy as np
 
 from nanotext.data import binfile
 from nanotext.data.sources import PackedDocSource, ShardSource, SyntheticSource
+from nanotext.data.tokenizer import resolve_eot_id
 from nanotext.errors import UserError
 
 SOURCES = ("shakespeare", "bin", "tfds", "synthetic")
 DEFAULT_VOCAB = 8192
 # Elements are whole batches, so a short prefetch queue keeps memory small and still hides I/O.
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
-
-
-def _eot_id(data_cfg) -> int | None:
-  """The document separator for packed sources: data.eot_id, else the tokenizer's."""
-  if data_cfg.eot_id >= 0:
-    return int(data_cfg.eot_id)
-  from nanotext.data.tokenizer import known_eot_id
-  return known_eot_id(data_cfg.tokenizer)
 
 
 def _tfds_source(data_cfg, split: str, seq_len: int, max_tokens: int) -> PackedDocSource:
@@ -38,7 +31,7 @@ def _tfds_source(data_cfg, split: str, seq_len: int, max_tokens: int) -> PackedD
   if len(docs) and data_cfg.tfds_field not in docs[0]:
     raise UserError(f"TFDS data set '{data_cfg.tfds_name}' has no feature "
                     f"'{data_cfg.tfds_field}' (it has {sorted(docs[0])}): set data.tfds_field")
-  return PackedDocSource(docs, data_cfg.tfds_field, seq_len, _eot_id(data_cfg), max_tokens)
+  return PackedDocSource(docs, data_cfg.tfds_field, seq_len, resolve_eot_id(data_cfg), max_tokens)
 
 
 def _shard_files(data_cfg, split: str) -> list[str]:

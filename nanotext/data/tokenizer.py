@@ -119,6 +119,13 @@ def known_eot_id(name: str) -> int | None:
   return get_tokenizer(name).eot_id
 
 
+def resolve_eot_id(data_cfg) -> int | None:
+  """The end-of-text id of a data config: data.eot_id if set, else its tokenizer's (or None)."""
+  if data_cfg.eot_id >= 0:
+    return int(data_cfg.eot_id)
+  return known_eot_id(data_cfg.tokenizer)
+
+
 def known_vocab_size(name: str) -> int | None:
   """The vocabulary size of tokenizer `name` without loading heavy vocabularies (None: none)."""
   if name == "gpt2":

@@ -286,7 +286,7 @@ class CausalSelfAttention(nnx.Module):
       self.k = Linear(d, h * k, ("embed", "heads"), std=std, **lin)
       self.v = Linear(d, h * k, ("embed", "heads"), std=std, **lin)
     # v <- lambdas[0] * v + lambdas[1] * ve (value embeddings; record init 0.5, 0.5).
-    self.v_lambdas = param(jnp.array([0.5, 0.5], cfg.param_dtype), (None,)) \
+    self.v_lambdas = param(jnp.array([0.5, 0.5], cfg.param_dtype), (None,), "scalar") \
         if cfg.value_embeds else None
     proj_std = 0.0 if cfg.zero_init_proj else (cfg.init_std or 0.5 / np.sqrt(h * k)) / np.sqrt(
         2 * cfg.num_layers)

@@ -39,7 +39,7 @@ class Block(nnx.Module):
     self.ln2 = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype)
     self.mlp = MLP(cfg, rngs=rngs)
     # x <- lambdas[0] * x + lambdas[1] * x0 (modded-nanogpt), starting as the identity.
-    self.lambdas = param(jnp.array([1.0, 0.0], cfg.param_dtype), (None,)) if cfg.x0_mix else None
+    self.lambdas = param(jnp.array([1.0, 0.0], cfg.param_dtype), (None,), "scalar") if cfg.x0_mix else None
 
   def __call__(self, x_BTD, x0_BTD, segment_ids_BT=None, window=None, ve_BTD=None):
     """`window` (static int) overrides attention.window; `ve_BTD`: this layer's value embedding."""
@@ -63,7 +63,7 @@ class GPT(nnx.Module):
                        param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
     if cfg.positions == "learned":
       self.pos = param(init_array(rngs, (cfg.max_seq_len, cfg.d_model), cfg.embed_std,
-                                  cfg.param_dtype), ("length", "embed"))
+                                  cfg.param_dtype), ("length", "embed"), "embed")
     else:
       self.pos = None
     # The speedrun normalises the embedding before the first block; GPT-2 does not.
@@ -81,7 +81,7 @@ class GPT(nnx.Module):
               dtype=cfg.dtype, rngs=rngs)
         for _ in range(min(cfg.value_embeds, cfg.num_layers // 2))])
     # U-net: the first L // 2 blocks' outputs come back, weighted, before the last L // 2 blocks.
-    self.skip_weights = param(jnp.ones((cfg.num_layers // 2,), cfg.param_dtype), (None,)) \
+    self.skip_weights = param(jnp.ones((cfg.num_layers // 2,), cfg.param_dtype), (None,), "scalar") \
         if cfg.unet_skips else None
     self.ln_f = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype)
     if cfg.tie_embeddings:
@@ -89,7 +89,7 @@ class GPT(nnx.Module):
     else:
       std = 0.0 if cfg.zero_init_head else cfg.init_std or 0.5 / np.sqrt(cfg.d_model)
       self.head = Linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), std=std, bias=False,
-                         param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
+                         param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs, role="head")
     self.fp8_head = cfg.fp8_head
 
   def __call__(self, tokens_BT, segment_ids_BT=None, windows=None):

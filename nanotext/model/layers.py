@@ -15,10 +15,18 @@ from flax import nnx
 from nanotext import sharding
 
 
-def param(value, axes) -> nnx.Param:
-  """A parameter tagged with logical axis names (created unsharded; placement is jit's job)."""
+ROLES = ("matrix", "embed", "head", "scalar")  # optimizer groups: nanotext.optim reads `role`
+
+
+def param(value, axes, role: str) -> nnx.Param:
+  """A parameter tagged with logical axis names and its optimizer role (one of ROLES).
+
+  Created unsharded (placement is jit's job). The role is said where the parameter is made,
+  never guessed from its shape or axis names: a 2-D bias is still a scalar-group parameter.
+  """
   assert len(axes) == value.ndim, (axes, value.shape)
-  return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+  assert role in ROLES, role
+  return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False, role=role)
 
 
 def init_array(rngs, shape, std, dtype):
@@ -31,9 +39,9 @@ def init_array(rngs, shape, std, dtype):
 class Linear(nnx.Module):
   """y = x @ W (+ b), with W of shape [in, out] tagged (in_axis, out_axis)."""
 
-  def __init__(self, d_in, d_out, axes, *, std, bias, param_dtype, dtype, rngs):
-    self.kernel = param(init_array(rngs, (d_in, d_out), std, param_dtype), axes)
-    self.bias = param(jnp.zeros((d_out,), param_dtype), axes[1:]) if bias else None
+  def __init__(self, d_in, d_out, axes, *, std, bias, param_dtype, dtype, rngs, role="matrix"):
+    self.kernel = param(init_array(rngs, (d_in, d_out), std, param_dtype), axes, role)
+    self.bias = param(jnp.zeros((d_out,), param_dtype), axes[1:], "scalar") if bias else None
     self.dtype = dtype
 
   def __call__(self, x):
@@ -47,9 +55,11 @@ class StackedLinear(nnx.Module):
   """n projections of one input in one [n, in, out] parameter (merged QKV): y [n, ..., out]."""
 
   def __init__(self, n, d_in, d_out, axes, *, std, bias, param_dtype, dtype, rngs):
-    # The stack axis is unsharded (None): optim treats such a parameter as n separate matrices.
-    self.kernel = param(init_array(rngs, (n, d_in, d_out), std, param_dtype), (None,) + tuple(axes))
-    self.bias = param(jnp.zeros((n, d_out), param_dtype), (None, axes[1])) if bias else None
+    # The stack axis is unsharded (None): Muon treats such a parameter as n separate matrices.
+    self.kernel = param(init_array(rngs, (n, d_in, d_out), std, param_dtype),
+                        (None,) + tuple(axes), "matrix")
+    self.bias = param(jnp.zeros((n, d_out), param_dtype), (None, axes[1]), "scalar") \
+        if bias else None
     self.dtype = dtype
 
   def __call__(self, x):
@@ -66,8 +76,8 @@ class Norm(nnx.Module):
   def __init__(self, dim, kind, *, param_dtype, eps=1e-5):
     self.kind, self.eps = kind, eps
     if kind == "layernorm":
-      self.scale = param(jnp.ones((dim,), param_dtype), ("embed",))
-      self.bias = param(jnp.zeros((dim,), param_dtype), ("embed",))
+      self.scale = param(jnp.ones((dim,), param_dtype), ("embed",), "scalar")
+      self.bias = param(jnp.zeros((dim,), param_dtype), ("embed",), "scalar")
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
@@ -89,7 +99,8 @@ class Embed(nnx.Module):
   """Token embedding table [V, D]; `attend` gives tied-head logits."""
 
   def __init__(self, vocab, dim, *, std, param_dtype, dtype, rngs):
-    self.embedding = param(init_array(rngs, (vocab, dim), std, param_dtype), ("vocab", "embed"))
+    self.embedding = param(init_array(rngs, (vocab, dim), std, param_dtype), ("vocab", "embed"),
+                           "embed")
     self.dtype = dtype
 
   def __call__(self, tokens_BT):

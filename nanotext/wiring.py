@@ -1,0 +1,175 @@
+"""The one wiring path: (config, devices) -> a ready run, and its first state.
+
+train, generate, convert, compile, the benchmarks and the tests all start here:
+config -> derived values -> mesh -> abstract model -> shardings and optimizer (`prepare` /
+`from_config`), then a state that is fresh, resumed from output_dir or loaded from
+checkpoint.load_params_from (`initial_state`). Nothing is allocated until a state is asked for.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nanotext import config, optim, sharding
+from nanotext.errors import UserError
+from nanotext.model import GPT, count_params
+from nanotext.model.attention import resolve_impl
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything built from the config once: model structure, optimizer, shardings."""
+  cfg: object
+  mesh: object
+  backend: str  # platform of the mesh's devices (never the host's default when compiling ahead)
+  impl: str  # the attention kernel resolved for that platform
+  rules: tuple
+  graphdef: object
+  tx: object
+  state_shardings: dict
+  batch_sharding: NamedSharding
+  num_params: int
+  eot_id: int | None  # set when attention.doc_mask: documents start at this token
+
+  def create_model(self, seed: int | None = None) -> GPT:
+    """A GPT of this run's config (parameters initialised from `seed`, default cfg.seed)."""
+    seed = self.cfg.seed if seed is None else seed
+    return GPT(self.cfg.model, self.cfg.attention, impl=self.impl, rngs=nnx.Rngs(seed))
+
+  def init_state(self):
+    """Params and optimizer state created directly in their shardings (no host copy)."""
+    def init():
+      return self.state_from(nnx.state(self.create_model()).to_pure_dict())
+    return jax.jit(init, out_shardings=self.state_shardings)()
+
+  def state_from_params(self, params):
+    """A step-0 state around given params, with a fresh optimizer state (load_params_from)."""
+    return jax.jit(self.state_from, out_shardings=self.state_shardings)(params)
+
+  def state_from(self, params, step=0):
+    """The train state around `params`: the one place its layout is spelled."""
+    return new_state(jnp.asarray(step, jnp.int32), params, self.tx.init(params))
+
+  def data_kwargs(self) -> dict:
+    """This process's share of every global batch, for the data pipelines."""
+    t, nproc = self.cfg.train, jax.process_count()
+    return dict(seq_len=t.seq_len, batch_size=t.batch_size // nproc,
+                process_index=jax.process_index(), process_count=nproc,
+                vocab_size=self.cfg.model.vocab_size)
+
+  def train_iter(self):
+    """The checkpointable grain iterator of this process's training rows."""
+    from nanotext.data import pipeline
+    return pipeline.make_train_iter(self.cfg.data, seed=self.cfg.seed, **self.data_kwargs())
+
+  def val_batches(self) -> list:
+    """The fixed validation batches (this process's rows, as numpy)."""
+    from nanotext.data import pipeline
+    return pipeline.make_val_batches(self.cfg.data, num_batches=self.cfg.train.eval_batches,
+                                     **self.data_kwargs())
+
+  def abstract_state(self):
+    """ShapeDtypeStructs of the train state carrying its target shardings (for restore)."""
+    shapes = jax.eval_shape(lambda: self.state_from(
+        nnx.state(self.create_model()).to_pure_dict()))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, self.state_shardings)
+
+
+def new_state(step, params, opt_state) -> dict:
+  """The train state: a step counter, the parameters and the optimizer state."""
+  return {"step": step, "params": params, "opt_state": opt_state}
+
+
+def prepare(path, overrides=(), *, devices=None) -> Run:
+  """Load a config file with `key=value` overrides and build the run on `devices` (all)."""
+  return from_config(config.load(path, overrides), devices=devices)
+
+
+def from_config(cfg, *, devices=None) -> Run:
+  """Fill in derived values for `devices` (default jax.devices()) and build the run on them."""
+  devices = list(jax.devices() if devices is None else devices)
+  cfg = finalize(cfg, devices)
+  return build(cfg, sharding.make_mesh(cfg.mesh, devices))
+
+
+def finalize(cfg, devices):
+  """config.finalize with the values that need devices computed here (mesh, peak FLOP/s)."""
+  from nanotext import metrics
+  from nanotext.data.prepare import default_dir
+  sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, len(devices))))
+  cfg = config.finalize(cfg, mesh_sizes=sizes,
+                        peak_flops=metrics.default_peak_flops(devices), data_dir=default_dir())
+  sharding.check_divisibility(cfg)
+  return cfg
+
+
+def build(cfg, mesh) -> Run:
+  """Abstract model -> logical specs -> shardings and optimizer, without allocating anything."""
+  backend = mesh.devices.flat[0].platform
+  rules = sharding.parse_rules(cfg.mesh.rules)
+  eot_id = doc_mask_eot(cfg) if cfg.attention.doc_mask else None
+  graphdef, abstract, impl = abstract_model(cfg, backend)
+  specs = sharding.param_specs(abstract).to_pure_dict()
+  tx = optim.make_optimizer(cfg.optim, optim.group_labels(abstract), cfg.train.steps)
+  param_sh = sharding.shardings_of(specs, mesh, rules)
+  abstract_params = abstract.to_pure_dict()
+  opt_shapes = jax.eval_shape(tx.init, abstract_params)
+  replicated = NamedSharding(mesh, P())
+  opt_sh = sharding.like_params(opt_shapes, param_sh, abstract_params, replicated)
+  state_sh = new_state(replicated, param_sh, opt_sh)
+  return Run(cfg, mesh, backend, impl, rules, graphdef, tx, state_sh,
+             sharding.batch_sharding(mesh, rules), count_params(abstract_params), eot_id)
+
+
+def abstract_model(cfg, backend: str):
+  """(graphdef, abstract parameter State, attention kernel) of cfg's model on `backend`."""
+  impl = resolve_impl(cfg.attention.impl, backend, head_dim=cfg.model.head_dim,
+                      seq_len=cfg.train.seq_len)
+  graphdef, abstract = nnx.split(nnx.eval_shape(
+      lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(cfg.seed))))
+  return graphdef, abstract, impl
+
+
+def doc_mask_eot(cfg) -> int:
+  """The end-of-text id that separates documents for attention.doc_mask."""
+  from nanotext.data.tokenizer import resolve_eot_id
+  eot = resolve_eot_id(cfg.data)
+  if eot is None:
+    raise UserError("attention.doc_mask=true needs an end-of-text id: set data.eot_id or a "
+                    "data.tokenizer that has one")
+  return eot
+
+
+@dataclasses.dataclass
+class Start:
+  """Where a run starts: its state, its first step, and (when resumed) its saved data state."""
+  state: dict
+  step: int
+  data: dict | None = None  # this process's saved {"iterator": ..., "skipped_steps": ...}
+  how: str = "fresh"  # fresh | resumed | loaded
+
+
+def initial_state(run: Run, manager, log=print) -> Start:
+  """Resume from the newest checkpoint in output_dir, else load checkpoint.load_params_from,
+  else initialise a fresh state."""
+  import os
+  from nanotext import checkpoint
+  cfg = run.cfg
+  step = manager.latest_step() if manager is not None else None
+  if step is not None:
+    where = os.path.join(checkpoint.checkpoint_dir(cfg.output_dir), str(step))
+    state, data, _ = checkpoint.restore(manager, step, run.abstract_state())
+    log(f"resumed from the checkpoint of step {step} in {cfg.output_dir}")
+    if cfg.checkpoint.load_params_from:
+      log("checkpoint.load_params_from is ignored: this output_dir already has checkpoints")
+    return Start(state, step, checkpoint.own_data(data, where), "resumed")
+  if cfg.checkpoint.load_params_from:
+    source, params = checkpoint.load_params(cfg.checkpoint.load_params_from,
+                                            run.abstract_state()["params"])
+    log(f"initialised parameters from {source} (fresh optimizer state, step 0)")
+    return Start(run.state_from_params(params), 0, how="loaded")
+  return Start(run.init_state(), 0)
