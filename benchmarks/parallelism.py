@@ -205,8 +205,8 @@ def _memory(compiled) -> dict:
 
 def measure(path, overrides, layouts, *, steps=5, timed_steps=3, repeats=3, log=None) -> list:
   """One row per layout; config errors common to all layouts raise UserError first."""
-  from nanotext import config
-  config.load(path, list(overrides))  # fail fast on keys and values before any compile
+  from nanotext import wiring
+  wiring.load(path, list(overrides))  # fail fast on keys and values before any compile
   over = list(overrides) + ["data.source=synthetic"]
   rows = []
   for name, shape in layouts:

@@ -11,7 +11,8 @@ import numpy as np
 import optax
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
-from nanotext import sharding
+from nanotext import config, sharding
+from nanotext.errors import UserError
 
 # Keller Jordan's quintic Newton-Schulz coefficients (modded-nanogpt `zeropower_via_newtonschulz5`).
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -27,6 +28,17 @@ POLAR_EXPRESS_COEFFS = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 POLAR_EXPRESS_SAFETY = 1.02  # the coefficients assume X / (1.02 * ||X||_F): spectral norm < 1
+
+
+CHOICES = {"name": ("adamw", "muon"), "muon_layout": ("distributed", "replicated", "sharded"),
+           "muon_ns_coeffs": ("jordan", "polar_express")}
+
+
+def check_config(o) -> None:
+  """The optim section: optimizer and Muon choices, schedule fractions."""
+  config.check_choices("optim", o, CHOICES)
+  if not 0 <= o.cooldown_frac <= 1:
+    raise UserError(f"optim.cooldown_frac={o.cooldown_frac} must be in [0, 1]")
 
 
 def group_labels(state):

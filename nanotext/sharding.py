@@ -16,27 +16,34 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from nanotext.errors import UserError
 
 MESH_AXES = ("data", "fsdp", "tensor")
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers")
+# Weight axes name what a parameter dimension is; activation axes (batch, act_*) what an
+# activation dimension is. Distinct names let the rules place them apart: FSDP shards the
+# weights' embed dimension while activations keep theirs whole.
+WEIGHT_AXES = ("vocab", "embed", "heads", "kv", "mlp", "length", "layers")
+ACTIVATION_AXES = ("batch", "act_length", "act_embed", "act_heads", "act_kv", "act_mlp",
+                   "act_vocab")
+LOGICAL_AXES = WEIGHT_AXES + ACTIVATION_AXES
 
 _active_rules: list = []  # stack of (rules, mesh); the innermost `use_rules` wins
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> tuple:
-  """(data, fsdp, tensor) with a -1 entry resolved to the remaining devices."""
+  """Sizes of MESH_AXES (data, fsdp, tensor) with a -1 entry resolved to the remaining devices."""
   sizes = [mesh_cfg[a] for a in MESH_AXES]
+  keys = [f"mesh.{a}" for a in MESH_AXES]
   if sizes.count(-1) > 1:
-    raise UserError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+    raise UserError(f"at most one of {', '.join(keys)} may be -1")
   if any(s == 0 or s < -1 for s in sizes):
-    raise UserError(f"mesh sizes must be positive or -1, got data={sizes[0]} fsdp={sizes[1]} "
-                    f"tensor={sizes[2]}")
+    got = " ".join(f"{a}={n}" for a, n in zip(MESH_AXES, sizes))
+    raise UserError(f"mesh sizes must be positive or -1, got {got}")
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
       raise UserError(f"{num_devices} devices cannot be split into a mesh with fixed axes of "
-                      f"product {known}; change mesh.data/mesh.fsdp/mesh.tensor")
+                      f"product {known}; change {'/'.join(keys)}")
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
-    raise UserError(f"mesh.data*mesh.fsdp*mesh.tensor = {math.prod(sizes)} but there are "
+    raise UserError(f"{'*'.join(keys)} = {math.prod(sizes)} but there are "
                     f"{num_devices} devices; make the product match (or use -1 for one axis)")
   return tuple(sizes)
 
@@ -76,10 +83,11 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   devices = jax.devices() if devices is None else devices
   shape = mesh_shape(mesh_cfg, len(devices))
   try:
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
   except TypeError:  # older jax without the devices argument
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
-                axis_types=(AxisType.Auto,) * 3)
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 @contextlib.contextmanager
@@ -119,7 +127,34 @@ def describe(mesh: Mesh) -> str:
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
   """Sharding of a [batch, length] token array."""
-  return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules))
+  return NamedSharding(mesh, logical_to_spec(("batch", "act_length"), rules))
+
+
+def per_device(fn, args, in_axes, out_axes):
+  """Run `fn` per device (shard_map) over the active mesh, or plainly outside `use_rules`.
+
+  Each argument is split along its logical axes (`in_axes`, one tuple per argument, None =
+  whole) where its size divides evenly, else kept whole (e.g. sampling with batch 1); the
+  output, shaped like the first argument, is split by `out_axes`. For opaque kernels (Pallas)
+  that the SPMD partitioner cannot split by itself.
+  """
+  if not _active_rules:
+    return fn(*args)
+  rules, mesh = _active_rules[-1]
+  table = dict(rules)
+  def spec(axes, shape):
+    used, out = set(), []
+    for name, size in zip(axes, shape):
+      mesh_axes = tuple(a for a in table.get(name, ()) if a not in used) if name else ()
+      if mesh_axes and size % math.prod(mesh.shape[a] for a in mesh_axes) == 0:
+        used.update(mesh_axes)
+        out.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+      else:
+        out.append(None)
+    return P(*out)
+  in_specs = tuple(spec(a, x.shape) for a, x in zip(in_axes, args))
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec(out_axes, args[0].shape),
+                       check_vma=False)(*args)
 
 
 def extent(logical_name: str, rules, mesh_sizes: dict) -> int:
@@ -139,7 +174,10 @@ def check_divisibility(cfg) -> None:
           "heads": (m.num_heads, "model.num_heads"),
           "mlp": (m.mlp_dim, "model.mlp_dim"),
           "vocab": (m.vocab_size, "model.vocab_size"),
-          "length": (t.seq_len, "train.seq_len")}
+          "length": (m.max_seq_len, "model.max_seq_len"),
+          "act_length": (t.seq_len, "train.seq_len")}
+  for name in ("embed", "heads", "mlp", "vocab"):  # activations have the weights' sizes
+    dims["act_" + name] = dims[name]
   for name, (size, key) in dims.items():
     n = extent(name, rules, sizes)
     if size % n:

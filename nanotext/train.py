@@ -76,7 +76,7 @@ def run(path: str, overrides, log=print):
   from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
   from nanotext.generate import sample_text
 
-  cfg = config.load(path, overrides)
+  cfg = wiring.load(path, overrides)
   if cfg.train.compile_cache_dir:  # before the first compilation of this process
     enable_compile_cache(cfg.train.compile_cache_dir)
   # Joining the other processes must precede the first backend use (device counts in finalize).

@@ -63,7 +63,7 @@ def make_train_step(run: Run, windows=None):
     # Row r goes to micro-batch r % accum, so each device's rows spread over all micro-batches.
     b, t = a_BT.shape
     a = a_BT.reshape(b // accum, accum, t).swapaxes(0, 1)
-    return sharding.constrain(a, (None, "batch", "length"))
+    return sharding.constrain(a, (None, "batch", "act_length"))
 
   def step_fn(state, batch):
     # Testing hook: train.debug_nan_step=N makes step N's loss (and so its gradients) NaN.

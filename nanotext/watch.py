@@ -9,8 +9,16 @@ import time
 import jax
 import numpy as np
 
-from nanotext import metrics, optim
+from nanotext import config, metrics, optim
 from nanotext.model import attention
+
+
+ON_NONFINITE = ("abort", "skip")
+
+
+def check_config(t) -> None:
+  """The train section's choice of what a non-finite step does (Monitor acts on it)."""
+  config.check_choices("train", t, {"on_nonfinite": ON_NONFINITE})
 
 
 class CompileCounter:

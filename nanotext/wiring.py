@@ -84,13 +84,32 @@ def new_state(step, params, opt_state) -> dict:
   return {"step": step, "params": params, "opt_state": opt_state}
 
 
+def load(path, overrides=()):
+  """config.load, then every section checked by the module that owns it."""
+  return check(config.load(path, overrides))
+
+
+def check(cfg):
+  """Each module checks its own section: choices and the rules between its keys."""
+  from nanotext import watch
+  from nanotext.data import pipeline
+  from nanotext.model import attention, gpt
+  gpt.check_config(cfg.model)
+  attention.check_config(cfg.attention)
+  optim.check_config(cfg.optim)
+  pipeline.check_config(cfg.data)
+  watch.check_config(cfg.train)
+  return cfg
+
+
 def prepare(path, overrides=(), *, devices=None) -> Run:
   """Load a config file with `key=value` overrides and build the run on `devices` (all)."""
-  return from_config(config.load(path, overrides), devices=devices)
+  return from_config(load(path, overrides), devices=devices)
 
 
 def from_config(cfg, *, devices=None) -> Run:
   """Fill in derived values for `devices` (default jax.devices()) and build the run on them."""
+  check(cfg)
   devices = list(jax.devices() if devices is None else devices)
   cfg = finalize(cfg, devices)
   return build(cfg, sharding.make_mesh(cfg.mesh, devices))

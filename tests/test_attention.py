@@ -165,7 +165,7 @@ def test_splash_under_a_mesh_is_sharded():
   from nanotext import sharding
   mesh = jax.make_mesh((1, 2, 2), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3,
                        devices=jax.devices()[:4])
-  rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["heads", "tensor"]])
+  rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["act_heads", "tensor"]])
   q, k, v, g, seg = inputs(128, seed=3)
   x_sh = NamedSharding(mesh, P("fsdp", None, "tensor", None))
   q, k, v, g = (jax.device_put(x, x_sh) for x in (q, k, v, g))

@@ -24,7 +24,7 @@ def write(path, text):
 
 def error(*overrides, path=BASE) -> str:
   with pytest.raises(UserError) as e:
-    config.load(path, list(overrides))
+    wiring.load(path, list(overrides))
   return str(e.value)
 
 

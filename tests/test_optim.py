@@ -9,7 +9,6 @@ import pytest
 
 from conftest import BASE, SPEEDRUN
 from nanotext import config, optim, wiring
-from nanotext.model import GPT
 
 
 def optim_cfg(path=SPEEDRUN, *overrides):
@@ -29,11 +28,10 @@ def test_groups_are_the_roles_given_where_parameters_are_made():
 
 
 def test_speedrun_model_groups():
-  cfg = wiring.finalize(config.load(SPEEDRUN, ["model.num_layers=2", "model.d_model=64",
-                                               "model.num_heads=2", "model.head_dim=32",
-                                               "model.mlp_dim=128", "model.vocab_size=256",
-                                               "model.align=0", "train.batch_size=8"]), jax.devices()[:8])
-  abstract = nnx.state(nnx.eval_shape(lambda: GPT(cfg.model, cfg.attention, rngs=nnx.Rngs(0))))
+  run = wiring.prepare(SPEEDRUN, ["model.num_layers=2", "model.d_model=64", "model.num_heads=2",
+                                  "model.head_dim=32", "model.mlp_dim=128",
+                                  "model.vocab_size=256", "model.align=0", "train.batch_size=8"])
+  abstract = nnx.state(nnx.eval_shape(run.create_model))
   labels = optim.group_labels(abstract)
   assert labels["embed"]["embedding"] == "embed"
   assert labels["head"]["kernel"] == "head"

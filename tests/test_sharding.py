@@ -34,7 +34,7 @@ def test_mesh_shape_errors(kw, match):
 def test_logical_to_spec_uses_each_mesh_axis_once():
   rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["embed", "fsdp"],
                                 ["mlp", "tensor"]])
-  assert sharding.logical_to_spec(("batch", "length", "embed"), rules) == \
+  assert sharding.logical_to_spec(("batch", "act_length", "embed"), rules) == \
       P(("data", "fsdp"), None, None)
   assert sharding.logical_to_spec(("embed", "mlp"), rules) == P("fsdp", "tensor")
   assert sharding.logical_to_spec(("vocab", "embed"), rules) == P(None, "fsdp")

@@ -169,7 +169,7 @@ def test_polar_express_coefficients_are_selected():
     return np.abs(s - 1).max()
   assert spread(cfg.optim) < spread(config.load(SPEEDRUN, ["optim.muon_bf16=false"]).optim)
   with pytest.raises(UserError, match="optim.muon_ns_coeffs"):
-    config.load(SPEEDRUN, ["optim.muon_ns_coeffs=cubic"])
+    wiring.load(SPEEDRUN, ["optim.muon_ns_coeffs=cubic"])
 
 
 def test_fp8_matmul_is_close_to_the_exact_matmul():
@@ -219,13 +219,13 @@ def test_fp8_head_close_to_the_bf16_head():
 
 def test_config_errors_name_the_key():
   with pytest.raises(UserError, match="model.value_embeds"):
-    config.load(SPEEDRUN, ["model.head_dim=64"])  # 4 heads x 64 != d_model 1024
+    wiring.load(SPEEDRUN, ["model.head_dim=64"])  # 4 heads x 64 != d_model 1024
   with pytest.raises(UserError, match="model.fp8_head"):
-    config.load(SPEEDRUN, ["model.tie_embeddings=true"])
+    wiring.load(SPEEDRUN, ["model.tie_embeddings=true"])
   with pytest.raises(UserError, match="model.no_attention_layers"):
-    config.load(SPEEDRUN, ["model.no_attention_layers=[-1]"])
+    wiring.load(SPEEDRUN, ["model.no_attention_layers=[-1]"])
   with pytest.raises(UserError, match="model.value_embeds"):
-    config.load(SPEEDRUN, ["model.value_embeds=-1"])
+    wiring.load(SPEEDRUN, ["model.value_embeds=-1"])
 
 
 def test_speedrun_gpt2_has_the_record_shape():

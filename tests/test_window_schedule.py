@@ -74,7 +74,7 @@ def test_pattern_maps_letters_to_layers():
 ])
 def test_bad_window_config_names_the_key(overrides, key):
   with pytest.raises(UserError, match=key):
-    config.load(BASE, overrides)
+    wiring.load(BASE, overrides)
 
 
 def test_speedrun_turns_the_record_schedule_on():

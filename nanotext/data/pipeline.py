@@ -14,6 +14,17 @@ DEFAULT_VOCAB = 8192
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
 
 
+def check_config(d) -> None:
+  """The data section: source and tokenizer choices, and the keys each source needs."""
+  from nanotext import config
+  from nanotext.data.tokenizer import NAMES
+  config.check_choices("data", d, {"source": SOURCES, "tokenizer": NAMES})
+  if d.source == "bin" and not d.train_files:
+    raise UserError("data.source=bin needs data.train_files (a glob of .bin shards)")
+  if d.source == "tfds" and not d.tfds_name:
+    raise UserError("data.source=tfds needs data.tfds_name")
+
+
 def _tfds_source(data_cfg, split: str, seq_len: int, max_tokens: int) -> PackedDocSource:
   """Documents of a prepared array_record TFDS split, packed into windows."""
   if not data_cfg.tfds_name:

@@ -6,14 +6,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from nanotext import sharding
+from nanotext import config, sharding
 from nanotext.errors import UserError
-from nanotext.model.layers import Linear, StackedLinear, param, rms_norm
+from nanotext.model.layers import Linear, StackedLinear, param, proj_std, rms_norm, weight_std
 
 IMPLS = ("auto", "xla", "cudnn", "splash")
 SPLASH_LANES = 128  # splash tiles must be multiples of the TPU lane width, also in interpret mode
+
+
+def check_config(a) -> None:
+  """The attention section: kernel choice, sliding-window pattern and schedule keys."""
+  config.check_choices("attention", a, {"impl": IMPLS})
+  pattern = a.window_pattern
+  if pattern and set(pattern) - set("LS"):
+    raise UserError(f"attention.window_pattern={pattern!r} may hold only the letters L (long "
+                    "window) and S (short window), one per layer, or be ''")
+  if (pattern or a.window_schedule) and not a.window:
+    raise UserError("attention.window_pattern / attention.window_schedule need attention.window > 0"
+                    " (the long window in tokens)")
+  if not a.window_schedule:
+    return
+  if a.window_block <= 0:
+    raise UserError(f"attention.window_block={a.window_block} must be positive")
+  for key in ("window_start", "window"):
+    value = a[key]
+    if value <= 0 or value % a.window_block:
+      raise UserError(f"attention.{key}={value} must be a positive multiple of "
+                      f"attention.window_block={a.window_block}")
+  if a.window_start > a.window:
+    raise UserError(f"attention.window_start={a.window_start} exceeds attention.window="
+                    f"{a.window} (the schedule grows from the first to the second)")
 
 
 def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0) -> str:
@@ -155,22 +178,11 @@ def _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT):
   """Splash attention, run per device on its batch/head shard when a mesh is active."""
   local = functools.partial(_splash_local, scale=scale, window=window)
   args = (q_BTHK, k_BTHK, v_BTHK) + (() if segment_ids_BT is None else (segment_ids_BT,))
-  active = sharding.active()
-  if active is None:  # no mesh while tracing: a plain call
-    return local(*args)
   # A Pallas kernel is opaque to the SPMD partitioner (it would gather everything onto every
-  # device), so shard_map it: batch and heads split as the rules say, the sequence kept whole.
-  rules, mesh = active
-  B, _, H, _ = q_BTHK.shape
-  def axes_for(logical, size):
-    axes = sharding.logical_to_spec((logical,), rules)[0]
-    names = (axes,) if isinstance(axes, str) else axes or ()
-    return axes if size % int(np.prod([mesh.shape[a] for a in names])) == 0 else None
-  b, h = axes_for("batch", B), axes_for("heads", H)  # e.g. sampling with batch 1: replicated
-  spec_BTHK = P(b, None, h, None)
-  in_specs = (spec_BTHK,) * 3 + (() if segment_ids_BT is None else (P(b, None),))
-  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec_BTHK,
-                       check_vma=False)(*args)
+  # device), so it runs per device: batch and heads split as the rules say, the sequence whole.
+  names = ("batch", None, "act_heads", None)
+  in_axes = (names,) * 3 + (() if segment_ids_BT is None else (("batch", None),))
+  return sharding.per_device(local, args, in_axes, names)
 
 
 def _splash_local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale, window):
@@ -277,7 +289,7 @@ class CausalSelfAttention(nnx.Module):
   def __init__(self, cfg, attn_cfg, *, impl: str, rngs):
     d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
     lin = dict(bias=cfg.bias, param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
-    std = cfg.init_std or 0.5 / np.sqrt(d)
+    std = weight_std(cfg, d)
     self.merged_qkv = cfg.merged_qkv
     if cfg.merged_qkv:  # one [3, D, H*K] parameter (record: qkv_w), one matmul
       self.qkv = StackedLinear(3, d, h * k, ("embed", "heads"), std=std, **lin)
@@ -288,9 +300,7 @@ class CausalSelfAttention(nnx.Module):
     # v <- lambdas[0] * v + lambdas[1] * ve (value embeddings; record init 0.5, 0.5).
     self.v_lambdas = param(jnp.array([0.5, 0.5], cfg.param_dtype), (None,), "scalar") \
         if cfg.value_embeds else None
-    proj_std = 0.0 if cfg.zero_init_proj else (cfg.init_std or 0.5 / np.sqrt(h * k)) / np.sqrt(
-        2 * cfg.num_layers)
-    self.o = Linear(h * k, d, ("heads", "embed"), std=proj_std, **lin)
+    self.o = Linear(h * k, d, ("heads", "embed"), std=proj_std(cfg, h * k), **lin)
     self.num_heads, self.head_dim = h, k
     self.scale = cfg.attn_scale or 1.0 / np.sqrt(k)
     self.qk_norm = cfg.qk_norm
@@ -302,7 +312,7 @@ class CausalSelfAttention(nnx.Module):
     `ve_BTD` is this layer's value embedding (with model.value_embeds; None for middle layers)."""
     B, T, _ = x_BTD.shape
     shape = (B, T, self.num_heads, self.head_dim)
-    names = ("batch", "length", "heads", "kv")
+    names = ("batch", "act_length", "act_heads", "act_kv")
     if self.merged_qkv:
       q, k, v = self.qkv(x_BTD)
     else:

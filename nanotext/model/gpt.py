@@ -5,10 +5,41 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nanotext import sharding
+from nanotext import config, sharding
+from nanotext.errors import UserError
 from nanotext.model.attention import CausalSelfAttention, layer_windows
 from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul, init_array,
-                                   param)
+                                   param, proj_std, weight_std)
+
+
+CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
+           "mlp_act": ("gelu", "relu2"), "dtype": ("float32", "bfloat16"),
+           "param_dtype": ("float32", "bfloat16")}
+
+
+def check_config(m) -> None:
+  """The model section's choices and the rules between its switches (UserError naming keys)."""
+  config.check_choices("model", m, CHOICES)
+  if m.head_dim == 0 and m.d_model % m.num_heads:
+    raise UserError(f"model.d_model={m.d_model} is not divisible by model.num_heads="
+                    f"{m.num_heads}; set model.head_dim explicitly or change one of them")
+  head_dim = m.head_dim or m.d_model // m.num_heads
+  if m.positions == "rope" and head_dim % (4 if m.rope_truncate else 2):
+    raise UserError(f"rotary embeddings need an even head_dim (a multiple of 4 with "
+                    f"model.rope_truncate); got model.head_dim={head_dim}")
+  layers = m.no_attention_layers
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+    raise UserError(f"model.no_attention_layers={layers!r} must be a list of 0-based layer "
+                    "indices (non-negative integers)")
+  if m.value_embeds < 0:
+    raise UserError(f"model.value_embeds={m.value_embeds} must not be negative")
+  head_dim = m.head_dim or m.d_model // m.num_heads
+  if m.value_embeds and m.num_heads * head_dim != m.d_model:
+    raise UserError(f"model.value_embeds={m.value_embeds} adds [vocab, d_model] tables to v, so it "
+                    f"needs model.num_heads*model.head_dim={m.num_heads * head_dim} to equal "
+                    f"model.d_model={m.d_model}")
+  if m.fp8_head and m.tie_embeddings:
+    raise UserError("model.fp8_head=true needs an untied head (model.tie_embeddings=false)")
 
 
 class MLP(nnx.Module):
@@ -17,14 +48,12 @@ class MLP(nnx.Module):
   def __init__(self, cfg, *, rngs):
     d, f = cfg.d_model, cfg.mlp_dim
     lin = dict(bias=cfg.bias, param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
-    self.fc = Linear(d, f, ("embed", "mlp"), std=cfg.init_std or 0.5 / np.sqrt(d), **lin)
-    proj_std = 0.0 if cfg.zero_init_proj else (cfg.init_std or 0.5 / np.sqrt(f)) / np.sqrt(
-        2 * cfg.num_layers)
-    self.proj = Linear(f, d, ("mlp", "embed"), std=proj_std, **lin)
+    self.fc = Linear(d, f, ("embed", "mlp"), std=weight_std(cfg, d), **lin)
+    self.proj = Linear(f, d, ("mlp", "embed"), std=proj_std(cfg, f), **lin)
     self.act = cfg.mlp_act
 
   def __call__(self, x_BTD):
-    h_BTF = sharding.constrain(self.fc(x_BTD), ("batch", "length", "mlp"))
+    h_BTF = sharding.constrain(self.fc(x_BTD), ("batch", "act_length", "act_mlp"))
     h_BTF = jax.nn.gelu(h_BTF) if self.act == "gelu" else jnp.square(jax.nn.relu(h_BTF))
     return self.proj(h_BTF)
 
@@ -39,7 +68,8 @@ class Block(nnx.Module):
     self.ln2 = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype)
     self.mlp = MLP(cfg, rngs=rngs)
     # x <- lambdas[0] * x + lambdas[1] * x0 (modded-nanogpt), starting as the identity.
-    self.lambdas = param(jnp.array([1.0, 0.0], cfg.param_dtype), (None,), "scalar") if cfg.x0_mix else None
+    self.lambdas = param(jnp.array([1.0, 0.0], cfg.param_dtype), (None,), "scalar") \
+        if cfg.x0_mix else None
 
   def __call__(self, x_BTD, x0_BTD, segment_ids_BT=None, window=None, ve_BTD=None):
     """`window` (static int) overrides attention.window; `ve_BTD`: this layer's value embedding."""
@@ -51,7 +81,7 @@ class Block(nnx.Module):
         x_BTD = x_BTD + self.attn(self.ln1(x_BTD), segment_ids_BT, window, ve_BTD)
     with jax.named_scope("mlp"):
       x_BTD = x_BTD + self.mlp(self.ln2(x_BTD))
-    return sharding.constrain(x_BTD, ("batch", "length", "embed"))
+    return sharding.constrain(x_BTD, ("batch", "act_length", "act_embed"))
 
 
 class GPT(nnx.Module):
@@ -81,13 +111,13 @@ class GPT(nnx.Module):
               dtype=cfg.dtype, rngs=rngs)
         for _ in range(min(cfg.value_embeds, cfg.num_layers // 2))])
     # U-net: the first L // 2 blocks' outputs come back, weighted, before the last L // 2 blocks.
-    self.skip_weights = param(jnp.ones((cfg.num_layers // 2,), cfg.param_dtype), (None,), "scalar") \
-        if cfg.unet_skips else None
+    skip_weights = jnp.ones((cfg.num_layers // 2,), cfg.param_dtype)
+    self.skip_weights = param(skip_weights, (None,), "scalar") if cfg.unet_skips else None
     self.ln_f = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype)
     if cfg.tie_embeddings:
       self.head = None
     else:
-      std = 0.0 if cfg.zero_init_head else cfg.init_std or 0.5 / np.sqrt(cfg.d_model)
+      std = 0.0 if cfg.zero_init_head else weight_std(cfg, cfg.d_model)
       self.head = Linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), std=std, bias=False,
                          param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs, role="head")
     self.fp8_head = cfg.fp8_head
@@ -127,7 +157,8 @@ class GPT(nnx.Module):
       logits_BTV = logits_NV.reshape(B, T, -1)
     else:
       logits_BTV = self.head(x_BTD)
-    logits_BTV = sharding.constrain(logits_BTV.astype(jnp.float32), ("batch", "length", "vocab"))
+    logits_BTV = sharding.constrain(logits_BTV.astype(jnp.float32),
+                                    ("batch", "act_length", "act_vocab"))
     c = self.softcap
     return c * jnp.tanh(logits_BTV / c) if c else logits_BTV
 

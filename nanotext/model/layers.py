@@ -29,6 +29,18 @@ def param(value, axes, role: str) -> nnx.Param:
   return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False, role=role)
 
 
+def weight_std(model_cfg, fan_in: int) -> float:
+  """Init std of a linear weight: model.init_std, or 0.5 / sqrt(fan_in) when it is 0 (auto)."""
+  return model_cfg.init_std or 0.5 / float(np.sqrt(fan_in))
+
+
+def proj_std(model_cfg, fan_in: int) -> float:
+  """Init std of an output projection: zero, or weight_std shrunk by sqrt(2 * layers) (GPT-2)."""
+  if model_cfg.zero_init_proj:
+    return 0.0
+  return weight_std(model_cfg, fan_in) / float(np.sqrt(2 * model_cfg.num_layers))
+
+
 def init_array(rngs, shape, std, dtype):
   """Normal(0, std) init; std=0 gives zeros."""
   if std == 0:
@@ -105,7 +117,7 @@ class Embed(nnx.Module):
 
   def __call__(self, tokens_BT):
     x_BTD = jnp.take(self.embedding.value, tokens_BT, axis=0).astype(self.dtype)
-    return sharding.constrain(x_BTD, ("batch", "length", "embed"))
+    return sharding.constrain(x_BTD, ("batch", "act_length", "act_embed"))
 
   def attend(self, x_BTD):
     return x_BTD.astype(self.dtype) @ self.embedding.value.astype(self.dtype).T
