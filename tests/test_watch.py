@@ -22,8 +22,8 @@ SCHEDULE = ["attention.window=32", "attention.window_start=16", "attention.windo
 
 
 @functools.lru_cache(maxsize=None)
-def prepared(*overrides):
-  return wiring.prepare(BASE, TINY + list(overrides))
+def prepared(*overrides, devices=8):
+  return wiring.prepare(BASE, TINY + list(overrides), devices=jax.devices()[:devices])
 
 
 class Rows:
@@ -53,8 +53,8 @@ def dev(loss, grad_norm=1.0):
   return {"loss": jnp.float32(loss), "grad_norm": jnp.float32(grad_norm)}
 
 
-def monitor(*overrides, skipped=0, start_step=0):
-  run = prepared(*overrides)
+def monitor(*overrides, skipped=0, start_step=0, devices=8):
+  run = prepared(*overrides, devices=devices)
   rows, lines = Rows(), []
   mon = watch.Monitor(run, rows, lines.append, types.SimpleNamespace(count=3),
                       start_step=start_step, skipped=skipped,
@@ -64,7 +64,7 @@ def monitor(*overrides, skipped=0, start_step=0):
 
 @pytest.fixture
 def reads(monkeypatch):
-  """The steps of every jax.device_get the Monitor makes, one list per call."""
+  """How many pending steps each jax.device_get reads back, one entry per call."""
   calls, real = [], jax.device_get
   def device_get(x):
     calls.append(len(x))
@@ -121,7 +121,7 @@ def test_monitor_abort_on_nonfinite_grad_norm():
 
 def test_monitor_skip_counts_nonfinite_steps():
   """Under on_nonfinite=skip bad steps are counted (on top of a resumed count), never the loss."""
-  mon, rows, lines = monitor(*LATE, "train.on_nonfinite=skip", skipped=2, start_step=0)
+  mon, rows, lines = monitor(*LATE, "train.on_nonfinite=skip", skipped=2)
   mon.add(1, dev(5.0))
   mon.add(2, dev(float("nan")))
   mon.flush_if_logging()
@@ -164,12 +164,20 @@ def test_monitor_row_values(monkeypatch):
   assert r1["lr"] == optim.current_lr(cfg.optim, 6, 0)
   assert r2["lr"] == optim.current_lr(cfg.optim, 6, 1) > r1["lr"]  # still warming up
   assert r4["lr"] == optim.current_lr(cfg.optim, 6, 3)
-  peak = cfg.metrics.peak_flops * jax.device_count()
+  peak = cfg.metrics.peak_flops * 8  # the run's 8 devices
   flops = metrics.flops_per_token(cfg.model, 32) * tokens
   assert [r["mfu"] for r in (r1, r2, r4)] == pytest.approx(
       [2 * flops / peak, flops / peak, flops / peak / 2])
   assert lines[1].startswith("step      2/6 | loss 4.0000 | lr ")
   assert "256 tok/s" in lines[1] and "skipped" not in lines[1]
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_monitor_mfu_is_against_the_runs_devices(devices):
+  """The peak is that of the devices the run uses: the 8 fake CPU devices share one machine."""
+  mon, _, _ = monitor(*LATE, devices=devices)
+  assert mon.run.mesh.devices.size == devices
+  assert mon.peak == pytest.approx(metrics.CPU_PEAK_FLOPS)
 
 
 def test_monitor_attn_window_follows_the_schedule(monkeypatch):
@@ -185,7 +193,7 @@ def test_monitor_attn_window_follows_the_schedule(monkeypatch):
   want = [attention.long_window(cfg.attention, s - 1, 4) for s in range(1, 5)]
   assert want == [16, 16, 16, 32]
   assert [r["attn_window"] for _, r in rows.rows] == want
-  peak = cfg.metrics.peak_flops * jax.device_count()
+  peak = cfg.metrics.peak_flops * 8  # the run's 8 devices
   per_token = [r["mfu"] * peak / r["tokens_per_sec"] for _, r in rows.rows]
   assert per_token[0] == pytest.approx(metrics.flops_per_token(cfg.model, 32, (16, 16)))
   assert per_token[3] == pytest.approx(metrics.flops_per_token(cfg.model, 32, (0, 0)))
