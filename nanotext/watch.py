@@ -125,7 +125,7 @@ class Monitor:
     self.run, self.writer, self.log, self.counter = run, writer, log, counter
     self.tokens_per_step = t_cfg.batch_size * t_cfg.seq_len
     self._flops = {}  # per-layer windows -> FLOPs per step (the schedule changes them)
-    self.peak = cfg.metrics.peak_flops * jax.device_count()
+    self.peak = cfg.metrics.peak_flops * run.mesh.devices.size  # the run's devices, not all
     self.clock = [start_step, time.perf_counter()]  # last reported step and when it was read
     self.unverified = []  # [(step, device metrics)] not yet read back
     self.skipped, self.last_loss, self.verified = skipped, float("nan"), start_step

@@ -1,0 +1,120 @@
+"""Sampling: greedy and top-k against the model's own logits, seeds, the empty prompt."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import BASE, TINY
+from nanotext import generate, wiring
+from nanotext.errors import UserError
+
+PROMPT = [5, 17, 300, 42]
+MAX_LEN = 32  # TINY's seq_len, hence its learned position table
+
+
+@functools.lru_cache(maxsize=None)
+def model_and_params(seed=1):
+  """TINY's GPT (one layer) with parameters from `seed`, as (graphdef, params dict) the sampler takes.
+
+  The lm head is untied: with a small tied embedding greedy decoding just repeats the last token.
+  """
+  run = wiring.prepare(BASE, TINY + ["model.tie_embeddings=false", "model.num_layers=1"])
+  params = nnx.state(run.create_model(seed)).to_pure_dict()
+  return run.graphdef, params
+
+
+@functools.lru_cache(maxsize=None)
+def forward():
+  graphdef, _ = model_and_params()
+  return jax.jit(lambda params, x: nnx.merge(graphdef, params)(x)[0])
+
+
+def logits_at(tokens):
+  """The model's logits [len(tokens), V] in one forward pass over `tokens` (at most MAX_LEN).
+
+  Causal attention makes row i the next-token logits after tokens[:i + 1]; the pass runs on a
+  zero-padded MAX_LEN buffer so that every call shares one compiled program.
+  """
+  buf = np.zeros((1, MAX_LEN), np.int32)
+  buf[0, :len(tokens)] = tokens
+  return np.asarray(forward()(model_and_params()[1], buf), np.float32)[:len(tokens)]
+
+
+def sample(prompt=PROMPT, **kw):
+  graphdef, params = model_and_params()
+  args = dict(max_len=MAX_LEN, max_new_tokens=6, temperature=0.0, top_k=0, seed=0)
+  return generate.sample(graphdef, params, list(prompt), **{**args, **kw})
+
+
+def assert_argmax(logits_V, token):
+  top2 = np.sort(logits_V)[-2:]
+  assert top2[1] - top2[0] > 1e-4  # no near-tie that rounding could flip
+  assert token == int(np.argmax(logits_V))
+
+
+def test_greedy_is_the_argmax_continuation():
+  """temperature=0 appends the argmax of the model's logits after everything before it."""
+  got = sample(max_new_tokens=6, seed=9)  # the seed plays no part
+  assert len(got) == 6 and all(type(t) is int for t in got)
+  logits = logits_at(PROMPT + got)
+  for i, t in enumerate(got):
+    assert_argmax(logits[len(PROMPT) - 1 + i], t)
+
+
+def test_greedy_keeps_the_last_max_len_tokens():
+  """Past max_len the context slides: each token is the argmax after the newest 5 tokens."""
+  got = sample(max_len=5, max_new_tokens=4)
+  tokens = PROMPT + got
+  for i, t in enumerate(got):
+    end = len(PROMPT) + i
+    ctx = tokens[max(0, end - 5):end]
+    assert_argmax(logits_at(ctx)[-1], t)
+  # With the whole context the continuation differs: the window really is cut.
+  assert got != sample(max_new_tokens=4)
+
+
+def test_top_k_one_is_greedy():
+  """With top_k=1 only the most likely token survives, at any temperature."""
+  assert sample(max_new_tokens=5, temperature=1.5, top_k=1, seed=3) == \
+      sample(max_new_tokens=5)
+
+
+def test_top_k_samples_only_the_k_most_likely():
+  """Every sampled token is among the k most likely after the tokens before it; seeds differ."""
+  k, runs = 3, []
+  for seed in range(3):
+    got = sample(max_new_tokens=5, temperature=2.0, top_k=k, seed=seed)
+    logits = logits_at(PROMPT + got)
+    for i, t in enumerate(got):
+      assert t in np.argsort(logits[len(PROMPT) - 1 + i])[-k:], (seed, i, t)
+    runs.append(got)
+  assert len({tuple(r) for r in runs}) > 1  # it samples rather than taking the argmax
+
+
+def test_top_k_sampler_over_many_keys():
+  """One position, many keys: the draws cover the k most likely tokens and nothing else."""
+  graphdef, params = model_and_params()
+  step = generate.make_sampler(graphdef, MAX_LEN, temperature=5.0, top_k=4)
+  buf = np.zeros((1, MAX_LEN), np.int32)
+  buf[0, :len(PROMPT)] = PROMPT
+  keys = jax.random.split(jax.random.key(0), 32)
+  draws = {int(step(params, buf, len(PROMPT) - 1, key)) for key in keys}
+  top = set(np.argsort(logits_at(PROMPT)[-1])[-4:].tolist())
+  assert draws == top
+
+
+def test_same_seed_same_tokens():
+  """Sampling is a function of the seed: equal seeds agree, different seeds differ."""
+  a = sample(max_new_tokens=8, temperature=1.0, seed=7)
+  assert sample(max_new_tokens=8, temperature=1.0, seed=7) == a
+  assert sample(max_new_tokens=8, temperature=1.0, seed=8) != a
+  assert all(0 <= t < 512 for t in a)
+
+
+def test_empty_prompt_is_a_user_error():
+  """A prompt that encodes to nothing is refused before any compile."""
+  with pytest.raises(UserError, match="no tokens"):
+    sample(prompt=[])

@@ -1,0 +1,152 @@
+"""Metric writers (metrics.jsonl, TensorBoard) and the FLOP count behind MFU."""
+
+import glob
+import json
+import os
+import struct
+
+import jax
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from conftest import BASE, TINY
+from nanotext import config, metrics, wiring
+
+
+def read_jsonl(path):
+  with open(os.path.join(path, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def read_events(path):
+  """Scalar (tag, step, value) triples of every TensorBoard event file under `path`."""
+  out = []
+  for name in sorted(glob.glob(os.path.join(path, "events.out.tfevents.*"))):
+    with open(name, "rb") as f:
+      data = f.read()
+    i = 0
+    while i < len(data):  # TFRecord: u64 length, u32 crc, payload, u32 crc
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      i += 12 + n + 4
+      out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+  return out
+
+
+def test_writer_one_json_line_per_call_step_first_values_float(tmp_path):
+  """Each write is one line, `step` first as an int, array and int values as floats."""
+  w = metrics.Writer(str(tmp_path), tensorboard=False)
+  w.write(np.int64(3), {"loss": np.float32(2.5), "compiles": 0, "lr": jax.numpy.float32(1e-3)})
+  w.write(4, {"val_loss": 1.25, "note": "text"})
+  w.close()
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert len(lines) == 2
+  first, second = (json.loads(line) for line in lines)
+  assert list(first) == ["step", "loss", "compiles", "lr"]
+  assert first["step"] == 3 and type(first["step"]) is int
+  assert first["loss"] == 2.5 and type(first["compiles"]) is float
+  assert first["lr"] == pytest.approx(1e-3)
+  assert second == {"step": 4, "val_loss": 1.25, "note": "text"}  # non-numbers stay as they are
+  assert not os.path.exists(tmp_path / "tb")
+
+
+def test_writer_appends_across_instances(tmp_path):
+  """A resumed run's writer appends to the metrics.jsonl of the run before it."""
+  for step in (1, 2):
+    w = metrics.Writer(str(tmp_path), tensorboard=False)
+    w.write(step, {"loss": float(step)})
+    w.close()
+  assert read_jsonl(tmp_path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}]
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+  """A writer on a process other than 0 creates no directory and no file."""
+  out = tmp_path / "run"
+  w = metrics.Writer(str(out), tensorboard=True, enabled=False)
+  w.write(1, {"loss": 1.0})
+  w.close()
+  assert not out.exists()
+
+
+def test_writer_tensorboard_scalars(tmp_path):
+  """With tensorboard on, each numeric value becomes a scalar at its step; text is skipped."""
+  w = metrics.Writer(str(tmp_path), tensorboard=True)
+  w.write(1, {"loss": 3.0, "note": "x"})
+  w.write(2, {"loss": 2.0, "mfu": np.float32(0.25)})
+  w.close()
+  assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+  assert sorted(read_events(str(tmp_path / "tb"))) == [("loss", 1, 3.0), ("loss", 2, 2.0),
+                                                       ("mfu", 2, 0.25)]
+  assert len(read_jsonl(tmp_path)) == 2
+
+
+def model_cfg(*overrides):
+  """TINY's model (2 layers, d 64, 2 heads of 32, mlp 256, vocab 512) with derived values."""
+  return wiring.finalize(config.load(BASE, TINY + list(overrides)), jax.devices()[:1]).model
+
+
+# Hand count for TINY: per attention layer q, k, v, o are 64x64, per layer fc + proj 64x256 each,
+# the lm head 64x512.
+QKVO, MLP, HEAD = 4 * 64 * 64, 2 * 64 * 256, 64 * 512
+T = 32
+
+
+def causal_keys(t, window=0):
+  """Average number of keys a query sees, counted position by position."""
+  return sum(min(i + 1, window or t) for i in range(t)) / t
+
+
+def attn_flops(keys):
+  """Forward scores + weighted sum (2 matmuls, 2 FLOPs per MAC) over 2 heads x 32, times 3."""
+  return 3 * 4 * keys * 64
+
+
+def test_flops_per_token_hand_count():
+  """6 * matmul params plus the causal attention term, for 2 layers of full causal attention."""
+  m = model_cfg()
+  want = 6 * (2 * QKVO + 2 * MLP + HEAD) + 2 * attn_flops(causal_keys(T))
+  assert causal_keys(T) == 16.5
+  assert metrics.flops_per_token(m, T) == pytest.approx(want)
+  assert want == 6 * 131072 + 2 * 3 * 4 * 16.5 * 64
+
+
+def test_flops_per_token_matches_the_model_weights():
+  """The matmul count equals the 2-D linear weights of the real (untied) model."""
+  cfg = wiring.finalize(config.load(BASE, TINY + ["model.tie_embeddings=false"]),
+                        jax.devices()[:1])
+  _, abstract, _ = wiring.abstract_model(cfg, "cpu")
+  flat = jax.tree_util.tree_leaves_with_path(abstract.to_pure_dict())
+  matmul = sum(int(np.prod(v.shape)) for path, v in flat
+               if "kernel" in jax.tree_util.keystr(path))
+  assert matmul == 2 * QKVO + 2 * MLP + HEAD
+  attn = metrics.flops_per_token(cfg.model, T) - 6 * matmul
+  assert attn == pytest.approx(2 * attn_flops(causal_keys(T)))
+
+
+def test_windows_reduce_attention_flops():
+  """A window caps the keys per query; per-layer windows count each layer's own."""
+  m = model_cfg()
+  matmul = 6 * (2 * QKVO + 2 * MLP + HEAD)
+  assert causal_keys(T, 8) == 7.125
+  assert metrics.flops_per_token(m, T, 8) == pytest.approx(matmul + 2 * attn_flops(7.125))
+  assert metrics.flops_per_token(m, T, (8, 0)) == pytest.approx(
+      matmul + attn_flops(7.125) + attn_flops(16.5))
+  assert metrics.flops_per_token(m, T, [8, 16]) == pytest.approx(
+      matmul + attn_flops(7.125) + attn_flops(causal_keys(T, 16)))
+  # A window as long as the sequence is plain causal.
+  assert metrics.flops_per_token(m, T, T) == metrics.flops_per_token(m, T, 0)
+  assert metrics.flops_per_token(m, T, 8) < metrics.flops_per_token(m, T)
+
+
+def test_mlp_only_layers_drop_attention_flops():
+  """An MLP-only block has neither q/k/v/o weights nor scores; indices past the end are ignored."""
+  full = model_cfg()
+  m = model_cfg("model.no_attention_layers=[1]")
+  want = 6 * (QKVO + 2 * MLP + HEAD) + attn_flops(16.5)
+  assert metrics.flops_per_token(m, T) == pytest.approx(want)
+  # Layer 1's window is ignored along with its attention.
+  assert metrics.flops_per_token(m, T, (8, 4)) == pytest.approx(
+      6 * (QKVO + 2 * MLP + HEAD) + attn_flops(7.125))
+  past = model_cfg("model.no_attention_layers=[5]")
+  assert metrics.flops_per_token(past, T) == metrics.flops_per_token(full, T)
