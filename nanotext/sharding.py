@@ -162,28 +162,39 @@ def extent(logical_name: str, rules, mesh_sizes: dict) -> int:
   return math.prod(mesh_sizes[a] for a in dict(rules).get(logical_name, ()))
 
 
-def check_divisibility(cfg) -> None:
-  """Each sharded dimension must divide evenly by the mesh axes its rule maps it to."""
-  rules = parse_rules(cfg.mesh.rules)
-  sizes = {a: cfg.mesh[a] for a in MESH_AXES}
-  m, t = cfg.model, cfg.train
-  dims = {"batch": (t.batch_size // t.grad_accum,
-                    "train.batch_size / train.grad_accum" if t.grad_accum > 1
-                    else "train.batch_size"),
-          "embed": (m.d_model, "model.d_model"),
-          "heads": (m.num_heads, "model.num_heads"),
-          "mlp": (m.mlp_dim, "model.mlp_dim"),
-          "vocab": (m.vocab_size, "model.vocab_size"),
-          "length": (m.max_seq_len, "model.max_seq_len"),
-          "act_length": (t.seq_len, "train.seq_len")}
-  for name in ("embed", "heads", "mlp", "vocab"):  # activations have the weights' sizes
-    dims["act_" + name] = dims[name]
-  for name, (size, key) in dims.items():
-    n = extent(name, rules, sizes)
+def check_divisible(dims, rules, mesh_sizes: dict) -> None:
+  """Each dimension must divide evenly by the mesh axes its logical name maps to.
+
+  `dims`: (logical name, size, what sets it) triples, e.g. ("embed", 768, "model.d_model"), from
+  the model's activations and the abstract parameters; the error names the key to change.
+  """
+  table = dict(rules)
+  for name, size, what in dims:
+    n = math.prod(mesh_sizes[a] for a in table.get(name, ()))
     if size % n:
-      axes = "*".join(f"mesh.{a}" for a in dict(rules)[name])
-      raise UserError(f"{key}={size} is not divisible by {axes}={n} (logical axis '{name}'); "
-                      f"change {key} or the mesh")
+      axes = "*".join(f"mesh.{a}" for a in table[name])
+      raise UserError(f"{what}={size} is not divisible by {axes}={n} (logical axis '{name}'); "
+                      f"change {what} or the mesh")
+
+
+def param_dims(abstract_state, keys_by_axis: dict):
+  """(logical name, size, what sets it) for every dimension of every parameter.
+
+  `what` is the config key that sets that axis (from the model) when the size is its value,
+  else the parameter's path and axis.
+  """
+  specs = param_specs(abstract_state).to_pure_dict()
+  shapes = abstract_state.to_pure_dict()
+  name = lambda path: ".".join(str(getattr(k, "key", k)) for k in path)
+  out = []
+  for (path, spec), x in zip(jax.tree_util.tree_flatten_with_path(
+      specs, is_leaf=lambda v: isinstance(v, P))[0], jax.tree.leaves(shapes)):
+    for i, (axis, size) in enumerate(zip(spec, x.shape)):
+      if axis is None:
+        continue
+      key, value = keys_by_axis.get(axis, (None, None))
+      out.append((axis, size, key if value == size else f"dim {i} of parameter {name(path)}"))
+  return out
 
 
 def like_params(tree, param_shardings, shapes_of_params, default):

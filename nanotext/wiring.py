@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nanotext import config, optim, sharding
 from nanotext.errors import UserError
-from nanotext.model import GPT, count_params
+from nanotext.model import GPT, count_params, gpt
 from nanotext.model.attention import resolve_impl
 
 
@@ -122,7 +122,6 @@ def finalize(cfg, devices):
   sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, len(devices))))
   cfg = config.finalize(cfg, mesh_sizes=sizes,
                         peak_flops=metrics.default_peak_flops(devices), data_dir=default_dir())
-  sharding.check_divisibility(cfg)
   return cfg
 
 
@@ -132,6 +131,7 @@ def build(cfg, mesh) -> Run:
   rules = sharding.parse_rules(cfg.mesh.rules)
   eot_id = doc_mask_eot(cfg) if cfg.attention.doc_mask else None
   graphdef, abstract, impl = abstract_model(cfg, backend)
+  check_divisible(cfg, abstract, rules)
   specs = sharding.param_specs(abstract).to_pure_dict()
   tx = optim.make_optimizer(cfg.optim, optim.group_labels(abstract), cfg.train.steps)
   param_sh = sharding.shardings_of(specs, mesh, rules)
@@ -142,6 +142,15 @@ def build(cfg, mesh) -> Run:
   state_sh = new_state(replicated, param_sh, opt_sh)
   return Run(cfg, mesh, backend, impl, rules, graphdef, tx, state_sh,
              sharding.batch_sharding(mesh, rules), count_params(abstract_params), eot_id)
+
+
+def check_divisible(cfg, abstract, rules) -> None:
+  """Every sharded dimension of the activations and of every parameter divides its mesh axes."""
+  sizes = gpt.logical_sizes(cfg.model, cfg.train)
+  dims = [(name, size, key) for name, (key, size) in sizes.items()]
+  dims += sharding.param_dims(abstract, sizes)
+  mesh_sizes = {a: cfg.mesh[a] for a in sharding.MESH_AXES}
+  sharding.check_divisible(dims, rules, mesh_sizes)
 
 
 def abstract_model(cfg, backend: str):

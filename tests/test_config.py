@@ -222,7 +222,7 @@ def test_finalize_keeps_explicit_values_and_input():
 
 def test_finalize_batch_not_divisible_by_mesh():
   with pytest.raises(UserError) as e:
-    finalize("train.batch_size=6")
+    wiring.prepare(BASE, ["train.batch_size=6"])
   msg = str(e.value)
   assert "train.batch_size=6" in msg and "mesh.data" in msg and "mesh.fsdp" in msg
 

@@ -53,10 +53,10 @@ def test_bad_rules(rules, match):
 def test_divisibility_errors_name_the_keys():
   cfg = config.load(BASE, ["mesh.tensor=2", "model.num_heads=3", "model.head_dim=64"])
   with pytest.raises(UserError, match=r"model.num_heads=3 .*mesh.tensor=2"):
-    wiring.finalize(cfg, jax.devices()[:8])
+    wiring.from_config(cfg, devices=jax.devices()[:8])
   cfg = config.load(BASE, ["train.batch_size=12"])
   with pytest.raises(UserError, match=r"train.batch_size=12 .*mesh.data\*mesh.fsdp=8"):
-    wiring.finalize(cfg, jax.devices()[:8])
+    wiring.from_config(cfg, devices=jax.devices()[:8])
 
 
 def test_state_follows_the_rules_under_fsdp_and_tp():
@@ -79,9 +79,24 @@ def test_state_follows_the_rules_under_fsdp_and_tp():
     ("model.d_model=100", "model.d_model=100"),
     ("model.mlp_dim=100", "model.mlp_dim=100"),
     ("model.vocab_size=1001", "model.vocab_size=1001"),
+    ("model.max_seq_len=260", "model.max_seq_len=260"),  # the learned position table's rows
 ])
 def test_dims_must_divide_their_mesh_axes(override, key):
-  rules = "mesh.rules=[[batch, [data, fsdp]], [embed, fsdp], [mlp, fsdp], [vocab, fsdp]]"
+  """Checked from the model's activations and every parameter dimension, naming the key."""
+  rules = ("mesh.rules=[[batch, [data, fsdp]], [embed, fsdp], [mlp, fsdp], [vocab, fsdp], "
+           "[length, fsdp]]")
   cfg = config.load(BASE, [override, "model.head_dim=64", rules])
   with pytest.raises(UserError, match=rf"{key} is not divisible by mesh.fsdp=8"):
-    wiring.finalize(cfg, jax.devices()[:8])
+    wiring.from_config(cfg, devices=jax.devices()[:8])
+
+
+def test_a_parameter_dim_no_key_sets_is_named_by_its_path():
+  import jax.numpy as jnp
+  from flax import nnx
+  from nanotext.model.layers import param
+  state = nnx.state(nnx.Dict(w=param(jnp.zeros((3, 16)), ("layers", "embed"), "scalar")))
+  dims = sharding.param_dims(state, {"embed": ("model.d_model", 16)})
+  assert dims == [("layers", 3, "dim 0 of parameter w"), ("embed", 16, "model.d_model")]
+  rules = sharding.parse_rules([["layers", "fsdp"]])
+  with pytest.raises(UserError, match=r"dim 0 of parameter w=3 is not divisible by mesh.fsdp=2"):
+    sharding.check_divisible(dims, rules, {"data": 1, "fsdp": 2, "tensor": 1})

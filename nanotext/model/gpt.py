@@ -42,6 +42,22 @@ def check_config(m) -> None:
     raise UserError("model.fp8_head=true needs an untied head (model.tie_embeddings=false)")
 
 
+def logical_sizes(m, train_cfg) -> dict:
+  """{logical axis: (config key, size)} of the model's weights and activations, so sharding
+  checks can name the key to change; act_* activations have their weight axis's size."""
+  t = train_cfg
+  batch_key = "train.batch_size / train.grad_accum" if t.grad_accum > 1 else "train.batch_size"
+  sizes = {"embed": ("model.d_model", m.d_model), "heads": ("model.num_heads", m.num_heads),
+           "mlp": ("model.mlp_dim", m.mlp_dim), "vocab": ("model.vocab_size", m.vocab_size),
+           "length": ("model.max_seq_len", m.max_seq_len),
+           "batch": (batch_key, t.batch_size // t.grad_accum),
+           "act_length": ("train.seq_len", t.seq_len),
+           "kv": ("model.head_dim", m.head_dim)}
+  for name in ("embed", "heads", "mlp", "vocab", "kv"):
+    sizes["act_" + name] = sizes[name]
+  return sizes
+
+
 class MLP(nnx.Module):
   """Two-layer MLP with GELU (GPT-2) or ReLU^2 (speedrun)."""
 
