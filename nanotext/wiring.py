@@ -158,7 +158,7 @@ def abstract_model(cfg, backend: str):
   impl = resolve_impl(cfg.attention.impl, backend, head_dim=cfg.model.head_dim,
                       seq_len=cfg.train.seq_len)
   graphdef, abstract = nnx.split(nnx.eval_shape(
-      lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(cfg.seed))))
+      lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(cfg.seed))))  # no arrays
   return graphdef, abstract, impl
 
 

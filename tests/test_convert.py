@@ -15,11 +15,10 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from conftest import BASE, SPEEDRUN, TINY, run_cli  # noqa: E402
-from nanotext import config, train  # noqa: E402
+from nanotext import config, train, wiring  # noqa: E402
 from nanotext.convert import export_torch, from_hf, load_params, params_only, to_hf  # noqa: E402
 from nanotext.convert.common import load_run  # noqa: E402
 from nanotext.errors import UserError  # noqa: E402
-from nanotext.model import GPT  # noqa: E402
 
 # Both sides compute in float32 with different matmul blocking and reduction orders; over two
 # blocks that moves logits of magnitude ~1-5 by ~1e-6..1e-5. 1e-4 is well above that noise and
@@ -33,8 +32,7 @@ quiet = lambda *a, **k: None
 
 def nanotext_logits(run_dir, params, tokens):
   cfg = config.load(os.path.join(run_dir, "config.yml"))
-  graphdef = nnx.split(nnx.eval_shape(
-      lambda: GPT(cfg.model, cfg.attention, impl="xla", rngs=nnx.Rngs(0))))[0]
+  graphdef = wiring.abstract_model(cfg, "cpu")[0]
   return np.asarray(nnx.merge(graphdef, params)(tokens))
 
 

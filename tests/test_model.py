@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from conftest import BASE, SPEEDRUN
-from nanotext import config, sharding, wiring
-from nanotext.model import GPT, count_params
+from nanotext import sharding, wiring
+from nanotext.model import count_params
 from nanotext.model.attention import apply_rope, rope_frequencies
 
 SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
@@ -16,8 +16,8 @@ SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.h
 
 
 def build(path=BASE, *overrides, seed=0):
-  cfg = wiring.finalize(config.load(path, SMALL + list(overrides)), jax.devices()[:8])
-  return cfg, GPT(cfg.model, cfg.attention, rngs=nnx.Rngs(seed))
+  run = wiring.prepare(path, SMALL + list(overrides))
+  return run.cfg, run.create_model(seed)
 
 
 def tokens(seed=0, batch=2, length=16, vocab=256):

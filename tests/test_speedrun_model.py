@@ -13,7 +13,7 @@ from flax import nnx
 from conftest import REPO, SPEEDRUN, TINY
 from nanotext import config, optim, sharding, wiring
 from nanotext.errors import UserError
-from nanotext.model import GPT, count_params
+from nanotext.model import count_params
 from nanotext.model.gpt import value_embed_layers
 from nanotext.model.layers import fp8_head_scales, fp8_matmul, rms_norm
 
@@ -25,8 +25,8 @@ SMALL = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2", "model.h
 
 
 def build(*overrides, path=SPEEDRUN, seed=0):
-  cfg = wiring.finalize(config.load(path, SMALL + list(overrides)), jax.devices()[:8])
-  return cfg, GPT(cfg.model, cfg.attention, rngs=nnx.Rngs(seed))
+  run = wiring.prepare(path, SMALL + list(overrides))
+  return run.cfg, run.create_model(seed)
 
 
 def tokens(seed=0):
@@ -229,12 +229,12 @@ def test_config_errors_name_the_key():
 
 
 def test_speedrun_gpt2_has_the_record_shape():
-  cfg = wiring.finalize(config.load(SPEEDRUN_GPT2), jax.devices()[:8])
-  m = cfg.model
+  run = wiring.prepare(SPEEDRUN_GPT2)
+  m = run.cfg.model
   assert (m.d_model, m.num_heads, m.head_dim, m.mlp_dim, m.vocab_size, m.align) == \
       (768, 6, 128, 3072, 50304, 128)
   assert config.misaligned_dims(m) == []
-  abstract = nnx.eval_shape(lambda: GPT(m, cfg.attention, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(run.create_model)
   params = nnx.state(abstract, nnx.Param).to_pure_dict()
   assert params["blocks"][0]["attn"]["qkv"]["kernel"].shape == (3, 768, 768)
   assert "attn" not in params["blocks"][7] and len(params["value_embeds"]) == 3

@@ -8,12 +8,10 @@ import os
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from conftest import BASE, SPEEDRUN, TINY
 from nanotext import config, metrics, wiring
 from nanotext.errors import UserError
-from nanotext.model import GPT
 from nanotext.model import attention as A
 from nanotext.train import run
 
@@ -93,11 +91,10 @@ def test_per_layer_flops_take_every_window():
 
 
 def test_a_short_window_layer_cannot_see_beyond_its_window():
-  cfg = wiring.finalize(config.load(BASE, [
+  model = wiring.prepare(BASE, [
       "model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
       "model.vocab_size=256", "model.align=0", "train.seq_len=32", "attention.window=16",
-      "attention.window_pattern=S"]), jax.devices()[:8])
-  model = GPT(cfg.model, cfg.attention, rngs=nnx.Rngs(0))
+      "attention.window_pattern=S"]).create_model(0)
   assert model.windows == (8,)  # S = half of the 16-token long window
   a = jax.random.randint(jax.random.key(0), (2, 32), 0, 256)
   p = 5
