@@ -25,12 +25,12 @@ NON_NEGATIVE = ("train.eval_every", "checkpoint.every", "model.head_dim", "model
                 "data.workers", "data.val_tokens", "sample.max_new_tokens", "sample.top_k",
                 "sample.temperature", "model.logit_softcap", "model.attn_scale",
                 "model.init_std", "model.embed_std", "attention.window",
-                "profile.steps", "train.target_val_loss")
+                "profile.steps", "train.target_val_loss", "train.loss_chunk")
 # Keys a continued or resumed run may change without becoming "a different run".
 RUN_IDENTITY_IGNORES = ("overwrite", "distributed", "train.steps", "train.log_every", "train.eval_every",
                         "train.eval_batches", "checkpoint", "metrics", "sample", "output_dir",
                         "data.workers", "profile", "train.compile_cache_dir",
-                        "train.target_val_loss")
+                        "train.target_val_loss", "model.remat", "train.loss_chunk")
 
 
 def _read_yaml(path: Path) -> dict:
@@ -205,6 +205,8 @@ def validate(cfg) -> None:
     if get(cfg, key) < 0:
       raise UserError(f"{key}={get(cfg, key)} must not be negative")
   t, m = cfg.train, cfg.model
+  if 0 < t.loss_chunk < t.seq_len and t.seq_len % t.loss_chunk:
+    raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide train.seq_len={t.seq_len}")
   if t.batch_size % t.grad_accum:
     raise UserError(f"train.batch_size={t.batch_size} is not divisible by "
                     f"train.grad_accum={t.grad_accum}")

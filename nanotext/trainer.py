@@ -17,17 +17,20 @@ from nanotext.wiring import Run, new_state
 from nanotext.watch import CompileCounter, Monitor, Preemption, Profiler
 from nanotext.model import attention
 from nanotext.model.attention import segment_ids_from_tokens
+from nanotext.model.loss import cross_entropy
 
 
-def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None):
+def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, chunk=0):
   """Mean next-token cross-entropy; with `eot_id`, attention stays within documents.
 
   `windows`: per-layer sliding windows (static ints) of one schedule stage; None = the final ones.
+  `chunk`: train.loss_chunk (0 = the whole sequence's logits at once).
   """
   segments_BT = None if eot_id is None else segment_ids_from_tokens(inputs_BT, eot_id)
-  logits_BTV = nnx.merge(graphdef, params)(inputs_BT, segments_BT, windows)
+  model = nnx.merge(graphdef, params)
+  x_BTD = model.hidden(inputs_BT, segments_BT, windows)
   with jax.named_scope("loss"):
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
+    return cross_entropy(model, x_BTD, targets_BT, chunk)
 
 
 def step_windows(cfg, step: int) -> tuple:
@@ -55,7 +58,7 @@ def make_train_step(run: Run, windows=None):
   nan_step = run.cfg.train.debug_nan_step
 
   def objective(p, x, y, poison):
-    loss = loss_fn(graphdef, p, x, y, run.eot_id, windows)
+    loss = loss_fn(graphdef, p, x, y, run.eot_id, windows, run.cfg.train.loss_chunk)
     return loss if poison is None else loss * poison
   grad_fn = jax.value_and_grad(objective)
 
@@ -105,7 +108,8 @@ def make_eval_step(run: Run):
   """
   def eval_fn(params, batch):
     with sharding.use_rules(run.rules, run.mesh):
-      return loss_fn(run.graphdef, params, batch["inputs"], batch["targets"], run.eot_id)
+      return loss_fn(run.graphdef, params, batch["inputs"], batch["targets"], run.eot_id,
+                     chunk=run.cfg.train.loss_chunk)
   batch_sh = {"inputs": run.batch_sharding, "targets": run.batch_sharding}
   return jax.jit(eval_fn, in_shardings=(run.state_shardings["params"], batch_sh))
 

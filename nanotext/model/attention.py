@@ -176,7 +176,12 @@ def _splash_kernel(T: int, H: int, window: int, block: int, interpret: bool):
 
 def _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT):
   """Splash attention, run per device on its batch/head shard when a mesh is active."""
-  local = functools.partial(_splash_local, scale=scale, window=window)
+  active = sharding.active()
+  # Mosaic or interpreted by the platform the program is built for (the mesh's devices), never the
+  # host's default backend: a CPU host compiling for a TPU topology must get the TPU kernel.
+  platform = jax.default_backend() if active is None else active[1].devices.flat[0].platform
+  local = functools.partial(_splash_local, scale=scale, window=window,
+                            interpret=platform != "tpu")
   args = (q_BTHK, k_BTHK, v_BTHK) + (() if segment_ids_BT is None else (segment_ids_BT,))
   # A Pallas kernel is opaque to the SPMD partitioner (it would gather everything onto every
   # device), so it runs per device: batch and heads split as the rules say, the sequence whole.
@@ -185,11 +190,11 @@ def _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT):
   return sharding.per_device(local, args, in_axes, names)
 
 
-def _splash_local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale, window):
-  """Pallas splash attention per example (vmapped over batch); interpreted off TPU (slow)."""
+def _splash_local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale, window, interpret):
+  """Pallas splash attention per example (vmapped over batch); `interpret` off TPU (slow)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
   _, T, H, _ = q_BTHK.shape
-  kernel = _splash_kernel(T, H, window, _splash_block(T), jax.default_backend() != "tpu")
+  kernel = _splash_kernel(T, H, window, _splash_block(T), interpret)
   # Splash applies no softmax scale of its own, so fold it into q.
   q_BHTK = jnp.swapaxes(q_BTHK * jnp.asarray(scale, q_BTHK.dtype), 1, 2)
   k_BHTK, v_BHTK = jnp.swapaxes(k_BTHK, 1, 2), jnp.swapaxes(v_BTHK, 1, 2)

@@ -14,7 +14,7 @@ from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_mat
 
 CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
            "mlp_act": ("gelu", "relu2"), "dtype": ("float32", "bfloat16"),
-           "param_dtype": ("float32", "bfloat16")}
+           "param_dtype": ("float32", "bfloat16"), "remat": ("none", "full", "dots")}
 
 
 def check_config(m) -> None:
@@ -137,6 +137,7 @@ class GPT(nnx.Module):
       self.head = Linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), std=std, bias=False,
                          param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs, role="head")
     self.fp8_head = cfg.fp8_head
+    self.remat = cfg.remat
 
   def __call__(self, tokens_BT, segment_ids_BT=None, windows=None):
     """Logits; with `segment_ids_BT`, attention stays within each document.
@@ -144,6 +145,10 @@ class GPT(nnx.Module):
     `windows`: per-layer sliding windows (a tuple of static ints, e.g. one stage of
     attention.window_schedule); None = the configured pattern at attention.window.
     """
+    return self.logits(self.hidden(tokens_BT, segment_ids_BT, windows))
+
+  def hidden(self, tokens_BT, segment_ids_BT=None, windows=None):
+    """The final normalised hidden states [B, T, D] that the head turns into logits."""
     x_BTD = self.embed(tokens_BT)
     if self.pos is not None:
       x_BTD = x_BTD + self.pos.value[: tokens_BT.shape[1]].astype(x_BTD.dtype)[None]
@@ -160,16 +165,21 @@ class GPT(nnx.Module):
         x_BTD = x_BTD + self.skip_weights.value[i - (L - n_skip)].astype(x_BTD.dtype) * skips.pop()
       with jax.named_scope(f"block_{i}"):
         j = self.ve_layers[i]
-        x_BTD = block(x_BTD, x0_BTD, segment_ids_BT, windows[i], None if j is None else ve[j])
+        x_BTD = remat_block(self.remat, windows[i])(
+            block, x_BTD, x0_BTD, segment_ids_BT, None if j is None else ve[j])
       if i < n_skip:
         skips.append(x_BTD)
-    x_BTD = self.ln_f(x_BTD)
+    return self.ln_f(x_BTD)
+
+  def logits(self, x_BTD, tokens: int = 0):
+    """Soft-capped float32 logits of hidden states; `tokens`: the tokens the loss averages over
+    when x_BTD is one chunk of them (the FP8 head's gradient scale assumes that mean)."""
     if self.head is None:
       logits_BTV = self.embed.attend(x_BTD)
     elif self.fp8_head:
       B, T, D = x_BTD.shape
       logits_NV = fp8_matmul(x_BTD.reshape(B * T, D), self.head.kernel.value,
-                             *fp8_head_scales(D, B * T))
+                             *fp8_head_scales(D, tokens or B * T))
       logits_BTV = logits_NV.reshape(B, T, -1)
     else:
       logits_BTV = self.head(x_BTD)
@@ -177,6 +187,23 @@ class GPT(nnx.Module):
                                     ("batch", "act_length", "act_vocab"))
     c = self.softcap
     return c * jnp.tanh(logits_BTV / c) if c else logits_BTV
+
+
+# model.remat: which activations of a block the backward pass keeps (the rest it recomputes).
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # only each block's inputs
+    # Projection and MLP matmul outputs (no batch dims): the costly FLOPs are not redone.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_block(policy: str, window: int):
+  """(block, x, x0, segments, ve) -> block output, rematerialised per model.remat."""
+  def call(block, x_BTD, x0_BTD, segment_ids_BT, ve_BTD):
+    return block(x_BTD, x0_BTD, segment_ids_BT, window, ve_BTD)
+  if policy == "none":
+    return call
+  return nnx.remat(call, policy=REMAT_POLICIES[policy])
 
 
 def value_embed_layers(n: int, num_layers: int) -> tuple:

@@ -1,0 +1,36 @@
+"""Next-token cross-entropy, whole or in sequence chunks that never hold [B, T, V] logits at once."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from nanotext import sharding
+
+
+def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0):
+  """Mean cross-entropy of `model.logits(x_BTD)` against targets.
+
+  With 0 < `chunk` < T the positions are taken `chunk` at a time (every row at once, so the batch
+  stays sharded): each chunk's float32 logits live only inside a rematerialised scan step, and the
+  backward pass recomputes them chunk by chunk. Peak loss memory is then [B, chunk, V] instead of
+  the logits, their soft-cap and their gradient at [B, T, V] each. Same value and gradients as the
+  whole-sequence loss up to float32 summation order.
+  """
+  B, T, D = x_BTD.shape
+  if not chunk or chunk >= T:
+    logits_BTV = model.logits(x_BTD)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
+  n = T // chunk
+  x_NBCD = sharding.constrain(x_BTD.reshape(B, n, chunk, D).swapaxes(0, 1),
+                              (None, "batch", "act_length", "act_embed"))
+  y_NBC = targets_BT.reshape(B, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint  # keep only the chunk's inputs; its logits are recomputed in the backward pass
+  def chunk_sum(x_BCD, y_BC):
+    logits_BCV = model.logits(x_BCD, tokens=B * T)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BCV, y_BC).sum()
+
+  def body(total, xy):
+    return total + chunk_sum(*xy), None
+  total, _ = jax.lax.scan(body, jnp.zeros([], jnp.float32), (x_NBCD, y_NBC))
+  return total / (B * T)

@@ -1,0 +1,63 @@
+"""The lean step on CPU: chunked cross-entropy and every remat policy give the plain step's loss
+and gradients (float32, the speedrun's soft-capped FP8 head included)."""
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import BASE, SPEEDRUN, TINY
+from nanotext import config, trainer, wiring
+from nanotext.errors import UserError
+from nanotext.model.gpt import REMAT_POLICIES
+
+SPEEDRUN_TINY = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2",
+                 "model.head_dim=32", "model.mlp_dim=128", "model.align=0", "model.vocab_size=512",
+                 "model.dtype=float32", "train.seq_len=64", "train.batch_size=8",
+                 "attention.impl=xla", "attention.window=32", "attention.window_start=16",
+                 "attention.window_block=16", "data.source=synthetic", "data.tokenizer=none",
+                 "data.eot_id=0", "model.zero_init_head=false"]
+
+
+def loss_and_grads(path, overrides, devices=None):
+  """(loss, grads) of the train objective at step 0 on fixed tokens, as the train step sees it."""
+  run = wiring.prepare(path, overrides, devices=devices)
+  cfg = run.cfg
+  params = run.init_state()["params"]
+  rng = np.random.default_rng(0)
+  shape = (cfg.train.batch_size, cfg.train.seq_len)
+  x, y = (rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32) for _ in range(2))
+  windows = trainer.step_windows(cfg, 0)
+
+  def objective(p):
+    return trainer.loss_fn(run.graphdef, p, x, y, run.eot_id, windows, cfg.train.loss_chunk)
+  return jax.jit(jax.value_and_grad(objective))(params)
+
+
+def assert_same(got, want, rtol=2e-5, atol=1e-6):
+  np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=rtol)
+  for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("recipe", ["base", "speedrun"])
+def test_chunked_loss_matches_plain(recipe):
+  path, over = (BASE, list(TINY)) if recipe == "base" else (SPEEDRUN, SPEEDRUN_TINY)
+  seq = 32 if recipe == "base" else 64
+  want = loss_and_grads(path, over + ["train.loss_chunk=0"])
+  for chunk in (8, seq // 2):
+    assert_same(loss_and_grads(path, over + [f"train.loss_chunk={chunk}"]), want)
+
+
+@pytest.mark.parametrize("policy", sorted(REMAT_POLICIES))
+def test_remat_policies_match_no_remat(policy):
+  want = loss_and_grads(SPEEDRUN, SPEEDRUN_TINY + ["model.remat=none"])
+  got = loss_and_grads(SPEEDRUN, SPEEDRUN_TINY + [f"model.remat={policy}",
+                                                   "train.loss_chunk=16"])
+  assert_same(got, want)
+
+
+def test_loss_chunk_must_divide_seq_len():
+  with pytest.raises(UserError, match="train.loss_chunk=24 does not divide train.seq_len=32"):
+    config.validate(config.load(BASE, TINY + ["train.loss_chunk=24"]))
+  with pytest.raises(UserError, match="model.remat='some'"):
+    config.validate(config.load(BASE, TINY + ["model.remat=some"]))
