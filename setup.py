@@ -29,5 +29,9 @@ setup(
         "test": ["pytest>=8", "torch", "transformers", "safetensors", "matplotlib>=3.8"],
         "gpt2": ["tiktoken>=0.7"],
         "plots": ["matplotlib>=3.8"],
+        # python -m nanotext.compile: libtpu compiles for TPU slices on any machine. jax[tpu] at
+        # the jax version nanotext is tested with pins the libtpu built for it (0.10.2 ->
+        # libtpu 0.0.42.1); move both together.
+        "tpu": ["jax[tpu]==0.10.2"],
     },
 )

@@ -13,6 +13,11 @@ Layout syntax (`--layouts`): a comma list of layouts, each one or more `AXISn` t
 must multiply to the device count. Example for 8 devices: `dp8,fsdp8,tp8,fsdp4xtp2,dp2xfsdp2xtp2`
 (the default on N devices: dpN, fsdpN, tpN, fsdp{N/2}xtp2, dp2xfsdp{N/4}xtp2 where they fit).
 A layout this model cannot use (say heads not divisible by tp) becomes a row saying why.
+
+With `--topology=v6e-8` (any nanotext.compile slice name) nothing runs here: each layout is
+compiled for that TPU slice through nanotext.compile (`--programs`, default the last train
+program) and `PREFIX.md` gets per-chip memory, collectives and bytes, FLOPs, and a roofline
+step-time estimate from the chip's published peaks.
 """
 
 import math
@@ -25,6 +30,7 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanotext.hlo import COLLECTIVES, collectives, shape_bytes  # noqa: E402,F401 -- shared parsers
 
 _LAYOUTS = flags.DEFINE_string("layouts", "", "Comma list like dp8,fsdp8,fsdp4xtp2; "
                                "empty = the defaults for this device count.")
@@ -32,17 +38,15 @@ _STEPS = flags.DEFINE_integer("steps", 5, "Steps whose losses are recorded (also
 _TIMED = flags.DEFINE_integer("timed_steps", 3, "Steps per timed window.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed windows (the median is reported).")
 _OUT = flags.DEFINE_string("out", "benchmarks/parallelism_base", "Output prefix (.md, .png).")
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", "", "Compile each layout for this TPU slice (e.g. v6e-8) through nanotext.compile "
+    "instead of running it here: memory, collectives, FLOPs and a roofline estimate, no timing.")
+_PROGRAMS = flags.DEFINE_string("programs", "last", "With --topology: which programs to "
+                                "compile per layout (nanotext.compile --programs).")
 
 AXES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor"}
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
           "collective-permute": "CP"}
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-                "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-                "c64": 8, "c128": 16}
-_SHAPE_RE = re.compile(r"\b([a-z]+[0-9][a-z0-9]*|pred)\[([0-9,]*)\]")
-_OP_RE = re.compile(r"=\s*([^=]*?)\s(" + "|".join(COLLECTIVES) + r")(-start|-done)?\(")
-_COMMENT_RE = re.compile(r"/\*.*?\*/")
 MIB = 2**20
 
 
@@ -100,36 +104,6 @@ def _unique(layouts) -> list:
     if shape not in seen:
       seen.add(shape)
       out.append((name, shape))
-  return out
-
-
-# ---- HLO collectives ----
-
-def shape_bytes(text: str) -> int:
-  """Bytes of every array shape in an HLO type string, e.g. '(f32[64,128]{1,0}, bf16[8])'."""
-  total = 0
-  for dtype, dims in _SHAPE_RE.findall(text):
-    n = math.prod(int(d) for d in dims.split(",") if d)
-    total += n * _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
-  return int(total)
-
-
-def collectives(hlo_text: str) -> dict:
-  """{op: {'count', 'bytes'}} for each collective in HLO text; bytes are per-device results.
-
-  An async pair counts once: `-start` adds to the count and its `-done` (whose type is exactly
-  the result, while the start's tuple also holds the operands) adds the bytes.
-  """
-  out = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
-  for line in hlo_text.splitlines():
-    m = _OP_RE.search(_COMMENT_RE.sub("", line))  # long tuples carry /*index=5*/ comments
-    if not m:
-      continue
-    result, op, suffix = m.groups()
-    if suffix != "-done":
-      out[op]["count"] += 1
-    if suffix != "-start":
-      out[op]["bytes"] += shape_bytes(result)
   return out
 
 
@@ -216,6 +190,84 @@ def measure(path, overrides, layouts, *, steps=5, timed_steps=3, repeats=3, log=
     if log:
       log(f"{name}: {rows[-1].get('invalid') or 'done'} ({time.perf_counter() - t0:.1f} s)")
   return rows
+
+
+# ---- compiled for a TPU slice (no chips needed) ----
+
+def measure_topology(path, overrides, slice_name, layouts, which="last", log=None) -> list:
+  """One row per layout and program, compiled for `slice_name` by nanotext.compile."""
+  from nanotext import compile as nt_compile, config
+  from nanotext.errors import UserError
+  config.load(path, list(overrides))  # fail fast on keys and values before any compile
+  rows = []
+  for name, shape in layouts:
+    row = {"layout": name, "shape": shape}
+    mesh_kv = [f"mesh.{a}={n}" for a, n in zip(("data", "fsdp", "tensor"), shape)]
+    t0 = time.perf_counter()
+    try:
+      _, sl, recs = nt_compile.run_compile(path, list(overrides) + mesh_kv, slice_name, which,
+                                           min_headroom=0.0, log=lambda s: None)
+    except UserError as e:  # a layout this model cannot use is a row saying why
+      if "topology" in str(e) or "libtpu" in str(e):
+        raise
+      rows.append({**row, "invalid": str(e)})
+      continue
+    rows += [{**row, **rec, "chip": sl.chip} for rec in recs]
+    if log:
+      log(f"{name}: {len(recs)} program(s) ({time.perf_counter() - t0:.1f} s)")
+  return rows
+
+
+def roofline_s(row) -> tuple:
+  """(compute s, HBM s, estimate s) per step from the chip's published peaks: an estimate."""
+  chip = row["chip"]
+  compute = row["flops_xla_per_chip"] / chip.peak_flops
+  memory = row["bytes_accessed_per_chip"] / chip.hbm_bw
+  return compute, memory, max(compute, memory)
+
+
+def topology_table(rows) -> str:
+  """Markdown: per layout and program, memory per chip, collectives, FLOPs, roofline estimate."""
+  head = ("| layout | data×fsdp×tensor | program | total GiB/chip (of HBM) | args GiB | temps GiB "
+          "| collectives (count) | collective MiB/step | XLA TFLOP/chip | analytic TFLOP/chip "
+          "| GB accessed/chip | est. compute ms | est. HBM ms | **roofline estimate ms** |")
+  lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+  for r in rows:
+    mesh = "×".join(map(str, r["shape"]))
+    if "invalid" in r:
+      lines.append(f"| {r['layout']} | {mesh} | invalid: {r['invalid']} |" + " |" * 11)
+      continue
+    hbm = f"{r['total_bytes_per_chip'] / 2**30:.2f} ({r['hbm_bytes_per_chip'] / 2**30:.2f})"
+    if r.get("overflow"):
+      lines.append(f"| {r['layout']} | {mesh} | {r['name']} | {hbm}: does not fit |" + " |" * 10)
+      continue
+    col = r["collectives"]
+    counts = " ".join(f"{_SHORT[k]} {v['count']}" for k, v in col.items() if v["count"])
+    compute, memory, est = roofline_s(r)
+    lines.append(
+        f"| {r['layout']} | {mesh} | {r['name']} | {hbm} | {r['argument'] / 2**30:.2f} "
+        f"| {r['temp'] / 2**30:.2f} | {counts or 'none'} "
+        f"| {sum(v['bytes'] for v in col.values()) / MIB:.1f} "
+        f"| {r['flops_xla_per_chip'] / 1e12:.2f} | {r['flops_analytic_per_chip'] / 1e12:.2f} "
+        f"| {r['bytes_accessed_per_chip'] / 1e9:.1f} | {1e3 * compute:.1f} | {1e3 * memory:.1f} "
+        f"| {1e3 * est:.1f} |")
+  return "\n".join(lines)
+
+
+def topology_report(rows, command: str, slice_name: str) -> str:
+  from nanotext import topology
+  chip = topology.parse(slice_name).chip
+  return "\n".join([
+      f"# Parallelism ablation compiled for {slice_name}", "", f"Command: `{command}`", "",
+      f"Each layout compiled by `nanotext.compile` for {slice_name} on a CPU host (libtpu); "
+      "nothing ran. Memory is the compiler's per-chip accounting (arguments + outputs - aliased "
+      "+ temporaries + code); collective MiB is the summed result size of each collective in "
+      "the HLO per chip, an op inside a loop counted once.", "",
+      f"The roofline columns are an ESTIMATE, not a measurement: XLA's FLOPs per chip over the "
+      f"published dense bf16 peak ({chip.peak_flops / 1e12:.0f} TFLOP/s) and XLA's bytes "
+      f"accessed over the published HBM bandwidth ({chip.hbm_bw / 1e9:.0f} GB/s), the larger of "
+      "the two; it leaves out communication, kernel efficiency and overlap.", "",
+      topology_table(rows), ""])
 
 
 # ---- reporting ----
@@ -325,6 +377,8 @@ def plot(rows, path: str) -> None:
 
 
 def main(argv):
+  if _TOPOLOGY.value:  # only compiles: never open this host's accelerators
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   from nanotext.errors import UserError, fail
   if len(argv) < 2:
@@ -333,11 +387,23 @@ def main(argv):
   try:
     if _STEPS.value < 1 or _TIMED.value < 1 or _REPEATS.value < 1:
       raise UserError("--steps, --timed_steps and --repeats must be at least 1")
-    layouts = parse_layouts(_LAYOUTS.value, jax.device_count())
-    rows = measure(argv[1], argv[2:], layouts, steps=_STEPS.value, timed_steps=_TIMED.value,
-                   repeats=_REPEATS.value, log=lambda s: print(s, file=sys.stderr, flush=True))
+    log = lambda s: print(s, file=sys.stderr, flush=True)
+    if _TOPOLOGY.value:
+      from nanotext import topology
+      chips = topology.parse(_TOPOLOGY.value).num_chips
+      rows = measure_topology(argv[1], argv[2:], _TOPOLOGY.value,
+                              parse_layouts(_LAYOUTS.value, chips), _PROGRAMS.value, log=log)
+    else:
+      layouts = parse_layouts(_LAYOUTS.value, jax.device_count())
+      rows = measure(argv[1], argv[2:], layouts, steps=_STEPS.value, timed_steps=_TIMED.value,
+                     repeats=_REPEATS.value, log=log)
   except UserError as e:
     fail(str(e))
+  if _TOPOLOGY.value:
+    print(topology_table(rows))
+    with open(_OUT.value + ".md", "w") as f:
+      f.write(topology_report(rows, " ".join(["python", *sys.argv]), _TOPOLOGY.value))
+    return
   print(table(rows))
   if jax.process_index() == 0:  # one writer on many hosts
     command = " ".join(["python", *sys.argv])

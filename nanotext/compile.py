@@ -1,0 +1,243 @@
+"""Fit before you fly: `python -m nanotext.compile CONFIG [key=value ...] --topology=NAME
+[--programs=all] [--json=FILE] [--min_headroom=0.1]`.
+
+Compiles every program a run would compile (one train program per attention-window stage, and
+the eval program) for a TPU slice, on any machine with libtpu installed, and prints per program
+the per-chip memory against the chip's HBM, analytic and XLA FLOPs, bytes accessed and the
+collectives with their bytes, then one verdict line. Exit 0 if every program fits with the
+headroom asked for, 2 (one line naming the bytes and the keys that help) otherwise.
+"""
+
+import json
+import os
+import re
+import time
+
+from absl import app, flags
+
+_TOPOLOGY = flags.DEFINE_string("topology", "", "TPU slice to compile for, e.g. v6e-8, v5p-16.")
+_PROGRAMS = flags.DEFINE_string(
+    "programs", "all", "Which programs: all, or a comma list of first, last (train window "
+    "stages), eval, or program names as printed (e.g. train@1792).")
+_JSON = flags.DEFINE_string("json", "", "Write one JSON record per program to this file.")
+_HEADROOM = flags.DEFINE_float(
+    "min_headroom", 0.10, "Fraction of HBM a program must leave free to count as fitting: the "
+    "compiler's accounting leaves out runtime buffers and fragmentation.")
+
+GIB = 2**30
+_OOM_RE = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT])\) exceeds available "
+                     r"HBM \(([0-9.]+)([KMGT])\)")
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def programs(cfg) -> list:
+  """[(name, windows, steps)] of the run: one train program per distinct window tuple, in order
+  of first use, then the eval program (windows None = the final ones)."""
+  from nanotext import trainer
+  stages = {}
+  for step in range(cfg.train.steps):
+    stages.setdefault(trainer.step_windows(cfg, step), []).append(step)
+  out = []
+  for windows, steps in stages.items():
+    long = max(windows) if any(windows) else 0
+    name = "train" if len(stages) == 1 else f"train@{long or 'causal'}"
+    out.append((name, windows, (steps[0], steps[-1])))
+  return out + [("eval", None, None)]
+
+
+def select(progs: list, spec: str) -> list:
+  """The programs `spec` names (all | first,last,eval | names); UserError on unknown names."""
+  from nanotext.errors import UserError
+  words = [w.strip() for w in spec.split(",") if w.strip()]
+  if not words or "all" in words:
+    return progs
+  train = [p for p in progs if p[0] != "eval"]
+  alias = {"first": train[0][0], "last": train[-1][0]}
+  names = {alias.get(w, w) for w in words}
+  unknown = names - {p[0] for p in progs}
+  if unknown:
+    raise UserError(f"--programs names unknown program(s) {', '.join(sorted(unknown))}; this "
+                    f"run has: first, last, {', '.join(p[0] for p in progs)}")
+  return [p for p in progs if p[0] in names]
+
+
+def abstract_batch(run) -> dict:
+  """ShapeDtypeStructs of one global batch, sharded as the data pipeline delivers it."""
+  import jax
+  import jax.numpy as jnp
+  shape = (run.cfg.train.batch_size, run.cfg.train.seq_len)
+  spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=run.batch_sharding)
+  return {"inputs": spec, "targets": spec}
+
+
+def compile_program(run, name, windows, hbm_bytes: int, min_headroom: float = 0.0) -> dict:
+  """Compile one program for the run's devices; its record (an HBM overflow is a record too)."""
+  from nanotext import trainer
+  state, batch = run.abstract_state(), abstract_batch(run)
+  if name == "eval":
+    jitted, args = trainer.make_eval_step(run), (state["params"], batch)
+  else:
+    jitted, args = trainer.make_train_step(run, windows), (state, batch)
+  rec = {"name": name, "hbm_bytes_per_chip": hbm_bytes}
+  t0 = time.perf_counter()
+  try:
+    compiled = jitted.lower(*args).compile()
+  except Exception as e:  # noqa: BLE001 -- an overflow is a result; anything else is re-raised
+    m = _OOM_RE.search(str(e))
+    if "RESOURCE_EXHAUSTED" not in str(e) or not m:
+      raise
+    rec.update(compile_s=time.perf_counter() - t0, fits=False, overflow=True,
+               total_bytes_per_chip=int(float(m.group(1)) * _UNITS[m.group(2)]),
+               hbm_bytes_per_chip=int(float(m.group(3)) * _UNITS[m.group(4)]))
+    return rec
+  rec["compile_s"] = time.perf_counter() - t0
+  rec.update(measure(compiled))
+  rec["headroom"] = 1.0 - rec["total_bytes_per_chip"] / hbm_bytes
+  rec["fits"] = rec["headroom"] >= min_headroom
+  rec["flops_analytic_per_chip"] = analytic_flops(run, windows, train=name != "eval")
+  return rec
+
+
+def measure(compiled) -> dict:
+  """Per-chip memory, XLA's FLOPs and bytes accessed, collectives and Mosaic kernels."""
+  from nanotext.hlo import collectives
+  mem = compiled.memory_analysis()
+  rec = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in
+         ("argument", "output", "alias", "temp", "generated_code")}
+  # Donated inputs come back as outputs in the same buffers (alias): count them once.
+  rec["total_bytes_per_chip"] = (rec["argument"] + rec["output"] - rec["alias"] + rec["temp"]
+                                 + rec["generated_code"])
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost or {}
+  # Not optimal_seconds: with a topology description instead of chips it comes out negative.
+  rec["flops_xla_per_chip"] = float(cost.get("flops", float("nan")))
+  rec["bytes_accessed_per_chip"] = float(cost.get("bytes accessed", float("nan")))
+  text = compiled.as_text()
+  rec["collectives"] = collectives(text)
+  rec["tpu_custom_calls"] = text.count('custom_call_target="tpu_custom_call"')
+  return rec
+
+
+def analytic_flops(run, windows, *, train: bool) -> float:
+  """Model FLOPs per chip of one step (6N + attention per token; forward only for eval)."""
+  from nanotext import metrics, trainer
+  cfg = run.cfg
+  w = windows if windows is not None else trainer.step_windows(cfg, cfg.train.steps)
+  tokens = cfg.train.batch_size * cfg.train.seq_len
+  per_token = metrics.flops_per_token(cfg.model, cfg.train.seq_len, w)
+  return per_token * tokens / run.mesh.size / (1 if train else 3)
+
+
+def _gib(b) -> str:
+  return f"{b / GIB:.2f} GiB" if b >= GIB / 10 else f"{b / 2**20:.1f} MiB"
+
+
+def _si(x) -> str:
+  return "n/a" if x != x else f"{x:.3g}"
+
+
+def describe(rec) -> str:
+  """The lines printed for one program."""
+  steps = rec.get("steps")
+  head = f"{rec['name']}" + (f" (steps {steps[0]}-{steps[1]})" if steps else "") + \
+      f": compiled in {rec['compile_s']:.1f} s"
+  if rec.get("overflow"):
+    return (f"{head}\n  memory per chip  needs {_gib(rec['total_bytes_per_chip'])} of "
+            f"{_gib(rec['hbm_bytes_per_chip'])} HBM: does NOT fit (the compiler refused it)")
+  col = " | ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
+                   for k, v in rec["collectives"].items() if v["count"]) or "none"
+  ratio = rec["flops_xla_per_chip"] / rec["flops_analytic_per_chip"]
+  verdict = "fits" if rec["fits"] else "does NOT fit"
+  return "\n".join([
+      head,
+      f"  memory per chip  args {_gib(rec['argument'])} | outputs {_gib(rec['output'])} "
+      f"(aliased {_gib(rec['alias'])}) | temps {_gib(rec['temp'])} | code "
+      f"{_gib(rec['generated_code'])} | total {_gib(rec['total_bytes_per_chip'])} of "
+      f"{_gib(rec['hbm_bytes_per_chip'])} HBM, {100 * rec['headroom']:.1f}% headroom: {verdict}",
+      f"  FLOPs per chip   analytic {_si(rec['flops_analytic_per_chip'])} | XLA "
+      f"{_si(rec['flops_xla_per_chip'])} ({ratio:.2f}x) | bytes accessed "
+      f"{_si(rec['bytes_accessed_per_chip'])}",
+      f"  collectives      {col}",
+      f"  Mosaic kernels   {rec['tpu_custom_calls']} tpu_custom_call(s)"])
+
+
+def helpful_keys(cfg) -> str:
+  """The config changes that lower per-chip memory, given what the config already does."""
+  t, m = cfg.train, cfg.model
+  keys = []
+  if m.remat != "full":
+    keys.append("model.remat=" + ("dots or full" if m.remat == "none" else "full"))
+  if not t.loss_chunk or t.loss_chunk >= t.seq_len:
+    keys.append(f"train.loss_chunk={min(256, t.seq_len // 2)}")
+  keys.append(f"train.grad_accum={2 * t.grad_accum}")
+  keys.append("mesh.fsdp (shard parameters and optimizer state over more chips)")
+  return ", ".join(keys) + ", or a larger topology"
+
+
+def verdict(recs, slice_name, min_headroom) -> tuple:
+  """(ok, line): the summary line; `ok` is False if any program does not fit."""
+  worst = max(recs, key=lambda r: r["total_bytes_per_chip"])
+  hbm = worst["hbm_bytes_per_chip"]
+  if all(r["fits"] for r in recs):
+    return True, (f"verdict: fits {slice_name}: {len(recs)} program(s), largest {worst['name']} "
+                  f"at {_gib(worst['total_bytes_per_chip'])} of {_gib(hbm)} per chip "
+                  f"({100 * (1 - worst['total_bytes_per_chip'] / hbm):.1f}% headroom, "
+                  f">= {100 * min_headroom:.0f}% asked)")
+  bad = [r["name"] for r in recs if not r["fits"]]
+  return False, (f"{', '.join(bad)} need(s) up to {_gib(worst['total_bytes_per_chip'])} per chip "
+                 f"but {slice_name} has {_gib(hbm)} of HBM and {100 * min_headroom:.0f}% is "
+                 f"kept free")
+
+
+def run_compile(path, overrides, slice_name, which="all", min_headroom=0.10, log=print):
+  """Build the run for the slice and compile the selected programs; (run, slice, records)."""
+  from nanotext import sharding, topology, wiring
+  sl = topology.parse(slice_name)
+  devices = topology.devices(sl)
+  run = wiring.prepare(path, overrides, devices=devices)
+  log(f"compiling {path} for {sl.name} ({len(devices)} x {devices[0].device_kind}, "
+      f"{_gib(sl.chip.hbm_bytes)} HBM each): mesh {sharding.describe(run.mesh)}, attention "
+      f"{run.impl}, {run.cfg.train.batch_size} x {run.cfg.train.seq_len} tokens per step, "
+      f"grad_accum {run.cfg.train.grad_accum}, remat {run.cfg.model.remat}, loss_chunk "
+      f"{run.cfg.train.loss_chunk}")
+  chosen = select(programs(run.cfg), which)
+  recs = []
+  for name, windows, steps in chosen:
+    rec = compile_program(run, name, windows, sl.chip.hbm_bytes, min_headroom)
+    rec["steps"] = steps
+    rec["windows"] = None if windows is None else list(windows)
+    recs.append(rec)
+    log(describe(rec))
+  return run, sl, recs
+
+
+def main(argv):
+  from nanotext.errors import UserError, fail
+  if len(argv) < 2:
+    fail("usage: python -m nanotext.compile CONFIG [key=value ...] --topology=NAME "
+         "[--programs=all] [--json=FILE] [--min_headroom=0.1]")
+  try:
+    if not _TOPOLOGY.value:
+      from nanotext import topology
+      raise UserError(f"--topology is required; known: {', '.join(topology.known())}")
+    if not 0 <= _HEADROOM.value < 1:
+      raise UserError(f"--min_headroom={_HEADROOM.value} must be in [0, 1)")
+    run, sl, recs = run_compile(argv[1], argv[2:], _TOPOLOGY.value, _PROGRAMS.value,
+                                _HEADROOM.value, log=lambda s: print(s, flush=True))
+  except UserError as e:
+    fail(str(e))
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      for rec in recs:
+        f.write(json.dumps(rec) + "\n")
+  ok, line = verdict(recs, sl.name, _HEADROOM.value)
+  if not ok:
+    fail(f"{line}; try {helpful_keys(run.cfg)}")
+  print(line)
+
+
+if __name__ == "__main__":
+  from nanotext.errors import parse_flags
+  # This process only compiles: it never opens the host's accelerators (chips a run may be using).
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  app.run(main, flags_parser=parse_flags)

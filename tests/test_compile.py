@@ -1,0 +1,103 @@
+"""Compiling for a TPU slice on a CPU machine (nanotext.compile): tiny models, a few seconds each.
+
+Tests that compile need libtpu (`pip install -e '.[tpu]'`, as CI does) and are skipped without
+it. libtpu compiles run one after another in this process and its subprocesses.
+"""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from conftest import BASE, SPEEDRUN, run_cli
+from nanotext import compile as nt_compile
+from nanotext import topology
+from nanotext.errors import UserError
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install -e '.[tpu]')")
+# Splash needs seq_len a multiple of 128; one layer keeps each TPU compile to seconds.
+SMALL = ["model.num_layers=1", "model.d_model=128", "model.num_heads=2", "model.head_dim=64",
+         "model.vocab_size=512", "train.batch_size=16", "train.seq_len=128", "train.steps=4",
+         "data.source=synthetic", "data.tokenizer=none", "data.eot_id=0"]
+
+
+def test_topology_names():
+  assert topology.parse("v6e-8").libtpu_name == "v6e:2x4"
+  assert topology.parse("v5p-16").libtpu_name == "v5:2x2x2"  # 16 cores = 8 megacore chips
+  assert topology.parse("v4-8").num_chips == 4
+  assert topology.parse("V5E-16").shape == (4, 4)
+  for bad in ("v6e-7", "v7-8", "tpu", "v5p-3"):
+    with pytest.raises(UserError, match="unknown TPU topology.*known: v4-8, "):
+      topology.parse(bad)
+
+
+def test_programs_follow_the_window_schedule():
+  from nanotext import config
+  cfg = config.load(SPEEDRUN, ["train.steps=1770"])
+  progs = nt_compile.programs(cfg)
+  assert [p[0] for p in progs][:2] == ["train@128", "train@256"]
+  assert progs[-2][0] == "train@1792" and progs[-1][0] == "eval"
+  assert len(progs) == 15  # 14 window stages + eval, as the trainer compiles them
+  assert [p[0] for p in nt_compile.select(progs, "first,last,eval")] == \
+      ["train@128", "train@1792", "eval"]
+  with pytest.raises(UserError, match="unknown program"):
+    nt_compile.select(progs, "train@999")
+
+
+def test_lockfile_message_is_one_clear_line():
+  msg = topology.libtpu_problem('ABORTED: Internal error when accessing libtpu multi-process '
+                                'lockfile. Run "$ sudo rm /tmp/libtpu_lockfile".')
+  assert "another process" in msg and "/tmp/libtpu_lockfile" in msg and "\n" not in msg
+
+
+def test_without_libtpu_says_how_to_install(monkeypatch):
+  monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` now raises ImportError
+  with pytest.raises(UserError, match=r"pip install -e '\.\[tpu\]'"):
+    topology.devices(topology.parse("v6e-8"))
+
+
+def test_unknown_topology_exits_2():
+  proc = run_cli("nanotext.compile", BASE, *SMALL, "--topology=v6e-9")
+  assert proc.returncode == 2, proc.stderr
+  assert "nanotext: error: unknown TPU topology 'v6e-9'; known:" in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+@needs_libtpu
+def test_fsdp_shards_parameters_an_eighth_of_dp():
+  """Per-chip argument bytes of the eval program (params + batch) for DP=8 and FSDP=8."""
+  def args_bytes(mesh):
+    _, sl, recs = nt_compile.run_compile(BASE, SMALL + mesh, "v6e-8", "eval", log=lambda s: None)
+    batch = 2 * 16 * 128 * 4 // 8  # inputs + targets, int32, split over 8 chips either way
+    return recs[0]["argument"] - batch
+  dp = args_bytes(["mesh.data=8", "mesh.fsdp=1"])
+  fsdp = args_bytes(["mesh.data=1", "mesh.fsdp=8"])
+  assert 0.11 < fsdp / dp < 0.14, (fsdp, dp)  # 1/8, plus the few replicated gains and biases
+
+
+@needs_libtpu
+def test_tpu_compile_uses_mosaic_kernels_and_reports(tmp_path):
+  out = tmp_path / "fit.jsonl"
+  proc = run_cli("nanotext.compile", BASE, *SMALL, "--topology=v5p-16",
+                 f"--json={out}")
+  assert proc.returncode == 0, proc.stderr
+  assert "verdict: fits v5p-16" in proc.stdout
+  recs = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["name"] for r in recs] == ["train", "eval"]
+  for r in recs:
+    assert r["fits"] and 0 < r["total_bytes_per_chip"] < r["hbm_bytes_per_chip"]
+    assert r["tpu_custom_calls"] > 0  # splash as Mosaic, not the interpreter's HLO loops
+  assert recs[0]["collectives"]["all-gather"]["count"] > 0  # FSDP gathers parameters
+  assert 0.5 < recs[0]["flops_xla_per_chip"] / recs[0]["flops_analytic_per_chip"] < 2
+
+
+@needs_libtpu
+def test_too_big_for_the_chip_exits_2():
+  big = SMALL + ["train.batch_size=4096", "model.vocab_size=32768"]
+  proc = run_cli("nanotext.compile", BASE, *big, "--topology=v5e-4", "--programs=eval")
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("nanotext: error: eval need(s) up to ") and "v5e-4 has 15.75 GiB" in last
+  assert "model.remat" in last and "train.loss_chunk" in last and "train.grad_accum" in last
