@@ -161,16 +161,18 @@ def describe(rec) -> str:
       f"  Mosaic kernels   {rec['tpu_custom_calls']} tpu_custom_call(s)"])
 
 
-def helpful_keys(cfg) -> str:
-  """The config changes that lower per-chip memory, given what the config already does."""
-  t, m = cfg.train, cfg.model
+def helpful_keys(run) -> str:
+  """The config changes that lower per-chip memory, given what the run already does."""
+  t, m = run.cfg.train, run.cfg.model
   keys = []
   if m.remat != "full":
     keys.append("model.remat=" + ("dots or full" if m.remat == "none" else "full"))
   if not t.loss_chunk or t.loss_chunk >= t.seq_len:
     keys.append(f"train.loss_chunk={min(256, t.seq_len // 2)}")
-  keys.append(f"train.grad_accum={2 * t.grad_accum}")
-  keys.append("mesh.fsdp (shard parameters and optimizer state over more chips)")
+  if t.batch_size % (2 * t.grad_accum) == 0:
+    keys.append(f"train.grad_accum={2 * t.grad_accum} (half the activations per micro-batch)")
+  if run.mesh.shape["data"] > 1:
+    keys.append("mesh.fsdp=-1 mesh.data=1 (shard parameters and optimizer state)")
   return ", ".join(keys) + ", or a larger topology"
 
 
@@ -184,7 +186,7 @@ def verdict(recs, slice_name, min_headroom) -> tuple:
                   f"({100 * (1 - worst['total_bytes_per_chip'] / hbm):.1f}% headroom, "
                   f">= {100 * min_headroom:.0f}% asked)")
   bad = [r["name"] for r in recs if not r["fits"]]
-  return False, (f"{', '.join(bad)} need(s) up to {_gib(worst['total_bytes_per_chip'])} per chip "
+  return False, (f"{', '.join(bad)}: needs up to {_gib(worst['total_bytes_per_chip'])} per chip "
                  f"but {slice_name} has {_gib(hbm)} of HBM and {100 * min_headroom:.0f}% is "
                  f"kept free")
 
@@ -232,7 +234,7 @@ def main(argv):
         f.write(json.dumps(rec) + "\n")
   ok, line = verdict(recs, sl.name, _HEADROOM.value)
   if not ok:
-    fail(f"{line}; try {helpful_keys(run.cfg)}")
+    fail(f"{line}; try {helpful_keys(run)}")
   print(line)
 
 

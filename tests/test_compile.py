@@ -99,5 +99,5 @@ def test_too_big_for_the_chip_exits_2():
   proc = run_cli("nanotext.compile", BASE, *big, "--topology=v5e-4", "--programs=eval")
   assert proc.returncode == 2, proc.stdout + proc.stderr
   last = proc.stderr.strip().splitlines()[-1]
-  assert last.startswith("nanotext: error: eval need(s) up to ") and "v5e-4 has 15.75 GiB" in last
+  assert last.startswith("nanotext: error: eval: needs up to ") and "v5e-4 has 15.75 GiB" in last
   assert "model.remat" in last and "train.loss_chunk" in last and "train.grad_accum" in last
