@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, SPEEDRUN, TINY
-from nanotext import config, trainer, wiring
+from nanotext import trainer, wiring
 from nanotext.errors import UserError
 from nanotext.model.gpt import REMAT_POLICIES
 
@@ -61,8 +61,8 @@ def test_remat_policies_match_no_remat(policy, speedrun_plain):
   assert_same(got, speedrun_plain)
 
 
-def test_loss_chunk_must_divide_seq_len():
+def test_bad_lean_step_keys_are_user_errors():
   with pytest.raises(UserError, match="train.loss_chunk=24 does not divide train.seq_len=32"):
-    config.validate(config.load(BASE, TINY + ["train.loss_chunk=24"]))
-  with pytest.raises(UserError, match="model.remat='some'"):
-    config.validate(config.load(BASE, TINY + ["model.remat=some"]))
+    wiring.load(BASE, TINY + ["train.loss_chunk=24"])
+  with pytest.raises(UserError, match="model.remat='some' is not one of: none, full, dots"):
+    wiring.load(BASE, TINY + ["model.remat=some"])
