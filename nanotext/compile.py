@@ -15,14 +15,17 @@ import time
 
 from absl import app, flags
 
-_TOPOLOGY = flags.DEFINE_string("topology", "", "TPU slice to compile for, e.g. v6e-8, v5p-16.")
-_PROGRAMS = flags.DEFINE_string(
-    "programs", "all", "Which programs: all, or a comma list of first, last (train window "
-    "stages), eval, or program names as printed (e.g. train@1792).")
-_JSON = flags.DEFINE_string("json", "", "Write one JSON record per program to this file.")
-_HEADROOM = flags.DEFINE_float(
-    "min_headroom", 0.10, "Fraction of HBM a program must leave free to count as fitting: the "
-    "compiler's accounting leaves out runtime buffers and fragmentation.")
+
+def define_flags():
+  """The CLI's flags (defined only when run as a program, so importers keep their own)."""
+  flags.DEFINE_string("topology", "", "TPU slice to compile for, e.g. v6e-8, v5p-16.")
+  flags.DEFINE_string("programs", "all", "Which programs: all, or a comma list of first, last "
+                      "(train window stages), eval, or program names as printed (train@1792).")
+  flags.DEFINE_string("json", "", "Write one JSON record per program to this file.")
+  flags.DEFINE_float("min_headroom", 0.10, "Fraction of HBM a program must leave free to count "
+                     "as fitting: the compiler's accounting leaves out runtime buffers and "
+                     "fragmentation.")
+
 
 GIB = 2**30
 _OOM_RE = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT])\) exceeds available "
@@ -215,24 +218,25 @@ def run_compile(path, overrides, slice_name, which="all", min_headroom=0.10, log
 
 def main(argv):
   from nanotext.errors import UserError, fail
+  f = flags.FLAGS
   if len(argv) < 2:
     fail("usage: python -m nanotext.compile CONFIG [key=value ...] --topology=NAME "
          "[--programs=all] [--json=FILE] [--min_headroom=0.1]")
   try:
-    if not _TOPOLOGY.value:
+    if not f.topology:
       from nanotext import topology
       raise UserError(f"--topology is required; known: {', '.join(topology.known())}")
-    if not 0 <= _HEADROOM.value < 1:
-      raise UserError(f"--min_headroom={_HEADROOM.value} must be in [0, 1)")
-    run, sl, recs = run_compile(argv[1], argv[2:], _TOPOLOGY.value, _PROGRAMS.value,
-                                _HEADROOM.value, log=lambda s: print(s, flush=True))
+    if not 0 <= f.min_headroom < 1:
+      raise UserError(f"--min_headroom={f.min_headroom} must be in [0, 1)")
+    run, sl, recs = run_compile(argv[1], argv[2:], f.topology, f.programs,
+                                f.min_headroom, log=lambda s: print(s, flush=True))
   except UserError as e:
     fail(str(e))
-  if _JSON.value:
-    with open(_JSON.value, "w") as f:
+  if f.json:
+    with open(f.json, "w") as out:
       for rec in recs:
-        f.write(json.dumps(rec) + "\n")
-  ok, line = verdict(recs, sl.name, _HEADROOM.value)
+        out.write(json.dumps(rec) + "\n")
+  ok, line = verdict(recs, sl.name, f.min_headroom)
   if not ok:
     fail(f"{line}; try {helpful_keys(run)}")
   print(line)
@@ -242,4 +246,5 @@ if __name__ == "__main__":
   from nanotext.errors import parse_flags
   # This process only compiles: it never opens the host's accelerators (chips a run may be using).
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  define_flags()
   app.run(main, flags_parser=parse_flags)
