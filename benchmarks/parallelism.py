@@ -194,8 +194,10 @@ def measure(path, overrides, layouts, *, steps=5, timed_steps=3, repeats=3, log=
 
 # ---- compiled for a TPU slice (no chips needed) ----
 
-def measure_topology(path, overrides, slice_name, layouts, which="last", log=None) -> list:
-  """One row per layout and program, compiled for `slice_name` by nanotext.compile."""
+def measure_topology(path, overrides, slice_name, layouts, which="last", log=None,
+                     on_row=None) -> list:
+  """One row per layout and program, compiled for `slice_name` by nanotext.compile;
+  `on_row(rows)` after each layout (full-size compiles take many minutes each)."""
   from nanotext import compile as nt_compile, config
   from nanotext.errors import UserError
   config.load(path, list(overrides))  # fail fast on keys and values before any compile
@@ -215,6 +217,8 @@ def measure_topology(path, overrides, slice_name, layouts, which="last", log=Non
     rows += [{**row, **rec, "chip": sl.chip} for rec in recs]
     if log:
       log(f"{name}: {len(recs)} program(s) ({time.perf_counter() - t0:.1f} s)")
+    if on_row:
+      on_row(rows)
   return rows
 
 
@@ -230,16 +234,17 @@ def topology_table(rows) -> str:
   """Markdown: per layout and program, memory per chip, collectives, FLOPs, roofline estimate."""
   head = ("| layout | data×fsdp×tensor | program | total GiB/chip (of HBM) | args GiB | temps GiB "
           "| collectives (count) | collective MiB/step | XLA TFLOP/chip | analytic TFLOP/chip "
-          "| GB accessed/chip | est. compute ms | est. HBM ms | **roofline estimate ms** |")
+          "| GB accessed/chip | est. compute ms | est. HBM ms | **roofline estimate ms** "
+          "| compile s |")
   lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
   for r in rows:
     mesh = "×".join(map(str, r["shape"]))
     if "invalid" in r:
-      lines.append(f"| {r['layout']} | {mesh} | invalid: {r['invalid']} |" + " |" * 11)
+      lines.append(f"| {r['layout']} | {mesh} | invalid: {r['invalid']} |" + " |" * 12)
       continue
     hbm = f"{r['total_bytes_per_chip'] / 2**30:.2f} ({r['hbm_bytes_per_chip'] / 2**30:.2f})"
     if r.get("overflow"):
-      lines.append(f"| {r['layout']} | {mesh} | {r['name']} | {hbm}: does not fit |" + " |" * 10)
+      lines.append(f"| {r['layout']} | {mesh} | {r['name']} | {hbm}: does not fit |" + " |" * 11)
       continue
     col = r["collectives"]
     counts = " ".join(f"{_SHORT[k]} {v['count']}" for k, v in col.items() if v["count"])
@@ -250,7 +255,7 @@ def topology_table(rows) -> str:
         f"| {sum(v['bytes'] for v in col.values()) / MIB:.1f} "
         f"| {r['flops_xla_per_chip'] / 1e12:.2f} | {r['flops_analytic_per_chip'] / 1e12:.2f} "
         f"| {r['bytes_accessed_per_chip'] / 1e9:.1f} | {1e3 * compute:.1f} | {1e3 * memory:.1f} "
-        f"| {1e3 * est:.1f} |")
+        f"| {1e3 * est:.1f} | {r['compile_s']:.0f} |")
   return "\n".join(lines)
 
 
@@ -391,8 +396,13 @@ def main(argv):
     if _TOPOLOGY.value:
       from nanotext import topology
       chips = topology.parse(_TOPOLOGY.value).num_chips
+      command = " ".join(["python", *sys.argv])
+      def write(rows):
+        with open(_OUT.value + ".md", "w") as f:
+          f.write(topology_report(rows, command, _TOPOLOGY.value))
       rows = measure_topology(argv[1], argv[2:], _TOPOLOGY.value,
-                              parse_layouts(_LAYOUTS.value, chips), _PROGRAMS.value, log=log)
+                              parse_layouts(_LAYOUTS.value, chips), _PROGRAMS.value, log=log,
+                              on_row=write)
     else:
       layouts = parse_layouts(_LAYOUTS.value, jax.device_count())
       rows = measure(argv[1], argv[2:], layouts, steps=_STEPS.value, timed_steps=_TIMED.value,
@@ -401,8 +411,6 @@ def main(argv):
     fail(str(e))
   if _TOPOLOGY.value:
     print(topology_table(rows))
-    with open(_OUT.value + ".md", "w") as f:
-      f.write(topology_report(rows, " ".join(["python", *sys.argv]), _TOPOLOGY.value))
     return
   print(table(rows))
   if jax.process_index() == 0:  # one writer on many hosts
