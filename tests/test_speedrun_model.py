@@ -251,9 +251,9 @@ def test_speedrun_record_has_the_record_shape():
 
 
 def test_uniform_init_has_the_records_bounds():
-  cfg = config.load(SPEEDRUN_RECORD, ["model.num_layers=2", "model.zero_init_proj=false",
-                                     "model.vocab_size=512", "model.embed_rows=0"])
-  model = GPT(cfg.model, cfg.attention, rngs=nnx.Rngs(0))
+  run = wiring.prepare(SPEEDRUN_RECORD, ["model.num_layers=2", "model.zero_init_proj=false",
+                                        "model.vocab_size=512", "model.embed_rows=0"])
+  model = run.create_model()
   w = np.asarray(model.blocks[0].mlp.fc.kernel.value)  # [768, 3072]: fan_in 768
   bound = np.sqrt(3) * 0.5 / np.sqrt(768)
   assert np.abs(w).max() <= bound and np.abs(w).max() > 0.99 * bound
