@@ -38,6 +38,7 @@ def train_step_temp_bytes(T: int) -> int:
 
 def test_long_rows_memory_is_linear_in_T():
   small, large = train_step_temp_bytes(8192), train_step_temp_bytes(16384)
+  print(f"train step temporaries: T=8192 {small / 2**20:.1f} MiB, T=16384 {large / 2**20:.1f} MiB")
   assert 1.8 < large / small < 2.2, (small, large)
 
 
