@@ -24,6 +24,7 @@ NON_NEGATIVE = ("train.eval_every", "checkpoint.every", "model.head_dim", "model
                 "model.max_seq_len", "model.align", "optim.warmup_steps", "optim.grad_clip",
                 "data.workers", "data.val_tokens", "sample.max_new_tokens", "sample.top_k",
                 "sample.temperature", "model.logit_softcap", "model.attn_scale",
+                "train.eval_seq_len", "optim.head_lr_record", "model.norm_eps",
                 "model.init_std", "model.embed_std", "attention.window",
                 "profile.steps", "train.target_val_loss", "train.loss_chunk")
 # Keys a continued or resumed run may change without becoming "a different run".
@@ -230,19 +231,24 @@ def misaligned_dims(model_cfg) -> list:
   return [f"{k}={v}" for k, v in dims.items() if v % a]
 
 
-def finalize(cfg, *, mesh_sizes: dict, peak_flops: float,
-             data_dir: str) -> ml_collections.ConfigDict:
+def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
+             tokenizer_vocab: int | None = None) -> ml_collections.ConfigDict:
   """Fill in every derived value (the only place that computes them); returns a locked copy.
 
   Values that depend on the devices come from the caller (`nanotext.run.finalize`), so this
   module imports nothing above it: `mesh_sizes` {mesh.* key: size} with -1 resolved,
-  `peak_flops` per device, `data_dir` the default for data.dir.
+  `peak_flops` per device, `data_dir` the default for data.dir, `tokenizer_vocab` the
+  tokenizer's vocabulary size (None: unknown) for model.embed_rows=-1.
   """
   cfg = ml_collections.ConfigDict(cfg.to_dict())
   m = cfg.model
   m.head_dim = m.head_dim or m.d_model // m.num_heads
   m.mlp_dim = m.mlp_dim or 4 * m.d_model
   m.max_seq_len = m.max_seq_len or cfg.train.seq_len
+  if m.embed_rows == -1:  # the record: 50,257-row tables under a head padded to 50,304
+    m.embed_rows = min(tokenizer_vocab or m.vocab_size, m.vocab_size)
+  if cfg.optim.head_lr_record:  # the record's head is sqrt(d) W: Adam's steps shrink by sqrt(d)
+    cfg.optim.head_lr = cfg.optim.head_lr_record / m.d_model ** 0.5
   for axis, size in mesh_sizes.items():
     cfg.mesh[axis] = size
   cfg.data.dir = cfg.data.dir or data_dir

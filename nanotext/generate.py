@@ -17,7 +17,7 @@ USAGE = ("usage: python -m nanotext.generate output_dir=DIR [prompt=TEXT] [max_n
 def make_sampler(graphdef, max_len: int, temperature: float, top_k: int):
   """jit(params, buf_BT, pos, key) -> next token id after position `pos` of a fixed buffer."""
   def next_token(params, buf, pos, key):
-    logits_V = nnx.merge(graphdef, params)(buf)[0, pos].astype(jnp.float32)
+    logits_V = nnx.merge(graphdef, params)(buf, train=False)[0, pos].astype(jnp.float32)
     if temperature <= 0:
       return jnp.argmax(logits_V)
     logits_V = logits_V / temperature

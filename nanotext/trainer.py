@@ -20,17 +20,19 @@ from nanotext.model.attention import segment_ids_from_tokens
 from nanotext.model.loss import cross_entropy
 
 
-def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, chunk=0):
+def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, chunk=0,
+            train=True):
   """Mean next-token cross-entropy; with `eot_id`, attention stays within documents.
 
   `windows`: per-layer sliding windows (static ints) of one schedule stage; None = the final ones.
-  `chunk`: train.loss_chunk (0 = the whole sequence's logits at once).
+  `chunk`: train.loss_chunk (0 = the whole sequence's logits at once). `train=False`: evaluation
+  (no FP8 head).
   """
   segments_BT = None if eot_id is None else segment_ids_from_tokens(inputs_BT, eot_id)
   model = nnx.merge(graphdef, params)
   x_BTD = model.hidden(inputs_BT, segments_BT, windows)
   with jax.named_scope("loss"):
-    return cross_entropy(model, x_BTD, targets_BT, chunk)
+    return cross_entropy(model, x_BTD, targets_BT, chunk, train)
 
 
 def step_windows(cfg, step: int) -> tuple:
@@ -100,16 +102,25 @@ def make_train_step(run: Run, windows=None):
                  out_shardings=(run.state_shardings, None), donate_argnums=0)
 
 
-def make_eval_step(run: Run):
-  """jit(params, batch) -> mean loss, at the final windows of the schedule.
+def eval_windows(cfg, done: int) -> tuple:
+  """Per-layer windows of the evaluation after `done` steps, for rows of train.eval_seq_len.
 
-  One eval program for the whole run; the last evaluation equals the record's, which evaluates
-  at the current window and so at the full one after the last step.
+  train.eval_windows=step: the windows of step `done`, as the record (`get_window_size_blocks(
+  step)`), one eval program per distinct tuple; final: the schedule's last ones, one program.
   """
+  t = cfg.train
+  step = done if t.eval_windows == "step" else t.steps
+  w = attention.windows_at(cfg.attention, cfg.model.num_layers, step, t.steps)
+  return attention.effective_windows(w, t.eval_seq_len or t.seq_len)
+
+
+def make_eval_step(run: Run, windows=None):
+  """jit(params, batch) -> mean loss at per-layer `windows` (None: the final ones), with the
+  evaluation head (no FP8, as the record's eval mode)."""
   def eval_fn(params, batch):
     with sharding.use_rules(run.rules, run.mesh):
       return loss_fn(run.graphdef, params, batch["inputs"], batch["targets"], run.eot_id,
-                     chunk=run.cfg.train.loss_chunk)
+                     windows, chunk=run.cfg.train.loss_chunk, train=False)
   batch_sh = {"inputs": run.batch_sharding, "targets": run.batch_sharding}
   return jax.jit(eval_fn, in_shardings=(run.state_shardings["params"], batch_sh))
 
@@ -161,19 +172,25 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
   # Every window tuple of the schedule is its own program: all of them are compiled here, so a
   # window change in the loop only switches executables.
   train_execs = compile_train_steps(run, state, first, range(start_step, t_cfg.steps))
-  eval_exec = make_eval_step(run).lower(state["params"], val_batches[0]).compile() \
-      if val_batches else None
+  evals = [d for d in range(start_step + 1, t_cfg.steps)
+           if t_cfg.eval_every and d % t_cfg.eval_every == 0] + [t_cfg.steps]
+  eval_execs = {w: make_eval_step(run, w).lower(state["params"], val_batches[0]).compile()
+                for w in dict.fromkeys(eval_windows(cfg, d) for d in evals)} if val_batches else {}
+  eval_exec = bool(eval_execs) or None
   compile_s = time.perf_counter() - t0
-  programs = len(train_execs) + (eval_exec is not None)
-  log(f"compiled {len(train_execs)} train step program(s)"
-      f"{' and the eval step' if eval_exec is not None else ''} ({programs} in all) in "
+  programs = len(train_execs) + len(eval_execs)
+  n_eval = len(eval_execs)
+  evals_said = "" if not n_eval else " and the eval step" if n_eval == 1 else \
+      f" and {n_eval} eval step programs"
+  log(f"compiled {len(train_execs)} train step program(s){evals_said} ({programs} in all) in "
       f"{compile_s:.1f} s")
   mon = Monitor(run, writer, log, counter, start_step=start_step, skipped=skipped_steps,
                 windows_of=lambda step: step_windows(cfg, step))
   profiler = Profiler(cfg, log)
 
-  def evaluate(params):
-    losses = [eval_exec(params, b) for b in val_batches]
+  def evaluate(params, done):
+    run_eval = eval_execs[eval_windows(cfg, done)]
+    losses = [run_eval(params, b) for b in val_batches]
     return float(np.mean(jax.device_get(losses)))
 
   def save(step, state, data_state):
@@ -203,7 +220,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
       mon.add(done, step_metrics)
       if (t_cfg.eval_every and done % t_cfg.eval_every == 0 and done < t_cfg.steps
           and eval_exec is not None):
-        val_loss = evaluate(state["params"])
+        val_loss = evaluate(state["params"], done)
         writer.write(done, {"val_loss": val_loss})
         log(f"step {done:>6d} | val_loss {val_loss:.4f}")
       stop = done < t_cfg.steps and preemption.requested(done)
@@ -222,7 +239,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     mon.flush(final=True)
     counter.active = False
     if eval_exec is not None:
-      val_loss = evaluate(state["params"])
+      val_loss = evaluate(state["params"], t_cfg.steps)
       writer.write(t_cfg.steps, {"val_loss": val_loss})
       log(f"step {t_cfg.steps:>6d} | val_loss {val_loss:.4f} (final)")
     if start_step < t_cfg.steps:

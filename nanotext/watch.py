@@ -17,8 +17,10 @@ ON_NONFINITE = ("abort", "skip")
 
 
 def check_config(t) -> None:
-  """The train section's choice of what a non-finite step does (Monitor acts on it)."""
-  config.check_choices("train", t, {"on_nonfinite": ON_NONFINITE})
+  """The train section's choices: what a non-finite step does (Monitor acts on it), and the
+  windows validation runs at (trainer.eval_windows)."""
+  config.check_choices("train", t, {"on_nonfinite": ON_NONFINITE,
+                                    "eval_windows": ("final", "step")})
 
 
 class CompileCounter:

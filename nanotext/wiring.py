@@ -68,8 +68,9 @@ class Run:
   def val_batches(self) -> list:
     """The fixed validation batches (this process's rows, as numpy)."""
     from nanotext.data import pipeline
-    return pipeline.make_val_batches(self.cfg.data, num_batches=self.cfg.train.eval_batches,
-                                     **self.data_kwargs())
+    t = self.cfg.train
+    return pipeline.make_val_batches(self.cfg.data, num_batches=t.eval_batches,
+                                     **dict(self.data_kwargs(), seq_len=t.eval_seq_len or t.seq_len))
 
   def abstract_state(self):
     """ShapeDtypeStructs of the train state carrying its target shardings (for restore)."""
@@ -120,9 +121,15 @@ def finalize(cfg, devices):
   from nanotext import metrics
   from nanotext.data.prepare import default_dir
   sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, len(devices))))
-  cfg = config.finalize(cfg, mesh_sizes=sizes,
-                        peak_flops=metrics.default_peak_flops(devices), data_dir=default_dir())
+  cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=metrics.default_peak_flops(devices),
+                        data_dir=default_dir(), tokenizer_vocab=tokenizer_vocab(cfg.data))
   return cfg
+
+
+def tokenizer_vocab(data_cfg) -> int | None:
+  """The tokenizer's vocabulary size (None for data.tokenizer=none)."""
+  from nanotext.data.tokenizer import known_vocab_size
+  return None if data_cfg.tokenizer == "none" else known_vocab_size(data_cfg.tokenizer)
 
 
 def build(cfg, mesh) -> Run:
@@ -156,7 +163,8 @@ def check_divisible(cfg, abstract, rules) -> None:
 def abstract_model(cfg, backend: str):
   """(graphdef, abstract parameter State, attention kernel) of cfg's model on `backend`."""
   impl = resolve_impl(cfg.attention.impl, backend, head_dim=cfg.model.head_dim,
-                      seq_len=cfg.train.seq_len)
+                      seq_len=cfg.train.seq_len, window=cfg.attention.window,
+                      block_windows=cfg.attention.block_windows)
   graphdef, abstract = nnx.split(nnx.eval_shape(
       lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(cfg.seed))))  # no arrays
   return graphdef, abstract, impl

@@ -18,6 +18,7 @@ SPEEDRUN = os.path.join(REPO, "configs", "speedrun.yml")
 TINY = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
         "model.vocab_size=512", "model.align=0", "train.batch_size=8", "train.seq_len=32",
         "train.steps=4", "train.log_every=1", "train.eval_every=2", "train.eval_batches=2",
+        "train.eval_seq_len=0",
         "data.source=synthetic", "data.tokenizer=none", "data.eot_id=0",
         "metrics.tensorboard=false",
         "checkpoint.every=0"]

@@ -1,7 +1,8 @@
 """Golden loss curves: 20 steps without warmup pin the optimizer's math, not just the init.
 
 Recorded at commit 7b05e9b (before the wiring refactor) with seed 0 on 8 CPU devices (FSDP=8),
-on the embedded corpus. A change to the model, the optimizer, the schedules or the data order
+on the embedded corpus; speedrun re-recorded and record added by issue 9, which changed the
+recipe's math (fp32 Newton-Schulz coefficients, block windows, uniform init, bf16 tables, ...). A change to the model, the optimizer, the schedules or the data order
 moves these curves; a refactor must not.
 """
 
@@ -11,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import BASE, SPEEDRUN, TINY
+from conftest import BASE, REPO, SPEEDRUN, TINY
 from nanotext.train import run
 
 COMMON = ["train.steps=20", "optim.warmup_steps=0", "train.log_every=1", "train.eval_every=0",
@@ -23,14 +24,23 @@ SPEEDRUN_TINY = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2",
                  "train.batch_size=8", "model.dtype=float32", "attention.window=32",
                  "attention.window_start=16", "attention.window_block=16",
                  "optim.muon_momentum_warmup=10", "train.eval_batches=2",
+                 "train.eval_seq_len=0",
                  # Recorded without remat: recomputing activations reorders float rounding
                  # (3e-4 apart after 15 steps); test_lean_step pins remat's gradients instead.
                  "model.remat=none"]
+# The record config (speedrun_record.yml) in its own layout: one 1,024-token row per device in
+# shard order, block windows 128 -> 512, evaluation on a 2,048-token row at the final windows.
+# Recorded with the whole-sequence loss and no remat (rounding order, as above).
+RECORD_TINY = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
+               "model.mlp_dim=256", "model.align=0", "train.seq_len=1024", "train.batch_size=8",
+               "train.eval_seq_len=2048", "train.eval_batches=1", "attention.window=512",
+               "optim.muon_momentum_warmup=10", "model.remat=none", "train.loss_chunk=0"]
 
 # {recipe: {"train_loss": [20 values], "val_loss": final}}, recorded as the docstring says.
 with open(os.path.join(os.path.dirname(__file__), "golden_curves.json")) as f:
   GOLDEN = json.load(f)
-RECIPES = {"base": (BASE, BASE_TINY), "speedrun": (SPEEDRUN, SPEEDRUN_TINY)}
+RECIPES = {"base": (BASE, BASE_TINY), "speedrun": (SPEEDRUN, SPEEDRUN_TINY),
+           "record": (os.path.join(REPO, "configs", "speedrun_record.yml"), RECORD_TINY)}
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))

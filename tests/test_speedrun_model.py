@@ -17,7 +17,7 @@ from nanotext.model import count_params
 from nanotext.model.gpt import value_embed_layers
 from nanotext.model.layers import fp8_head_scales, fp8_matmul, rms_norm
 
-SPEEDRUN_GPT2 = os.path.join(REPO, "configs", "speedrun_gpt2.yml")
+SPEEDRUN_RECORD = os.path.join(REPO, "configs", "speedrun_record.yml")
 SMALL = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
          "model.mlp_dim=128", "model.vocab_size=256", "model.align=0", "train.seq_len=16",
          "train.batch_size=8", "model.dtype=float32", "model.zero_init_head=false",
@@ -228,21 +228,36 @@ def test_config_errors_name_the_key():
     wiring.load(SPEEDRUN, ["model.value_embeds=-1"])
 
 
-def test_speedrun_gpt2_has_the_record_shape():
-  run = wiring.prepare(SPEEDRUN_GPT2)
-  m = run.cfg.model
+def test_speedrun_record_has_the_record_shape():
+  run = wiring.prepare(SPEEDRUN_RECORD)
+  m, cfg = run.cfg.model, run.cfg
   assert (m.d_model, m.num_heads, m.head_dim, m.mlp_dim, m.vocab_size, m.align) == \
       (768, 6, 128, 3072, 50304, 128)
   assert config.misaligned_dims(m) == []
+  assert m.embed_rows == 50257  # the tokenizer's vocabulary; only the head is padded
+  np.testing.assert_allclose(cfg.optim.head_lr, 0.22 / np.sqrt(768))
   abstract = nnx.eval_shape(run.create_model)
   params = nnx.state(abstract, nnx.Param).to_pure_dict()
   assert params["blocks"][0]["attn"]["qkv"]["kernel"].shape == (3, 768, 768)
   assert "attn" not in params["blocks"][7] and len(params["value_embeds"]) == 3
+  assert params["embed"]["embedding"].dtype == jnp.bfloat16
+  assert params["value_embeds"][0]["embedding"].shape == (50257, 768)
+  assert params["head"]["kernel"].shape == (768, 50304)
   # The record's module: 12 layers, 3 value tables, one attention-free layer, untied head.
   n = count_params(nnx.state(abstract, nnx.Param))
   per_attn, per_mlp = 4 * 768 * 768 + 2, 2 * 768 * 3072
-  want = 5 * 50304 * 768 + 11 * per_attn + 12 * (per_mlp + 2) + 6
+  want = 4 * 50257 * 768 + 50304 * 768 + 11 * per_attn + 12 * (per_mlp + 2) + 6
   assert n == want
+
+
+def test_uniform_init_has_the_records_bounds():
+  run = wiring.prepare(SPEEDRUN_RECORD, ["model.num_layers=2", "model.zero_init_proj=false",
+                                        "model.vocab_size=512", "model.embed_rows=0"])
+  model = run.create_model()
+  w = np.asarray(model.blocks[0].mlp.fc.kernel.value)  # [768, 3072]: fan_in 768
+  bound = np.sqrt(3) * 0.5 / np.sqrt(768)
+  assert np.abs(w).max() <= bound and np.abs(w).max() > 0.99 * bound
+  np.testing.assert_allclose(w.std(), 0.5 / np.sqrt(768), rtol=0.01)
 
 
 def test_speedrun_config_trains_with_every_switch(tmp_path):

@@ -16,9 +16,11 @@ era). torch.nn.Linear stores weight [out, in]; nanotext kernels are [in, out], h
   skip_weights [L // 2]                       skip_weights [L // 2]
   head.kernel [D, V]                          lm_head.weight [V, D]
 
-Blocks in model.no_attention_layers have no attn.* entries (the record's blocks.7). Features
-switched off in the run are not written: load with strict=False and set attn.lambdas=[1, 0]
-(no value embeddings) and skip_weights=0 (no U-net) to make them no-ops in the record's module.
+The record's head is lm_head.weight = sqrt(d_model) * head.kernel^T: its logits
+30 * sigmoid(z / (7.5 sqrt(d))) equal nanotext's 15 * tanh(z' / 15) plus 15 everywhere.
+Blocks in model.no_attention_layers have no attn.* entries (the record's blocks.7). A run the
+record's module cannot express (its head_dim 128, 12 layers, 3 value tables, ... are hard-coded)
+is refused, naming the first key that differs.
 """
 
 import os
@@ -28,23 +30,40 @@ import numpy as np
 from nanotext.convert.common import flatten, load_run, require, staged_file
 from nanotext.errors import UserError
 
-# Config values without which the record's module has different parameters.
+# What the record's `GPT` (train_gpt.py 587b45fb) hard-codes: another value would load into its
+# module (or not) and compute a different function.
 STRUCTURE = {"model.positions": "rope", "model.norm": "rmsnorm", "model.mlp_act": "relu2",
              "model.bias": False, "model.tie_embeddings": False, "model.x0_mix": True,
              "model.qk_norm": True}
-# Constants the record's module hard-codes: other values export, but compute another function.
-RECORD = {"model.rope_base": 1024.0, "model.rope_truncate": True, "model.attn_scale": 0.12,
-          "model.logit_softcap": 15.0, "attention.window": 0, "model.value_embeds": 3,
-          "model.unet_skips": True, "model.no_attention_layers": [7]}
+RECORD = {"model.head_dim": 128, "model.num_layers": 12, "model.rope_base": 1024.0,
+          "model.rope_truncate": True, "model.attn_scale": 0.12, "model.logit_softcap": 15.0,
+          "model.value_embeds": 3, "model.unet_skips": True, "model.no_attention_layers": [7]}
+
+
+def check_expressible(cfg) -> None:
+  """Refuse (UserError, one line) a run the record's module cannot compute."""
+  why = "export-torch needs what the speedrun record's GPT computes"
+  require(cfg, STRUCTURE, why)
+  require(cfg, RECORD, why)
+  m = cfg.model
+  if m.mlp_dim != 4 * m.d_model:
+    raise UserError(f"{why}: model.mlp_dim={m.mlp_dim} is not supported (needs 4 * "
+                    f"model.d_model = {4 * m.d_model})")
+  rows = m.embed_rows if m.embed_rows > 0 else m.vocab_size
+  head = -(-rows // 128) * 128  # the record: next_multiple_of_n(vocab_size, n=128)
+  if m.vocab_size != head:
+    raise UserError(f"{why}: model.vocab_size={m.vocab_size} is not supported (its lm_head has "
+                    f"{head} rows for {rows} embedding rows)")
 
 
 def torch_state_dict(cfg, params) -> dict:
-  """{torch name: numpy array} for a speedrun-architecture params tree."""
-  require(cfg, STRUCTURE, "export-torch needs the speedrun architecture (configs/speedrun.yml)")
+  """{torch name: numpy array} for a params tree of a run the record's module expresses."""
+  check_expressible(cfg)
   flat = flatten(params)
   t = lambda name: np.asarray(flat.pop(name)).T
+  head = np.asarray(flat.pop("head.kernel"), np.float32).T  # the record's lm_head is float32
   out = {"embed.weight": np.asarray(flat.pop("embed.embedding")),
-         "lm_head.weight": t("head.kernel")}
+         "lm_head.weight": head * np.float32(np.sqrt(cfg.model.d_model))}
   for i in range(cfg.model.num_layers):
     b = f"blocks.{i}"
     if f"{b}.attn.o.kernel" in flat:  # absent in MLP-only blocks (model.no_attention_layers)
@@ -71,14 +90,9 @@ def torch_state_dict(cfg, params) -> dict:
 
 def export_torch(run: str, out: str, *, step: int = -1, force: bool = False, log=print) -> str:
   """Write the params of `run`'s checkpoint as a modded-nanogpt safetensors state dict."""
-  from nanotext import config
   from safetensors.numpy import save_file
   cfg, step, params = load_run(run, step)
   tensors = torch_state_dict(cfg, params)
-  for key, want in RECORD.items():
-    if config.get(cfg, key) != want:
-      log(f"warning: {key}={config.get(cfg, key)!r} but the modded-nanogpt record hard-codes "
-          f"{want!r}; its module will compute a different function with these weights")
   out_abs = os.path.abspath(out)
   with staged_file(out_abs, force=force, protect=(run,)) as tmp:
     save_file(tensors, tmp, metadata={"format": "pt", "source": os.path.abspath(run),

@@ -55,11 +55,11 @@ def _shard_files(data_cfg, split: str) -> list[str]:
 
 
 def open_source(data_cfg, split: str, *, seq_len: int, seed: int = 0,
-                vocab_size: int = DEFAULT_VOCAB):
-  """The random-access window source for split 'train' or 'val'."""
+                vocab_size: int = DEFAULT_VOCAB, group: int = 0):
+  """The random-access window source for split 'train' or 'val' (`group`: see ShardSource)."""
   max_tokens = data_cfg.val_tokens if split == "val" else 0
   if data_cfg.source in ("bin", "shakespeare"):
-    return ShardSource(_shard_files(data_cfg, split), seq_len, max_tokens)
+    return ShardSource(_shard_files(data_cfg, split), seq_len, max_tokens, group)
   if data_cfg.source == "tfds":
     tfds_split = data_cfg.tfds_train_split if split == "train" else data_cfg.tfds_val_split
     return _tfds_source(data_cfg, tfds_split, seq_len, max_tokens)
@@ -77,14 +77,20 @@ def _split_batch(batch: np.ndarray) -> dict:
 def make_train_iter(data_cfg, *, seq_len: int, batch_size: int, seed: int,
                     process_index: int = 0, process_count: int = 1,
                     vocab_size: int = DEFAULT_VOCAB) -> grain.DatasetIterator:
-  """Endless, shuffled, checkpointable iterator of this process's batches of batch_size."""
+  """Endless, checkpointable iterator of this process's batches of batch_size.
+
+  Shuffled per epoch, or with data.shuffle=false in shard order, whole global batches per shard
+  (the record's loader: global row r of step k is the shard's window k * rows + r).
+  """
   seed = int(seed) % 2**32  # grain seeds must fit in 32 bits.
-  source = open_source(data_cfg, "train", seq_len=seq_len, seed=seed, vocab_size=vocab_size)
+  group = 0 if data_cfg.shuffle else batch_size * process_count
+  source = open_source(data_cfg, "train", seq_len=seq_len, seed=seed, vocab_size=vocab_size,
+                       group=group)
   if len(source) == 0:
     raise UserError(f"training data holds no sequence of {seq_len + 1} tokens "
                     f"({source!r}): add data or lower train.seq_len")
   ds = grain.MapDataset.source(source)
-  if not isinstance(source, SyntheticSource):  # Synthetic items are already random.
+  if data_cfg.shuffle and not isinstance(source, SyntheticSource):  # Synthetic: already random.
     ds = ds.shuffle(seed=seed)  # Followed by repeat: a fresh permutation every epoch.
   ds = ds.repeat(None)
   # Every process sees the same global order and keeps its own stride of it: disjoint data.
@@ -104,7 +110,8 @@ def make_val_batches(data_cfg, *, seq_len: int, batch_size: int, num_batches: in
                      vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> list[dict]:
   """This process's share of the first validation sequences, in order, as full batches."""
   source = open_source(data_cfg, "val", seq_len=seq_len, seed=int(seed) % 2**32,
-                       vocab_size=vocab_size)
+                       vocab_size=vocab_size,
+                       group=0 if data_cfg.shuffle else batch_size * process_count)
   global_batch = batch_size * process_count
   # Every process gets the same number of batches, so eval collectives line up.
   n = min(num_batches, len(source) // global_batch)

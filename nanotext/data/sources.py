@@ -18,20 +18,34 @@ def _check_index(i: int, n: int) -> int:
   return i
 
 
-class ShardSource:
-  """Windows over `.bin` shards; a window never crosses a shard boundary."""
+def _record_windows(num_tokens: int, seq_len: int, group: int) -> int:
+  """Windows of a shard read in groups of `group` consecutive rows, as modded-nanogpt's
+  `distributed_data_generator`: it moves to the next shard once pos + group * seq_len + 1 reaches
+  the shard's length, so a shard yields floor((n - 2) / (group * seq_len)) whole groups."""
+  return group * max(0, (num_tokens - 2) // (group * seq_len))
 
-  def __init__(self, files: list[str], seq_len: int, max_tokens: int = 0):
+
+class ShardSource:
+  """Windows over `.bin` shards; a window never crosses a shard boundary.
+
+  `max_tokens` caps the input tokens read (targets may reach one token beyond, as the record's
+  val_tokens); `group` > 0 keeps whole groups of rows per shard, as the record's loader does.
+  """
+
+  def __init__(self, files: list[str], seq_len: int, max_tokens: int = 0, group: int = 0):
     counts = [binfile.read_header(f) for f in files]  # Validates every shard up front.
-    if max_tokens > 0:  # Keep only the first max_tokens tokens, in file order.
-      left = max_tokens
-      for k, c in enumerate(counts):
-        counts[k] = min(c, left)
-        left -= counts[k]
+    windows = [_record_windows(c, seq_len, group) if group else _windows(c, seq_len)
+               for c in counts]
+    if max_tokens > 0:  # Keep only the first max_tokens // seq_len windows, in file order.
+      left = max_tokens // seq_len
+      for k, w in enumerate(windows):
+        windows[k] = min(w, left)
+        left -= windows[k]
+    counts = [min(c, w * seq_len + 1) if w else 0 for c, w in zip(counts, windows)]
     self._files = list(files)
     self._seq_len = seq_len
     self._counts = counts
-    self._starts = np.cumsum([0] + [_windows(c, seq_len) for c in counts])
+    self._starts = np.cumsum([0] + windows)
     self._maps = None
 
   def __len__(self) -> int:

@@ -9,10 +9,14 @@ from flax import nnx
 
 from nanotext import config, sharding
 from nanotext.errors import UserError
+from nanotext.model.blocked_attention import blocked_attention
 from nanotext.model.layers import Linear, StackedLinear, param, proj_std, rms_norm, weight_std
 
-IMPLS = ("auto", "xla", "cudnn", "splash")
+IMPLS = ("auto", "xla", "cudnn", "splash", "blocked")
 SPLASH_LANES = 128  # splash tiles must be multiples of the TPU lane width, also in interpret mode
+# Above this length a dense [T, T] mask/score per head is the cost that matters: `auto` takes the
+# blocked kernel for windowed attention (at 4096, f32 scores are 64 MiB per head and example).
+DENSE_MAX_T = 4096
 
 
 def check_config(a) -> None:
@@ -25,6 +29,9 @@ def check_config(a) -> None:
   if (pattern or a.window_schedule) and not a.window:
     raise UserError("attention.window_pattern / attention.window_schedule need attention.window > 0"
                     " (the long window in tokens)")
+  if a.block_windows and (a.window_block <= 0 or a.window % a.window_block):
+    raise UserError(f"attention.block_windows=true needs attention.window={a.window} to be a "
+                    f"multiple of attention.window_block={a.window_block}")
   if not a.window_schedule:
     return
   if a.window_block <= 0:
@@ -39,21 +46,29 @@ def check_config(a) -> None:
                     f"{a.window} (the schedule grows from the first to the second)")
 
 
-def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0) -> str:
+def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0,
+                 window: int = 0, block_windows: bool = False) -> str:
   """The concrete kernel for `attention.impl` on this backend (the one place that decides).
 
   `head_dim` and `seq_len` (0 = unknown) let `auto` check that the kernel accepts the model's
-  shapes: on GPU `auto` is cudnn when a trial trace of cuDNN flash attention succeeds, else xla;
-  on TPU it is splash when the sequence length tiles into 128-wide blocks, else xla; xla elsewhere.
+  shapes: on TPU it is splash when the sequence length tiles into 128-wide blocks; elsewhere,
+  windowed attention (`window` > 0) is blocked when the windows are block-granular (cuDNN and
+  jax's xla path have no such mask) or the sequence is longer than DENSE_MAX_T; otherwise on GPU
+  cudnn when a trial trace of cuDNN flash attention succeeds, else xla.
   """
   if impl not in IMPLS:
     raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
   if impl == "auto":
-    if backend == "gpu" and _cudnn_problem(head_dim, seq_len) is None:
-      return "cudnn"
     if backend == "tpu" and seq_len % SPLASH_LANES == 0:
       return "splash"
+    if window and (block_windows or seq_len > DENSE_MAX_T):
+      return "blocked"
+    if backend == "gpu" and _cudnn_problem(head_dim, seq_len) is None:
+      return "cudnn"
     return "xla"
+  if impl == "cudnn" and block_windows and window:
+    raise UserError("attention.impl=cudnn cannot express block-granular windows "
+                    "(attention.block_windows=true); use attention.impl=blocked or auto")
   if impl == "cudnn":
     if backend != "gpu":
       raise UserError(f"attention.impl=cudnn needs an NVIDIA GPU with cuDNN, but the backend is "
@@ -91,27 +106,42 @@ def segment_ids_from_tokens(tokens_BT, eot_id: int):
 
 
 def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, window: int = 0,
-                          segment_ids_BT=None):
+                          segment_ids_BT=None, block: int = 0):
   """Causal attention, optionally windowed and/or document-masked, through the selected kernel.
 
-  A query at t sees keys s <= t, also t - window < s when `window` > 0, also only keys with the
-  same segment id when `segment_ids_BT` [B, T] is given. `window` must be a static Python int:
-  it shapes the kernel's mask (and splash's block-sparsity tables), so every distinct window in a
-  schedule is its own compiled program, to be compiled ahead rather than traced as an array.
+  A query at t sees keys s <= t, also only keys with the same segment id when `segment_ids_BT`
+  [B, T] is given, and with `window` > 0: keys t - window < s (block = 0, token-exact), or, with
+  `block` > 0, keys in blocks t // block - W + 1 .. t // block, W = max(1, window // block) (the
+  record's block mask). `window` must be a static Python int: it shapes the kernel's mask (and
+  splash's block-sparsity tables), so every distinct window in a schedule is its own compiled
+  program, to be compiled ahead rather than traced as an array.
   """
   if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 0:
     raise TypeError(f"window must be a static non-negative Python int, got {window!r}")
   T = q_BTHK.shape[1]
   window = 0 if window >= T else int(window)  # a window covering the whole sequence is plain causal
   if impl == "auto":
-    impl = resolve_impl(impl, jax.default_backend(), head_dim=q_BTHK.shape[-1], seq_len=T)
+    impl = resolve_impl(impl, jax.default_backend(), head_dim=q_BTHK.shape[-1], seq_len=T,
+                        window=window, block_windows=bool(block))
+  if impl == "blocked":
+    return blocked_attention(q_BTHK, k_BTHK, v_BTHK, scale=scale, window=window,
+                             block_windows=bool(block), segment_ids_BT=segment_ids_BT,
+                             **({"block": block} if block else {}))
   if impl == "xla":
-    return _xla(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, "xla")
+    return _xla(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, "xla", block)
   if impl == "cudnn":
+    if block and window:
+      resolve_impl("cudnn", "gpu", window=window, block_windows=True)  # raises the UserError
     return _cudnn(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT)
   if impl == "splash":
-    return _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT)
+    return _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, block)
   raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
+
+
+def block_window_mask(T: int, window: int, block: int) -> np.ndarray:
+  """[T, T] causal block-window mask: key block >= query block - W + 1, W = max(1, window//block)."""
+  t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+  return (s <= t) & (t // block - s // block < max(1, window // block))
 
 
 def _segment_mask(segment_ids_BT):
@@ -121,11 +151,17 @@ def _segment_mask(segment_ids_BT):
   return segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
 
 
-def _xla(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, implementation):
-  """jax.nn.dot_product_attention; local_window_size (left, right) counts keys besides the query."""
-  local = (window - 1, 0) if window else None
+def _xla(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, implementation, block=0):
+  """jax.nn.dot_product_attention; local_window_size (left, right) counts keys besides the query.
+
+  Block windows have no jax argument: they go in as a dense [1, 1, T, T] mask (small T only)."""
+  mask = _segment_mask(segment_ids_BT)
+  local = (window - 1, 0) if window and not block else None
+  if window and block:
+    blocks = jnp.asarray(block_window_mask(q_BTHK.shape[1], window, block))[None, None]
+    mask = blocks if mask is None else mask & blocks
   return jax.nn.dot_product_attention(
-      q_BTHK, k_BTHK, v_BTHK, mask=_segment_mask(segment_ids_BT), scale=scale, is_causal=True,
+      q_BTHK, k_BTHK, v_BTHK, mask=mask, scale=scale, is_causal=True,
       local_window_size=local, implementation=implementation)
 
 
@@ -157,11 +193,34 @@ def _splash_block(T: int) -> int:
                   f"(got {T}); use attention.impl=xla or auto")
 
 
+def _block_local_mask(T: int, window: int, window_block: int):
+  """Splash mask of the record's block windows, computed lazily per tile (no [T, T] array)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+  W = max(1, window // window_block)
+
+  class BlockLocalMask(masks._ComputableMask):  # noqa: SLF001 -- splash's lazy-mask base class
+    def __init__(self):
+      super().__init__(shape=(T, T), mask_function=lambda q, kv: (kv <= q) & (
+          q // window_block - kv // window_block < W))
+
+    def __eq__(self, other):
+      return type(other) is type(self) and (self.shape, self.key) == (other.shape, other.key)
+
+    def __hash__(self):
+      return hash((type(self), self.shape, self.key))
+
+  mask = BlockLocalMask()
+  mask.key = (window, window_block)
+  return mask
+
+
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(T: int, H: int, window: int, block: int, interpret: bool):
+def _splash_kernel(T: int, H: int, window: int, block: int, interpret: bool, window_block=0):
   """A splash kernel for [H, T, K] inputs; cached, as building its block tables is numpy work."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
-  if window:
+  if window and window_block:
+    head_mask = _block_local_mask(T, window, window_block)
+  elif window:
     head_mask = splash.LocalMask((T, T), window_size=(window - 1, 0), offset=0)
   else:
     head_mask = splash.CausalMask((T, T))
@@ -174,13 +233,13 @@ def _splash_kernel(T: int, H: int, window: int, block: int, interpret: bool):
         splash.MultiHeadMask([head_mask] * H), block_sizes=sizes, interpret=interpret)
 
 
-def _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT):
+def _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, block=0):
   """Splash attention, run per device on its batch/head shard when a mesh is active."""
   active = sharding.active()
   # Mosaic or interpreted by the platform the program is built for (the mesh's devices), never the
   # host's default backend: a CPU host compiling for a TPU topology must get the TPU kernel.
   platform = jax.default_backend() if active is None else active[1].devices.flat[0].platform
-  local = functools.partial(_splash_local, scale=scale, window=window,
+  local = functools.partial(_splash_local, scale=scale, window=window, window_block=block,
                             interpret=platform != "tpu")
   args = (q_BTHK, k_BTHK, v_BTHK) + (() if segment_ids_BT is None else (segment_ids_BT,))
   # A Pallas kernel is opaque to the SPMD partitioner (it would gather everything onto every
@@ -190,11 +249,13 @@ def _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT):
   return sharding.per_device(local, args, in_axes, names)
 
 
-def _splash_local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale, window, interpret):
+def _splash_local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale, window, interpret,
+                  window_block=0):
   """Pallas splash attention per example (vmapped over batch); `interpret` off TPU (slow)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
   _, T, H, _ = q_BTHK.shape
-  kernel = _splash_kernel(T, H, window, _splash_block(T), interpret)
+  kernel = _splash_kernel(T, H, window, _splash_block(T), interpret,
+                          window_block if window else 0)
   # Splash applies no softmax scale of its own, so fold it into q.
   q_BHTK = jnp.swapaxes(q_BTHK * jnp.asarray(scale, q_BTHK.dtype), 1, 2)
   k_BHTK, v_BHTK = jnp.swapaxes(k_BTHK, 1, 2), jnp.swapaxes(v_BTHK, 1, 2)
@@ -231,8 +292,9 @@ def short_window(attn_cfg, long: int) -> int:
   """Window of an 'S' layer: half the long one in whole blocks, at least one block.
 
   The record halves the block count (`sliding_window_num_blocks // 2`); its 0-block short window
-  at the first size still attends within the query's own block, so one block is the floor here.
-  Without window_block alignment (no schedule) it is long // 2 tokens.
+  at the first size still attends within the query's own block (its block mask clamps the
+  partial blocks to at least one), exactly as a 1-block window does with attention.block_windows,
+  so one block is the floor here. Without window_block alignment it is long // 2 tokens.
   """
   b = attn_cfg.window_block
   if long % b:
@@ -293,7 +355,8 @@ class CausalSelfAttention(nnx.Module):
 
   def __init__(self, cfg, attn_cfg, *, impl: str, rngs):
     d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
-    lin = dict(bias=cfg.bias, param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
+    lin = dict(bias=cfg.bias, param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs,
+               dist=cfg.init_dist)
     std = weight_std(cfg, d)
     self.merged_qkv = cfg.merged_qkv
     if cfg.merged_qkv:  # one [3, D, H*K] parameter (record: qkv_w), one matmul
@@ -308,9 +371,10 @@ class CausalSelfAttention(nnx.Module):
     self.o = Linear(h * k, d, ("heads", "embed"), std=proj_std(cfg, h * k), **lin)
     self.num_heads, self.head_dim = h, k
     self.scale = cfg.attn_scale or 1.0 / np.sqrt(k)
-    self.qk_norm = cfg.qk_norm
+    self.qk_norm, self.qk_eps = cfg.qk_norm, cfg.norm_eps or 1e-6
     self.rope = (cfg.rope_base, cfg.rope_truncate) if cfg.positions == "rope" else None
     self.impl, self.window = impl, attn_cfg.window
+    self.block = attn_cfg.window_block if attn_cfg.block_windows else 0  # record's block mask
 
   def __call__(self, x_BTD, segment_ids_BT=None, window=None, ve_BTD=None):
     """Attention over [B, T, D]; `window` (static int) overrides attention.window for a schedule;
@@ -328,13 +392,13 @@ class CausalSelfAttention(nnx.Module):
       # Layers without a value embedding still scale v by lambdas[0], as the record does.
       v = lam[0] * v if ve_BTD is None else lam[0] * v + lam[1] * ve_BTD.reshape(shape)
     if self.qk_norm:
-      q, k = rms_norm(q), rms_norm(k)
+      q, k = rms_norm(q, self.qk_eps), rms_norm(k, self.qk_eps)
     if self.rope is not None:
       freq = rope_frequencies(self.head_dim, *self.rope)
       q, k = apply_rope(q, freq), apply_rope(k, freq)
     with jax.named_scope("attention_kernel"):
       out_BTHK = dot_product_attention(q, k, v, impl=self.impl, scale=self.scale,
                                        window=self.window if window is None else window,
-                                       segment_ids_BT=segment_ids_BT)
+                                       segment_ids_BT=segment_ids_BT, block=self.block)
     out_BTHK = sharding.constrain(out_BTHK, names)
     return self.o(out_BTHK.reshape(B, T, -1))

@@ -14,7 +14,8 @@ from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_mat
 
 CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
            "mlp_act": ("gelu", "relu2"), "dtype": ("float32", "bfloat16"),
-           "param_dtype": ("float32", "bfloat16"), "remat": ("none", "full", "dots")}
+           "param_dtype": ("float32", "bfloat16"), "embed_dtype": ("", "float32", "bfloat16"),
+           "init_dist": ("normal", "uniform"), "remat": ("none", "full", "dots")}
 
 
 def check_config(m) -> None:
@@ -38,6 +39,9 @@ def check_config(m) -> None:
     raise UserError(f"model.value_embeds={m.value_embeds} adds [vocab, d_model] tables to v, so it "
                     f"needs model.num_heads*model.head_dim={m.num_heads * head_dim} to equal "
                     f"model.d_model={m.d_model}")
+  if m.embed_rows < -1 or m.embed_rows > m.vocab_size:
+    raise UserError(f"model.embed_rows={m.embed_rows} must be 0 (= model.vocab_size), -1 (the "
+                    f"tokenizer's vocabulary) or at most model.vocab_size={m.vocab_size}")
   if m.fp8_head and m.tie_embeddings:
     raise UserError("model.fp8_head=true needs an untied head (model.tie_embeddings=false)")
 
@@ -63,7 +67,8 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg, *, rngs):
     d, f = cfg.d_model, cfg.mlp_dim
-    lin = dict(bias=cfg.bias, param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
+    lin = dict(bias=cfg.bias, param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs,
+               dist=cfg.init_dist)
     self.fc = Linear(d, f, ("embed", "mlp"), std=weight_std(cfg, d), **lin)
     self.proj = Linear(f, d, ("mlp", "embed"), std=proj_std(cfg, f), **lin)
     self.act = cfg.mlp_act
@@ -79,9 +84,10 @@ class Block(nnx.Module):
 
   def __init__(self, cfg, attn_cfg, *, impl, rngs, attention: bool = True):
     # attention=False: an MLP-only block (record: blocks.7 has no attention).
-    self.ln1 = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype) if attention else None
+    norm = lambda: Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype, **norm_eps(cfg))
+    self.ln1 = norm() if attention else None
     self.attn = CausalSelfAttention(cfg, attn_cfg, impl=impl, rngs=rngs) if attention else None
-    self.ln2 = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype)
+    self.ln2 = norm()
     self.mlp = MLP(cfg, rngs=rngs)
     # x <- lambdas[0] * x + lambdas[1] * x0 (modded-nanogpt), starting as the identity.
     self.lambdas = param(jnp.array([1.0, 0.0], cfg.param_dtype), (None,), "scalar") \
@@ -105,15 +111,18 @@ class GPT(nnx.Module):
 
   def __init__(self, cfg, attn_cfg, *, impl: str = "xla", rngs: nnx.Rngs):
     self.softcap = float(cfg.logit_softcap)
-    self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.embed_std,
-                       param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
+    # The record keeps 50,257-row bf16 tables and pads only the head (to 50,304).
+    rows = cfg.embed_rows if cfg.embed_rows > 0 else cfg.vocab_size  # -1 left by an unfinalized cfg
+    table_dtype = cfg.embed_dtype or cfg.param_dtype
+    self.embed = Embed(rows, cfg.d_model, std=cfg.embed_std,
+                       param_dtype=table_dtype, dtype=cfg.dtype, rngs=rngs)
     if cfg.positions == "learned":
       self.pos = param(init_array(rngs, (cfg.max_seq_len, cfg.d_model), cfg.embed_std,
                                   cfg.param_dtype), ("length", "embed"), "embed")
     else:
       self.pos = None
     # The speedrun normalises the embedding before the first block; GPT-2 does not.
-    self.ln_embed = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype) \
+    self.ln_embed = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype, **norm_eps(cfg)) \
         if cfg.norm == "rmsnorm" else None
     # Per-layer windows when the caller names none: the pattern at the full (final) window.
     self.windows = layer_windows(attn_cfg, cfg.num_layers, attn_cfg.window)
@@ -123,13 +132,13 @@ class GPT(nnx.Module):
     # Value embeddings: extra token tables mixed into v of the first and last layers.
     self.ve_layers = value_embed_layers(cfg.value_embeds, cfg.num_layers)
     self.value_embeds = nnx.List([
-        Embed(cfg.vocab_size, cfg.d_model, std=cfg.embed_std, param_dtype=cfg.param_dtype,
+        Embed(rows, cfg.d_model, std=cfg.embed_std, param_dtype=table_dtype,
               dtype=cfg.dtype, rngs=rngs)
         for _ in range(min(cfg.value_embeds, cfg.num_layers // 2))])
     # U-net: the first L // 2 blocks' outputs come back, weighted, before the last L // 2 blocks.
     skip_weights = jnp.ones((cfg.num_layers // 2,), cfg.param_dtype)
     self.skip_weights = param(skip_weights, (None,), "scalar") if cfg.unet_skips else None
-    self.ln_f = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype)
+    self.ln_f = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype, **norm_eps(cfg))
     if cfg.tie_embeddings:
       self.head = None
     else:
@@ -139,13 +148,15 @@ class GPT(nnx.Module):
     self.fp8_head = cfg.fp8_head
     self.remat = cfg.remat
 
-  def __call__(self, tokens_BT, segment_ids_BT=None, windows=None):
+  def __call__(self, tokens_BT, segment_ids_BT=None, windows=None, train: bool = True):
     """Logits; with `segment_ids_BT`, attention stays within each document.
 
     `windows`: per-layer sliding windows (a tuple of static ints, e.g. one stage of
     attention.window_schedule); None = the configured pattern at attention.window.
+    `train=False` (evaluation, sampling) computes the head in the model dtype, not FP8 (record:
+    `use_fp8 and self.training`).
     """
-    return self.logits(self.hidden(tokens_BT, segment_ids_BT, windows))
+    return self.logits(self.hidden(tokens_BT, segment_ids_BT, windows), train=train)
 
   def hidden(self, tokens_BT, segment_ids_BT=None, windows=None):
     """The final normalised hidden states [B, T, D] that the head turns into logits."""
@@ -171,12 +182,13 @@ class GPT(nnx.Module):
         skips.append(x_BTD)
     return self.ln_f(x_BTD)
 
-  def logits(self, x_BTD, tokens: int = 0):
+  def logits(self, x_BTD, tokens: int = 0, train: bool = True):
     """Soft-capped float32 logits of hidden states; `tokens`: the tokens the loss averages over
-    when x_BTD is one chunk of them (the FP8 head's gradient scale assumes that mean)."""
+    when x_BTD is one chunk of them (the FP8 head's gradient scale assumes that mean);
+    `train=False`: the head in the model dtype, not FP8."""
     if self.head is None:
       logits_BTV = self.embed.attend(x_BTD)
-    elif self.fp8_head:
+    elif self.fp8_head and train:
       B, T, D = x_BTD.shape
       logits_NV = fp8_matmul(x_BTD.reshape(B * T, D), self.head.kernel.value,
                              *fp8_head_scales(D, tokens or B * T))
@@ -204,6 +216,11 @@ def remat_block(policy: str, window: int):
   if policy == "none":
     return call
   return nnx.remat(call, policy=REMAT_POLICIES[policy])
+
+
+def norm_eps(cfg) -> dict:
+  """Norm keyword for model.norm_eps (0: the module's default)."""
+  return {"eps": cfg.norm_eps} if cfg.norm_eps else {}
 
 
 def value_embed_layers(n: int, num_layers: int) -> tuple:

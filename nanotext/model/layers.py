@@ -41,18 +41,22 @@ def proj_std(model_cfg, fan_in: int) -> float:
   return weight_std(model_cfg, fan_in) / float(np.sqrt(2 * model_cfg.num_layers))
 
 
-def init_array(rngs, shape, std, dtype):
-  """Normal(0, std) init; std=0 gives zeros."""
+def init_array(rngs, shape, std, dtype, dist: str = "normal"):
+  """Normal(0, std) or uniform(+-sqrt(3) std) (same std, the record's) init; std=0 gives zeros."""
   if std == 0:
     return jnp.zeros(shape, dtype)
+  if dist == "uniform":
+    bound = np.sqrt(3.0) * std
+    return jax.random.uniform(rngs.params(), shape, minval=-bound, maxval=bound).astype(dtype)
   return (std * jax.random.normal(rngs.params(), shape)).astype(dtype)
 
 
 class Linear(nnx.Module):
   """y = x @ W (+ b), with W of shape [in, out] tagged (in_axis, out_axis)."""
 
-  def __init__(self, d_in, d_out, axes, *, std, bias, param_dtype, dtype, rngs, role="matrix"):
-    self.kernel = param(init_array(rngs, (d_in, d_out), std, param_dtype), axes, role)
+  def __init__(self, d_in, d_out, axes, *, std, bias, param_dtype, dtype, rngs, role="matrix",
+               dist="normal"):
+    self.kernel = param(init_array(rngs, (d_in, d_out), std, param_dtype, dist), axes, role)
     self.bias = param(jnp.zeros((d_out,), param_dtype), axes[1:], "scalar") if bias else None
     self.dtype = dtype
 
@@ -66,9 +70,9 @@ class Linear(nnx.Module):
 class StackedLinear(nnx.Module):
   """n projections of one input in one [n, in, out] parameter (merged QKV): y [n, ..., out]."""
 
-  def __init__(self, n, d_in, d_out, axes, *, std, bias, param_dtype, dtype, rngs):
+  def __init__(self, n, d_in, d_out, axes, *, std, bias, param_dtype, dtype, rngs, dist="normal"):
     # The stack axis is unsharded (None): Muon treats such a parameter as n separate matrices.
-    self.kernel = param(init_array(rngs, (n, d_in, d_out), std, param_dtype),
+    self.kernel = param(init_array(rngs, (n, d_in, d_out), std, param_dtype, dist),
                         (None,) + tuple(axes), "matrix")
     self.bias = param(jnp.zeros((n, d_out), param_dtype), (None, axes[1]), "scalar") \
         if bias else None

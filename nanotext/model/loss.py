@@ -7,8 +7,8 @@ import optax
 from nanotext import sharding
 
 
-def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0):
-  """Mean cross-entropy of `model.logits(x_BTD)` against targets.
+def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True):
+  """Mean cross-entropy of `model.logits(x_BTD, train=train)` against targets.
 
   With 0 < `chunk` < T the positions are taken `chunk` at a time (every row at once, so the batch
   stays sharded): each chunk's float32 logits live only inside a rematerialised scan step, and the
@@ -18,7 +18,7 @@ def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0):
   """
   B, T, D = x_BTD.shape
   if not chunk or chunk >= T:
-    logits_BTV = model.logits(x_BTD)
+    logits_BTV = model.logits(x_BTD, train=train)
     return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
   n = T // chunk
   x_NBCD = sharding.constrain(x_BTD.reshape(B, n, chunk, D).swapaxes(0, 1),
@@ -27,7 +27,7 @@ def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0):
 
   @jax.checkpoint  # keep only the chunk's inputs; its logits are recomputed in the backward pass
   def chunk_sum(x_BCD, y_BC):
-    logits_BCV = model.logits(x_BCD, tokens=B * T)
+    logits_BCV = model.logits(x_BCD, tokens=B * T, train=train)
     return optax.softmax_cross_entropy_with_integer_labels(logits_BCV, y_BC).sum()
 
   def body(total, xy):

@@ -1,0 +1,78 @@
+"""Long-row attention: blocked (O(T x W)) vs dense (O(T^2)), forward + backward, on this backend.
+
+`python benchmarks/long_attention.py [--lengths=1024,4096,8192,49152] [--window=1792]`
+
+One row of the record's attention shape (6 heads of 128, bf16 off: float32 on CPU), the record's
+final long window in 128-token blocks, documents of ~1,000 tokens. For each length: compiled
+temporaries (XLA memory analysis) and the median wall time of jit(grad) over --repeats runs.
+A dense run whose temporaries exceed --dense_max_gib is compiled but not run.
+"""
+
+import statistics
+import time
+
+from absl import app, flags
+
+_LENGTHS = flags.DEFINE_list("lengths", ["1024", "4096", "8192", "49152"], "Row lengths T.")
+_WINDOW = flags.DEFINE_integer("window", 1792, "Window in tokens (whole 128-token blocks).")
+_HEADS = flags.DEFINE_integer("heads", 6, "Attention heads.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per point (median).")
+_DENSE_MAX = flags.DEFINE_float("dense_max_gib", 8.0, "Run dense only below this many GiB.")
+
+
+def point(T: int, impl: str, window: int, heads: int, repeats: int, max_gib: float) -> dict:
+  """Compile fwd+bwd of one row at length T with `impl`; time it when it fits."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from nanotext.model.attention import dot_product_attention
+  shape = (1, T, heads, 128)
+  def loss(q, k, v, seg):
+    return dot_product_attention(q, k, v, impl=impl, scale=0.12, window=window,
+                                 segment_ids_BT=seg, block=128).sum()
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  seg_spec = jax.ShapeDtypeStruct((1, T), jnp.int32)
+  t0 = time.perf_counter()
+  compiled = grad.lower(x, x, x, seg_spec).compile()
+  row = {"T": T, "impl": impl, "compile_s": time.perf_counter() - t0,
+         "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30, "step_ms": None}
+  if row["temp_gib"] > max_gib:
+    return row
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(kk, shape, jnp.float32) for kk in keys)
+  seg = jnp.asarray(np.cumsum(np.random.default_rng(0).random(T) < 1e-3)[None], jnp.int32)
+  jax.block_until_ready(compiled(q, k, v, seg))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(q, k, v, seg))
+    times.append(time.perf_counter() - t0)
+  row["step_ms"] = 1e3 * statistics.median(times)
+  return row
+
+
+def main(argv):
+  from nanotext.errors import fail
+  if len(argv) > 1:
+    fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  try:
+    lengths = [int(t) for t in _LENGTHS.value]
+  except ValueError:
+    fail(f"--lengths must be integers, got {','.join(_LENGTHS.value)}")
+  if any(t <= 0 or t % 128 for t in lengths) or _WINDOW.value % 128 or _WINDOW.value <= 0:
+    fail("--lengths and --window must be positive multiples of 128")
+  print(f"| T | impl | temporaries (GiB) | fwd+bwd (ms) | compile (s) |")
+  print("| --- | --- | --- | --- | --- |")
+  for T in lengths:
+    for impl in ("blocked", "xla"):
+      r = point(T, impl, _WINDOW.value, _HEADS.value, _REPEATS.value, _DENSE_MAX.value)
+      ms = f"{r['step_ms']:.0f}" if r["step_ms"] is not None else "not run (too big)"
+      name = "blocked" if impl == "blocked" else "dense (xla)"
+      print(f"| {T:,} | {name} | {r['temp_gib']:.3f} | {ms} | {r['compile_s']:.1f} |",
+            flush=True)
+
+
+if __name__ == "__main__":
+  from nanotext.errors import parse_flags
+  app.run(main, flags_parser=parse_flags)
