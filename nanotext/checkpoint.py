@@ -1,10 +1,12 @@
 """Orbax CheckpointManager over one step's train state, every process's data state and config.
 
-A step directory holds three items: `state` (params, optimizer state, step: sharded arrays, each
+A step directory holds four items: `state` (params, optimizer state, step: sharded arrays, each
 process writes its shards), `data` (one JSON file per process, `process_<i>-of-<n>.json`, with
-that process's grain iterator state, because each process reads a different stride of the data)
-and `config` (the resolved config, written by process 0). Orbax writes a step into a temporary
-directory and renames it when every item is complete, so a killed save leaves no step behind.
+that process's grain iterator state, because each process reads a different stride of the data),
+`config` (the resolved config, written by process 0) and `integrity` (a checksum of every array
+and the training data's fingerprint). Orbax writes a step into a temporary directory and renames
+it when every item is complete, so a killed save leaves no step behind; the checksums catch what
+happens to a step afterwards (truncation, bytes overwritten in place).
 """
 
 import dataclasses
@@ -14,6 +16,8 @@ import re
 
 from absl import logging
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -63,9 +67,15 @@ class ProcessJsonRestore(ocp.args.CheckpointArgs):
   pass
 
 
+class Damaged(UserError):
+  """A checkpoint step that does not restore or does not match its checksums."""
+
+
 class Manager(ocp.CheckpointManager):
   """A CheckpointManager that remembers its last requested step, to prove it reached disk."""
   requested = None
+  fingerprint = ()  # the training data's fingerprint, saved with every step
+  on_confirmed = None  # called with a step once it is known to be complete on disk
 
 
 def checkpoint_dir(output_dir: str) -> str:
@@ -80,17 +90,19 @@ def make_manager(output_dir: str, *, keep: int, create: bool = True,
       # Leftovers of a save killed midway are removed, never mistaken for a step.
       cleanup_tmp_directories=create)
   handlers = {"state": ocp.StandardCheckpointHandler(), "data": ProcessJsonHandler(),
-              "config": ocp.JsonCheckpointHandler()}
+              "config": ocp.JsonCheckpointHandler(), "integrity": ocp.JsonCheckpointHandler()}
   return Manager(checkpoint_dir(output_dir), options=options, item_handlers=handlers)
 
 
 def save(manager: Manager, step: int, state, data_state: dict, config_dict: dict) -> None:
   """Start saving a step; async saves return once the arrays are copied off the devices."""
   wait(manager)  # surfaces a failed earlier write before starting the next
+  integrity = {"checksums": checksums(state), "data": list(manager.fingerprint)}
   manager.save(step, force=True, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
       data=ProcessJsonSave(data_state),
-      config=ocp.args.JsonSave(config_dict)))
+      config=ocp.args.JsonSave(config_dict),
+      integrity=ocp.args.JsonSave(integrity)))
   manager.requested = step
 
 
@@ -111,6 +123,8 @@ def wait(manager: Manager) -> None:
     raise CheckpointError(f"the checkpoint of step {step} in '{manager.directory}' was not "
                           "completed (see the orbax error logged above)")
   manager.requested = None
+  if manager.on_confirmed is not None:
+    manager.on_confirmed(step)
 
 
 def close(manager: Manager) -> None:
@@ -121,34 +135,114 @@ def close(manager: Manager) -> None:
     logging.error("closing the checkpoint manager: %s", _first_line(e))
 
 
-def restore(manager, step: int, abstract_state):
-  """Restore `step` straight into the shardings carried by `abstract_state`'s leaves.
+def _words(x):
+  """x's bits as uint32, elementwise (so a sharded array stays sharded: no gather)."""
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  size = x.dtype.itemsize
+  if size == 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  if size in (1, 2):
+    small = jax.lax.bitcast_convert_type(x, jnp.uint8 if size == 1 else jnp.uint16)
+    return small.astype(jnp.uint32)
+  w = jax.lax.bitcast_convert_type(x, jnp.uint32)  # 8 bytes: [..., 2] words
+  return w[..., 0] ^ (w[..., 1] * jnp.uint32(0x9E3779B1))
 
-  Returns (state, data, config); data is {process index: its saved data dict}.
+
+def _pair(x):
+  """Two position-weighted uint32 sums of x's bits: any changed byte changes the first."""
+  w = _words(x)
+  i = jnp.zeros(w.shape, jnp.uint32)
+  stride = 1
+  for d in reversed(range(w.ndim)):
+    i = i + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
+    stride *= w.shape[d]
+  # Sums wrap modulo 2**32 in any order, so a sharded reduction gives the same bits everywhere.
+  a = jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)
+  b = jnp.sum(((w << 7) | (w >> 25)) ^ (i * jnp.uint32(0x9E3779B1)), dtype=jnp.uint32)
+  return jnp.stack([a, b])
+
+
+_pairs = jax.jit(lambda leaves: [_pair(x) for x in leaves])
+
+
+def _name(path) -> str:
+  """'params/blocks/0/attn/q/kernel' for a key path (saved trees key list items by strings)."""
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def checksums(tree) -> dict:
+  """{array name: 16 hex digits}, computed on the devices where the arrays already are."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  values = jax.device_get(_pairs([jnp.asarray(x) for _, x in flat]))
+  return {_name(p): f"{int(v[0]):08x}{int(v[1]):08x}" for (p, _), v in zip(flat, values)}
+
+
+def verify(tree, integrity, where: str, prefix: str = "") -> None:
+  """Raise Damaged unless every array of `tree` matches the checksum saved with it."""
+  saved = (integrity or {}).get("checksums")
+  if not saved:  # a step written before checksums existed: nothing to compare
+    return
+  got = {prefix + k: v for k, v in checksums(tree).items()}
+  bad = [k for k, v in got.items() if saved.get(k, v) != v]
+  if bad:
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    raise Damaged(f"checkpoint '{where}' is damaged: array {bad[0]}{more} does not match the "
+                  "checksum saved with it")
+
+
+def step_dir(manager, step: int) -> str:
+  return os.path.join(str(manager.directory), str(step))
+
+
+def restore_step(manager, step: int, abstract_state):
+  """Restore and verify `step` straight into the shardings carried by `abstract_state`'s leaves.
+
+  Returns (state, data, config, integrity); data is {process index: its saved data dict}.
+  Raises Damaged when the step does not restore or does not match its checksums.
   """
+  where = step_dir(manager, step)
+  items = dict(state=ocp.args.StandardRestore(abstract_state), data=ProcessJsonRestore(),
+               config=ocp.args.JsonRestore())
+  if os.path.isdir(os.path.join(where, "integrity")):
+    items["integrity"] = ocp.args.JsonRestore()
   try:
-    out = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state),
-        data=ProcessJsonRestore(),
-        config=ocp.args.JsonRestore()))
-  except (ValueError, KeyError, FileNotFoundError, TypeError) as e:
-    where = os.path.join(str(manager.directory), str(step))
-    raise UserError(f"checkpoint '{where}' does not match this model or is damaged "
-                    f"({type(e).__name__}: {_first_line(e)})") from None
-  return out.state, out.data, out.config
+    out = manager.restore(step, args=ocp.args.Composite(**items))
+  except Exception as e:  # orbax raises a bare Exception for a truncated array file
+    raise Damaged(f"checkpoint '{where}' does not match this model or is damaged "
+                  f"({type(e).__name__}: {_first_line(e)})") from None
+  integrity = out["integrity"] if "integrity" in items else None
+  verify(out.state, integrity, where)
+  return out.state, out.data, out.config, integrity
+
+
+def restore(manager, step: int, abstract_state):
+  """(state, data, config) of a verified step; raises UserError (Damaged) if it is not sound."""
+  return restore_step(manager, step, abstract_state)[:3]
 
 
 def own_data(data: dict, where: str) -> dict:
-  """This process's entry of a restored `data` item; refuses another process count."""
+  """This process's entry of a restored `data` item, carried over to another process count.
+
+  Batch k of every process covers the same global rows whatever the process count
+  (pipeline.make_train_iter), so when all saved processes stopped at the same position that
+  position holds for any count.
+  """
   pid, count = jax.process_index(), jax.process_count()
   saved = data.get(pid)
-  if saved is None or saved["count"] != count:
-    counts = sorted({d["count"] for d in data.values()})
-    raise UserError(f"checkpoint '{where}' holds data-iterator states of {counts or 'no'} "
-                    f"process(es) but this run has {count}; resume it with the same number "
-                    "of processes, or start a new output_dir with "
-                    "checkpoint.load_params_from")
-  return saved
+  if saved is not None and saved["count"] == count:
+    return saved
+  counts = sorted({d["count"] for d in data.values()})
+  positions = {json.dumps([d.get("iterator"), d.get("skipped_steps", 0)], sort_keys=True)
+               for d in data.values()}
+  if len(counts) == 1 and len(data) == counts[0] and len(positions) == 1:
+    first = next(iter(data.values()))
+    return {**first, "count": count}
+  why = "no data-iterator state" if not data else \
+      f"data-iterator states of {counts} process(es) that do not agree on a position"
+  raise UserError(f"checkpoint '{where}' holds {why}; this run has {count} process(es). Resume "
+                  "it with the process count it was saved with, or start a new output_dir with "
+                  "checkpoint.load_params_from")
 
 
 def abstract_with_shardings(tree, shardings):
@@ -225,13 +319,19 @@ def latest_params(output_dir: str, step: int = -1):
                     f"it has {list(manager.all_steps())}")
   # An explicit single-device target: checkpoints written by several processes restore too.
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  where = step_dir(manager, step)
   try:
     meta = manager.item_metadata(step)["state"]
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
-    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    items = dict(state=ocp.args.StandardRestore(target))
+    if os.path.isdir(os.path.join(where, "integrity")):
+      items["integrity"] = ocp.args.JsonRestore()
+    out = manager.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # orbax raises many kinds for unreadable folders
-    raise UserError(f"cannot read the checkpoint of step {step} in '{output_dir}': "
-                    f"{_first_line(e)}") from None
+    raise Damaged(f"cannot read the checkpoint of step {step} in '{output_dir}': "
+                  f"{_first_line(e)}") from None
+  verify(out.state["params"], out["integrity"] if "integrity" in items else None, where,
+         prefix="params/")
   return step, out.state["params"]
 
 

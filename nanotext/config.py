@@ -28,8 +28,9 @@ NON_NEGATIVE = ("train.eval_every", "checkpoint.every", "model.head_dim", "model
                 "model.init_std", "model.embed_std", "attention.window",
                 "profile.steps", "train.target_val_loss", "train.loss_chunk")
 # Keys a continued or resumed run may change without becoming "a different run".
-RUN_IDENTITY_IGNORES = ("overwrite", "distributed", "train.steps", "train.log_every", "train.eval_every",
-                        "train.eval_batches", "checkpoint", "metrics", "sample", "output_dir",
+# A mesh (or device count) change is a resume: restore reshards, the data position carries over.
+RUN_IDENTITY_IGNORES = ("overwrite", "distributed", "mesh", "data.allow_changed", "train.steps",
+                        "train.log_every", "train.eval_every", "train.eval_batches", "checkpoint", "metrics", "sample", "output_dir",
                         "data.workers", "profile", "train.compile_cache_dir",
                         "train.target_val_loss", "model.remat", "train.loss_chunk")
 

@@ -4,8 +4,8 @@ Thin on purpose: config -> mesh -> state -> data -> loop. Overrides can also be 
 flags: `--config=CONFIG --set=train.steps=50 --set=model.num_layers=2`.
 """
 
+import contextlib
 import os
-import shutil
 import sys
 
 from absl import app, flags, logging
@@ -28,33 +28,39 @@ def parse_args(argv) -> tuple:
   return path, args + list(_SET.value)
 
 
-def check_output_dir(cfg) -> None:
-  """Refuse an output_dir that holds a different run, unless overwrite=true (then clear it)."""
+def check_output_dir(cfg, out: str) -> bool:
+  """Refuse an output_dir that holds a different run unless overwrite=true, or a run already
+  past train.steps; True when the previous run is to be replaced (set aside, then deleted)."""
   from nanotext import config
   import yaml
-  path = os.path.join(cfg.output_dir, "config.yml")
-  if not os.path.isfile(path):
-    return
-  with open(path) as f:
-    old = yaml.safe_load(f) or {}
+  path = os.path.join(out, "config.yml")
+  if not os.path.lexists(path):
+    return False
+  try:
+    with open(path, encoding="utf-8") as f:
+      old = yaml.safe_load(f)
+    if not isinstance(old, dict):
+      raise ValueError("not a mapping")
+  except (OSError, ValueError, yaml.YAMLError) as e:
+    if cfg.overwrite:
+      return True
+    raise UserError(f"'{path}' is damaged ({type(e).__name__}), so this run cannot tell whether "
+                    "output_dir holds the same run; restore that file, or pass overwrite=true "
+                    "to replace the run in output_dir") from None
   diff = config.run_identity_diff(old, cfg.to_dict())
-  if not diff:
-    return
-  if not cfg.overwrite:
-    raise UserError(f"output_dir '{cfg.output_dir}' holds a different run ({diff[0]}"
-                    f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); choose another "
-                    "output_dir or pass overwrite=true to replace it")
-  import jax
-  if jax.process_index() == 0:
-    for name in ("checkpoints", "tb", "metrics.jsonl", "config.yml"):
-      p = os.path.join(cfg.output_dir, name)
-      if os.path.isdir(p):
-        shutil.rmtree(p)
-      elif os.path.exists(p):
-        os.remove(p)
-  if jax.process_count() > 1:  # nobody reads the old run while process 0 removes it
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices("nanotext: output_dir cleared")
+  if diff:
+    if not cfg.overwrite:
+      raise UserError(f"output_dir '{cfg.output_dir}' holds a different run ({diff[0]}"
+                      f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); choose another "
+                      "output_dir or pass overwrite=true to replace it")
+    return True
+  done = [int(n) for n in os.listdir(os.path.join(out, "checkpoints")) if n.isdigit()] \
+      if os.path.isdir(os.path.join(out, "checkpoints")) else []
+  if done and max(done) > cfg.train.steps:
+    raise UserError(f"output_dir '{cfg.output_dir}' holds a checkpoint of step {max(done)}, past "
+                    f"train.steps={cfg.train.steps}: raise train.steps to continue that run, or "
+                    "choose another output_dir")
+  return False
 
 
 def enable_compile_cache(path: str) -> None:
@@ -72,9 +78,10 @@ def enable_compile_cache(path: str) -> None:
 def run(path: str, overrides, log=print):
   """Load, check and train; returns the loop result. Raises UserError on bad input."""
   import jax
-  from nanotext import checkpoint, config, distributed, metrics, trainer, wiring
+  from nanotext import checkpoint, config, distributed, rundir, wiring
   from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
   from nanotext.generate import sample_text
+  from nanotext.watch import Preemption
 
   cfg = wiring.load(path, overrides)
   if cfg.train.compile_cache_dir:  # before the first compilation of this process
@@ -95,14 +102,62 @@ def run(path: str, overrides, log=print):
   if cfg.train.batch_size % jax.process_count():
     raise UserError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
                     f"{jax.process_count()} processes; each loads an equal share")
-  check_output_dir(cfg)
-
+  # Everything above and the data below is only read: a mistake found here changes nothing.
+  out = rundir.check_output_dir_path(cfg.output_dir)
   train_iter, val_local = run_.train_iter(), run_.val_batches()
-  log(f"model: {run_.num_params:,} parameters | {sharding_summary(run_)} | "
-      f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens/step")
+  fingerprint = rundir.fingerprint(cfg.data)
+  is_main = jax.process_index() == 0
+  # Signals only set a flag from here on (the final save included): the loop saves and stops.
+  with (rundir.Lock(out) if is_main else contextlib.nullcontext()), \
+      Preemption(cfg.train.log_every) as preemption:
+    if is_main:
+      rundir.recover(out, log)
+    replace = check_output_dir(cfg, out)
+    if replace and is_main:
+      rundir.set_aside(out)
+    if jax.process_count() > 1:  # nobody reads output_dir while process 0 changes it
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("nanotext: output_dir ready")
+    log(f"model: {run_.num_params:,} parameters | {sharding_summary(run_)} | "
+        f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens/step")
+    manager = checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep,
+                                      async_save=cfg.checkpoint["async"])
+    manager.fingerprint = fingerprint
+    if replace and is_main:  # the new run has a checkpoint: the old one can go
+      manager.on_confirmed = lambda step: rundir.commit(out)
+    try:
+      result = _train(run_, cfg, manager, train_iter, val_local, preemption, log)
+    except BaseException:
+      checkpoint.close(manager)  # waits for earlier saves without hiding this error
+      if replace and is_main and not rundir.has_checkpoint(out):
+        rundir.roll_back(out)
+        log(f"restored the previous run in {out}")
+      raise
+    manager.close()
+  if result.preempted or preemption.received:
+    return result
+  target = cfg.train.target_val_loss
+  if target:
+    reached = result.val_loss <= target
+    log(f"target val_loss <= {target}: {'reached' if reached else 'not reached'} "
+        f"(final val_loss {result.val_loss:.4f})")
+  vocab = known_vocab_size(cfg.data.tokenizer)
+  if vocab is not None and cfg.sample.max_new_tokens:
+    try:
+      tokenizer = get_tokenizer(cfg.data.tokenizer)
+    except UserError as e:  # e.g. tiktoken offline: the run itself succeeded
+      logging.warning("no sample: %s", e)
+    else:
+      text = sample_text(run_.graphdef, result.state["params"], cfg, tokenizer,
+                         cfg.sample.prompt)
+      log(f"sample: {cfg.sample.prompt}{text}")
+  return result
 
-  manager = checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep,
-                                    async_save=cfg.checkpoint["async"])
+
+def _train(run_, cfg, manager, train_iter, val_local, preemption, log):
+  """Initial state, then the loop, then the wait for the last save (the run's end)."""
+  import jax
+  from nanotext import checkpoint, config, metrics, trainer, wiring
   start = wiring.initial_state(run_, manager, log)
   skipped = 0
   if start.data is not None:
@@ -116,30 +171,12 @@ def run(path: str, overrides, log=print):
   try:
     result = trainer.train(run_, start.state, train_iter, val, writer=writer, manager=manager,
                            start_step=start.step, config_dict=cfg.to_dict(), log=log,
-                           skipped_steps=skipped)
+                           skipped_steps=skipped, preemption=preemption)
     checkpoint.wait(manager)  # the run is not over until its last save is on disk
-  except BaseException:
-    checkpoint.close(manager)  # waits for earlier saves without hiding this error
-    raise
   finally:
     writer.close()
-  manager.close()
-  if result.preempted:
-    return result
-  target = cfg.train.target_val_loss
-  if target:
-    reached = result.val_loss <= target
-    log(f"target val_loss <= {target}: {'reached' if reached else 'not reached'} "
-        f"(final val_loss {result.val_loss:.4f})")
-  if vocab is not None and cfg.sample.max_new_tokens:
-    try:
-      tokenizer = get_tokenizer(cfg.data.tokenizer)
-    except UserError as e:  # e.g. tiktoken offline: the run itself succeeded
-      logging.warning("no sample: %s", e)
-    else:
-      text = sample_text(run_.graphdef, result.state["params"], cfg, tokenizer,
-                         cfg.sample.prompt)
-      log(f"sample: {cfg.sample.prompt}{text}")
+  if preemption.received and not result.preempted:
+    log(f"received {preemption.received} after the last step: the final checkpoint is saved")
   return result
 
 

@@ -158,9 +158,10 @@ class LoopResult:
 
 
 def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_step: int,
-          config_dict: dict, log=print, skipped_steps: int = 0) -> LoopResult:
+          config_dict: dict, log=print, skipped_steps: int = 0,
+          preemption: Preemption | None = None) -> LoopResult:
   """Run steps start_step..train.steps: log one step late, evaluate, checkpoint, and stop
-  cleanly (save, then return) on SIGTERM/SIGINT."""
+  cleanly (save, then return) on SIGTERM/SIGINT (`preemption`: a caller's, covering more)."""
   cfg = run.cfg
   t_cfg = cfg.train
   counter = CompileCounter()
@@ -204,7 +205,8 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
 
   val_loss = float("nan")
   batch = first
-  with Preemption(t_cfg.log_every) as preemption, contextlib.ExitStack() as stack:
+  preemption = preemption or Preemption(t_cfg.log_every)
+  with preemption, contextlib.ExitStack() as stack:
     stack.callback(profiler.stop)  # a trace in progress is written even if the loop fails
     counter.active = True
     for step in range(start_step, t_cfg.steps):

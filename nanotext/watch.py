@@ -88,16 +88,21 @@ class Preemption:
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self, log_every: int):
-    self.received, self.log_every, self._previous = None, log_every, {}
+    self.received, self.log_every, self._previous, self._depth = None, log_every, {}, 0
 
   def __enter__(self):
+    # Re-entrant: train.run holds it for the whole run, the loop enters it again.
+    self._depth += 1
     # signal.signal works only in the main thread; elsewhere (a library caller) keep defaults.
-    if threading.current_thread() is threading.main_thread():
+    if self._depth == 1 and threading.current_thread() is threading.main_thread():
       for sig in self.SIGNALS:
         self._previous[sig] = signal.signal(sig, self._on_signal)
     return self
 
   def __exit__(self, *exc):
+    self._depth -= 1
+    if self._depth:
+      return
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
     self._previous = {}

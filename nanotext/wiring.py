@@ -190,22 +190,64 @@ class Start:
 
 
 def initial_state(run: Run, manager, log=print) -> Start:
-  """Resume from the newest checkpoint in output_dir, else load checkpoint.load_params_from,
-  else initialise a fresh state."""
-  import os
+  """Resume from the newest intact checkpoint in output_dir, else load
+  checkpoint.load_params_from, else initialise a fresh state."""
   from nanotext import checkpoint
   cfg = run.cfg
-  step = manager.latest_step() if manager is not None else None
-  if step is not None:
-    where = os.path.join(checkpoint.checkpoint_dir(cfg.output_dir), str(step))
-    state, data, _ = checkpoint.restore(manager, step, run.abstract_state())
+  if manager is not None and manager.all_steps():
+    step, state, data, integrity = newest_intact(run, manager, log)
+    check_data_unchanged(cfg, integrity, step, manager.fingerprint)
     log(f"resumed from the checkpoint of step {step} in {cfg.output_dir}")
     if cfg.checkpoint.load_params_from:
       log("checkpoint.load_params_from is ignored: this output_dir already has checkpoints")
-    return Start(state, step, checkpoint.own_data(data, where), "resumed")
+    return Start(state, step, checkpoint.own_data(data, checkpoint.step_dir(manager, step)),
+                 "resumed")
   if cfg.checkpoint.load_params_from:
     source, params = checkpoint.load_params(cfg.checkpoint.load_params_from,
                                             run.abstract_state()["params"])
     log(f"initialised parameters from {source} (fresh optimizer state, step 0)")
     return Start(run.state_from_params(params), 0, how="loaded")
   return Start(run.init_state(), 0)
+
+
+def newest_intact(run: Run, manager, log) -> tuple:
+  """(step, state, data, integrity) of the newest step that restores and verifies.
+
+  Newer damaged steps get one warning line each and are moved to output_dir/damaged/ (kept,
+  never deleted), so later saves of those step numbers can be written; when no step is intact
+  nothing is moved and the first step's reason is the error.
+  """
+  from nanotext import checkpoint, rundir
+  damaged = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    try:
+      state, data, _, integrity = checkpoint.restore_step(manager, step, run.abstract_state())
+    except checkpoint.Damaged as e:
+      damaged.append((step, e))
+      continue
+    for bad, why in damaged:
+      where = rundir.quarantine(run.cfg.output_dir, bad) if jax.process_index() == 0 else "?"
+      log(f"warning: {why}; resuming from step {step}, the newest intact one (step {bad} moved "
+          f"to {where})")
+    if damaged:
+      if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("nanotext: damaged steps moved")
+      manager.reload()
+    return step, state, data, integrity
+  step, why = damaged[0]
+  raise UserError(f"{why}; no older checkpoint restores either"
+                  if len(damaged) > 1 else str(why))
+
+
+def check_data_unchanged(cfg, integrity, step: int, fingerprint) -> None:
+  """Refuse to resume on training shards that differ from those the step was trained on."""
+  from nanotext import rundir
+  saved = (integrity or {}).get("data")
+  if saved is None or cfg.data.allow_changed:
+    return
+  change = rundir.fingerprint_change(saved, list(fingerprint))
+  if change:
+    raise UserError(f"the training data changed since the checkpoint of step {step} ({change}): "
+                    "a resume would not see the batches it would have seen. Restore the data, or "
+                    "pass data.allow_changed=true to continue on the new data")
