@@ -7,6 +7,7 @@ with dotted keys. Values are coerced to the type of the default. Derived values 
 """
 
 import difflib
+import math
 import os
 from pathlib import Path
 
@@ -26,7 +27,16 @@ NON_NEGATIVE = ("train.eval_every", "checkpoint.every", "model.head_dim", "model
                 "sample.temperature", "model.logit_softcap", "model.attn_scale",
                 "train.eval_seq_len", "optim.head_lr_record", "model.norm_eps",
                 "model.init_std", "model.embed_std", "attention.window",
-                "profile.steps", "train.target_val_loss", "train.loss_chunk")
+                "profile.steps", "train.target_val_loss", "train.loss_chunk", "optim.lr",
+                "optim.muon_lr", "optim.embed_lr", "optim.head_lr", "optim.scalar_lr", "optim.weight_decay",
+                "optim.final_lr_frac", "optim.eps")
+# Counters held in int32 on the device (the step) or in 32-bit grain indices.
+INT32 = ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
+         "train.log_every", "train.eval_every", "train.eval_batches", "checkpoint.every",
+         "checkpoint.keep", "optim.warmup_steps", "optim.muon_momentum_warmup",
+         "model.vocab_size", "model.num_layers", "model.d_model", "model.num_heads",
+         "model.head_dim", "model.mlp_dim", "model.max_seq_len", "sample.max_new_tokens",
+         "profile.start_step", "profile.steps")
 # Keys a continued or resumed run may change without becoming "a different run".
 # A mesh (or device count) change is a resume: restore reshards, the data position carries over.
 RUN_IDENTITY_IGNORES = ("overwrite", "distributed", "mesh", "data.allow_changed", "train.steps",
@@ -35,14 +45,36 @@ RUN_IDENTITY_IGNORES = ("overwrite", "distributed", "mesh", "data.allow_changed"
                         "train.target_val_loss", "model.remat", "train.loss_chunk")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """A SafeLoader that refuses a key given twice in one mapping (YAML's default: last wins)."""
+
+  def construct_mapping(self, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=deep)
+      if key in seen:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"duplicate key '{key}'", key_node.start_mark)
+      seen.add(key)
+    return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path) -> dict:
   if not path.exists():
     raise UserError(f"config file '{path}' does not exist")
   if not path.is_file():
     raise UserError(f"config path '{path}' is not a file")
   try:
-    with open(path) as f:
-      data = yaml.safe_load(f) or {}
+    with open(path, encoding="utf-8") as f:
+      data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+  except UnicodeDecodeError as e:
+    raise UserError(f"config file '{path}' is not UTF-8 text (byte {e.start})") from None
+  except OSError as e:
+    raise UserError(f"cannot read config file '{path}': {e.strerror}") from None
+  except yaml.constructor.ConstructorError as e:
+    line = e.problem_mark.line + 1 if e.problem_mark else "?"
+    raise UserError(f"config file '{path}' has a {e.problem} (line {line}); each key may appear "
+                    "once per section") from None
   except yaml.YAMLError as e:
     line = getattr(getattr(e, "problem_mark", None), "line", None)
     where = f" (line {line + 1})" if line is not None else ""
@@ -93,23 +125,34 @@ def coerce(key: str, value, default):
       return value.strip().lower() in _TRUE
     raise bad("a boolean (true or false)")
   if kind is int:
-    if isinstance(value, int) and not isinstance(value, bool):
-      return value
     if isinstance(value, str):
       try:
-        return int(value.strip())
+        value = int(value.strip())
       except ValueError:
         pass
+    if isinstance(value, int) and not isinstance(value, bool):
+      if not -2**63 <= value < 2**63:
+        raise bad("an integer that fits in 64 bits")
+      return value
     raise bad("an integer")
   if kind is float:
+    number = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
-    if isinstance(value, str):
+      number = value
+    elif isinstance(value, str):
       try:
-        return float(value.strip())
+        number = float(value.strip())
       except ValueError:
         pass
-    raise bad("a number")
+    try:
+      number = None if number is None else float(number)
+    except OverflowError:
+      number = float("inf")
+    if number is None:
+      raise bad("a number")
+    if not math.isfinite(number):  # a NaN lr or temperature can only poison the run
+      raise bad("a finite number")
+    return number
   if kind is str:
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
       return str(value)
@@ -206,6 +249,9 @@ def validate(cfg) -> None:
   for key in NON_NEGATIVE:
     if get(cfg, key) < 0:
       raise UserError(f"{key}={get(cfg, key)} must not be negative")
+  for key in INT32:
+    if get(cfg, key) >= 2**31:
+      raise UserError(f"{key}={get(cfg, key)} is too large (at most {2**31 - 1})")
   t, m = cfg.train, cfg.model
   if 0 < t.loss_chunk < t.seq_len and t.seq_len % t.loss_chunk:
     raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide train.seq_len={t.seq_len}")

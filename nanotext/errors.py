@@ -1,5 +1,6 @@
 """User-facing errors and the CLI wrapper that turns them into one line and exit status 2."""
 
+import os
 import sys
 
 
@@ -7,10 +8,16 @@ class UserError(Exception):
   """Bad input the user can fix (config, data, checkpoint, arguments); exit status 2."""
 
 
-def fail(message: str) -> None:
-  """Print one `nanotext: error: ...` line on stderr and exit with status 2."""
+def fail(message: str, status: int = 2) -> None:
+  """Print one `nanotext: error: ...` line on stderr and exit with `status` (2: bad input).
+
+  os._exit, not sys.exit: background threads (orbax's async writers and their event loops)
+  would otherwise print their own tracebacks during interpreter shutdown, after this line.
+  Callers leave nothing open that needs Python's shutdown (files closed, saves waited for).
+  """
   print(f"nanotext: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
+  sys.stdout.flush()
+  os._exit(status)
 
 
 def run_cli(main, argv=None) -> None:

@@ -63,6 +63,12 @@ def parse_rules(rules) -> tuple:
       if a not in MESH_AXES:
         raise UserError(f"mesh.rules maps '{name}' to unknown mesh axis '{a}'; known: "
                         f"{', '.join(MESH_AXES)}")
+    if len(set(axes)) != len(axes):
+      dup = next(a for a in axes if axes.count(a) > 1)
+      raise UserError(f"mesh.rules maps '{name}' to mesh axis '{dup}' twice ({rule!r}); "
+                      "a mesh axis can shard a dimension once")
+    if name in dict(out):
+      raise UserError(f"mesh.rules has two rules for '{name}'; keep one")
     out.append((name, axes))
   return tuple(out)
 

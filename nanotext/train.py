@@ -6,7 +6,6 @@ flags: `--config=CONFIG --set=train.steps=50 --set=model.num_layers=2`.
 
 import contextlib
 import os
-import sys
 
 from absl import app, flags, logging
 
@@ -198,8 +197,9 @@ def main(argv) -> None:
     fail(str(e))
   except (NonFiniteError, CheckpointError) as e:
     # Not bad input (status 2) but a failed run: one line, status 1, checkpoints left intact.
-    print(f"nanotext: error: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+    fail(str(e), 1)
+  except KeyboardInterrupt:  # before the handlers of the run are installed: nothing written
+    fail("interrupted", 130)
 
 
 def _is_main() -> bool:

@@ -131,13 +131,34 @@ def global_batch(run: Run, local: dict) -> dict:
           for k, v in local.items()}
 
 
+def stage_windows(cfg, start: int, stop: int) -> list:
+  """The distinct window tuples of 0-based steps start..stop-1, in order of use.
+
+  O(stages * log steps), not O(steps): the long window never shrinks as steps go by, so each
+  stage's last step is found by bisection (train.steps may be in the billions).
+  """
+  out, step = [], start
+  long = lambda s: attention.long_window(cfg.attention, s, cfg.train.steps)
+  while step < stop:
+    out.append(step_windows(cfg, step))
+    lo, hi, w = step, stop, long(step)  # invariant: long(lo) == w, and hi is past the stage
+    while hi - lo > 1:
+      mid = (lo + hi) // 2
+      lo, hi = (mid, hi) if long(mid) == w else (lo, mid)
+    step = hi
+  return list(dict.fromkeys(out))
+
+
 def compile_train_steps(run: Run, state, batch, steps) -> dict:
   """AOT-compile one train program per distinct window tuple that `steps` (0-based) need.
 
   Tracing runs one after another; XLA compilations run in a thread pool, since they are
   independent and release the GIL (many schedule stages on a many-core host).
   """
-  needed = list(dict.fromkeys(step_windows(run.cfg, s) for s in steps))  # in order of use
+  if isinstance(steps, range) and steps.step == 1:
+    needed = stage_windows(run.cfg, steps.start, steps.stop)
+  else:
+    needed = list(dict.fromkeys(step_windows(run.cfg, s) for s in steps))  # in order of use
   lowered = {w: make_train_step(run, w).lower(state, batch) for w in needed}
   workers = max(1, min(len(lowered), os.cpu_count() or 1))
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:

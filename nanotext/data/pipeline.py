@@ -59,7 +59,8 @@ def open_source(data_cfg, split: str, *, seq_len: int, seed: int = 0,
   """The random-access window source for split 'train' or 'val' (`group`: see ShardSource)."""
   max_tokens = data_cfg.val_tokens if split == "val" else 0
   if data_cfg.source in ("bin", "shakespeare"):
-    return ShardSource(_shard_files(data_cfg, split), seq_len, max_tokens, group)
+    return ShardSource(_shard_files(data_cfg, split), seq_len, max_tokens, group,
+                       vocab_size)
   if data_cfg.source == "tfds":
     tfds_split = data_cfg.tfds_train_split if split == "train" else data_cfg.tfds_val_split
     return _tfds_source(data_cfg, tfds_split, seq_len, max_tokens)

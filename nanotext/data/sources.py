@@ -32,7 +32,8 @@ class ShardSource:
   val_tokens); `group` > 0 keeps whole groups of rows per shard, as the record's loader does.
   """
 
-  def __init__(self, files: list[str], seq_len: int, max_tokens: int = 0, group: int = 0):
+  def __init__(self, files: list[str], seq_len: int, max_tokens: int = 0, group: int = 0,
+               vocab_size: int | None = None):
     counts = [binfile.read_header(f) for f in files]  # Validates every shard up front.
     windows = [_record_windows(c, seq_len, group) if group else _windows(c, seq_len)
                for c in counts]
@@ -47,6 +48,7 @@ class ShardSource:
     self._counts = counts
     self._starts = np.cumsum([0] + windows)
     self._maps = None
+    self._vocab = vocab_size
 
   def __len__(self) -> int:
     return int(self._starts[-1])
@@ -57,7 +59,15 @@ class ShardSource:
       self._maps = [binfile.read_shard(f) if c else None for f, c in zip(self._files, self._counts)]
     k = int(np.searchsorted(self._starts, i, side="right")) - 1
     offset = (i - int(self._starts[k])) * self._seq_len
-    return np.asarray(self._maps[k][offset:offset + self._seq_len + 1], dtype=np.int32)
+    window = np.asarray(self._maps[k][offset:offset + self._seq_len + 1], dtype=np.int32)
+    # An id past the embedding table would only show up later as a NaN loss; a max is cheap.
+    if self._vocab is not None and window.size and window.max() >= self._vocab:
+      at = offset + int(np.argmax(window >= self._vocab))
+      from nanotext.errors import UserError
+      raise UserError(f"shard '{self._files[k]}' holds token id {int(window.max())} (at token "
+                      f"{at}), not below model.vocab_size={self._vocab}: the shard was made with "
+                      "another tokenizer, or model.vocab_size is too small")
+    return window
 
   def __getstate__(self):
     # Memmaps would pickle as full in-memory copies; workers reopen the files instead.
