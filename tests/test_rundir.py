@@ -1,0 +1,214 @@
+"""The run directory's guards, one by one and without training: the lock, the overwrite
+transaction, output_dir checks, checksums, the data fingerprint, process-count changes, and
+the config mistakes that must be one line (duplicate keys, non-UTF-8, NaN rates, huge ints)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import BASE, TINY
+from nanotext import checkpoint, config, rundir, sharding, trainer
+from nanotext.data import binfile, pipeline
+from nanotext.errors import UserError
+
+
+def dead_pid() -> int:
+  proc = subprocess.Popen([sys.executable, "-c", "pass"])
+  proc.wait()
+  return proc.pid
+
+
+def test_a_second_lock_is_refused_and_released_locks_are_gone(tmp_path):
+  with rundir.Lock(str(tmp_path)):
+    with pytest.raises(UserError, match=r"in use by another run \(pid \d+ on "):
+      rundir.Lock(str(tmp_path)).acquire()
+  assert not os.path.exists(tmp_path / rundir.LOCK)
+
+
+@pytest.mark.parametrize("holder, stale", [
+    (lambda: {"pid": dead_pid(), "host": socket.gethostname()}, True),
+    (lambda: {"pid": os.getpid(), "host": socket.gethostname(), "start_time": -5}, True),
+    (lambda: {"pid": os.getppid(), "host": socket.gethostname()}, False),
+    (lambda: {"pid": 1, "host": "another-host"}, False),
+])
+def test_stale_locks_are_taken_over_by_pid_and_host(tmp_path, holder, stale):
+  (tmp_path / rundir.LOCK).write_text(json.dumps(holder()))
+  lock = rundir.Lock(str(tmp_path))
+  if stale:  # a killed run's lock (pid gone, or the pid reused by a younger process)
+    with lock:
+      assert json.loads((tmp_path / rundir.LOCK).read_text())["pid"] == os.getpid()
+  else:
+    with pytest.raises(UserError, match="in use by another run"):
+      lock.acquire()
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda d: "", "output_dir is empty"),
+    (lambda d: "/proc/nanotext", "kernel file system"),
+    (lambda d: str(d / ("x" * 300)), "too long"),
+    (lambda d: (d / "f").write_text("") or str(d / "f"), "not a directory"),
+    (lambda d: (d / "checkpoints").write_text("") or str(d), "checkpoints' exists and is not"),
+])
+def test_output_dirs_that_cannot_hold_a_run(tmp_path, make, needle):
+  with pytest.raises(UserError, match=needle):
+    rundir.check_output_dir_path(make(tmp_path))
+
+
+def test_an_output_dir_that_cannot_be_created(tmp_path):
+  (tmp_path / "file").write_text("")
+  with pytest.raises(UserError, match="cannot create output_dir"):
+    rundir.Lock(str(tmp_path / "file" / "run")).acquire()
+
+
+def fake_run(out, tag: str, steps=(2,)) -> None:
+  os.makedirs(out / "checkpoints", exist_ok=True)
+  for s in steps:
+    (out / "checkpoints" / str(s)).mkdir()
+    (out / "checkpoints" / str(s) / "x").write_text(tag)
+  (out / "config.yml").write_text(tag)
+  (out / "metrics.jsonl").write_text(tag)
+
+
+def test_overwrite_rolls_back_until_the_new_run_has_a_checkpoint(tmp_path):
+  fake_run(tmp_path, "old")
+  rundir.set_aside(str(tmp_path))
+  (tmp_path / "config.yml").write_text("new")  # the new run started, then was killed
+  (tmp_path / "checkpoints").mkdir()
+  lines = []
+  rundir.recover(str(tmp_path), lines.append)
+  assert "restored the previous run" in lines[0]
+  assert (tmp_path / "config.yml").read_text() == "old"
+  assert (tmp_path / "checkpoints" / "2" / "x").read_text() == "old"
+  assert not (tmp_path / rundir.ASIDE).exists()
+
+
+def test_overwrite_commits_once_the_new_run_has_a_checkpoint(tmp_path):
+  fake_run(tmp_path, "old")
+  rundir.set_aside(str(tmp_path))
+  fake_run(tmp_path, "new", steps=(4,))
+  rundir.recover(str(tmp_path), print)  # killed between its first checkpoint and the commit
+  assert not (tmp_path / rundir.ASIDE).exists()
+  assert (tmp_path / "config.yml").read_text() == "new"
+
+
+def test_checksums_see_every_byte_and_not_the_layout():
+  x = jnp.arange(4 * 6, dtype=jnp.float32).reshape(4, 6)
+  base = checkpoint.checksums({"a": x, "b": x.astype(jnp.bfloat16), "s": jnp.int32(3)})
+  sharded = jax.device_put(x, jax.sharding.NamedSharding(
+      jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",)), jax.sharding.PartitionSpec("d")))
+  assert checkpoint.checksums({"a": sharded})["a"] == base["a"]
+  raw = np.asarray(x).reshape(-1).view(np.uint8).copy()
+  for byte in (0, 1, 2, 3, 50, 95):
+    flipped = raw.copy()
+    flipped[byte] ^= 0x10
+    assert checkpoint.checksums({"a": flipped.view(np.float32).reshape(4, 6)})["a"] != base["a"]
+  swapped = np.asarray(x).copy()
+  swapped[[0, 1]] = swapped[[1, 0]]
+  assert checkpoint.checksums({"a": swapped})["a"] != base["a"]
+
+
+def test_verify_names_the_damaged_array():
+  tree = {"params": {"w": jnp.ones((3,))}}
+  integrity = {"checksums": checkpoint.checksums(tree)}
+  checkpoint.verify(tree, integrity, "here")
+  with pytest.raises(checkpoint.Damaged, match="array params/w does not match"):
+    checkpoint.verify({"params": {"w": jnp.zeros((3,))}}, integrity, "here")
+
+
+def test_fingerprint_notices_deleted_and_rewritten_shards(tmp_path):
+  for i in range(2):
+    binfile.write_shard(str(tmp_path / f"train_{i}.bin"), np.arange(3000) % 500)
+  cfg = config.load(BASE, TINY + ["data.source=bin", f"data.train_files={tmp_path}/train_*.bin"])
+  first = rundir.fingerprint(cfg.data)
+  assert len(first) == 2 and rundir.fingerprint_change(first, rundir.fingerprint(cfg.data)) == ""
+  binfile.write_shard(str(tmp_path / "train_1.bin"), np.arange(3000)[::-1] % 500)
+  assert "train_1.bin' changed (same size" in rundir.fingerprint_change(
+      first, rundir.fingerprint(cfg.data))
+  os.remove(tmp_path / "train_1.bin")
+  assert "train_1.bin' is gone" in rundir.fingerprint_change(first, rundir.fingerprint(cfg.data))
+
+
+def test_the_data_position_carries_over_to_another_process_count():
+  cfg = config.load(BASE, TINY)
+  kw = dict(seq_len=32, seed=0)
+  two = [pipeline.make_train_iter(cfg.data, batch_size=4, process_index=p, process_count=2, **kw)
+         for p in range(2)]
+  for it in two:
+    for _ in range(3):
+      next(it)
+  saved = {p: {"count": 2, "iterator": it.get_state(), "skipped_steps": 1}
+           for p, it in enumerate(two)}
+  own = checkpoint.own_data(saved, "here")  # this test is one process
+  assert own["count"] == 1 and own["skipped_steps"] == 1
+  one = pipeline.make_train_iter(cfg.data, batch_size=8, **kw)
+  one.set_state(own["iterator"])
+  rows = lambda b: sorted(map(tuple, b["inputs"]))
+  assert rows(next(one)) == rows({"inputs": np.concatenate([next(it)["inputs"] for it in two])})
+  saved[1]["iterator"] = {"next_index": 5}
+  with pytest.raises(UserError, match="do not agree on a position"):
+    checkpoint.own_data(saved, "here")
+
+
+def write(tmp_path, text, mode="w"):
+  path = tmp_path / "c.yml"
+  with open(path, mode) as f:
+    f.write(text)
+  return str(path)
+
+
+@pytest.mark.parametrize("text, needle", [
+    (f"base: {BASE}\ntrain:\n  steps: 3\ntrain:\n  steps: 200\n", r"duplicate key 'train' \(line 4\)"),
+    (f"base: {BASE}\ntrain:\n  steps: 3\n  steps: 5\n", "duplicate key 'steps'"),
+    (f"base: {BASE}\nseed: 1\n# caf\xe9\n".encode("latin-1"), "is not UTF-8"),
+])
+def test_config_files_that_are_refused(tmp_path, text, needle):
+  path = write(tmp_path, text, "wb" if isinstance(text, bytes) else "w")
+  with pytest.raises(UserError, match=needle):
+    config.load(path)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("optim.lr=nan", "a finite number"), ("optim.lr=inf", "a finite number"),
+    ("optim.lr=-0.1", "must not be negative"), ("optim.muon_lr=-1", "must not be negative"),
+    ("sample.temperature=nan", "a finite number"), ("optim.lr=1e999", "a finite number"),
+    (f"train.steps={10**20}", "fits in 64 bits"), (f"train.steps={2**40}", "too large"),
+    (f"seed={2**70}", "fits in 64 bits"),
+    ("mesh.rules=[[batch, [fsdp, fsdp]]]", "mesh axis 'fsdp' twice"),
+    ("mesh.rules=[[embed, fsdp], [embed, tensor]]", "two rules for 'embed'"),
+])
+def test_numbers_and_rules_that_cannot_be_right(override, needle):
+  with pytest.raises(UserError, match=needle):
+    cfg = config.load(BASE, TINY + [override])
+    sharding.parse_rules(cfg.mesh.rules)
+
+
+def test_window_stages_are_found_without_visiting_every_step():
+  cfg = config.load(BASE, TINY + ["attention.window_schedule=true", "attention.window=1024",
+                                  "attention.window_start=128", "attention.window_block=128",
+                                  "train.seq_len=2048", f"train.steps={2**31 - 1}"])
+  stages = trainer.stage_windows(cfg, 0, cfg.train.steps)  # a loop over 2**31 steps would hang
+  assert len(stages) == 8 and stages == list(dict.fromkeys(stages))
+  small = cfg.copy_and_resolve_references()
+  with small.unlocked():
+    small.train.steps = 500
+  want = list(dict.fromkeys(trainer.step_windows(small, s) for s in range(500)))
+  assert trainer.stage_windows(small, 0, 500) == want
+  assert trainer.stage_windows(small, 300, 500) == \
+      list(dict.fromkeys(trainer.step_windows(small, s) for s in range(300, 500)))
+
+
+def test_token_ids_past_the_vocab_name_the_shard(tmp_path):
+  path = str(tmp_path / "bad.bin")
+  binfile.write_shard(path, np.r_[np.arange(2000) % 500, [700], np.arange(100)])
+  cfg = config.load(BASE, TINY + ["data.source=bin", f"data.train_files={path}"])
+  it = pipeline.make_train_iter(cfg.data, seq_len=32, batch_size=8, seed=0, vocab_size=512)
+  with pytest.raises(UserError, match=f"shard '{path}' holds token id 700 .*model.vocab_size=512"):
+    for _ in range(20):
+      next(it)
