@@ -143,3 +143,20 @@ def test_generate_output_dir_without_config(out):
   before = snapshot(out)
   expect_error(run_cli("nanotext.generate", f"output_dir={out}"), str(out), "config.yml")
   assert snapshot(out) == before
+
+
+def test_checkpoints_is_a_file(out):
+  (out / "checkpoints").write_text("not a folder")
+  expect_error(train(out, BASE, *TINY), "checkpoints' exists and is not a directory")
+
+
+def test_damaged_config_yml_in_output_dir(out):
+  (out / "config.yml").write_bytes(b"model: [\xff\x00")
+  expect_error(train(out, BASE, *TINY), "config.yml' is damaged", "overwrite=true")
+
+
+def test_duplicate_keys_and_nan_rates(out, tmp_path):
+  cfg = tmp_path / "dup.yml"
+  cfg.write_text(f"base: {BASE}\ntrain:\n  steps: 3\ntrain:\n  steps: 200\n")
+  expect_error(train(out, str(cfg), *TINY), "duplicate key 'train'")
+  expect_error(train(out, BASE, *TINY, "optim.lr=nan"), "optim.lr", "finite")

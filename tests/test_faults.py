@@ -1,0 +1,295 @@
+"""Faults and mistakes at seeded random points: kills during saves, damaged steps, concurrent
+starts, failed overwrites. Every case ends bitwise equal to an uninterrupted run, or refused with
+one line; no file of an earlier complete step is ever lost.
+
+A kill lands inside a save deterministically: checkpoint.PAUSE_ENV makes the trainer write a
+marker file and wait while that step is still under its temporary name.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from conftest import BASE, REPO, TINY
+from nanotext import checkpoint
+from nanotext.errors import UserError
+from nanotext.train import run
+
+RNG = np.random.default_rng(11)  # one seed for every random choice below
+ARGS = [o for o in TINY if not o.startswith(("train.steps", "train.eval_every",
+                                             "checkpoint.every"))] + [
+    "train.steps=6", "checkpoint.every=2", "checkpoint.keep=10", "train.eval_every=0",
+    "sample.max_new_tokens=0"]
+
+
+def quiet_run(out, *extra):
+  lines = []
+  result = run(BASE, ARGS + [f"output_dir={out}", *extra], log=lines.append)
+  return result, lines
+
+
+def losses(out) -> dict:
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def params(out):
+  step, p = checkpoint.latest_params(out)
+  return step, [np.asarray(x) for x in jax.tree.leaves(jax.device_get(p))]
+
+
+def step_files(out) -> dict:
+  """{relative path: sha1} of every file of every complete step."""
+  root = os.path.join(out, "checkpoints")
+  digests = {}
+  for name in os.listdir(root) if os.path.isdir(root) else []:
+    if not name.isdigit():
+      continue
+    for dirpath, _, files in os.walk(os.path.join(root, name)):
+      for f in files:
+        p = os.path.join(dirpath, f)
+        with open(p, "rb") as fh:
+          digests[os.path.relpath(p, root)] = hashlib.sha1(fh.read()).hexdigest()
+  return digests
+
+
+def assert_kept(before: dict, out: str, steps) -> None:
+  """Every file of the given earlier steps is still there, byte for byte."""
+  now = step_files(out)
+  kept = {k: v for k, v in before.items() if k.split(os.sep)[0] in {str(s) for s in steps}}
+  assert kept and {k: now.get(k) for k in kept} == kept
+
+
+def assert_same_as(reference, out) -> None:
+  ref_out, ref_losses, ref_params = reference
+  got = losses(out)
+  assert {s: got[s] for s in ref_losses} == ref_losses  # bitwise: == on floats
+  step, p = params(out)
+  assert step == 6 and all(np.array_equal(a, b) for a, b in zip(p, ref_params, strict=True))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """An uninterrupted run of 6 steps with a checkpoint every 2 (all kept)."""
+  out = str(tmp_path_factory.mktemp("reference") / "run")
+  quiet_run(out)
+  return out, losses(out), params(out)[1]
+
+
+def copy_of(reference, tmp_path) -> str:
+  out = str(tmp_path / "run")
+  shutil.copytree(reference[0], out)
+  return out
+
+
+def start(out, *extra, pause_at=None):
+  """`python -m nanotext.train` in the background; with pause_at, it waits inside that save."""
+  env = dict(os.environ)
+  marker = f"{out}.marker"
+  if pause_at is not None:
+    env[checkpoint.PAUSE_ENV] = f"{pause_at}:{marker}"
+  log = open(f"{out}.log", "ab")
+  proc = subprocess.Popen([sys.executable, "-m", "nanotext.train", BASE, *ARGS,
+                           f"output_dir={out}", *extra], cwd=REPO, env=env, stdout=log,
+                          stderr=log)
+  if pause_at is not None:
+    deadline = time.time() + 300
+    while not os.path.exists(marker):
+      assert proc.poll() is None, open(f"{out}.log").read()[-3000:]
+      assert time.time() < deadline, "the run never reached the save"
+      time.sleep(0.05)
+  return proc, marker
+
+
+def saving(out) -> list:
+  return [n for n in os.listdir(os.path.join(out, "checkpoints")) if "orbax-checkpoint-tmp" in n]
+
+
+def array_files(step_dir) -> list:
+  """The files of a step's `state` item that hold array chunks (OCDBT data files of 64 KiB or
+  more; the small ones are b-tree nodes, some not read at all once the manifests are merged)."""
+  out = []
+  for dirpath, _, files in os.walk(os.path.join(step_dir, "state")):
+    out += [os.path.join(dirpath, f) for f in files if os.path.basename(dirpath) == "d"]
+  return sorted((f for f in out if os.path.getsize(f) >= 1 << 16), key=os.path.getsize,
+                reverse=True)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_newest_step_falls_back_to_the_newest_intact_one(reference, tmp_path, damage):
+  out = copy_of(reference, tmp_path)
+  before = step_files(out)
+  files = array_files(os.path.join(out, "checkpoints", "6"))
+  assert files, "no array files found"
+  victim = files[RNG.integers(len(files))]
+  size = os.path.getsize(victim)
+  with open(victim, "r+b") as f:
+    if damage == "truncate":
+      f.truncate(int(RNG.integers(size // 4, size)))
+    else:  # bytes overwritten in place: the file still parses, only the checksums notice
+      for at in RNG.choice(size, 4, replace=False):
+        f.seek(int(at))
+        byte = f.read(1)[0]
+        f.seek(int(at))
+        f.write(bytes([byte ^ 0xFF]))
+  _, lines = quiet_run(out)
+  warnings = [l for l in lines if l.startswith("warning:")]
+  assert len(warnings) == 1 and "step 6" in warnings[0] and "resuming from step 4" in warnings[0]
+  assert any("resumed from the checkpoint of step 4" in l for l in lines)
+  # The damaged step is kept (moved aside), the earlier ones are untouched.
+  assert os.path.isdir(os.path.join(out, "damaged", "step_6", "state"))
+  assert_kept(before, out, [2, 4])
+  assert_same_as(reference, out)
+
+
+def test_nothing_intact_is_refused_with_one_line_and_nothing_moved(reference, tmp_path):
+  out = copy_of(reference, tmp_path)
+  for step in (2, 4, 6):
+    for victim in array_files(os.path.join(out, "checkpoints", str(step))):
+      with open(victim, "r+b") as f:
+        f.truncate(1)
+  before = step_files(out)
+  with pytest.raises(UserError, match="checkpoint .*/6' .*; no older checkpoint restores"):
+    quiet_run(out)
+  assert step_files(out) == before and not os.path.exists(os.path.join(out, "damaged"))
+
+
+def test_a_kill_during_a_save_resumes_bitwise(reference, tmp_path):
+  out = str(tmp_path / "run")
+  pause = int(RNG.choice([2, 4]))
+  proc, marker = start(out, pause_at=pause)
+  before = step_files(out)
+  assert saving(out) and all(int(k.split(os.sep)[0]) < pause for k in before)
+  proc.kill()
+  assert proc.wait(timeout=60) == -signal.SIGKILL
+  assert os.path.exists(os.path.join(out, ".lock"))  # stale: its pid is gone
+  _, lines = quiet_run(out)
+  assert pause == 2 or any(f"resumed from the checkpoint of step {pause - 2}" in l for l in lines)
+  if pause > 2:
+    assert_kept(before, out, range(2, pause, 2))
+  assert not saving(out)
+  assert_same_as(reference, out)
+
+
+def test_sigterm_in_the_final_save_and_a_concurrent_start(reference, tmp_path):
+  out = str(tmp_path / "run")
+  proc, marker = start(out, pause_at=6)
+  # A second run into the same output_dir is refused with one line and changes nothing.
+  before = step_files(out)
+  with pytest.raises(UserError, match=r"is in use by another run \(pid \d+"):
+    quiet_run(out)
+  assert step_files(out) == before
+  proc.send_signal(signal.SIGTERM)  # after the loop, while the final save is written
+  time.sleep(0.5)
+  open(marker + ".go", "w").close()
+  assert proc.wait(timeout=120) == 0
+  log = open(f"{out}.log").read()
+  assert "Traceback" not in log and "received SIGTERM after the last step" in log, log[-2000:]
+  assert not saving(out) and not os.path.exists(os.path.join(out, ".lock"))
+  assert_same_as(reference, out)
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(reference, tmp_path):
+  out = copy_of(reference, tmp_path)
+  before = step_files(out)
+  # 1. Bad input: refused before anything on disk is touched.
+  with pytest.raises(UserError, match="matches no file"):
+    quiet_run(out, "overwrite=true", "data.source=bin", "data.train_files=/nonexistent/*.bin",
+              "data.val_files=/nonexistent/*.bin")
+  # 2. Killed inside the new run's first save: the next start puts the old run back.
+  proc, _ = start(out, "overwrite=true", "model.d_model=32", pause_at=2)
+  assert os.path.isdir(os.path.join(out, ".overwritten"))
+  proc.kill()
+  proc.wait(timeout=60)
+  _, lines = quiet_run(out)
+  assert any("restored the previous run" in l for l in lines)
+  assert any("resumed from the checkpoint of step 6" in l for l in lines)
+  assert step_files(out) == before and not os.path.exists(os.path.join(out, ".overwritten"))
+  with open(os.path.join(out, "config.yml")) as f:
+    assert yaml.safe_load(f)["model"]["d_model"] == 64  # the old run's, not the overwrite's
+  assert_same_as(reference, out)
+
+
+def test_a_mesh_change_is_a_resume_and_too_few_steps_are_refused(reference, tmp_path):
+  out = copy_of(reference, tmp_path)
+  with pytest.raises(UserError, match="step 6, past train.steps=4"):
+    quiet_run(out, "train.steps=4")
+  _, lines = quiet_run(out, "train.steps=7", "mesh.fsdp=4", "mesh.tensor=2")
+  assert any("resumed from the checkpoint of step 6" in l for l in lines)
+  assert max(losses(out)) == 7
+
+
+def test_a_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
+  from nanotext.data import binfile
+  shard = str(tmp_path / "train.bin")
+  binfile.write_shard(shard, np.arange(6000) % 500)
+  data = ["data.source=bin", f"data.train_files={shard}", f"data.val_files={shard}"]
+  out = str(tmp_path / "run")
+  quiet_run(out, *data, "train.steps=2")
+  binfile.write_shard(shard, np.arange(6000)[::-1] % 500)  # same name and size, other tokens
+  with pytest.raises(UserError, match="training data changed since the checkpoint of step 2 "
+                     r"\(shard 'train.bin' changed"):
+    quiet_run(out, *data, "train.steps=4")
+  _, lines = quiet_run(out, *data, "train.steps=4", "data.allow_changed=true")
+  assert any("resumed from the checkpoint of step 2" in l for l in lines)
+
+
+def cli(args, env=None, preexec_fn=None, timeout=300):
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=dict(os.environ, **(env or {})),
+                        capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
+
+
+def assert_one_error_line(proc, status: int, *needles) -> None:
+  """Exit `status`; the error line is the last word on stderr: no traceback, no noise after it."""
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert proc.returncode == status, proc.stderr[-3000:]
+  assert lines and lines[-1].startswith("nanotext: error:"), proc.stderr[-3000:]
+  assert sum(l.startswith("nanotext: error:") for l in lines) == 1
+  for bad in ("Traceback", "Event loop is closed", "Task exception"):
+    assert bad not in proc.stderr, proc.stderr[-3000:]
+  for needle in needles:
+    assert needle in lines[-1], lines[-1]
+
+
+def test_a_damaged_checkpoint_in_generate_is_one_line(reference, tmp_path):
+  out = copy_of(reference, tmp_path)
+  for victim in array_files(os.path.join(out, "checkpoints", "6")):
+    with open(victim, "r+b") as f:
+      f.truncate(os.path.getsize(victim) // 2)
+  assert_one_error_line(cli(["nanotext.generate", f"output_dir={out}", "max_new_tokens=2"]), 2,
+                        "step 6")
+
+
+def test_a_failing_disk_is_one_line_and_keeps_the_earlier_steps(tmp_path):
+  import resource
+  def small_files():  # writes past 256 KiB fail with EFBIG, as on a full disk
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, 1 << 18))
+  out = str(tmp_path / "run")
+  proc = cli(["nanotext.train", BASE, *ARGS, f"output_dir={out}"], preexec_fn=small_files)
+  assert_one_error_line(proc, 1, "checkpoint")
+  assert not os.path.exists(os.path.join(out, ".lock"))
+
+
+def test_ctrl_c_during_compilation_stops_cleanly(tmp_path):
+  out = str(tmp_path / "run")
+  proc, _ = start(out, "train.steps=50")
+  deadline = time.time() + 300
+  while "model:" not in open(f"{out}.log").read():  # compilation starts right after this line
+    assert proc.poll() is None and time.time() < deadline, open(f"{out}.log").read()[-3000:]
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  assert proc.wait(timeout=300) == 0, open(f"{out}.log").read()[-3000:]
+  log = open(f"{out}.log").read()
+  assert "received SIGINT: saved the checkpoint of step 1" in log and "Traceback" not in log
