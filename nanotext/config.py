@@ -40,7 +40,8 @@ INT32 = ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
 # Keys a continued or resumed run may change without becoming "a different run".
 # A mesh (or device count) change is a resume: restore reshards, the data position carries over.
 RUN_IDENTITY_IGNORES = ("overwrite", "distributed", "mesh", "data.allow_changed", "train.steps",
-                        "train.log_every", "train.eval_every", "train.eval_batches", "checkpoint", "metrics", "sample", "output_dir",
+                        "train.log_every", "train.eval_every", "train.eval_batches", "checkpoint",
+                        "metrics", "sample", "output_dir",
                         "data.workers", "profile", "train.compile_cache_dir",
                         "train.target_val_loss", "model.remat", "train.loss_chunk")
 

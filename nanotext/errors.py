@@ -35,3 +35,29 @@ def parse_flags(argv):
     return flags.FLAGS(argv)
   except flags.Error as e:
     fail(str(e))
+
+
+def quiet_background_errors() -> None:
+  """Keep a failed checkpoint write to the one line the run prints about it.
+
+  Orbax's writer threads log each failure with a full traceback, and tensorstore callbacks
+  that outlive orbax's event loop print 'Event loop is closed' tracebacks; the run itself
+  reports the failure (CheckpointError), so the tracebacks go and the log lines stay one line.
+  """
+  import logging as pylogging
+  import threading
+  from absl import logging
+
+  class NoTraceback(pylogging.Filter):
+    def filter(self, record):
+      if "orbax" in record.pathname:
+        record.exc_info, record.exc_text = None, None
+      return True
+  logging.get_absl_handler().addFilter(NoTraceback())
+
+  def closed_loop(exc) -> bool:
+    return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+  hooks = (sys.excepthook, sys.unraisablehook, threading.excepthook)
+  sys.excepthook = lambda t, v, tb: None if closed_loop(v) else hooks[0](t, v, tb)
+  sys.unraisablehook = lambda u: None if closed_loop(u.exc_value) else hooks[1](u)
+  threading.excepthook = lambda a: None if closed_loop(a.exc_value) else hooks[2](a)

@@ -9,7 +9,7 @@ import os
 
 from absl import app, flags, logging
 
-from nanotext.errors import UserError, fail, parse_flags
+from nanotext.errors import UserError, fail, parse_flags, quiet_background_errors
 
 _CONFIG = flags.DEFINE_string("config", None, "Config YAML (instead of the first argument).")
 _SET = flags.DEFINE_multi_string("set", [], "A key=value override; repeatable.")
@@ -190,6 +190,7 @@ def main(argv) -> None:
   from nanotext.watch import NonFiniteError
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every step at INFO
+  quiet_background_errors()
   try:
     path, overrides = parse_args(argv[1:])
     run(path, overrides, log=lambda s: print(s, flush=True) if _is_main() else None)

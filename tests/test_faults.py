@@ -246,8 +246,9 @@ def test_a_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
 
 
 def cli(args, env=None, preexec_fn=None, timeout=300):
-  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=dict(os.environ, **(env or {})),
-                        capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO,
+                        env=dict(os.environ, **(env or {})), capture_output=True, text=True,
+                        timeout=timeout, preexec_fn=preexec_fn)
 
 
 def assert_one_error_line(proc, status: int, *needles) -> None:

@@ -164,7 +164,8 @@ def write(tmp_path, text, mode="w"):
 
 
 @pytest.mark.parametrize("text, needle", [
-    (f"base: {BASE}\ntrain:\n  steps: 3\ntrain:\n  steps: 200\n", r"duplicate key 'train' \(line 4\)"),
+    (f"base: {BASE}\ntrain:\n  steps: 3\ntrain:\n  steps: 200\n",
+     r"duplicate key 'train' \(line 4\)"),
     (f"base: {BASE}\ntrain:\n  steps: 3\n  steps: 5\n", "duplicate key 'steps'"),
     (f"base: {BASE}\nseed: 1\n# caf\xe9\n".encode("latin-1"), "is not UTF-8"),
 ])
