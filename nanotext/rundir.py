@@ -1,5 +1,7 @@
 """The run directory as a safe place: one run at a time, overwrite as a transaction, quarantine.
 
+- `check_run`: the same run resumes (another mesh or device count included); a different one
+  needs overwrite=true; a run already past train.steps is refused.
 - `Lock`: `output_dir/.lock` names the pid and host of the run that holds it; a second run is
   refused, a lock left by a killed run (its pid gone, or reused by a younger process) is taken over.
 - Overwrite: the previous run's files are moved into `output_dir/.overwritten/` and deleted only
@@ -146,9 +148,39 @@ class Lock:
       pass
 
 
-def has_run(out: str) -> bool:
-  """Whether output_dir holds any file of a run."""
-  return any(os.path.lexists(os.path.join(out, n)) for n in RUN_FILES)
+def check_run(cfg, out: str) -> bool:
+  """Refuse an output_dir that holds a different run unless overwrite=true, or a run already
+  past train.steps; True when the previous run is to be replaced (set aside, then deleted)."""
+  import yaml
+  from nanotext import config
+  path = os.path.join(out, "config.yml")
+  if not os.path.lexists(path):
+    return False
+  try:
+    with open(path, encoding="utf-8") as f:
+      old = yaml.safe_load(f)
+    if not isinstance(old, dict):
+      raise ValueError("not a mapping")
+  except (OSError, ValueError, yaml.YAMLError) as e:
+    if cfg.overwrite:
+      return True
+    raise UserError(f"'{path}' is damaged ({type(e).__name__}), so this run cannot tell whether "
+                    "output_dir holds the same run; restore that file, or pass overwrite=true "
+                    "to replace the run in output_dir") from None
+  diff = config.run_identity_diff(old, cfg.to_dict())
+  if diff:
+    if not cfg.overwrite:
+      raise UserError(f"output_dir '{cfg.output_dir}' holds a different run ({diff[0]}"
+                      f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); choose another "
+                      "output_dir or pass overwrite=true to replace it")
+    return True
+  done = [int(n) for n in os.listdir(os.path.join(out, "checkpoints")) if n.isdigit()] \
+      if os.path.isdir(os.path.join(out, "checkpoints")) else []
+  if done and max(done) > cfg.train.steps:
+    raise UserError(f"output_dir '{cfg.output_dir}' holds a checkpoint of step {max(done)}, past "
+                    f"train.steps={cfg.train.steps}: raise train.steps to continue that run, or "
+                    "choose another output_dir")
+  return False
 
 
 def has_checkpoint(out: str) -> bool:

@@ -27,41 +27,6 @@ def parse_args(argv) -> tuple:
   return path, args + list(_SET.value)
 
 
-def check_output_dir(cfg, out: str) -> bool:
-  """Refuse an output_dir that holds a different run unless overwrite=true, or a run already
-  past train.steps; True when the previous run is to be replaced (set aside, then deleted)."""
-  from nanotext import config
-  import yaml
-  path = os.path.join(out, "config.yml")
-  if not os.path.lexists(path):
-    return False
-  try:
-    with open(path, encoding="utf-8") as f:
-      old = yaml.safe_load(f)
-    if not isinstance(old, dict):
-      raise ValueError("not a mapping")
-  except (OSError, ValueError, yaml.YAMLError) as e:
-    if cfg.overwrite:
-      return True
-    raise UserError(f"'{path}' is damaged ({type(e).__name__}), so this run cannot tell whether "
-                    "output_dir holds the same run; restore that file, or pass overwrite=true "
-                    "to replace the run in output_dir") from None
-  diff = config.run_identity_diff(old, cfg.to_dict())
-  if diff:
-    if not cfg.overwrite:
-      raise UserError(f"output_dir '{cfg.output_dir}' holds a different run ({diff[0]}"
-                      f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); choose another "
-                      "output_dir or pass overwrite=true to replace it")
-    return True
-  done = [int(n) for n in os.listdir(os.path.join(out, "checkpoints")) if n.isdigit()] \
-      if os.path.isdir(os.path.join(out, "checkpoints")) else []
-  if done and max(done) > cfg.train.steps:
-    raise UserError(f"output_dir '{cfg.output_dir}' holds a checkpoint of step {max(done)}, past "
-                    f"train.steps={cfg.train.steps}: raise train.steps to continue that run, or "
-                    "choose another output_dir")
-  return False
-
-
 def enable_compile_cache(path: str) -> None:
   """JAX's persistent compilation cache in `path`: later runs reuse every compiled program.
 
@@ -111,7 +76,7 @@ def run(path: str, overrides, log=print):
       Preemption(cfg.train.log_every) as preemption:
     if is_main:
       rundir.recover(out, log)
-    replace = check_output_dir(cfg, out)
+    replace = rundir.check_run(cfg, out)
     if replace and is_main:
       rundir.set_aside(out)
     if jax.process_count() > 1:  # nobody reads output_dir while process 0 changes it
