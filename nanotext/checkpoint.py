@@ -96,7 +96,7 @@ class Damaged(UserError):
 class Manager(ocp.CheckpointManager):
   """A CheckpointManager that remembers its last requested step, to prove it reached disk."""
   requested = None
-  fingerprint = ()  # the training data's fingerprint, saved with every step
+  fingerprint = None  # the training data's fingerprint, saved with every step; None = unknown
   on_confirmed = None  # called with a step once it is known to be complete on disk
 
 
@@ -119,7 +119,8 @@ def make_manager(output_dir: str, *, keep: int, create: bool = True,
 def save(manager: Manager, step: int, state, data_state: dict, config_dict: dict) -> None:
   """Start saving a step; async saves return once the arrays are copied off the devices."""
   wait(manager)  # surfaces a failed earlier write before starting the next
-  integrity = {"checksums": checksums(state), "data": list(manager.fingerprint)}
+  fp = manager.fingerprint
+  integrity = {"checksums": checksums(state), "data": None if fp is None else list(fp)}
   manager.save(step, force=True, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
       data=ProcessJsonSave(data_state),

@@ -244,9 +244,9 @@ def check_data_unchanged(cfg, integrity, step: int, fingerprint) -> None:
   """Refuse to resume on training shards that differ from those the step was trained on."""
   from nanotext import rundir
   saved = (integrity or {}).get("data")
-  if saved is None or cfg.data.allow_changed:
+  if saved is None or fingerprint is None or cfg.data.allow_changed:  # unknown: e.g. converted
     return
-  change = rundir.fingerprint_change(saved, list(fingerprint))
+  change = rundir.fingerprint_change(saved, fingerprint)
   if change:
     raise UserError(f"the training data changed since the checkpoint of step {step} ({change}): "
                     "a resume would not see the batches it would have seen. Restore the data, or "
