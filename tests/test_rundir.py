@@ -213,3 +213,21 @@ def test_token_ids_past_the_vocab_name_the_shard(tmp_path):
   with pytest.raises(UserError, match=f"shard '{path}' holds token id 700 .*model.vocab_size=512"):
     for _ in range(20):
       next(it)
+
+
+def test_check_run_tells_a_resume_from_another_run(tmp_path):
+  old = config.load(BASE, TINY + [f"output_dir={tmp_path}"])
+  config.save(old, tmp_path / "config.yml")
+  same = lambda *o: rundir.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", *o]),
+                                     str(tmp_path))
+  assert same() is False and same("mesh.fsdp=4", "mesh.tensor=2", "train.steps=9") is False
+  with pytest.raises(UserError, match="holds a different run .*model.d_model"):
+    same("model.d_model=128")
+  assert same("model.d_model=128", "overwrite=true") is True
+  (tmp_path / "checkpoints" / "6").mkdir(parents=True)
+  with pytest.raises(UserError, match="step 6, past train.steps=4"):
+    same()
+  (tmp_path / "config.yml").write_bytes(b"model: [\xff")
+  with pytest.raises(UserError, match="config.yml' is damaged"):
+    same()
+  assert same("overwrite=true") is True
