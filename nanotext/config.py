@@ -28,8 +28,8 @@ NON_NEGATIVE = ("train.eval_every", "checkpoint.every", "model.head_dim", "model
                 "train.eval_seq_len", "optim.head_lr_record", "model.norm_eps",
                 "model.init_std", "model.embed_std", "attention.window",
                 "profile.steps", "train.target_val_loss", "train.loss_chunk", "optim.lr",
-                "optim.muon_lr", "optim.embed_lr", "optim.head_lr", "optim.scalar_lr", "optim.weight_decay",
-                "optim.final_lr_frac", "optim.eps")
+                "optim.muon_lr", "optim.embed_lr", "optim.head_lr", "optim.scalar_lr",
+                "optim.weight_decay", "optim.final_lr_frac", "optim.eps")
 # Counters held in int32 on the device (the step) or in 32-bit grain indices.
 INT32 = ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
          "train.log_every", "train.eval_every", "train.eval_batches", "checkpoint.every",
