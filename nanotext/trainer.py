@@ -134,17 +134,17 @@ def global_batch(run: Run, local: dict) -> dict:
 def stage_windows(cfg, start: int, stop: int) -> list:
   """The distinct window tuples of 0-based steps start..stop-1, in order of use.
 
-  O(stages * log steps), not O(steps): the long window never shrinks as steps go by, so each
-  stage's last step is found by bisection (train.steps may be in the billions).
+  O(stages * log steps), not O(steps): windows never shrink as steps go by, so a stage is one
+  run of steps whose end is found by bisection (train.steps may be in the billions).
   """
   out, step = [], start
-  long = lambda s: attention.long_window(cfg.attention, s, cfg.train.steps)
   while step < stop:
-    out.append(step_windows(cfg, step))
-    lo, hi, w = step, stop, long(step)  # invariant: long(lo) == w, and hi is past the stage
+    w = step_windows(cfg, step)
+    out.append(w)
+    lo, hi = step, stop  # invariant: step lo has windows w, step hi is past this stage
     while hi - lo > 1:
       mid = (lo + hi) // 2
-      lo, hi = (mid, hi) if long(mid) == w else (lo, mid)
+      lo, hi = (mid, hi) if step_windows(cfg, mid) == w else (lo, mid)
     step = hi
   return list(dict.fromkeys(out))
 
