@@ -73,7 +73,7 @@ def run(path: str, overrides, log=print):
   """Load, check and train; returns the loop result. Raises UserError on bad input."""
   import jax
   from nanotext import checkpoint, config, distributed, metrics, trainer, wiring
-  from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
+  from nanotext.data.tokenizer import get_tokenizer, known_vocab_size, val_bytes_per_token
   from nanotext.generate import sample_text
 
   cfg = wiring.load(path, overrides)
@@ -116,7 +116,8 @@ def run(path: str, overrides, log=print):
   try:
     result = trainer.train(run_, start.state, train_iter, val, writer=writer, manager=manager,
                            start_step=start.step, config_dict=cfg.to_dict(), log=log,
-                           skipped_steps=skipped)
+                           skipped_steps=skipped,
+                           bytes_per_token=val_bytes_per_token(cfg.data, val_local))
     checkpoint.wait(manager)  # the run is not over until its last save is on disk
   except BaseException:
     checkpoint.close(manager)  # waits for earlier saves without hiding this error
