@@ -151,6 +151,10 @@ def sharding_summary(run_) -> str:
 
 
 def main(argv) -> None:
+  from nanotext.xla_flags import maybe_set_cpu_flags
+  cpu_flags = maybe_set_cpu_flags()  # before JAX starts a backend, which reads XLA_FLAGS once
+  if cpu_flags:
+    print(f"XLA_FLAGS={cpu_flags} (CPU defaults; set XLA_FLAGS to choose your own)", flush=True)
   from nanotext.checkpoint import CheckpointError
   from nanotext.watch import NonFiniteError
   if not flags.FLAGS["verbosity"].present:
