@@ -35,17 +35,12 @@ def nanotext_stepper(config_path: str, overrides, impl: str):
   """(step(n) -> seconds for n steps, dims) for nanotext's compiled train step."""
   sys.path.insert(0, REPO)
   import jax
-  from nanotext import config, sharding, trainer
-  from nanotext.data import pipeline
-  cfg = config.load(config_path, list(overrides) + ["data.source=synthetic",
-                                                   f"attention.impl={impl}"])
-  cfg = config.finalize(cfg, num_devices=jax.device_count(), backend=jax.default_backend())
-  setup = trainer.build(cfg, sharding.make_mesh(cfg.mesh), jax.default_backend())
-  state = [trainer.init_state(setup)]
-  it = pipeline.make_train_iter(cfg.data, seq_len=cfg.train.seq_len,
-                                batch_size=cfg.train.batch_size, seed=0,
-                                vocab_size=cfg.model.vocab_size)
-  batch = trainer.global_batch(setup, next(it))
+  from nanotext import trainer, wiring
+  setup = wiring.prepare(config_path, list(overrides) + ["data.source=synthetic",
+                                                          f"attention.impl={impl}"])
+  cfg = setup.cfg
+  state = [setup.init_state()]
+  batch = trainer.global_batch(setup, next(setup.train_iter()))
   step = trainer.make_train_step(setup).lower(state[0], batch).compile()
 
   def run(n):
@@ -63,8 +58,8 @@ def torch_stepper(config_path: str, overrides, compiled: bool):
   import torch
   from torch import nn
   from torch.nn import functional as F
-  from nanotext import config
-  cfg = config.finalize(config.load(config_path, overrides), num_devices=1, backend="cpu")
+  from nanotext import wiring
+  cfg = wiring.prepare(config_path, overrides).cfg  # every derived value filled in
   m, t = cfg.model, cfg.train
   D, H, V, T, B = m.d_model, m.num_heads, m.vocab_size, t.seq_len, t.batch_size
 
