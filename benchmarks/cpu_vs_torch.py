@@ -8,7 +8,7 @@ once, then waits; every round asks each worker in turn for `--steps` timed steps
 see the same machine conditions and no two run at once. Prints a table of medians over rounds
 (step time, tokens/s, ratio to PyTorch eager). Variants:
 
-  nanotext        as `python -m nanotext.train` runs: attention.impl=auto (blocked on CPU) and
+  nanotext        as `python -m nanotext.train` runs: attention.impl=auto (the cpu kernel) and
                   the entry point's CPU XLA flags (nanotext.xla_flags)
   nanotext-noflag the same without the XLA flags
   nanotext-xla    attention.impl=xla and no XLA flags: nanotext before the CPU work

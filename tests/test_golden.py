@@ -19,7 +19,7 @@ COMMON = ["train.steps=20", "optim.warmup_steps=0", "train.log_every=1", "train.
           "sample.max_new_tokens=0", "data.source=shakespeare", "data.tokenizer=shakespeare",
           "model.vocab_size=8192", "metrics.tensorboard=false", "checkpoint.every=0",
           # The curves pin the optimizer's math on the kernel they were recorded with; the CPU
-          # default (blocked) agrees with it to ~1e-6 per call (tests/test_blocked_attention.py),
+          # default (the cpu kernel) agrees with it to ~1e-6 per call (tests/test_cpu_attention.py),
           # which bf16 Newton-Schulz grows to ~3e-4 over 20 speedrun steps.
           "attention.impl=xla"]
 BASE_TINY = [o for o in TINY if not o.startswith(("data.", "model.vocab_size"))]
