@@ -17,11 +17,7 @@ from nanotext.train import run
 
 COMMON = ["train.steps=20", "optim.warmup_steps=0", "train.log_every=1", "train.eval_every=0",
           "sample.max_new_tokens=0", "data.source=shakespeare", "data.tokenizer=shakespeare",
-          "model.vocab_size=8192", "metrics.tensorboard=false", "checkpoint.every=0",
-          # The curves pin the optimizer's math on the kernel they were recorded with; the CPU
-          # default (the cpu kernel) agrees with it to ~1e-6 per call (tests/test_cpu_attention.py),
-          # which bf16 Newton-Schulz grows to ~3e-4 over 20 speedrun steps.
-          "attention.impl=xla"]
+          "model.vocab_size=8192", "metrics.tensorboard=false", "checkpoint.every=0"]
 BASE_TINY = [o for o in TINY if not o.startswith(("data.", "model.vocab_size"))]
 SPEEDRUN_TINY = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2",
                  "model.head_dim=32", "model.mlp_dim=128", "model.align=0", "train.seq_len=64",
