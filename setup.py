@@ -1,4 +1,8 @@
-"""nanotext: config-driven GPT pretraining in JAX (install: pip install -e '.[test]')."""
+"""nanotext: config-driven GPT pretraining in JAX.
+
+`pip install -e .` installs what training needs (no torch, no CUDA); `pip install -e '.[test]'`
+adds the test suite's needs (torch and transformers for the conversion tests, matplotlib, TFDS).
+"""
 
 from setuptools import find_packages, setup
 
@@ -10,6 +14,7 @@ setup(
     packages=find_packages(include=["nanotext", "nanotext.*"]),
     package_data={"nanotext.data": ["shakespeare/*.md", "shakespeare/*.txt", "shakespeare/*.tsv",
                                     "shakespeare/*.json", "shakespeare/texts/*.txt.gz"]},
+    # Only what `python -m nanotext.train` and the converters need on the default paths.
     install_requires=[
         "jax>=0.7",
         "flax>=0.12.0",
@@ -18,20 +23,26 @@ setup(
         "grain>=0.2.12",
         "ml-collections>=1.0",
         "absl-py>=2.0",
-        "tensorflow-datasets>=4.9.9",
         "pyyaml>=6.0",
         "tokenizers>=0.20",
-        "huggingface_hub>=0.24",
+        "safetensors>=0.4",
         "tensorboardX>=2.6",
         "numpy>=1.26",
     ],
     extras_require={
-        "test": ["pytest>=8", "torch", "transformers", "safetensors", "matplotlib>=3.8"],
+        # data.source=tfds (pulls pyarrow, about 150 MB)
+        "tfds": ["tensorflow-datasets>=4.9.9"],
+        # python -m nanotext.data.fineweb and data.tokenizer=gpt2
+        "fineweb": ["huggingface_hub>=0.24", "tiktoken>=0.7"],
         "gpt2": ["tiktoken>=0.7"],
         "plots": ["matplotlib>=3.8"],
         # python -m nanotext.compile: libtpu compiles for TPU slices on any machine. jax[tpu] at
         # the jax version nanotext is tested with pins the libtpu built for it (0.10.2 ->
         # libtpu 0.0.42.1); move both together.
         "tpu": ["jax[tpu]==0.10.2"],
+        # The test suite: torch and transformers check the HF conversions, and every optional
+        # path above is tested. Where a CUDA build of torch is not wanted, install a CPU one first.
+        "test": ["pytest>=8", "torch", "transformers", "matplotlib>=3.8",
+                 "tensorflow-datasets>=4.9.9", "huggingface_hub>=0.24"],
     },
 )

@@ -62,7 +62,7 @@ def main(argv):
     fail(f"--lengths must be integers, got {','.join(_LENGTHS.value)}")
   if any(t <= 0 or t % 128 for t in lengths) or _WINDOW.value % 128 or _WINDOW.value <= 0:
     fail("--lengths and --window must be positive multiples of 128")
-  print(f"| T | impl | temporaries (GiB) | fwd+bwd (ms) | compile (s) |")
+  print("| T | impl | temporaries (GiB) | fwd+bwd (ms) | compile (s) |")
   print("| --- | --- | --- | --- | --- |")
   for T in lengths:
     for impl in ("blocked", "xla"):

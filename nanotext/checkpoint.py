@@ -18,7 +18,6 @@ import time
 from absl import logging
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 

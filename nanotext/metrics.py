@@ -1,6 +1,7 @@
 """FLOP and MFU accounting, and the metric writers (stdout, metrics.jsonl, TensorBoard)."""
 
 import json
+import math
 import os
 
 # Dense bf16 peak FLOP/s per device, from vendor spec sheets; MFU is quoted against these.
@@ -46,6 +47,30 @@ def flops_per_token(model_cfg, seq_len: int, window=0) -> float:
   windows = list(window) if isinstance(window, (list, tuple)) else [window] * m.num_layers
   attn = sum(4 * ctx(w) * hk for i, w in enumerate(windows) if i not in no_attn)
   return 6 * matmul_params + 3 * attn
+
+
+def val_row(val_loss: float, bytes_per_token: float | None) -> dict:
+  """An eval's metrics: val_loss (nats/token) and, given the text's bytes per token, val_bpb."""
+  row = {"val_loss": val_loss}
+  if bytes_per_token:
+    row["val_bpb"] = val_loss / math.log(2) / bytes_per_token
+  return row
+
+
+def val_text(row: dict) -> str:
+  """'val_loss 5.2835 | val_bpb 2.3190' for a val_row."""
+  bpb = f" | val_bpb {row['val_bpb']:.4f}" if "val_bpb" in row else ""
+  return f"val_loss {row['val_loss']:.4f}{bpb}"
+
+
+def duration(seconds: float) -> str:
+  """'45s', '3m05s', '2h01m': short enough for a log line."""
+  s = max(0, int(round(seconds)))
+  if s < 60:
+    return f"{s}s"
+  if s < 3600:
+    return f"{s // 60}m{s % 60:02d}s"
+  return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 class Writer:

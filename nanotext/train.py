@@ -122,6 +122,7 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log):
   """Initial state, then the loop, then the wait for the last save (the run's end)."""
   import jax
   from nanotext import checkpoint, config, metrics, trainer, wiring
+  from nanotext.data.tokenizer import val_bytes_per_token
   start = wiring.initial_state(run_, manager, log)
   skipped = 0
   if start.data is not None:
@@ -135,7 +136,8 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log):
   try:
     result = trainer.train(run_, start.state, train_iter, val, writer=writer, manager=manager,
                            start_step=start.step, config_dict=cfg.to_dict(), log=log,
-                           skipped_steps=skipped, preemption=preemption)
+                           skipped_steps=skipped, preemption=preemption,
+                           bytes_per_token=val_bytes_per_token(cfg.data, val_local))
     checkpoint.wait(manager)  # the run is not over until its last save is on disk
   finally:
     writer.close()
@@ -151,6 +153,10 @@ def sharding_summary(run_) -> str:
 
 
 def main(argv) -> None:
+  from nanotext.xla_flags import maybe_set_cpu_flags
+  cpu_flags = maybe_set_cpu_flags()  # before JAX starts a backend, which reads XLA_FLAGS once
+  if cpu_flags:
+    print(f"XLA_FLAGS={cpu_flags} (CPU defaults; set XLA_FLAGS to choose your own)", flush=True)
   from nanotext.checkpoint import CheckpointError
   from nanotext.watch import NonFiniteError
   if not flags.FLAGS["verbosity"].present:

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nanotext import checkpoint, sharding
+from nanotext import checkpoint, metrics, sharding
 from nanotext.wiring import Run, new_state
 from nanotext.watch import CompileCounter, Monitor, Preemption, Profiler
 from nanotext.model import attention
@@ -180,9 +180,11 @@ class LoopResult:
 
 def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_step: int,
           config_dict: dict, log=print, skipped_steps: int = 0,
-          preemption: Preemption | None = None) -> LoopResult:
+          preemption: Preemption | None = None,
+          bytes_per_token: float | None = None) -> LoopResult:
   """Run steps start_step..train.steps: log one step late, evaluate, checkpoint, and stop
-  cleanly (save, then return) on SIGTERM/SIGINT (`preemption`: a caller's, covering more)."""
+  cleanly (save, then return) on SIGTERM/SIGINT (`preemption`: a caller's, covering more).
+  `bytes_per_token` (of the validation targets) adds bits per byte to every eval."""
   cfg = run.cfg
   t_cfg = cfg.train
   counter = CompileCounter()
@@ -244,8 +246,9 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
       if (t_cfg.eval_every and done % t_cfg.eval_every == 0 and done < t_cfg.steps
           and eval_exec is not None):
         val_loss = evaluate(state["params"], done)
-        writer.write(done, {"val_loss": val_loss})
-        log(f"step {done:>6d} | val_loss {val_loss:.4f}")
+        row = metrics.val_row(val_loss, bytes_per_token)
+        writer.write(done, row)
+        log(f"step {done:>6d} | {metrics.val_text(row)}")
       stop = done < t_cfg.steps and preemption.requested(done)
       if done < t_cfg.steps and (stop or (cfg.checkpoint.every and
                                           done % cfg.checkpoint.every == 0)):
@@ -263,8 +266,9 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     counter.active = False
     if eval_exec is not None:
       val_loss = evaluate(state["params"], t_cfg.steps)
-      writer.write(t_cfg.steps, {"val_loss": val_loss})
-      log(f"step {t_cfg.steps:>6d} | val_loss {val_loss:.4f} (final)")
+      row = metrics.val_row(val_loss, bytes_per_token)
+      writer.write(t_cfg.steps, row)
+      log(f"step {t_cfg.steps:>6d} | {metrics.val_text(row)} (final)")
     if start_step < t_cfg.steps:
       save(t_cfg.steps, state, data_state)
   log(f"compilations inside the training loop: {counter.count}")

@@ -134,6 +134,7 @@ class Monitor:
     self._flops = {}  # per-layer windows -> FLOPs per step (the schedule changes them)
     self.peak = cfg.metrics.peak_flops * run.mesh.devices.size  # the run's devices, not all
     self.clock = [start_step, time.perf_counter()]  # last reported step and when it was read
+    self.start = tuple(self.clock)  # for the ETA: the loop's own pace, evals and saves included
     self.unverified = []  # [(step, device metrics)] not yet read back
     self.skipped, self.last_loss, self.verified = skipped, float("nan"), start_step
 
@@ -192,7 +193,10 @@ class Monitor:
            "compiles": self.counter.count, "skipped_steps": self.skipped}
     if cfg.attention.window_schedule:
       row["attn_window"] = attention.long_window(cfg.attention, step - 1, cfg.train.steps)
+    done, elapsed = step - self.start[0], now - self.start[1]
+    row["eta_sec"] = elapsed / done * (cfg.train.steps - step) if done > 0 else 0.0
     self.writer.write(step, row)
     skips = f" | {self.skipped} skipped" if self.skipped else ""
     self.log(f"step {step:>6d}/{cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | "
-             f"{tok_s:,.0f} tok/s | mfu {100 * mfu:.1f}%{skips}")
+             f"{tok_s:,.0f} tok/s | mfu {100 * mfu:.1f}% | eta "
+             f"{metrics.duration(row['eta_sec'])}{skips}")

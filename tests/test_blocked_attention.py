@@ -157,7 +157,8 @@ def test_splash_block_windows_match_reference(monkeypatch):
 def test_auto_takes_blocked_for_block_or_long_windows():
   assert resolve_impl("auto", "cpu", seq_len=1024, window=256, block_windows=True) == "blocked"
   assert resolve_impl("auto", "cpu", seq_len=49152, window=1792) == "blocked"
-  assert resolve_impl("auto", "cpu", seq_len=1024, window=256) == "xla"
+  assert resolve_impl("auto", "cpu", seq_len=1024, window=256) == "cpu"
+  assert resolve_impl("auto", "gpu", head_dim=12, seq_len=1024, window=256) == "xla"
   assert resolve_impl("auto", "cpu", seq_len=49152) == "xla"  # full causal: no window to exploit
   assert resolve_impl("auto", "tpu", seq_len=49152, window=1792, block_windows=True) == "splash"
 

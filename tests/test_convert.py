@@ -16,7 +16,7 @@ from flax import nnx  # noqa: E402
 
 from conftest import BASE, SPEEDRUN, TINY, run_cli  # noqa: E402
 from nanotext import config, train, wiring  # noqa: E402
-from nanotext.convert import export_torch, from_hf, load_params, params_only, to_hf  # noqa: E402
+from nanotext.convert import from_hf, load_params, params_only, to_hf  # noqa: E402
 from nanotext.convert.common import load_run  # noqa: E402
 from nanotext.errors import UserError  # noqa: E402
 

@@ -57,6 +57,21 @@ def test_run_writes_config_metrics_tensorboard_and_checkpoints(corpus_run):
   assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["30", "60"]
 
 
+def test_evals_report_bits_per_byte_and_the_log_an_eta(corpus_run):
+  out, result, lines = corpus_run
+  evals = [r for r in metrics_of(out) if "val_loss" in r]
+  # bits per byte = nats/token / ln 2 / bytes per token; Shakespeare BPE tokens are 3-4 bytes.
+  ratios = [r["val_loss"] / r["val_bpb"] for r in evals]
+  assert all(np.log(2) * 3 < x < np.log(2) * 4 for x in ratios), ratios
+  assert max(ratios) - min(ratios) < 1e-9  # one bytes-per-token for the fixed validation set
+  assert any(l.startswith("step     60 | val_loss ") and "| val_bpb " in l for l in lines)
+  train_rows = [r for r in metrics_of(out) if "loss" in r]
+  assert train_rows[-1]["eta_sec"] == 0 and all(r["eta_sec"] >= 0 for r in train_rows)
+  assert train_rows[0]["eta_sec"] > 0
+  step_lines = [l for l in lines if l.startswith("step ") and "/60 |" in l]
+  assert all(" | eta " in l for l in step_lines) and step_lines[-1].endswith("| eta 0s")
+
+
 def test_loss_decreases_on_the_embedded_corpus(corpus_run):
   out, result, _ = corpus_run
   rows = [r for r in metrics_of(out) if "loss" in r]

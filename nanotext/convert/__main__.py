@@ -12,6 +12,17 @@ USAGE = ("usage: python -m nanotext.convert "
          " | params-only --run=DIR [--step=N] --out=DIR [--dtype=bfloat16]"
          " | export-torch --run=DIR [--step=N] --out=FILE.safetensors"
          " (each also takes --force)")
+HELP = ("-h", "--help", "--helpshort", "--helpfull", "help")
+# What each subcommand does, for `SUBCOMMAND --help`.
+ABOUT = {
+    "from-hf": "HF GPT2LMHeadModel directory (config.json + model.safetensors) -> nanotext run "
+               "directory with a step-0 checkpoint; key=value arguments override its config.",
+    "to-hf": "classic GPT-2 nanotext run -> HF directory (config.json, generation_config.json, "
+             "model.safetensors, tokenizer files) for from_pretrained, AutoTokenizer, pipeline.",
+    "params-only": "a run's train state -> DIR/params (parameters only, optionally cast).",
+    "export-torch": "speedrun-architecture run -> a safetensors state dict named as "
+                    "modded-nanogpt's GPT.",
+}
 # Flags each subcommand accepts, beyond --force; the first two are required.
 ACCEPTS = {"from-hf": ("hf", "out", "config"), "to-hf": ("run", "out", "step"),
            "params-only": ("run", "out", "step", "dtype"), "export-torch": ("run", "out", "step")}
@@ -31,6 +42,20 @@ def _flag_values() -> flags.FlagValues:
   return fv
 
 
+def subcommand_help(command: str, fv: flags.FlagValues) -> str:
+  """Usage, purpose and flags of one subcommand."""
+  usage = next(u.strip() for u in USAGE.split(" | ") if command in u)
+  usage = usage.replace("usage: python -m nanotext.convert ", "").replace(
+      " (each also takes --force)", "")
+  lines = [f"usage: python -m nanotext.convert {usage} [--force]", "", ABOUT[command], "",
+           "flags:"]
+  for name in ACCEPTS[command] + ("force",):
+    flag = fv[name]
+    default = "" if flag.default in (None, "", False) else f" (default: {flag.default})"
+    lines.append(f"  --{name}: {flag.help}{default}")
+  return "\n".join(lines)
+
+
 def main(argv) -> None:
   argv = list(argv)
   if not argv or argv[0] in ("-h", "--help", "help"):
@@ -40,6 +65,9 @@ def main(argv) -> None:
   if command not in ACCEPTS:
     raise UserError(f"unknown subcommand '{command}'; {USAGE}")
   fv = _flag_values()
+  if any(a.split("=")[0] in HELP for a in rest):
+    print(subcommand_help(command, fv))
+    return
   try:
     positional = fv(["nanotext.convert"] + rest)[1:]
   except flags.Error as e:

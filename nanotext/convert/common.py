@@ -14,6 +14,8 @@ from nanotext.errors import UserError
 def load_run(run: str, step: int = -1):
   """(config, step, params as numpy) of a run directory's newest (or given) checkpoint."""
   from nanotext import checkpoint, config
+  if os.path.isfile(run):
+    raise UserError(f"--run '{run}' is a file; give the run directory (a run's output_dir)")
   if not os.path.isdir(run):
     raise UserError(f"run directory '{run}' does not exist")
   cfg_path = os.path.join(run, "config.yml")
@@ -89,15 +91,29 @@ def _check_target(out: str, force: bool, protect=()) -> str:
   return out
 
 
+def _make_parent(out: str, parent: str) -> None:
+  """Create the folder --out goes into; a file in the way is bad input, not a traceback."""
+  try:
+    os.makedirs(parent, exist_ok=True)
+  except (FileExistsError, NotADirectoryError):
+    raise UserError(f"--out '{out}': a file stands where its folder '{parent}' would be") \
+        from None
+  except OSError as e:
+    raise UserError(f"--out '{out}': cannot create '{parent}' ({e.strerror})") from None
+
+
 @contextlib.contextmanager
 def staged_dir(out: str, *, force: bool, protect=()):
   """Yield a temporary folder next to `out`; on success it replaces `out` in one rename.
 
   A failure leaves `out` as it was: a partial conversion never stands where a good one stood.
   """
+  if os.path.isfile(out):
+    raise UserError(f"--out '{out}' is a file; this conversion writes a directory: give a "
+                    "directory path")
   out = _check_target(out, force, protect)
   parent, name = os.path.split(out)
-  os.makedirs(parent, exist_ok=True)
+  _make_parent(out, parent)
   tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
   os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's private 0700 would outlive the rename
   try:
@@ -121,7 +137,7 @@ def staged_file(out: str, *, force: bool, protect=()):
   if os.path.isdir(out):
     raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
   parent, name = os.path.split(out)
-  os.makedirs(parent, exist_ok=True)
+  _make_parent(out, parent)
   fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
   os.close(fd)
   os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's private 0600 would outlive the rename

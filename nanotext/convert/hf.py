@@ -10,6 +10,7 @@ import os
 import numpy as np
 
 from nanotext.convert.common import fill, flatten, load_run, require, staged_dir
+from nanotext.convert.hf_tokenizer import generation_config, special_ids, write_tokenizer
 from nanotext.errors import UserError
 
 LN_EPS = 1e-5  # nanotext's LayerNorm epsilon (layers.Norm); GPT-2's layer_norm_epsilon too
@@ -140,6 +141,8 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   """Convert a HF GPT-2 directory into a nanotext run directory holding a step-0 checkpoint."""
   from nanotext import checkpoint, config, wiring
 
+  if os.path.isfile(hf):
+    raise UserError(f"--hf '{hf}' is a file; give the Hugging Face model directory holding it")
   if not os.path.isdir(hf):
     raise UserError(f"Hugging Face directory '{hf}' does not exist")
   c = _read_hf_config(hf)
@@ -198,7 +201,8 @@ def _fresh_iterator_state(cfg) -> dict:
 
 def check_classic(cfg) -> None:
   """Refuse architectures that HF GPT-2 cannot express, naming the config key."""
-  why = "Hugging Face GPT-2 cannot express this model"
+  why = ("Hugging Face GPT-2 cannot express this model (configs/base.yml trains one it can; "
+         "export-torch writes speedrun-architecture runs)")
   require(cfg, CLASSIC, why)
   m = cfg.model
   if m.num_heads * m.head_dim != m.d_model:
@@ -219,14 +223,14 @@ def hf_config(cfg) -> dict:
        "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
        # nanotext trains without dropout; HF's 0.1 defaults would change fine-tuning behaviour.
        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dtype": "float32"}
-  # HF would default both to GPT-2's 50256, out of range for other vocabularies.
-  eot = 50256 if cfg.data.tokenizer == "gpt2" else None
-  c["bos_token_id"] = c["eos_token_id"] = eot
+  # HF would default bos/eos to GPT-2's 50256, out of range for other vocabularies.
+  c.update(special_ids(cfg.data.tokenizer))
   return c
 
 
 def to_hf(run: str, out: str, *, step: int = -1, force: bool = False, log=print) -> str:
-  """A classic-GPT-2 nanotext checkpoint -> HF directory (config.json, model.safetensors)."""
+  """A classic-GPT-2 nanotext checkpoint -> HF directory: config.json, generation_config.json,
+  model.safetensors and the tokenizer files (`AutoTokenizer` / `pipeline` load it offline)."""
   from safetensors.numpy import save_file
   cfg, step, params = load_run(run, step)
   check_classic(cfg)
@@ -246,8 +250,12 @@ def to_hf(run: str, out: str, *, step: int = -1, force: bool = False, log=print)
   tensors = {f"transformer.{k}": np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
   out_abs = os.path.abspath(out)
   with staged_dir(out_abs, force=force, protect=(run,)) as tmp:
+    c = hf_config(cfg)
     with open(os.path.join(tmp, "config.json"), "w") as f:
-      json.dump(hf_config(cfg), f, indent=2)
+      json.dump(c, f, indent=2)
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+      json.dump(generation_config(special_ids(cfg.data.tokenizer)), f, indent=2)
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-  log(f"wrote {out_abs} (GPT2LMHeadModel, step {step} of {run})")
+    tok = write_tokenizer(cfg.data.tokenizer, tmp, c["n_positions"])
+  log(f"wrote {out_abs} (GPT2LMHeadModel, step {step} of {run}; {tok})")
   return out_abs

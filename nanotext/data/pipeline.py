@@ -29,7 +29,11 @@ def _tfds_source(data_cfg, split: str, seq_len: int, max_tokens: int) -> PackedD
   """Documents of a prepared array_record TFDS split, packed into windows."""
   if not data_cfg.tfds_name:
     raise UserError("data.source is 'tfds' but data.tfds_name is empty")
-  import tensorflow_datasets as tfds
+  try:
+    import tensorflow_datasets as tfds
+  except ImportError:  # an extra since the main install left it out (it pulls pyarrow)
+    raise UserError("data.source=tfds needs tensorflow-datasets: pip install -e '.[tfds]'") \
+        from None
   try:
     docs = tfds.data_source(data_cfg.tfds_name, split=split, data_dir=data_cfg.tfds_dir or None,
                             download=False)

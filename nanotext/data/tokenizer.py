@@ -45,6 +45,20 @@ class HFTokenizer:
     """Encode many texts in parallel (the Rust side uses all cores)."""
     return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+  def token_bytes(self):
+    """UTF-8 bytes each id stands for (0 for special tokens such as <|endoftext|>)."""
+    import numpy as np
+    out = np.zeros(self.vocab_size, np.int64)
+    special = set(self._tok.get_added_tokens_decoder())
+    byte_level = type(self._tok.decoder).__name__ == "ByteLevel"
+    for piece, i in self._tok.get_vocab(with_added_tokens=False).items():
+      if i in special:
+        continue
+      # Byte-level BPE spells each byte as one character; decoding one id alone could split a
+      # multi-byte character into replacement characters.
+      out[i] = len(piece) if byte_level else len(self._tok.decode([i]).encode("utf-8"))
+    return out
+
 
 class TiktokenTokenizer:
   """tiktoken's GPT-2 encoding (the FineWeb / speedrun tokenizer)."""
@@ -60,6 +74,14 @@ class TiktokenTokenizer:
   def decode(self, ids) -> str:
     return self._enc.decode([int(i) for i in ids])
 
+  def token_bytes(self):
+    """Bytes each id stands for (0 for <|endoftext|>)."""
+    import numpy as np
+    special = set(self._enc.special_tokens_set)
+    return np.array([0 if self._enc.decode_single_token_bytes(i).decode("latin-1") in special
+                     else len(self._enc.decode_single_token_bytes(i))
+                     for i in range(self.vocab_size)], np.int64)
+
 
 class NoTokenizer:
   """For data that is already tokens: no vocabulary, no text."""
@@ -71,6 +93,31 @@ class NoTokenizer:
 
   def decode(self, ids) -> str:
     raise UserError("data.tokenizer is 'none': cannot decode tokens; set data.tokenizer")
+
+
+def bytes_per_token(tokenizer, batches) -> float | None:
+  """Text bytes per target token over `batches` ({"targets": ids}); None without a vocabulary.
+
+  val_loss / ln 2 / bytes_per_token is bits per byte: comparable across tokenizers.
+  """
+  table = getattr(tokenizer, "token_bytes", None)
+  if table is None or not batches:
+    return None
+  import numpy as np
+  lengths = table()
+  targets = np.concatenate([np.asarray(b["targets"]).ravel() for b in batches])
+  total = int(lengths[np.clip(targets, 0, len(lengths) - 1)].sum())
+  return total / targets.size if total else None
+
+
+def val_bytes_per_token(data_cfg, batches) -> float | None:
+  """bytes_per_token of data.tokenizer over validation batches; None when it cannot tell."""
+  if data_cfg.tokenizer == "none" or data_cfg.source == "synthetic":  # random ids are no text
+    return None
+  try:
+    return bytes_per_token(get_tokenizer(data_cfg.tokenizer), batches)
+  except UserError:  # e.g. tiktoken offline: train on, with val_loss only
+    return None
 
 
 def train_tokenizer(texts, vocab_size: int = SHAKESPEARE_VOCAB):

@@ -10,9 +10,10 @@ from flax import nnx
 from nanotext import config, sharding
 from nanotext.errors import UserError
 from nanotext.model.blocked_attention import blocked_attention
+from nanotext.model.cpu_attention import cpu_attention
 from nanotext.model.layers import Linear, StackedLinear, param, proj_std, rms_norm, weight_std
 
-IMPLS = ("auto", "xla", "cudnn", "splash", "blocked")
+IMPLS = ("auto", "xla", "cudnn", "splash", "blocked", "cpu")
 SPLASH_LANES = 128  # splash tiles must be multiples of the TPU lane width, also in interpret mode
 # Above this length a dense [T, T] mask/score per head is the cost that matters: `auto` takes the
 # blocked kernel for windowed attention (at 4096, f32 scores are 64 MiB per head and example).
@@ -53,8 +54,9 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
   `head_dim` and `seq_len` (0 = unknown) let `auto` check that the kernel accepts the model's
   shapes: on TPU it is splash when the sequence length tiles into 128-wide blocks; elsewhere,
   windowed attention (`window` > 0) is blocked when the windows are block-granular (cuDNN and
-  jax's xla path have no such mask) or the sequence is longer than DENSE_MAX_T; otherwise on GPU
-  cudnn when a trial trace of cuDNN flash attention succeeds, else xla.
+  jax's xla path have no such mask) or the sequence is longer than DENSE_MAX_T; otherwise on CPU
+  up to DENSE_MAX_T tokens the cpu kernel (faster there than xla's full score matrix), on GPU cudnn when a trial trace of
+  cuDNN flash attention succeeds, else xla.
   """
   if impl not in IMPLS:
     raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
@@ -63,11 +65,13 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
       return "splash"
     if window and (block_windows or seq_len > DENSE_MAX_T):
       return "blocked"
+    if backend == "cpu" and seq_len <= DENSE_MAX_T:  # it unrolls T / 128 query blocks
+      return "cpu"
     if backend == "gpu" and _cudnn_problem(head_dim, seq_len) is None:
       return "cudnn"
     return "xla"
-  if impl == "cudnn" and block_windows and window:
-    raise UserError("attention.impl=cudnn cannot express block-granular windows "
+  if impl in ("cudnn", "cpu") and block_windows and window:
+    raise UserError(f"attention.impl={impl} cannot express block-granular windows "
                     "(attention.block_windows=true); use attention.impl=blocked or auto")
   if impl == "cudnn":
     if backend != "gpu":
@@ -129,6 +133,11 @@ def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, wi
                              **({"block": block} if block else {}))
   if impl == "xla":
     return _xla(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, "xla", block)
+  if impl == "cpu":
+    if block and window:
+      resolve_impl("cpu", "cpu", window=window, block_windows=True)  # raises the UserError
+    return cpu_attention(q_BTHK, k_BTHK, v_BTHK, scale=scale, window=window,
+                         segment_ids_BT=segment_ids_BT)
   if impl == "cudnn":
     if block and window:
       resolve_impl("cudnn", "gpu", window=window, block_windows=True)  # raises the UserError

@@ -1,0 +1,178 @@
+"""Training curves: `python -m nanotext.plot RUN_DIR [RUN_DIR ...] --out=FILE.png`.
+
+Reads each run's metrics.jsonl and draws one figure with four panels: loss and bits per byte,
+against optimizer steps and against tokens seen. Train loss is a line, validation points are
+markers joined by a dashed line, in the run's colour; several runs overlay for an ablation.
+"""
+
+import json
+import os
+import sys
+
+from nanotext.errors import UserError, fail
+
+USAGE = "usage: python -m nanotext.plot RUN_DIR [RUN_DIR ...] --out=FILE.png [--title=TEXT]"
+
+
+def read_run(run_dir: str) -> dict:
+  """{'name', 'tokens_per_step', 'train': [(step, loss)], 'val': [(step, loss, bpb|None)]}."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if os.path.isfile(run_dir):
+    raise UserError(f"'{run_dir}' is a file, not a run directory (give the output_dir of a run)")
+  if not os.path.isdir(run_dir):
+    raise UserError(f"run directory '{run_dir}' does not exist")
+  if not os.path.isfile(path):
+    raise UserError(f"'{run_dir}' holds no metrics.jsonl (is it the output_dir of a run?)")
+  train, val = {}, {}
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+        step = int(row["step"])
+      except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path}:{n} is not a metrics line") from None
+      # A resumed run appends again from its checkpoint: the latest value of a step wins.
+      if "loss" in row:
+        train[step] = float(row["loss"])
+      if "val_loss" in row:
+        val[step] = (float(row["val_loss"]), row.get("val_bpb"))
+  return {"name": os.path.basename(os.path.normpath(run_dir)) or run_dir,
+          "tokens_per_step": _tokens_per_step(run_dir),
+          "train": sorted(train.items()),
+          "val": [(s, v, b) for s, (v, b) in sorted(val.items())]}
+
+
+def _tokens_per_step(run_dir: str) -> int | None:
+  """train.batch_size * train.seq_len from the run's config.yml; None if unreadable."""
+  try:
+    import yaml
+    with open(os.path.join(run_dir, "config.yml")) as f:
+      t = yaml.safe_load(f)["train"]
+    return int(t["batch_size"]) * int(t["seq_len"])
+  except (OSError, KeyError, TypeError, ValueError):
+    return None
+
+
+def _bpb_scale(run: dict) -> float | None:
+  """Train loss (nats/token) -> bits per byte, from the run's own val_loss / val_bpb ratio."""
+  for _, loss, bpb in run["val"]:
+    if bpb:
+      return float(bpb) / loss
+  return None
+
+
+def plot(runs: list, out: str, title: str = "") -> None:
+  """Write the 2 x 2 figure of `runs` (from read_run) to `out` (format from its extension)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey="row")
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  any_bpb = False
+  for i, run in enumerate(runs):
+    color = colors[i % len(colors)]
+    scale = _bpb_scale(run)
+    any_bpb |= scale is not None
+    for col, per in enumerate((1, run["tokens_per_step"])):
+      if per is None:
+        continue
+      x = lambda s: s * per
+      for row, f in enumerate((1.0, scale)):
+        if f is None:
+          continue
+        ax = axes[row][col]
+        if run["train"]:
+          ax.plot([x(s) for s, _ in run["train"]], [v * f for _, v in run["train"]],
+                  color=color, lw=1.2, alpha=0.8, label=f"{run['name']} train")
+        if run["val"]:
+          ys = [(b if row and b else v * f) for _, v, b in run["val"]]
+          ax.plot([x(s) for s, _, _ in run["val"]], ys, color=color, ls="--", marker="o",
+                  ms=5, label=f"{run['name']} val")
+          ax.annotate(f"{ys[-1]:.3f}", (x(run["val"][-1][0]), ys[-1]), textcoords="offset points",
+                      xytext=(4, 6), fontsize=8, color=color)
+  axes[0][0].set_ylabel("loss (nats/token)")
+  axes[1][0].set_ylabel("bits per byte")
+  for col, label in enumerate(("optimizer step", "tokens")):
+    axes[1][col].set_xlabel(label)
+    axes[0][col].set_xlabel(label)
+  if not any_bpb:
+    for ax in axes[1]:
+      ax.text(0.5, 0.5, "no val_bpb in these runs", ha="center", va="center",
+              transform=ax.transAxes, color="gray")
+  if all(r["tokens_per_step"] is None for r in runs):
+    for ax in axes[:, 1]:
+      ax.text(0.5, 0.5, "no config.yml: tokens per step unknown", ha="center", va="center",
+              transform=ax.transAxes, color="gray")
+  from matplotlib.ticker import EngFormatter
+  for ax in axes[:, 1]:
+    ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 300k tokens, not 300000
+  for ax in axes.flat:
+    ax.grid(alpha=0.3)
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  if handles:
+    axes[0][0].legend(handles, labels, fontsize=8)
+  fig.suptitle(title or "  vs  ".join(r["name"] for r in runs), fontsize=11)
+  if any_bpb:  # say how the train curve got into bits per byte
+    fig.text(0.5, 0.005, "train bits per byte = train loss / ln 2 / the validation text's bytes "
+             "per token", ha="center", fontsize=8, color="gray")
+  fig.tight_layout(rect=(0, 0.02, 1, 1))
+  tmp = out + ".tmp" + os.path.splitext(out)[1]
+  fig.savefig(tmp, dpi=110)
+  plt.close(fig)
+  os.replace(tmp, out)  # never a half-written image at --out
+
+
+def parse(argv) -> tuple:
+  """(run dirs, out, title) from the command line."""
+  runs, out, title = [], None, ""
+  it = iter(argv)
+  for a in it:
+    if a in ("-h", "--help", "help"):
+      print(__doc__.strip() + "\n\n" + USAGE)
+      sys.exit(0)
+    if a.startswith("--out=") or a == "--out":
+      out = a[len("--out="):] if "=" in a else next(it, None)
+    elif a.startswith("--title=") or a == "--title":
+      title = a[len("--title="):] if "=" in a else next(it, "")
+    elif a.startswith("-"):
+      raise UserError(f"unknown flag '{a}'; {USAGE}")
+    else:
+      runs.append(a)
+  if not runs:
+    raise UserError(f"no run directory given; {USAGE}")
+  if not out:
+    raise UserError(f"--out=FILE.png is required; {USAGE}")
+  if os.path.isdir(out):
+    raise UserError(f"--out '{out}' is a directory; give a file path such as curves.png")
+  parent = os.path.dirname(os.path.abspath(out))
+  if not os.path.isdir(parent):
+    raise UserError(f"--out '{out}': folder '{parent}' does not exist")
+  return runs, out, title
+
+
+def main(argv) -> None:
+  runs, out, title = parse(argv)
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    raise UserError("plotting needs matplotlib: pip install matplotlib "
+                    "(or pip install -e '.[plots]')") from None
+  data = [read_run(r) for r in runs]
+  if not any(d["train"] or d["val"] for d in data):
+    raise UserError("the metrics.jsonl of every run given is empty: nothing to plot")
+  plot(data, out, title)
+  print(f"wrote {out}")
+  for d in data:
+    if d["val"]:
+      s, v, b = d["val"][-1]
+      bpb = f", val_bpb {b:.4f}" if b else ""
+      print(f"{d['name']}: step {s} val_loss {v:.4f}{bpb}")
+
+
+if __name__ == "__main__":
+  try:
+    main(sys.argv[1:])
+  except UserError as e:
+    fail(str(e))

@@ -1,0 +1,45 @@
+"""XLA flags that make the CPU train step faster, set by the entry point before JAX starts.
+
+Only when the run is certainly on CPU, the user has not set XLA_FLAGS themselves, and the
+installed jaxlib is one these flags were measured on: XLA aborts the process on a flag it does
+not know, and accelerator plugins parse XLA_FLAGS too.
+"""
+
+import glob
+import os
+import sys
+
+# --xla_cpu_experimental_ynn_fusion_type=-individual_dot: XNNPACK ("ynn") no longer takes single
+# dots out of XLA's own fusions. The issue that asked for it measured +7% on the base.yml step in
+# 12 of 12 interleaved rounds; benchmarks/cpu_vs_torch.py had it faster in 3 of 3 (RESULTS.md).
+CPU_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=-individual_dot",)
+TESTED_JAXLIB = ("0.10.",)  # versions known to accept CPU_FLAGS
+ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/kfd")
+
+
+def cpu_only(environ=os.environ) -> bool:
+  """True when JAX can only pick the CPU: JAX_PLATFORMS says so, or no accelerator is present."""
+  platforms = environ.get("JAX_PLATFORMS", "").strip()
+  if platforms:
+    return platforms.split(",")[0].strip() == "cpu"
+  if sys.platform == "darwin":  # a Metal plugin may be installed; leave macOS alone
+    return False
+  return not any(glob.glob(pattern) for pattern in ACCELERATOR_NODES)
+
+
+def maybe_set_cpu_flags(environ=os.environ) -> str | None:
+  """Set XLA_FLAGS to CPU_FLAGS when it is safe; returns what was set, else None.
+
+  Must run before JAX initialises a backend (XLA reads the variable once, at that point).
+  """
+  if "XLA_FLAGS" in environ or not cpu_only(environ):
+    return None
+  try:
+    from importlib.metadata import version
+    jaxlib = version("jaxlib")
+  except Exception:  # noqa: BLE001 -- no metadata: do not guess
+    return None
+  if not jaxlib.startswith(TESTED_JAXLIB):
+    return None
+  environ["XLA_FLAGS"] = " ".join(CPU_FLAGS)
+  return environ["XLA_FLAGS"]

@@ -1,0 +1,108 @@
+"""A Hugging Face export a user can use: tokenizer files and ids, checked with transformers
+itself (AutoTokenizer, pipeline), offline; convert CLI help and file-vs-directory messages."""
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from conftest import BASE, TINY, run_cli  # noqa: E402
+from nanotext import train  # noqa: E402
+from nanotext.convert import to_hf  # noqa: E402
+from nanotext.data.tokenizer import get_tokenizer  # noqa: E402
+
+# A tiny classic GPT-2 on the embedded corpus with the shipped tokenizer (vocab 8192).
+CORPUS = [o for o in TINY if not o.startswith(("data.", "model.vocab_size"))] + [
+    "data.source=shakespeare", "data.tokenizer=shakespeare", "model.vocab_size=8192",
+    "train.steps=2", "train.eval_every=0", "train.eval_batches=1", "sample.max_new_tokens=0"]
+TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!"
+quiet = lambda *a, **k: None
+
+
+@pytest.fixture(scope="module")
+def hf_export(tmp_path_factory):
+  run = str(tmp_path_factory.mktemp("run") / "run")
+  train.run(BASE, CORPUS + [f"output_dir={run}"], log=quiet)
+  out = str(tmp_path_factory.mktemp("hf") / "hf")
+  to_hf(run, out, log=quiet)
+  return run, out
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def test_export_holds_tokenizer_and_ids(hf_export):
+  _, out = hf_export
+  assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+          "tokenizer_config.json", "special_tokens_map.json"} <= set(os.listdir(out))
+  eot = get_tokenizer("shakespeare").eot_id
+  c = json.load(open(os.path.join(out, "config.json")))
+  assert c["bos_token_id"] == c["eos_token_id"] == c["pad_token_id"] == eot
+  g = json.load(open(os.path.join(out, "generation_config.json")))
+  assert g["eos_token_id"] == g["pad_token_id"] == eot
+
+
+def test_auto_tokenizer_matches_nanotext(hf_export):
+  _, out = hf_export
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  ours = get_tokenizer("shakespeare")
+  ids = tok(TEXT)["input_ids"]
+  assert ids == ours.encode(TEXT)  # no bos/eos added, same ids
+  assert tok.decode(ids) == TEXT  # exact round trip (no clean-up of spaces)
+  assert tok.eos_token == tok.bos_token == tok.pad_token == "<|endoftext|>"
+  assert tok.eos_token_id == ours.eot_id
+  assert tok.model_max_length == 32  # n_positions = train.seq_len of the run
+
+
+def test_pipeline_generates_like_the_model(hf_export):
+  _, out = hf_export
+  pipe = transformers.pipeline("text-generation", model=out, device="cpu")
+  result = pipe("ROMEO:", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+  assert result.startswith("ROMEO:") and len(result) > len("ROMEO:")
+  # Greedy decoding by hand with the same model agrees with the pipeline's text.
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out)
+  ids = tok("ROMEO:", return_tensors="pt")["input_ids"]
+  with torch.no_grad():
+    for _ in range(8):
+      nxt = model(ids).logits[0, -1].argmax()
+      ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+  assert tok.decode(ids[0]) == result
+
+
+def one_line_error(proc, *needles):
+  assert proc.returncode == 2, (proc.stdout, proc.stderr)
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), proc.stderr
+  for n in needles:
+    assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("command", ["from-hf", "to-hf", "params-only", "export-torch"])
+def test_subcommand_help(command):
+  proc = run_cli("nanotext.convert", command, "--help")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith(f"usage: python -m nanotext.convert {command} ")
+  assert "--out" in proc.stdout and not proc.stderr.strip()
+
+
+def test_file_where_a_directory_is_expected(hf_export, tmp_path):
+  run, _ = hf_export
+  f = tmp_path / "file.txt"
+  f.write_text("not a directory")
+  one_line_error(run_cli("nanotext.convert", "to-hf", f"--run={f}", f"--out={tmp_path / 'o'}"),
+                 f"--run '{f}' is a file")
+  one_line_error(run_cli("nanotext.convert", "from-hf", f"--hf={f}", f"--out={tmp_path / 'o'}"),
+                 f"--hf '{f}' is a file")
+  one_line_error(run_cli("nanotext.convert", "to-hf", f"--run={run}", f"--out={f}"),
+                 f"--out '{f}' is a file")
+  one_line_error(run_cli("nanotext.convert", "to-hf", f"--run={run}",
+                         f"--out={f / 'hf'}"), "a file stands where its folder")
+  assert f.read_text() == "not a directory"
+  assert sorted(os.listdir(tmp_path)) == ["file.txt"]

@@ -1,0 +1,78 @@
+"""nanotext.plot: curves of one or several runs from metrics.jsonl, and its refusals."""
+
+import json
+import os
+
+import pytest
+
+from conftest import run_cli
+
+pytest.importorskip("matplotlib")
+
+
+def fake_run(path, *, tokens=(8, 64), final=5.0, bpb=True):
+  """A run directory holding what the trainer writes: config.yml and metrics.jsonl."""
+  os.makedirs(path)
+  with open(os.path.join(path, "config.yml"), "w") as f:
+    f.write(f"train:\n  batch_size: {tokens[0]}\n  seq_len: {tokens[1]}\n")
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for step in range(1, 21):
+      f.write(json.dumps({"step": step, "loss": 9.0 - step * (9.0 - final) / 20, "lr": 1e-3}) + "\n")
+      if step % 10 == 0:
+        row = {"step": step, "val_loss": final + 0.2 * (20 - step) / 10}
+        if bpb:
+          row["val_bpb"] = row["val_loss"] / 0.693 / 3.3
+        f.write(json.dumps(row) + "\n")
+  return str(path)
+
+
+def one_line_error(proc, *needles):
+  assert proc.returncode == 2, (proc.stdout, proc.stderr)
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), proc.stderr
+  for n in needles:
+    assert n in lines[0], lines[0]
+
+
+def test_plots_several_runs(tmp_path):
+  a = fake_run(tmp_path / "muon", final=4.8)
+  b = fake_run(tmp_path / "adamw", final=5.3, tokens=(16, 256), bpb=False)
+  out = tmp_path / "cmp.png"
+  proc = run_cli("nanotext.plot", a, b, f"--out={out}")
+  assert proc.returncode == 0, proc.stderr
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+  assert f"wrote {out}" in proc.stdout
+  assert "muon: step 20 val_loss 4.8000, val_bpb 2.0989" in proc.stdout
+  assert "adamw: step 20 val_loss 5.3000\n" in proc.stdout
+  assert sorted(os.listdir(tmp_path)) == ["adamw", "cmp.png", "muon"]  # no temporary left
+
+
+def test_help_exits_0():
+  proc = run_cli("nanotext.plot", "--help")
+  assert proc.returncode == 0 and "usage: python -m nanotext.plot" in proc.stdout
+
+
+def test_refusals(tmp_path):
+  run = fake_run(tmp_path / "run")
+  one_line_error(run_cli("nanotext.plot", run), "--out")
+  one_line_error(run_cli("nanotext.plot", f"--out={tmp_path / 'x.png'}"), "no run directory")
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  one_line_error(run_cli("nanotext.plot", str(empty), f"--out={tmp_path / 'x.png'}"),
+                 "no metrics.jsonl", str(empty))
+  one_line_error(run_cli("nanotext.plot", os.path.join(run, "metrics.jsonl"),
+                         f"--out={tmp_path / 'x.png'}"), "is a file")
+  one_line_error(run_cli("nanotext.plot", run, f"--out={tmp_path / 'no' / 'x.png'}"),
+                 "does not exist")
+  assert not (tmp_path / "x.png").exists()
+
+
+def test_without_matplotlib(tmp_path):
+  # A matplotlib that cannot be imported, first on the path.
+  shadow = tmp_path / "shadow" / "matplotlib"
+  shadow.mkdir(parents=True)
+  (shadow / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+  path = os.pathsep.join([str(tmp_path / "shadow"), os.environ.get("PYTHONPATH", "")])
+  run = fake_run(tmp_path / "run")
+  one_line_error(run_cli("nanotext.plot", run, f"--out={tmp_path / 'x.png'}",
+                         env={"PYTHONPATH": path}), "matplotlib", "pip install")
