@@ -36,10 +36,10 @@ _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 def programs(cfg) -> list:
   """[(name, windows, steps)] of the run: one train program per distinct window tuple, in order
   of first use, then the eval program (windows None = the final ones)."""
-  from nanotext import trainer
+  from nanotext import window_schedule
   stages = {}
   for step in range(cfg.train.steps):
-    stages.setdefault(trainer.step_windows(cfg, step), []).append(step)
+    stages.setdefault(window_schedule.step_windows(cfg, step), []).append(step)
   out = []
   for windows, steps in stages.items():
     long = max(windows) if any(windows) else 0
@@ -123,9 +123,9 @@ def measure(compiled) -> dict:
 
 def analytic_flops(run, windows, *, train: bool) -> float:
   """Model FLOPs per chip of one step (6N + attention per token; forward only for eval)."""
-  from nanotext import metrics, trainer
+  from nanotext import metrics, window_schedule
   cfg = run.cfg
-  w = windows if windows is not None else trainer.step_windows(cfg, cfg.train.steps)
+  w = windows if windows is not None else window_schedule.step_windows(cfg, cfg.train.steps)
   tokens = cfg.train.batch_size * cfg.train.seq_len
   per_token = metrics.flops_per_token(cfg.model, cfg.train.seq_len, w)
   return per_token * tokens / run.mesh.size / (1 if train else 3)

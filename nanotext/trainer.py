@@ -15,9 +15,9 @@ from flax import nnx
 from nanotext import checkpoint, metrics, sharding
 from nanotext.wiring import Run, new_state
 from nanotext.watch import CompileCounter, Monitor, Preemption, Profiler
-from nanotext.model import attention
 from nanotext.model.attention import segment_ids_from_tokens
 from nanotext.model.loss import cross_entropy
+from nanotext.window_schedule import eval_windows, stage_windows, step_windows
 
 
 def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, chunk=0,
@@ -33,16 +33,6 @@ def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, 
   x_BTD = model.hidden(inputs_BT, segments_BT, windows)
   with jax.named_scope("loss"):
     return cross_entropy(model, x_BTD, targets_BT, chunk, train)
-
-
-def step_windows(cfg, step: int) -> tuple:
-  """Per-layer windows, as the kernels see them, of 0-based train step `step`.
-
-  Steps whose windows agree (e.g. every window >= train.seq_len, i.e. plain causal) share a
-  compiled program; step == train.steps gives the final windows.
-  """
-  w = attention.windows_at(cfg.attention, cfg.model.num_layers, step, cfg.train.steps)
-  return attention.effective_windows(w, cfg.train.seq_len)
 
 
 def make_train_step(run: Run, windows=None):
@@ -102,18 +92,6 @@ def make_train_step(run: Run, windows=None):
                  out_shardings=(run.state_shardings, None), donate_argnums=0)
 
 
-def eval_windows(cfg, done: int) -> tuple:
-  """Per-layer windows of the evaluation after `done` steps, for rows of train.eval_seq_len.
-
-  train.eval_windows=step: the windows of step `done`, as the record (`get_window_size_blocks(
-  step)`), one eval program per distinct tuple; final: the schedule's last ones, one program.
-  """
-  t = cfg.train
-  step = done if t.eval_windows == "step" else t.steps
-  w = attention.windows_at(cfg.attention, cfg.model.num_layers, step, t.steps)
-  return attention.effective_windows(w, t.eval_seq_len or t.seq_len)
-
-
 def make_eval_step(run: Run, windows=None):
   """jit(params, batch) -> mean loss at per-layer `windows` (None: the final ones), with the
   evaluation head (no FP8, as the record's eval mode)."""
@@ -129,24 +107,6 @@ def global_batch(run: Run, local: dict) -> dict:
   """Global jax.Arrays sharded along `batch`, built from this process's rows."""
   return {k: jax.make_array_from_process_local_data(run.batch_sharding, np.asarray(v))
           for k, v in local.items()}
-
-
-def stage_windows(cfg, start: int, stop: int) -> list:
-  """The distinct window tuples of 0-based steps start..stop-1, in order of use.
-
-  O(stages * log steps), not O(steps): windows never shrink as steps go by, so a stage is one
-  run of steps whose end is found by bisection (train.steps may be in the billions).
-  """
-  out, step = [], start
-  while step < stop:
-    w = step_windows(cfg, step)
-    out.append(w)
-    lo, hi = step, stop  # invariant: step lo has windows w, step hi is past this stage
-    while hi - lo > 1:
-      mid = (lo + hi) // 2
-      lo, hi = (mid, hi) if step_windows(cfg, mid) == w else (lo, mid)
-    step = hi
-  return list(dict.fromkeys(out))
 
 
 def compile_train_steps(run: Run, state, batch, steps) -> dict:

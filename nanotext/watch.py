@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from nanotext import config, metrics, optim
-from nanotext.model import attention
+from nanotext import window_schedule
 
 
 ON_NONFINITE = ("abort", "skip")
@@ -18,7 +18,7 @@ ON_NONFINITE = ("abort", "skip")
 
 def check_config(t) -> None:
   """The train section's choices: what a non-finite step does (Monitor acts on it), and the
-  windows validation runs at (trainer.eval_windows)."""
+  windows validation runs at (window_schedule.eval_windows)."""
   config.check_choices("train", t, {"on_nonfinite": ON_NONFINITE,
                                     "eval_windows": ("final", "step")})
 
@@ -192,7 +192,7 @@ class Monitor:
     row = {"loss": loss, "lr": lr, "tokens_per_sec": tok_s, "mfu": mfu, "grad_norm": grad_norm,
            "compiles": self.counter.count, "skipped_steps": self.skipped}
     if cfg.attention.window_schedule:
-      row["attn_window"] = attention.long_window(cfg.attention, step - 1, cfg.train.steps)
+      row["attn_window"] = window_schedule.long_window(cfg.attention, step - 1, cfg.train.steps)
     done, elapsed = step - self.start[0], now - self.start[1]
     row["eta_sec"] = elapsed / done * (cfg.train.steps - step) if done > 0 else 0.0
     self.writer.write(step, row)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nanotext import window_schedule
 from nanotext.model import attention
 from nanotext.model.attention import block_window_mask, dot_product_attention, resolve_impl
 from nanotext.model.blocked_attention import blocked_attention, key_blocks
@@ -67,7 +68,7 @@ def test_short_window_is_half_the_blocks_and_its_own_block_at_least():
   cfg = type("A", (), dict(window_block=128, window_pattern="LS", block_windows=True))()
   # record: sliding_window_num_blocks // 2 for 1..14 blocks; 0 blocks reads the own block only.
   for W in range(1, 15):
-    assert attention.short_window(cfg, 128 * W) == 128 * max(1, W // 2)
+    assert window_schedule.short_window(cfg, 128 * W) == 128 * max(1, W // 2)
 
 
 def test_keys_per_query_at_one_block():

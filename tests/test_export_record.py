@@ -17,7 +17,7 @@ from nanotext import train
 from nanotext.convert.common import load_run
 from nanotext.convert.torch_export import export_torch
 from nanotext.model import GPT
-from nanotext.model.attention import layer_windows
+from nanotext.window_schedule import layer_windows
 
 RECORD_CFG = f"{REPO}/configs/speedrun_record.yml"
 # The record's module fixes 12 layers and 128-wide heads; everything else small.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, SPEEDRUN, TINY
-from nanotext import trainer, wiring
+from nanotext import trainer, wiring, window_schedule
 from nanotext.errors import UserError
 from nanotext.model.gpt import REMAT_POLICIES
 
@@ -27,7 +27,7 @@ def loss_and_grads(path, overrides):
   rng = np.random.default_rng(0)
   shape = (cfg.train.batch_size, cfg.train.seq_len)
   x, y = (rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32) for _ in range(2))
-  windows = trainer.step_windows(cfg, 0)
+  windows = window_schedule.step_windows(cfg, 0)
 
   def objective(p):
     return trainer.loss_fn(run.graphdef, p, x, y, run.eot_id, windows, cfg.train.loss_chunk)

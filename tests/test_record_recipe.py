@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import REPO, TINY
-from nanotext import config, trainer, wiring
+from nanotext import config, trainer, wiring, window_schedule
 from nanotext.train import run
 
 RECORD = os.path.join(REPO, "configs", "speedrun_record.yml")
@@ -30,7 +30,7 @@ def train_step_temp_bytes(T: int) -> int:
   run_ = wiring.prepare(RECORD, TINY + SMALL + [f"train.seq_len={T}"])
   cfg = run_.cfg
   row = jax.ShapeDtypeStruct((cfg.train.batch_size, T), jnp.int32, sharding=run_.batch_sharding)
-  windows = trainer.step_windows(cfg, cfg.train.steps)  # the final (largest) windows
+  windows = window_schedule.step_windows(cfg, cfg.train.steps)  # the final (largest) windows
   step = trainer.make_train_step(run_, windows).lower(run_.abstract_state(),
                                                       {"inputs": row, "targets": row})
   return step.compile().memory_analysis().temp_size_in_bytes

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, TINY
-from nanotext import metrics, optim, trainer, watch, wiring
-from nanotext.model import attention
+from nanotext import metrics, optim, watch, wiring, window_schedule
 
 LATE = ["train.steps=6", "train.log_every=2"]
 SCHEDULE = ["attention.window=32", "attention.window_start=16", "attention.window_block=16",
@@ -58,7 +57,7 @@ def monitor(*overrides, skipped=0, start_step=0, devices=8):
   rows, lines = Rows(), []
   mon = watch.Monitor(run, rows, lines.append, types.SimpleNamespace(count=3),
                       start_step=start_step, skipped=skipped,
-                      windows_of=lambda step: trainer.step_windows(run.cfg, step))
+                      windows_of=lambda step: window_schedule.step_windows(run.cfg, step))
   return mon, rows, lines
 
 
@@ -156,7 +155,7 @@ def test_monitor_row_values(monkeypatch):
   (s1, r1), (s2, r2), (s4, r4) = rows.rows
   assert (s1, s2, s4) == (1, 2, 4)
   assert set(r1) == {"loss", "lr", "tokens_per_sec", "mfu", "grad_norm", "compiles",
-                     "skipped_steps"}  # no attn_window without a schedule
+                     "skipped_steps", "eta_sec"}  # no attn_window without a schedule
   assert r1["loss"] == 5.0 and r1["grad_norm"] == 0.75 and r4["grad_norm"] == 0.25
   assert r1["compiles"] == 3 and r1["skipped_steps"] == 0
   assert [r["tokens_per_sec"] for r in (r1, r2, r4)] == pytest.approx(
@@ -190,7 +189,7 @@ def test_monitor_attn_window_follows_the_schedule(monkeypatch):
     clock.now += 1.0
     mon.add(step, dev(1.0))
     mon.flush_if_logging()
-  want = [attention.long_window(cfg.attention, s - 1, 4) for s in range(1, 5)]
+  want = [window_schedule.long_window(cfg.attention, s - 1, 4) for s in range(1, 5)]
   assert want == [16, 16, 16, 32]
   assert [r["attn_window"] for _, r in rows.rows] == want
   peak = cfg.metrics.peak_flops * 8  # the run's 8 devices

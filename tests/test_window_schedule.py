@@ -12,7 +12,7 @@ import pytest
 from conftest import BASE, SPEEDRUN, TINY
 from nanotext import config, metrics, wiring
 from nanotext.errors import UserError
-from nanotext.model import attention as A
+from nanotext import window_schedule as A
 from nanotext.train import run
 
 RECORD = ["attention.window=1792", "attention.window_start=128", "attention.window_block=128",

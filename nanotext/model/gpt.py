@@ -7,7 +7,8 @@ from flax import nnx
 
 from nanotext import config, sharding
 from nanotext.errors import UserError
-from nanotext.model.attention import CausalSelfAttention, layer_windows
+from nanotext.window_schedule import layer_windows
+from nanotext.model.attention import CausalSelfAttention
 from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul, init_array,
                                    param, proj_std, weight_std)
 
