@@ -31,6 +31,15 @@ def run_cli(*args, env=None, timeout=300):
                         capture_output=True, text=True, timeout=timeout)
 
 
+def one_line_error(proc, *needles):
+  """Assert a CLI run failed with exit 2 and one `nanotext: error:` line holding `needles`."""
+  assert proc.returncode == 2, (proc.stdout, proc.stderr)
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), proc.stderr
+  for n in needles:
+    assert n in lines[0], lines[0]
+
+
 @pytest.fixture
 def tiny():
   return list(TINY)

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import BASE, TINY, run_cli  # noqa: E402
+from conftest import BASE, TINY, one_line_error, run_cli  # noqa: E402
 from nanotext import train  # noqa: E402
 from nanotext.convert import to_hf  # noqa: E402
 from nanotext.data.tokenizer import get_tokenizer  # noqa: E402
@@ -74,14 +74,6 @@ def test_pipeline_generates_like_the_model(hf_export):
       nxt = model(ids).logits[0, -1].argmax()
       ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
   assert tok.decode(ids[0]) == result
-
-
-def one_line_error(proc, *needles):
-  assert proc.returncode == 2, (proc.stdout, proc.stderr)
-  lines = [l for l in proc.stderr.splitlines() if l.strip()]
-  assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), proc.stderr
-  for n in needles:
-    assert n in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("command", ["from-hf", "to-hf", "params-only", "export-torch"])

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest import run_cli
+from conftest import one_line_error, run_cli
 
 pytest.importorskip("matplotlib")
 
@@ -24,14 +24,6 @@ def fake_run(path, *, tokens=(8, 64), final=5.0, bpb=True):
           row["val_bpb"] = row["val_loss"] / 0.693 / 3.3
         f.write(json.dumps(row) + "\n")
   return str(path)
-
-
-def one_line_error(proc, *needles):
-  assert proc.returncode == 2, (proc.stdout, proc.stderr)
-  lines = [l for l in proc.stderr.splitlines() if l.strip()]
-  assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), proc.stderr
-  for n in needles:
-    assert n in lines[0], lines[0]
 
 
 def test_plots_several_runs(tmp_path):
