@@ -231,24 +231,39 @@ def roofline_s(row) -> tuple:
   return compute, memory, max(compute, memory)
 
 
+def _table_head(head: str) -> list:
+  """A markdown table's header line and its separator."""
+  return [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+
+
+def _invalid_row(r, mesh: str, head: str) -> str:
+  """A row for a layout the config refused, padded to the header's columns."""
+  return f"| {r['layout']} | {mesh} | invalid: {r['invalid']} |" + " |" * (head.count(" | ") - 2)
+
+
+def _counts(col: dict) -> str:
+  """'ag 3 rs 2': the non-zero collective counts by short name."""
+  return " ".join(f"{_SHORT[k]} {v['count']}" for k, v in col.items() if v["count"])
+
+
 def topology_table(rows) -> str:
   """Markdown: per layout and program, memory per chip, collectives, FLOPs, roofline estimate."""
   head = ("| layout | data×fsdp×tensor | program | total GiB/chip (of HBM) | args GiB | temps GiB "
           "| collectives (count) | collective MiB/step | XLA TFLOP/chip | analytic TFLOP/chip "
           "| GB accessed/chip | est. compute ms | est. HBM ms | **roofline estimate ms** "
           "| compile s |")
-  lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+  lines = _table_head(head)
   for r in rows:
     mesh = "×".join(map(str, r["shape"]))
     if "invalid" in r:
-      lines.append(f"| {r['layout']} | {mesh} | invalid: {r['invalid']} |" + " |" * 12)
+      lines.append(_invalid_row(r, mesh, head))
       continue
     hbm = f"{r['total_bytes_per_chip'] / 2**30:.2f} ({r['hbm_bytes_per_chip'] / 2**30:.2f})"
     if r.get("overflow"):
       lines.append(f"| {r['layout']} | {mesh} | {r['name']} | {hbm}: does not fit |" + " |" * 11)
       continue
     col = r["collectives"]
-    counts = " ".join(f"{_SHORT[k]} {v['count']}" for k, v in col.items() if v["count"])
+    counts = _counts(col)
     compute, memory, est = roofline_s(r)
     lines.append(
         f"| {r['layout']} | {mesh} | {r['name']} | {hbm} | {r['argument'] / 2**30:.2f} "
@@ -289,14 +304,14 @@ def table(rows) -> str:
   head = ("| layout | data×fsdp×tensor | compile s | step ms | tokens/s | params+opt MiB/dev "
           "| args MiB | outputs MiB | temps MiB | alias MiB | final loss | collectives "
           "(count) | collective MiB/step |")
-  lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+  lines = _table_head(head)
   for r in rows:
     mesh = "×".join(map(str, r["shape"]))
     if "invalid" in r:
-      lines.append(f"| {r['layout']} | {mesh} | invalid: {r['invalid']} |" + " |" * 10)
+      lines.append(_invalid_row(r, mesh, head))
       continue
     mem, col = r["memory"], r["collectives"]
-    counts = " ".join(f"{_SHORT[k]} {v['count']}" for k, v in col.items() if v["count"])
+    counts = _counts(col)
     lines.append(
         f"| {r['layout']} | {mesh} | {r['compile_s']:.1f} | {1e3 * r['step_s']:.0f} "
         f"| {r['tokens_per_s']:,.0f} | {_mib(r['state_bytes'])} | {_mib(mem['argument'])} "
