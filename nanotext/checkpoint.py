@@ -358,4 +358,6 @@ def latest_params(output_dir: str, step: int = -1):
 
 
 def _first_line(e: Exception) -> str:
-  return (str(e).splitlines() or [type(e).__name__])[0][:200]
+  """The readable head of an orbax/tensorstore error (their tails are reprs of bound methods)."""
+  line = (str(e).splitlines() or [type(e).__name__])[0].split(" See full TensorStore")[0]
+  return line[:200]

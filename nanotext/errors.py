@@ -22,6 +22,7 @@ def fail(message: str, status: int = 2) -> None:
 
 def run_cli(main, argv=None) -> None:
   """Call `main(argv)`, mapping UserError to a one-line message and exit status 2."""
+  quiet_background_errors()
   try:
     main(sys.argv[1:] if argv is None else argv)
   except UserError as e:

@@ -11,7 +11,8 @@ STEPS = 4
 LAYOUTS = {"dp8": (8, 1, 1), "fsdp8": (1, 8, 1), "fsdp4_tp2": (1, 4, 2),
            "dp2_fsdp2_tp2": (2, 2, 2)}
 # float32 everywhere: what is compared is the sharded math, not bf16 rounding.
-EXACT = ["model.dtype=float32", "optim.muon_bf16=false", "train.steps=4"]
+EXACT = ["model.dtype=float32", "model.embed_dtype=float32", "model.fp8_head=false",
+         "optim.muon_bf16=false", "train.steps=4"]
 
 
 def losses(path, layout, extra=()):
