@@ -34,17 +34,19 @@ _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def programs(cfg) -> list:
-  """[(name, windows, steps)] of the run: one train program per distinct window tuple, in order
-  of first use, then the eval program (windows None = the final ones)."""
+  """[(name, stage, steps)] of the run: one train program per distinct stage (per-layer windows,
+  row length), in order of first use, then the eval program (stage None = the final windows)."""
   from nanotext import window_schedule
   stages = {}
   for step in range(cfg.train.steps):
-    stages.setdefault(window_schedule.step_windows(cfg, step), []).append(step)
+    stages.setdefault(window_schedule.step_stage(cfg, step), []).append(step)
+  lengths = {seq_len for _, seq_len in stages}
   out = []
-  for windows, steps in stages.items():
+  for (windows, seq_len), steps in stages.items():
     long = max(windows) if any(windows) else 0
     name = "train" if len(stages) == 1 else f"train@{long or 'causal'}"
-    out.append((name, windows, (steps[0], steps[-1])))
+    name += f"x{seq_len}" if len(lengths) > 1 else ""
+    out.append((name, (windows, seq_len), (steps[0], steps[-1])))
   return out + [("eval", None, None)]
 
 
@@ -73,14 +75,14 @@ def abstract_batch(run) -> dict:
   return {"inputs": spec, "targets": spec}
 
 
-def compile_program(run, name, windows, hbm_bytes: int, min_headroom: float = 0.0) -> dict:
+def compile_program(run, name, stage, hbm_bytes: int, min_headroom: float = 0.0) -> dict:
   """Compile one program for the run's devices; its record (an HBM overflow is a record too)."""
   from nanotext import trainer
   state, batch = run.abstract_state(), abstract_batch(run)
   if name == "eval":
     jitted, args = trainer.make_eval_step(run), (state["params"], batch)
   else:
-    jitted, args = trainer.make_train_step(run, windows), (state, batch)
+    jitted, args = trainer.make_train_step(run, *stage), (state, batch)
   rec = {"name": name, "hbm_bytes_per_chip": hbm_bytes}
   t0 = time.perf_counter()
   try:
@@ -97,7 +99,7 @@ def compile_program(run, name, windows, hbm_bytes: int, min_headroom: float = 0.
   rec.update(measure(compiled))
   rec["headroom"] = 1.0 - rec["total_bytes_per_chip"] / hbm_bytes
   rec["fits"] = rec["headroom"] >= min_headroom
-  rec["flops_analytic_per_chip"] = analytic_flops(run, windows, train=name != "eval")
+  rec["flops_analytic_per_chip"] = analytic_flops(run, stage, train=name != "eval")
   return rec
 
 
@@ -121,13 +123,14 @@ def measure(compiled) -> dict:
   return rec
 
 
-def analytic_flops(run, windows, *, train: bool) -> float:
+def analytic_flops(run, stage, *, train: bool) -> float:
   """Model FLOPs per chip of one step (6N + attention per token; forward only for eval)."""
   from nanotext import metrics, window_schedule
   cfg = run.cfg
-  w = windows if windows is not None else window_schedule.step_windows(cfg, cfg.train.steps)
+  w, seq_len = stage if stage is not None else \
+      (window_schedule.step_windows(cfg, cfg.train.steps), cfg.train.seq_len)
   tokens = cfg.train.batch_size * cfg.train.seq_len
-  per_token = metrics.flops_per_token(cfg.model, cfg.train.seq_len, w)
+  per_token = metrics.flops_per_token(cfg.model, seq_len, w)
   return per_token * tokens / run.mesh.size / (1 if train else 3)
 
 
@@ -207,10 +210,11 @@ def run_compile(path, overrides, slice_name, which="all", min_headroom=0.10, log
       f"{run.cfg.train.loss_chunk}")
   chosen = select(programs(run.cfg), which)
   recs = []
-  for name, windows, steps in chosen:
-    rec = compile_program(run, name, windows, sl.chip.hbm_bytes, min_headroom)
+  for name, stage, steps in chosen:
+    rec = compile_program(run, name, stage, sl.chip.hbm_bytes, min_headroom)
     rec["steps"] = steps
-    rec["windows"] = None if windows is None else list(windows)
+    rec["windows"] = None if stage is None else list(stage[0])
+    rec["seq_len"] = run.cfg.train.seq_len if stage is None else stage[1]
     recs.append(rec)
     log(describe(rec))
   return run, sl, recs

@@ -30,12 +30,14 @@ POLAR_EXPRESS_SAFETY = 1.02  # the coefficients assume X / (1.02 * ||X||_F): spe
 
 
 CHOICES = {"name": ("adamw", "muon"), "muon_layout": ("distributed", "replicated", "sharded"),
-           "muon_ns_coeffs": ("jordan", "polar_express")}
+           "muon_ns_coeffs": ("jordan", "polar_express"), "muon_scale": ("fan_out", "rows")}
 
 
 def check_config(o) -> None:
   """The optim section: optimizer and Muon choices, schedule fractions."""
   config.check_choices("optim", o, CHOICES)
+  if not 0 < o.muon_layer_decay <= 1:
+    raise UserError(f"optim.muon_layer_decay={o.muon_layer_decay} must be in (0, 1] (1 = off)")
   if not 0 <= o.cooldown_frac <= 1:
     raise UserError(f"optim.cooldown_frac={o.cooldown_frac} must be in [0, 1]")
 
@@ -144,11 +146,46 @@ def scale_by_muon(optim_cfg) -> optax.GradientTransformation:
       look = mu
     out = orthogonalize_all(look, optim_cfg.muon_layout,
                             lambda x: newton_schulz(x, coeffs, optim_cfg.muon_ns_steps, ns_dtype))
-    scale = lambda x: jnp.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))  # fan_out / fan_in per matrix
-    out = jax.tree.map(lambda y, x: y.astype(x.dtype) * scale(x), out, look)
+    out = jax.tree.map(lambda y, x: y.astype(x.dtype) * aspect_scale(x.shape, optim_cfg.muon_scale),
+                       out, look)
     return out, {"count": state["count"] + 1, "mu": mu}
 
   return optax.GradientTransformation(init, update)
+
+
+def aspect_scale(shape, rule: str) -> float:
+  """Muon's per-matrix update scale sqrt(max(1, r)) for an [in, out] matrix (or a stack of them).
+
+  fan_out: r = fan_out / fan_in (the record's `max(1, p.size(-2) / p.size(-1))` on its [out, in]
+  weights). rows: r = rows / cols of the matrix as stored, as modded-nanogpt-jax computes it on
+  its own layout (MLP weights [in, out], c_qkv [out, in]; nanotext's model.fused_qkv is stored
+  [out, in] like that c_qkv), so its MLP input gets 1 and its MLP output 2.
+  """
+  r = shape[-1] / shape[-2] if rule == "fan_out" else shape[-2] / shape[-1]
+  return float(np.sqrt(max(1.0, r)))
+
+
+def layer_decay(decay: float) -> optax.GradientTransformation:
+  """Layer-wise learning-rate decay: the updates of block i times decay^(L - 1 - i).
+
+  The last block keeps the full rate and each block below it one more factor of `decay`; L and
+  i come from the parameter paths (`blocks/<i>/...`); parameters outside the blocks are left as
+  they are.
+  """
+  def mults(tree):
+    index = lambda path: next((int(getattr(k, "key", getattr(k, "idx", -1)))
+                               for a, k in zip(path, path[1:])
+                               if getattr(a, "key", None) == "blocks"), None)
+    paths = [index(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    top = max([i for i in paths if i is not None], default=0)
+    return [1.0 if i is None else float(decay) ** (top - i) for i in paths]
+
+  def update(updates, state, params=None):
+    del params
+    leaves, treedef = jax.tree.flatten(updates)
+    return jax.tree.unflatten(treedef, [u * m for u, m in zip(leaves, mults(updates))]), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def orthogonalize_all(tree, layout: str, ortho):
@@ -220,6 +257,8 @@ def make_optimizer(optim_cfg, labels, total_steps: int) -> optax.GradientTransfo
     return optax.chain(*clip, tx)
   transforms = {
       "matrix": optax.chain(scale_by_muon(optim_cfg),
+                            *([layer_decay(optim_cfg.muon_layer_decay)]
+                              if optim_cfg.muon_layer_decay != 1 else []),
                             optax.scale_by_learning_rate(scaled(factor, optim_cfg.muon_lr))),
       "embed": _adam(optim_cfg, scaled(factor, optim_cfg.embed_lr)),
       "head": _adam(optim_cfg, scaled(factor, optim_cfg.head_lr)),

@@ -17,7 +17,7 @@ from nanotext.wiring import Run, new_state
 from nanotext.watch import CompileCounter, Monitor, Preemption, Profiler
 from nanotext.model.attention import segment_ids_from_tokens
 from nanotext.model.loss import cross_entropy
-from nanotext.window_schedule import eval_windows, stage_windows, step_windows
+from nanotext.window_schedule import eval_windows, stages, step_stage, step_windows
 
 
 def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, chunk=0,
@@ -35,11 +35,14 @@ def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, 
     return cross_entropy(model, x_BTD, targets_BT, chunk, train)
 
 
-def make_train_step(run: Run, windows=None):
+def make_train_step(run: Run, windows=None, seq_len: int = 0):
   """jit(state, batch) -> (state, metrics), state donated, with gradient accumulation.
 
-  `windows` (a tuple of static per-layer ints, one attention.window_schedule stage) is baked into
-  the program: each distinct tuple is its own executable, compiled before the loop starts.
+  `windows` (a tuple of static per-layer ints, one attention.window_schedule stage) and
+  `seq_len` (a train.seq_len_start warmup length; 0 = the batch's) are baked into the program:
+  each distinct stage is its own executable, compiled before the loop starts. Shorter rows are
+  the batch's rows cut into pieces (same tokens, targets still the next token), run in
+  micro-batches of as many rows as at full length (modded-nanogpt-jax's fixed micro-batch).
 
   A step whose loss or gradient norm is not finite leaves params and optimizer state as they
   were when train.on_nonfinite=skip (selected on device: no host sync); with abort the host
@@ -54,28 +57,34 @@ def make_train_step(run: Run, windows=None):
     return loss if poison is None else loss * poison
   grad_fn = jax.value_and_grad(objective)
 
-  def micro_batches(a_BT):
+  def micro_batches(a_BT, accum):
     # Row r goes to micro-batch r % accum, so each device's rows spread over all micro-batches.
     b, t = a_BT.shape
     a = a_BT.reshape(b // accum, accum, t).swapaxes(0, 1)
     return sharding.constrain(a, (None, "batch", "act_length"))
 
   def step_fn(state, batch):
+    B, T = batch["inputs"].shape
+    cut = T // seq_len if seq_len and seq_len < T else 1
+    n_micro = accum * cut
+    if cut > 1:  # each row's tokens as `cut` consecutive rows; they stay on their device
+      batch = {k: sharding.constrain(v.reshape(B * cut, T // cut), ("batch", "act_length"))
+               for k, v in batch.items()}
     # Testing hook: train.debug_nan_step=N makes step N's loss (and so its gradients) NaN.
     poison = None if nan_step < 0 else \
         jnp.where(state["step"] + 1 == nan_step, jnp.nan, 1.0).astype(jnp.float32)
     with sharding.use_rules(run.rules, run.mesh):
       params = state["params"]
-      if accum == 1:
+      if n_micro == 1:
         loss, grads = grad_fn(params, batch["inputs"], batch["targets"], poison)
       else:
         def body(carry, xy):
           loss, grads = grad_fn(params, *xy, poison)
           return jax.tree.map(jnp.add, carry, (loss, grads)), None
         zeros = (jnp.zeros([], jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        xs = (micro_batches(batch["inputs"]), micro_batches(batch["targets"]))
+        xs = (micro_batches(batch["inputs"], n_micro), micro_batches(batch["targets"], n_micro))
         (loss, grads), _ = jax.lax.scan(body, zeros, xs)
-        loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+        loss, grads = loss / n_micro, jax.tree.map(lambda g: g / n_micro, grads)
       grad_norm = optax.global_norm(grads)
       updates, opt_state = tx.update(grads, state["opt_state"], params)
       new_params = optax.apply_updates(params, updates)
@@ -110,16 +119,17 @@ def global_batch(run: Run, local: dict) -> dict:
 
 
 def compile_train_steps(run: Run, state, batch, steps) -> dict:
-  """AOT-compile one train program per distinct window tuple that `steps` (0-based) need.
+  """AOT-compile one train program per distinct stage (windows, row length) `steps` (0-based)
+  need, keyed by window_schedule.step_stage.
 
   Tracing runs one after another; XLA compilations run in a thread pool, since they are
   independent and release the GIL (many schedule stages on a many-core host).
   """
   if isinstance(steps, range) and steps.step == 1:
-    needed = stage_windows(run.cfg, steps.start, steps.stop)
+    needed = stages(run.cfg, steps.start, steps.stop)
   else:
-    needed = list(dict.fromkeys(step_windows(run.cfg, s) for s in steps))  # in order of use
-  lowered = {w: make_train_step(run, w).lower(state, batch) for w in needed}
+    needed = list(dict.fromkeys(step_stage(run.cfg, s) for s in steps))  # in order of use
+  lowered = {st: make_train_step(run, *st).lower(state, batch) for st in needed}
   workers = max(1, min(len(lowered), os.cpu_count() or 1))
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     futures = {w: pool.submit(low.compile) for w, low in lowered.items()}
@@ -195,7 +205,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     for step in range(start_step, t_cfg.steps):
       done = step + 1
       with profiler.step(step):
-        state, step_metrics = train_execs[step_windows(cfg, step)](state, batch)
+        state, step_metrics = train_execs[step_stage(cfg, step)](state, batch)
       saved_state = data_state
       if done < t_cfg.steps:
         batch = global_batch(run, next(train_iter))  # overlaps with the step just dispatched

@@ -1,9 +1,45 @@
-"""The sliding-window schedule: which window each layer uses at each step, in one place.
+"""The per-step schedules that shape programs: sliding windows and row length, in one place.
 
 The trainer (which program runs a step, which the eval uses), the metrics (FLOPs per step), the
-logs (attn_window) and the model (its default windows) all read it from here. Windows are static
-Python ints: each distinct per-layer tuple is its own compiled program.
+logs (attn_window) and the model (its default windows) all read them from here. Windows and row
+lengths are static Python ints: each distinct (per-layer windows, row length) stage is its own
+compiled program.
 """
+
+from nanotext.errors import UserError
+
+
+def check_config(t) -> None:
+  """train.seq_len_start / seq_len_step: every warmup length must divide train.seq_len."""
+  if not t.seq_len_start:
+    return
+  if t.seq_len_start > t.seq_len:
+    raise UserError(f"train.seq_len_start={t.seq_len_start} must not exceed train.seq_len="
+                    f"{t.seq_len}")
+  bad = [n for n in seq_lens(t) if t.seq_len % n]
+  if bad:
+    raise UserError(f"sequence-length warmup rows of {bad[0]} tokens do not divide "
+                    f"train.seq_len={t.seq_len} (each step reads batch_size x seq_len tokens and "
+                    "cuts them into shorter rows): change train.seq_len_start / seq_len_step")
+
+
+def seq_lens(train_cfg) -> tuple:
+  """The row lengths of the sequence-length warmup, shortest first (one: train.seq_len)."""
+  t = train_cfg
+  if not t.seq_len_start or t.seq_len_start >= t.seq_len:
+    return (int(t.seq_len),)
+  inc = t.seq_len_step or t.seq_len - t.seq_len_start
+  return tuple(range(t.seq_len_start, t.seq_len, inc)) + (int(t.seq_len),)
+
+
+def seq_len_at(train_cfg, step: int) -> int:
+  """Row length of 0-based train `step`: each warmup length gets an equal share of the steps.
+
+  modded-nanogpt-jax (a9d3e04) `_get_shape_for_step`: `int(step / steps * n)` picks the length;
+  exact integer arithmetic here. Tokens per step stay batch_size * seq_len.
+  """
+  lens = seq_lens(train_cfg)
+  return lens[min(len(lens) - 1, max(step, 0) * len(lens) // max(train_cfg.steps, 1))]
 
 
 def long_window(attn_cfg, step: int, steps: int) -> int:
@@ -71,7 +107,12 @@ def step_windows(cfg, step: int) -> tuple:
   compiled program; step == train.steps gives the final windows.
   """
   w = windows_at(cfg.attention, cfg.model.num_layers, step, cfg.train.steps)
-  return effective_windows(w, cfg.train.seq_len)
+  return effective_windows(w, seq_len_at(cfg.train, step))
+
+
+def step_stage(cfg, step: int) -> tuple:
+  """(per-layer windows, row length) of 0-based train `step`: the key of its compiled program."""
+  return step_windows(cfg, step), seq_len_at(cfg.train, step)
 
 
 def eval_windows(cfg, done: int) -> tuple:
@@ -86,19 +127,24 @@ def eval_windows(cfg, done: int) -> tuple:
   return effective_windows(w, t.eval_seq_len or t.seq_len)
 
 
-def stage_windows(cfg, start: int, stop: int) -> list:
-  """The distinct window tuples of 0-based steps start..stop-1, in order of use.
+def stages(cfg, start: int, stop: int, key=step_stage) -> list:
+  """The distinct stages (`key` of a step) of 0-based steps start..stop-1, in order of use.
 
-  O(stages * log steps), not O(steps): windows never shrink as steps go by, so a stage is one
-  run of steps whose end is found by bisection (train.steps may be in the billions).
+  O(stages * log steps), not O(steps): windows and row lengths never shrink as steps go by, so a
+  stage is one run of steps whose end is found by bisection (train.steps may be in the billions).
   """
   out, step = [], start
   while step < stop:
-    w = step_windows(cfg, step)
+    w = key(cfg, step)
     out.append(w)
-    lo, hi = step, stop  # invariant: step lo has windows w, step hi is past this stage
+    lo, hi = step, stop  # invariant: step lo is in stage w, step hi is past it
     while hi - lo > 1:
       mid = (lo + hi) // 2
-      lo, hi = (mid, hi) if step_windows(cfg, mid) == w else (lo, mid)
+      lo, hi = (mid, hi) if key(cfg, mid) == w else (lo, mid)
     step = hi
   return list(dict.fromkeys(out))
+
+
+def stage_windows(cfg, start: int, stop: int) -> list:
+  """The distinct window tuples of 0-based steps start..stop-1, in order of use."""
+  return stages(cfg, start, stop, key=step_windows)

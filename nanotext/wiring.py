@@ -92,7 +92,7 @@ def load(path, overrides=()):
 
 def check(cfg):
   """Each module checks its own section: choices and the rules between its keys."""
-  from nanotext import watch
+  from nanotext import watch, window_schedule
   from nanotext.data import pipeline
   from nanotext.model import attention, gpt
   gpt.check_config(cfg.model)
@@ -100,6 +100,7 @@ def check(cfg):
   optim.check_config(cfg.optim)
   pipeline.check_config(cfg.data)
   watch.check_config(cfg.train)
+  window_schedule.check_config(cfg.train)
   return cfg
 
 

@@ -11,7 +11,8 @@ from nanotext import config, sharding
 from nanotext.errors import UserError
 from nanotext.model.blocked_attention import blocked_attention
 from nanotext.model.cpu_attention import cpu_attention
-from nanotext.model.layers import Linear, StackedLinear, param, proj_std, rms_norm, weight_std
+from nanotext.model.layers import (Linear, StackedLinear, init_array, param, proj_std, rms_norm,
+                                   weight_std)
 
 IMPLS = ("auto", "xla", "cudnn", "splash", "blocked", "cpu")
 SPLASH_LANES = 128  # splash tiles must be multiples of the TPU lane width, also in interpret mode
@@ -277,17 +278,23 @@ def _splash_local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale, window,
   return jnp.swapaxes(out_BHTK, 1, 2)
 
 
-def rope_frequencies(head_dim: int, base: float, truncate: bool) -> np.ndarray:
+def rope_frequencies(head_dim: int, base: float, truncate: bool,
+                     spacing: str = "linspace") -> np.ndarray:
   """Angular frequency per rotated pair (head_dim // 2 of them).
 
-  With `truncate` (the speedrun's half-truncated RoPE) only the first half of the pairs rotate,
-  with frequencies spaced geometrically from 1 down to 1/base; the rest stay at zero.
+  With `truncate` (the speedrun's half-truncated RoPE) only the first quarter of head_dim (the
+  first half of the pairs) rotate and the rest stay at zero. Their frequencies: `linspace`, from
+  1 down to 1/base inclusive (the record's (1/base) ** linspace(0, 1, K/4)), or `arange`,
+  base ** (-i / (K/4)) for i < K/4, stopping one step short of 1/base (modded-nanogpt-jax).
   """
   pairs = head_dim // 2
   if not truncate:
     return base ** (-np.arange(pairs, dtype=np.float64) * 2 / head_dim)
   quarter = head_dim // 4
-  freq = (1.0 / base) ** np.linspace(0.0, 1.0, quarter)
+  if spacing == "arange":
+    freq = float(base) ** (-np.arange(quarter, dtype=np.float64) / quarter)
+  else:
+    freq = (1.0 / base) ** np.linspace(0.0, 1.0, quarter)
   return np.concatenate([freq, np.zeros(pairs - quarter)])
 
 
@@ -309,8 +316,11 @@ class CausalSelfAttention(nnx.Module):
     lin = dict(bias=cfg.bias, param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs,
                dist=cfg.init_dist)
     std = weight_std(cfg, d)
-    self.merged_qkv = cfg.merged_qkv
-    if cfg.merged_qkv:  # one [3, D, H*K] parameter (record: qkv_w), one matmul
+    self.merged_qkv, self.fused_qkv = cfg.merged_qkv, cfg.fused_qkv
+    if cfg.fused_qkv:  # one [3*H*K, D] matrix stored [out, in] (modded-nanogpt-jax: c_qkv)
+      self.qkv = param(init_array(rngs, (3 * h * k, d), std, cfg.param_dtype, cfg.init_dist),
+                       ("heads", "embed"), "matrix")
+    elif cfg.merged_qkv:  # one [3, D, H*K] parameter (record: qkv_w), one matmul
       self.qkv = StackedLinear(3, d, h * k, ("embed", "heads"), std=std, **lin)
     else:
       self.q = Linear(d, h * k, ("embed", "heads"), std=std, **lin)
@@ -319,25 +329,41 @@ class CausalSelfAttention(nnx.Module):
     # v <- lambdas[0] * v + lambdas[1] * ve (value embeddings; record init 0.5, 0.5).
     self.v_lambdas = param(jnp.array([0.5, 0.5], cfg.param_dtype), (None,), "scalar") \
         if cfg.value_embeds else None
+    # Value residual: v <- (1 - lam) v + lam v1, v1 the first attention layer's v (init 0.5).
+    self.v_residual = param(jnp.array([0.5], cfg.param_dtype), (None,), "scalar") \
+        if cfg.value_residual else None
     self.o = Linear(h * k, d, ("heads", "embed"), std=proj_std(cfg, h * k), **lin)
-    self.num_heads, self.head_dim = h, k
+    self.num_heads, self.head_dim, self.dtype = h, k, cfg.dtype
     self.scale = cfg.attn_scale or 1.0 / np.sqrt(k)
+    # A learned softmax scale (modded-nanogpt-jax: init 0.12) multiplies q; the kernel scales by 1.
+    self.scale_param = param(jnp.array([self.scale], cfg.param_dtype), (None,), "scalar") \
+        if cfg.attn_scale_learned else None
     self.qk_norm, self.qk_eps = cfg.qk_norm, cfg.norm_eps or 1e-6
-    self.rope = (cfg.rope_base, cfg.rope_truncate) if cfg.positions == "rope" else None
+    self.rope = (cfg.rope_base, cfg.rope_truncate, cfg.rope_freqs) \
+        if cfg.positions == "rope" else None
     self.impl, self.window = impl, attn_cfg.window
     self.block = attn_cfg.window_block if attn_cfg.block_windows else 0  # record's block mask
 
-  def __call__(self, x_BTD, segment_ids_BT=None, window=None, ve_BTD=None):
-    """Attention over [B, T, D]; `window` (static int) overrides attention.window for a schedule;
-    `ve_BTD` is this layer's value embedding (with model.value_embeds; None for middle layers)."""
+  def __call__(self, x_BTD, segment_ids_BT=None, window=None, ve_BTD=None, v1_BTHK=None):
+    """(attention output [B, T, D], v1) for x [B, T, D]. `window` (static int) overrides
+    attention.window for a schedule; `ve_BTD` is this layer's value embedding (model.value_embeds;
+    None for middle layers); `v1_BTHK`, with model.value_residual, the first layer's v (None in
+    the first layer, whose own v becomes v1)."""
     B, T, _ = x_BTD.shape
     shape = (B, T, self.num_heads, self.head_dim)
     names = ("batch", "act_length", "act_heads", "act_kv")
-    if self.merged_qkv:
+    if self.fused_qkv:
+      x = x_BTD.astype(self.dtype)
+      q, k, v = jnp.split(x @ self.qkv.value.astype(self.dtype).T, 3, axis=-1)
+    elif self.merged_qkv:
       q, k, v = self.qkv(x_BTD)
     else:
       q, k, v = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
     q, k, v = (sharding.constrain(a.reshape(shape), names) for a in (q, k, v))
+    if self.v_residual is not None:
+      v1_BTHK = v if v1_BTHK is None else v1_BTHK
+      lam = self.v_residual.value.astype(v.dtype)[0]
+      v = (1 - lam) * v + lam * v1_BTHK
     if self.v_lambdas is not None:
       lam = self.v_lambdas.value.astype(v.dtype)
       # Layers without a value embedding still scale v by lambdas[0], as the record does.
@@ -347,9 +373,12 @@ class CausalSelfAttention(nnx.Module):
     if self.rope is not None:
       freq = rope_frequencies(self.head_dim, *self.rope)
       q, k = apply_rope(q, freq), apply_rope(k, freq)
+    scale = self.scale
+    if self.scale_param is not None:
+      q, scale = q * self.scale_param.value.astype(q.dtype)[0], 1.0
     with jax.named_scope("attention_kernel"):
-      out_BTHK = dot_product_attention(q, k, v, impl=self.impl, scale=self.scale,
+      out_BTHK = dot_product_attention(q, k, v, impl=self.impl, scale=scale,
                                        window=self.window if window is None else window,
                                        segment_ids_BT=segment_ids_BT, block=self.block)
     out_BTHK = sharding.constrain(out_BTHK, names)
-    return self.o(out_BTHK.reshape(B, T, -1))
+    return self.o(out_BTHK.reshape(B, T, -1)), v1_BTHK

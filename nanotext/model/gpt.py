@@ -16,7 +16,8 @@ from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_mat
 CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
            "mlp_act": ("gelu", "relu2"), "dtype": ("float32", "bfloat16"),
            "param_dtype": ("float32", "bfloat16"), "embed_dtype": ("", "float32", "bfloat16"),
-           "init_dist": ("normal", "uniform"), "remat": ("none", "full", "dots")}
+           "init_dist": ("normal", "uniform"), "remat": ("none", "full", "dots"),
+           "rope_freqs": ("linspace", "arange")}
 
 
 def check_config(m) -> None:
@@ -43,6 +44,9 @@ def check_config(m) -> None:
   if m.embed_rows < -1 or m.embed_rows > m.vocab_size:
     raise UserError(f"model.embed_rows={m.embed_rows} must be 0 (= model.vocab_size), -1 (the "
                     f"tokenizer's vocabulary) or at most model.vocab_size={m.vocab_size}")
+  if m.fused_qkv and (m.merged_qkv or m.bias):
+    raise UserError("model.fused_qkv=true is one [3*heads*head_dim, d_model] matrix without bias: "
+                    "set model.merged_qkv=false and model.bias=false")
   if m.fp8_head and m.tie_embeddings:
     raise UserError("model.fp8_head=true needs an untied head (model.tie_embeddings=false)")
 
@@ -94,17 +98,19 @@ class Block(nnx.Module):
     self.lambdas = param(jnp.array([1.0, 0.0], cfg.param_dtype), (None,), "scalar") \
         if cfg.x0_mix else None
 
-  def __call__(self, x_BTD, x0_BTD, segment_ids_BT=None, window=None, ve_BTD=None):
-    """`window` (static int) overrides attention.window; `ve_BTD`: this layer's value embedding."""
+  def __call__(self, x_BTD, x0_BTD, segment_ids_BT=None, window=None, ve_BTD=None, v1=None):
+    """(x, v1): `window` (static int) overrides attention.window; `ve_BTD`: this layer's value
+    embedding; `v1`: the first attention layer's v (model.value_residual), passed on."""
     if self.lambdas is not None:
       lam = self.lambdas.value.astype(x_BTD.dtype)
       x_BTD = lam[0] * x_BTD + lam[1] * x0_BTD
     if self.attn is not None:
       with jax.named_scope("attention"):
-        x_BTD = x_BTD + self.attn(self.ln1(x_BTD), segment_ids_BT, window, ve_BTD)
+        y_BTD, v1 = self.attn(self.ln1(x_BTD), segment_ids_BT, window, ve_BTD, v1)
+        x_BTD = x_BTD + y_BTD
     with jax.named_scope("mlp"):
       x_BTD = x_BTD + self.mlp(self.ln2(x_BTD))
-    return sharding.constrain(x_BTD, ("batch", "act_length", "act_embed"))
+    return sharding.constrain(x_BTD, ("batch", "act_length", "act_embed")), v1
 
 
 class GPT(nnx.Module):
@@ -171,14 +177,14 @@ class GPT(nnx.Module):
     ve = [table(tokens_BT) for table in self.value_embeds]
     L = len(self.blocks)
     n_skip = 0 if self.skip_weights is None else L // 2
-    skips = []
+    skips, v1 = [], None
     for i, block in enumerate(self.blocks):
       if i >= L - n_skip:  # decoder half: the mirrored encoder output (a stack: last in, first out)
         x_BTD = x_BTD + self.skip_weights.value[i - (L - n_skip)].astype(x_BTD.dtype) * skips.pop()
       with jax.named_scope(f"block_{i}"):
         j = self.ve_layers[i]
-        x_BTD = remat_block(self.remat, windows[i])(
-            block, x_BTD, x0_BTD, segment_ids_BT, None if j is None else ve[j])
+        x_BTD, v1 = remat_block(self.remat, windows[i])(
+            block, x_BTD, x0_BTD, segment_ids_BT, None if j is None else ve[j], v1)
       if i < n_skip:
         skips.append(x_BTD)
     return self.ln_f(x_BTD)
@@ -211,9 +217,9 @@ REMAT_POLICIES = {
 
 
 def remat_block(policy: str, window: int):
-  """(block, x, x0, segments, ve) -> block output, rematerialised per model.remat."""
-  def call(block, x_BTD, x0_BTD, segment_ids_BT, ve_BTD):
-    return block(x_BTD, x0_BTD, segment_ids_BT, window, ve_BTD)
+  """(block, x, x0, segments, ve, v1) -> (block output, v1), rematerialised per model.remat."""
+  def call(block, x_BTD, x0_BTD, segment_ids_BT, ve_BTD, v1):
+    return block(x_BTD, x0_BTD, segment_ids_BT, window, ve_BTD, v1)
   if policy == "none":
     return call
   return nnx.remat(call, policy=REMAT_POLICIES[policy])
