@@ -1,6 +1,7 @@
 """The flash (Pallas, interpreted on CPU) and einsum kernels agree with xla forward and backward,
 refuse what they cannot express, and einsum trains to xla's losses."""
 
+import importlib.util
 import json
 import os
 
@@ -111,3 +112,20 @@ def test_einsum_trains_to_xla_losses(tmp_path):
       losses[impl] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
   assert len(losses["xla"]) == 4
   np.testing.assert_allclose(losses["einsum"], losses["xla"], rtol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_flash_compiles_to_mosaic_for_a_tpu():
+  """Built for a TPU mesh from this CPU host, flash is Mosaic (forward, dK/dV and dQ kernels)."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from nanotext import sharding, topology
+  mesh = Mesh(np.array(topology.devices(topology.parse("v5e-1"))).reshape(1, 1, 1),
+              sharding.MESH_AXES)
+  x = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  seg = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=NamedSharding(mesh, P()))
+  def loss(q, k, v, seg):
+    out = kernel("flash")(q, k, v, scale=SCALE, segment_ids_BT=seg)
+    return out.astype(jnp.float32).sum()
+  with sharding.use_rules(sharding.parse_rules([]), mesh):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg)
+  assert lowered.compile().as_text().count('custom_call_target="tpu_custom_call"') == 3
