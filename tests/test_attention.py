@@ -155,8 +155,8 @@ def test_auto_resolution():
   assert resolve_impl("auto", "gpu", head_dim=64, seq_len=128) == ("cudnn" if cudnn_ok else "xla")
   assert resolve_impl("auto", "gpu", head_dim=12, seq_len=128) == "xla"  # cuDNN wants K % 8 == 0
   assert resolve_impl("xla", "tpu") == "xla"
-  with pytest.raises(UserError, match="attention.impl='flash'"):
-    resolve_impl("flash", "cpu")
+  with pytest.raises(UserError, match="attention.impl='flash2'"):
+    resolve_impl("flash2", "cpu")
 
 
 def test_splash_under_a_mesh_is_sharded():

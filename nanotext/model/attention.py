@@ -11,10 +11,11 @@ from nanotext import config, sharding
 from nanotext.errors import UserError
 from nanotext.model.blocked_attention import blocked_attention
 from nanotext.model.cpu_attention import cpu_attention
+from nanotext.model.flash_attention import flash_attention, problem as flash_problem
 from nanotext.model.layers import (Linear, StackedLinear, init_array, param, proj_std, rms_norm,
                                    weight_std)
 
-IMPLS = ("auto", "xla", "cudnn", "splash", "blocked", "cpu")
+IMPLS = ("auto", "xla", "cudnn", "splash", "flash", "blocked", "cpu", "einsum")
 SPLASH_LANES = 128  # splash tiles must be multiples of the TPU lane width, also in interpret mode
 # Above this length a dense [T, T] mask/score per head is the cost that matters: `auto` takes the
 # blocked kernel for windowed attention (at 4096, f32 scores are 64 MiB per head and example).
@@ -85,6 +86,8 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
                       f"{problem}; use attention.impl=xla or auto")
   if impl == "splash" and seq_len:
     _splash_block(seq_len)  # raises UserError early for a sequence length splash cannot tile
+  if impl == "flash" and (problem := flash_problem(seq_len, head_dim, window)):
+    raise UserError(f"attention.impl=flash {problem}; use attention.impl=splash, blocked or auto")
   return impl
 
 
@@ -145,6 +148,11 @@ def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, wi
     return _cudnn(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT)
   if impl == "splash":
     return _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, block)
+  if impl == "flash":
+    resolve_impl("flash", _platform(), head_dim=q_BTHK.shape[-1], seq_len=T, window=window)
+    return _flash(q_BTHK, k_BTHK, v_BTHK, scale, segment_ids_BT)
+  if impl == "einsum":
+    return _einsum(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, block)
   raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
 
 
@@ -159,6 +167,23 @@ def _segment_mask(segment_ids_BT):
   if segment_ids_BT is None:
     return None
   return segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
+
+
+def _einsum(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, block=0):
+  """The textbook path, for debugging: dense float32 scores, every mask explicit, softmax."""
+  T = q_BTHK.shape[1]
+  t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+  if window and block:
+    mask_TS = block_window_mask(T, window, block)
+  else:
+    mask_TS = (s <= t) & (t - s < (window or T))
+  mask_BHTS = jnp.asarray(mask_TS)[None, None]
+  if segment_ids_BT is not None:
+    mask_BHTS = mask_BHTS & _segment_mask(segment_ids_BT)
+  s_BHTS = jnp.einsum("bqhd,bkhd->bhqk", q_BTHK, k_BTHK,
+                      preferred_element_type=jnp.float32) * scale
+  p_BHTS = jax.nn.softmax(jnp.where(mask_BHTS, s_BHTS, -jnp.inf), axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", p_BHTS.astype(v_BTHK.dtype), v_BTHK)
 
 
 def _xla(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, implementation, block=0):
@@ -243,20 +268,36 @@ def _splash_kernel(T: int, H: int, window: int, block: int, interpret: bool, win
         splash.MultiHeadMask([head_mask] * H), block_sizes=sizes, interpret=interpret)
 
 
-def _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, block=0):
-  """Splash attention, run per device on its batch/head shard when a mesh is active."""
+def _platform() -> str:
+  """The platform the program is built for: the active mesh's devices, else the default backend.
+
+  Pallas kernels are Mosaic or interpreted by this, never by the host's default backend alone: a
+  CPU host compiling for a TPU topology must get the TPU kernel."""
   active = sharding.active()
-  # Mosaic or interpreted by the platform the program is built for (the mesh's devices), never the
-  # host's default backend: a CPU host compiling for a TPU topology must get the TPU kernel.
-  platform = jax.default_backend() if active is None else active[1].devices.flat[0].platform
-  local = functools.partial(_splash_local, scale=scale, window=window, window_block=block,
-                            interpret=platform != "tpu")
+  return jax.default_backend() if active is None else active[1].devices.flat[0].platform
+
+
+def _per_device(local, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
+  """`local(q, k, v[, segment ids])` per device on its batch/head shard when a mesh is active."""
   args = (q_BTHK, k_BTHK, v_BTHK) + (() if segment_ids_BT is None else (segment_ids_BT,))
   # A Pallas kernel is opaque to the SPMD partitioner (it would gather everything onto every
   # device), so it runs per device: batch and heads split as the rules say, the sequence whole.
   names = ("batch", None, "act_heads", None)
   in_axes = (names,) * 3 + (() if segment_ids_BT is None else (("batch", None),))
   return sharding.per_device(local, args, in_axes, names)
+
+
+def _flash(q_BTHK, k_BTHK, v_BTHK, scale, segment_ids_BT):
+  """Pallas flash attention (model/flash_attention.py), per device under a mesh."""
+  local = functools.partial(flash_attention, scale=scale, interpret=_platform() != "tpu")
+  return _per_device(local, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
+
+
+def _splash(q_BTHK, k_BTHK, v_BTHK, scale, window, segment_ids_BT, block=0):
+  """Splash attention, run per device on its batch/head shard when a mesh is active."""
+  local = functools.partial(_splash_local, scale=scale, window=window, window_block=block,
+                            interpret=_platform() != "tpu")
+  return _per_device(local, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
 
 
 def _splash_local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale, window, interpret,

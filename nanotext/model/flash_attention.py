@@ -1,0 +1,80 @@
+"""Pallas flash attention: the TPU kernel that ships with jax, causal and document-masked.
+
+`jax.experimental.pallas.ops.tpu.flash_attention` walks [128, 128] tiles of q and k with an
+online softmax and saves the logsumexp for its own backward kernels. It masks causally and by
+segment ids, and takes an additive [B, H, T, T] bias, but has no sliding window: a dense bias
+would cost the T^2 memory the kernel exists to avoid, so `resolve_impl` refuses flash with
+`attention.window` (splash and blocked have windows). Keys are tiled in 128-token blocks, so T
+must be a multiple of 128; a head_dim above 128 must be a multiple of 128.
+
+The kernel has no `interpret` argument. Off TPU it runs under `force_tpu_interpret_mode`, which
+only reaches the pallas_calls traced inside it; the backward kernels are traced later, when the
+gradient is transposed, so `_interpreted` wraps the kernel in a custom_vjp whose backward rule
+re-enters the mode. On TPU the kernel is called as is.
+"""
+
+import functools
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+
+LANES = 128  # key tiles (and the segment-id broadcast) are this wide
+
+
+def problem(seq_len: int, head_dim: int, window: int = 0):
+  """None if the kernel can run this (0 = unknown), else why not, for a UserError."""
+  if window:
+    return (f"cannot express sliding windows (attention.window={window}; jax's Pallas flash "
+            "kernel masks only causally and by document)")
+  if seq_len % LANES:
+    return f"cannot tile train.seq_len={seq_len}: it is not a multiple of {LANES}"
+  if head_dim > LANES and head_dim % LANES:
+    return f"cannot tile model.head_dim={head_dim}: above {LANES} it must be a multiple of it"
+  return None
+
+
+def flash_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale: float,
+                    interpret: bool):
+  """Causal (optionally document-masked) attention through the Pallas kernel."""
+  q_BHTK, k_BHTK, v_BHTK = (x.swapaxes(1, 2) for x in (q_BTHK, k_BTHK, v_BTHK))
+  args = (q_BHTK, k_BHTK, v_BHTK) + (() if segment_ids_BT is None else (segment_ids_BT,))
+  fn = functools.partial(_kernel, scale=scale)
+  if interpret:
+    fn = _interpreted(fn, len(args))
+  return fn(*args).swapaxes(1, 2)
+
+
+def _kernel(q_BHTK, k_BHTK, v_BHTK, segment_ids_BT=None, *, scale):
+  """The jax kernel on [B, H, T, K] inputs, with its default 128-wide tiles."""
+  segments = None
+  if segment_ids_BT is not None:
+    seg_BT = segment_ids_BT.astype("int32")
+    segments = pallas_flash.SegmentIds(q=seg_BT, kv=seg_BT)
+  return pallas_flash.flash_attention(q_BHTK, k_BHTK, v_BHTK, segment_ids=segments, causal=True,
+                                      sm_scale=float(scale))
+
+
+# The same HLO interpreter that splash's `interpret=True` selects: the mode's value is or-ed
+# with pallas_call's own `interpret` argument (TPU's simulator, InterpretParams, is ~2x slower).
+_MODE = True
+
+
+def _interpreted(fn, n_args: int):
+  """`fn(q, k, v, [segment ids])` with forward and backward kernels traced in interpret mode."""
+  @jax.custom_vjp
+  def run(*args):
+    with pltpu.force_tpu_interpret_mode(_MODE):
+      return fn(*args)
+
+  def fwd(q, k, v, *segments):
+    with pltpu.force_tpu_interpret_mode(_MODE):
+      out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *segments), q, k, v)
+    return out, vjp
+
+  def bwd(vjp, g):
+    with pltpu.force_tpu_interpret_mode(_MODE):
+      return (*vjp(g), *(None,) * (n_args - 3))  # no cotangent for segment ids
+
+  run.defvjp(fwd, bwd)
+  return run

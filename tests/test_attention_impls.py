@@ -1,0 +1,131 @@
+"""The flash (Pallas, interpreted on CPU) and einsum kernels agree with xla forward and backward,
+refuse what they cannot express, and einsum trains to xla's losses."""
+
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import BASE, TINY
+from test_attention import (B, MASKS, SCALE, forward_and_grads, inputs, kernel, max_errors,
+                            reference)
+from nanotext.errors import UserError
+from nanotext.model.attention import resolve_impl
+
+# float32: einsum is xla's math written out (same einsums, float32 softmax), so they agree to
+# round-off, observed <= 1e-6; flash's online softmax over 128-key tiles and its backward from the
+# saved logsumexp round differently, observed <= 1e-6 too. bfloat16 inputs: both cast the
+# probabilities to bfloat16 before the value product, as xla does; one bf16 ulp of O(1) is 8e-3.
+F32_TOL = 1e-5
+BF16_TOL = 3e-2
+
+
+@pytest.mark.parametrize("window,docs", MASKS)
+def test_einsum_matches_xla_and_reference(window, docs):
+  q, k, v, g, seg = inputs(64)
+  kw = dict(scale=SCALE, window=window, segment_ids_BT=seg if docs else None)
+  got = forward_and_grads(kernel("einsum"), q, k, v, g, **kw)
+  assert max(max_errors(got, forward_and_grads(kernel("xla"), q, k, v, g, **kw))) < F32_TOL
+  assert max(max_errors(got, forward_and_grads(reference, q, k, v, g, **kw))) < F32_TOL
+
+
+def test_einsum_block_windows_match_xla():
+  q, k, v, g, seg = inputs(64, seed=4)
+  kw = dict(scale=SCALE, window=32, block=16, segment_ids_BT=seg)
+  errs = max_errors(forward_and_grads(kernel("einsum"), q, k, v, g, **kw),
+                    forward_and_grads(kernel("xla"), q, k, v, g, **kw))
+  assert max(errs) < F32_TOL, errs
+
+
+@pytest.mark.parametrize("T,docs", [(128, False), (128, True), (256, True)])
+def test_flash_matches_xla(T, docs):
+  """T = 256 is two key tiles: the kernel skips the tile above the diagonal and carries the
+  online softmax across the other two."""
+  q, k, v, g, seg = inputs(T, seed=1)
+  kw = dict(scale=SCALE, segment_ids_BT=seg if docs else None)
+  errs = max_errors(forward_and_grads(kernel("flash"), q, k, v, g, **kw),
+                    forward_and_grads(kernel("xla"), q, k, v, g, **kw))
+  assert max(errs) < F32_TOL, errs
+
+
+@pytest.mark.parametrize("impl", ["flash", "einsum"])
+def test_bfloat16(impl):
+  q, k, v, g, seg = inputs(128, seed=2)
+  bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  got = forward_and_grads(kernel(impl), *bf, g, scale=SCALE, segment_ids_BT=seg)
+  want = forward_and_grads(kernel("xla"), *bf, g, scale=SCALE, segment_ids_BT=seg)
+  assert got[0].dtype == jnp.bfloat16
+  errs = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+          for a, b in zip((got[0], *got[1]), (want[0], *want[1]))]
+  assert max(errs) < BF16_TOL, errs
+
+
+def test_flash_refuses_windows_and_untileable_shapes():
+  with pytest.raises(UserError, match=r"attention\.impl=flash.*attention\.window=64"):
+    resolve_impl("flash", "tpu", head_dim=64, seq_len=1024, window=64)
+  with pytest.raises(UserError, match=r"train\.seq_len=200: it is not a multiple of 128"):
+    resolve_impl("flash", "tpu", head_dim=64, seq_len=200)
+  with pytest.raises(UserError, match=r"model\.head_dim=192"):
+    resolve_impl("flash", "tpu", head_dim=192, seq_len=256)
+  assert resolve_impl("flash", "tpu", head_dim=256, seq_len=2048) == "flash"
+  assert resolve_impl("einsum", "tpu", seq_len=100, window=7, block_windows=True) == "einsum"
+  q, k, v, _, _ = inputs(128)
+  with pytest.raises(UserError, match=r"attention\.impl=flash.*attention\.window=16"):
+    kernel("flash")(q, k, v, scale=SCALE, window=16)
+  # A window covering the whole sequence is plain causal, which flash does express.
+  np.testing.assert_allclose(kernel("flash")(q, k, v, scale=SCALE, window=128),
+                             kernel("xla")(q, k, v, scale=SCALE), atol=F32_TOL)
+
+
+def test_flash_under_a_mesh_is_sharded():
+  """With sharding rules active, flash runs per device (shard_map) on batch/head shards."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from nanotext import sharding
+  mesh = jax.make_mesh((1, 2, 2), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                       devices=jax.devices()[:4])
+  rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["act_heads", "tensor"]])
+  q, k, v, g, seg = inputs(128, seed=3)
+  x_sh = NamedSharding(mesh, P("fsdp", None, "tensor", None))
+  q, k, v, g = (jax.device_put(x, x_sh) for x in (q, k, v, g))
+  kw = dict(scale=SCALE, segment_ids_BT=jax.device_put(seg, NamedSharding(mesh, P("fsdp", None))))
+  def run(impl):
+    with sharding.use_rules(rules, mesh):
+      return jax.jit(lambda q, k, v, g: forward_and_grads(kernel(impl), q, k, v, g, **kw))(
+          q, k, v, g)
+  got, want = run("flash"), run("xla")
+  assert max(max_errors(got, want)) < F32_TOL
+  assert got[0].sharding.is_equivalent_to(x_sh, 4) and B % 2 == 0
+
+
+def test_einsum_trains_to_xla_losses(tmp_path):
+  from nanotext.train import run
+  losses = {}
+  for impl in ("xla", "einsum"):
+    out = tmp_path / impl
+    run(BASE, TINY + [f"output_dir={out}", f"attention.impl={impl}", "attention.window=16",
+                      "attention.doc_mask=true", "sample.max_new_tokens=0"], log=lambda s: None)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+      losses[impl] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+  assert len(losses["xla"]) == 4
+  np.testing.assert_allclose(losses["einsum"], losses["xla"], rtol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_flash_compiles_to_mosaic_for_a_tpu():
+  """Built for a TPU mesh from this CPU host, flash is Mosaic (forward, dK/dV and dQ kernels)."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from nanotext import sharding, topology
+  mesh = Mesh(np.array(topology.devices(topology.parse("v5e-1"))).reshape(1, 1, 1),
+              sharding.MESH_AXES)
+  x = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  seg = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=NamedSharding(mesh, P()))
+  def loss(q, k, v, seg):
+    out = kernel("flash")(q, k, v, scale=SCALE, segment_ids_BT=seg)
+    return out.astype(jnp.float32).sum()
+  with sharding.use_rules(sharding.parse_rules([]), mesh):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg)
+  assert lowered.compile().as_text().count('custom_call_target="tpu_custom_call"') == 3
