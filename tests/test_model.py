@@ -9,7 +9,7 @@ from flax import nnx
 from conftest import BASE, SPEEDRUN
 from nanotext import sharding, wiring
 from nanotext.model import count_params
-from nanotext.model.attention import apply_rope, rope_frequencies
+from nanotext.model.rope import apply_rope, rope_frequencies
 
 SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
          "model.vocab_size=256", "model.align=0", "train.seq_len=16", "train.batch_size=8"]

@@ -12,7 +12,7 @@ from conftest import REPO, TINY, one_line_error, run_cli
 from nanotext import config, optim, trainer, window_schedule, wiring
 from nanotext.convert import mnjax
 from nanotext.data import binfile
-from nanotext.model.attention import rope_frequencies
+from nanotext.model.rope import rope_frequencies
 
 MNJAX = os.path.join(REPO, "configs", "modded_nanogpt_jax.yml")
 FIXTURE = os.path.join(REPO, "tests", "data", "port_parity.npz")
@@ -129,7 +129,7 @@ def test_rope_arange_spacing_is_the_ports():
 
 def test_rope_sign_flip_is_the_same_function():
   # The port rotates by +theta, nanotext by -theta; flipping half of q and k maps one to the other.
-  from nanotext.model.attention import apply_rope
+  from nanotext.model.rope import apply_rope
   rng = np.random.default_rng(0)
   q, k = (jnp.asarray(rng.normal(size=(1, 8, 1, 16)), jnp.float32) for _ in range(2))
   freq = rope_frequencies(16, 1024.0, True, "arange")

@@ -14,6 +14,7 @@ from nanotext.model.cpu_attention import cpu_attention
 from nanotext.model.flash_attention import flash_attention, problem as flash_problem
 from nanotext.model.layers import (Linear, StackedLinear, init_array, param, proj_std, rms_norm,
                                    weight_std)
+from nanotext.model.rope import apply_rope, rope_frequencies
 
 IMPLS = ("auto", "xla", "cudnn", "splash", "flash", "blocked", "cpu", "einsum")
 SPLASH_LANES = 128  # splash tiles must be multiples of the TPU lane width, also in interpret mode
@@ -317,36 +318,6 @@ def _splash_local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale, window,
       return kernel(q_HTK, k_HTK, v_HTK, segment_ids=SegmentIds(q=seg_T, kv=seg_T))
     out_BHTK = jax.vmap(one)(q_BHTK, k_BHTK, v_BHTK, segment_ids_BT.astype(jnp.int32))
   return jnp.swapaxes(out_BHTK, 1, 2)
-
-
-def rope_frequencies(head_dim: int, base: float, truncate: bool,
-                     spacing: str = "linspace") -> np.ndarray:
-  """Angular frequency per rotated pair (head_dim // 2 of them).
-
-  With `truncate` (the speedrun's half-truncated RoPE) only the first quarter of head_dim (the
-  first half of the pairs) rotate and the rest stay at zero. Their frequencies: `linspace`, from
-  1 down to 1/base inclusive (the record's (1/base) ** linspace(0, 1, K/4)), or `arange`,
-  base ** (-i / (K/4)) for i < K/4, stopping one step short of 1/base (modded-nanogpt-jax).
-  """
-  pairs = head_dim // 2
-  if not truncate:
-    return base ** (-np.arange(pairs, dtype=np.float64) * 2 / head_dim)
-  quarter = head_dim // 4
-  if spacing == "arange":
-    freq = float(base) ** (-np.arange(quarter, dtype=np.float64) / quarter)
-  else:
-    freq = (1.0 / base) ** np.linspace(0.0, 1.0, quarter)
-  return np.concatenate([freq, np.zeros(pairs - quarter)])
-
-
-def apply_rope(x_BTHK, freq):
-  """Rotate the two halves of each head's vector by position * frequency."""
-  t = jnp.arange(x_BTHK.shape[1], dtype=jnp.float32)
-  theta_TK = t[:, None] * jnp.asarray(freq, jnp.float32)[None, :]
-  cos, sin = jnp.cos(theta_TK)[None, :, None, :], jnp.sin(theta_TK)[None, :, None, :]
-  x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
-  y = jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
-  return y.astype(x_BTHK.dtype)
 
 
 class CausalSelfAttention(nnx.Module):
