@@ -1,9 +1,12 @@
-"""YAML configs -> locked ml_collections.ConfigDict, with inheritance, overrides and validation.
+"""YAML configs -> locked ml_collections.ConfigDict, with inheritance, overrides and validation;
+then, once derived values are filled in, typed frozen per-section objects.
 
 Every key and its default lives in configs/base.yml; that file is the schema. A config file may
 name a parent in `base:` and hold only the keys it changes. Overrides come as `key=value` strings
 with dotted keys. Values are coerced to the type of the default. Derived values (those left at 0 or
--1 = "auto") are filled in by `finalize`, the one place that computes them.
+-1 = "auto") are filled in by `finalize`, the one place that computes them; it returns a `Section`
+tree (frozen dataclasses whose fields and types are made from base.yml, so a new key is added
+there alone).
 """
 
 import difflib
@@ -14,6 +17,7 @@ from pathlib import Path
 import ml_collections
 import yaml
 
+from nanotext import sections
 from nanotext.errors import UserError
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
@@ -234,11 +238,11 @@ def check_choices(section: str, section_cfg, choices: dict) -> None:
 
 
 def get(cfg, key: str):
-  """Value of a dotted key."""
+  """Value of a dotted key, as YAML holds it (lists, not a typed section's tuples)."""
   node = cfg
   for part in key.split("."):
     node = node[part]
-  return node
+  return sections.plain(node)
 
 
 def validate(cfg) -> None:
@@ -280,10 +284,11 @@ def misaligned_dims(model_cfg) -> list:
 
 
 def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
-             tokenizer_vocab: int | None = None) -> ml_collections.ConfigDict:
-  """Fill in every derived value (the only place that computes them); returns a locked copy.
+             tokenizer_vocab: int | None = None) -> sections.Section:
+  """Fill in every derived value (the only place that computes them); returns the typed,
+  frozen config (a new object: `cfg` is not changed).
 
-  Values that depend on the devices come from the caller (`nanotext.run.finalize`), so this
+  Values that depend on the devices come from the caller (`nanotext.wiring.finalize`), so this
   module imports nothing above it: `mesh_sizes` {mesh.* key: size} with -1 resolved,
   `peak_flops` per device, `data_dir` the default for data.dir, `tokenizer_vocab` the
   tokenizer's vocabulary size (None: unknown) for model.embed_rows=-1.
@@ -305,8 +310,14 @@ def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
   if bad and m.strict_align:
     raise UserError(f"matmul dims not multiples of model.align={m.align}: {', '.join(bad)} "
                     "(or set model.strict_align=false)")
-  cfg.lock()
-  return cfg
+  return typed(cfg)
+
+
+def typed(cfg, schema: dict | None = None) -> sections.Section:
+  """The frozen typed object of a config (ConfigDict or nested dict); fields from `schema`
+  (default configs/base.yml), so adding a key to base.yml adds it here."""
+  values = cfg if isinstance(cfg, dict) else cfg.to_dict()
+  return sections.build(_read_yaml(SCHEMA_PATH) if schema is None else schema, values)
 
 
 def to_yaml(cfg) -> str:

@@ -101,6 +101,7 @@ def check(cfg):
   pipeline.check_config(cfg.data)
   watch.check_config(cfg.train)
   window_schedule.check_config(cfg.train)
+  sharding.parse_rules(cfg.mesh.rules)  # its errors quote the rules as written (lists)
   return cfg
 
 

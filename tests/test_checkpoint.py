@@ -57,10 +57,14 @@ def steps_on_disk(out) -> list:
   return sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
 
 
-def start(out, devices: int):
-  """`python -m nanotext.train` in the background, stdout and stderr to out.log."""
+def start(out, devices: int, pause: str | None = None):
+  """`python -m nanotext.train` in the background, stdout and stderr to out.log; `pause`
+  "STEP:MARKER" makes the save of STEP write MARKER and wait (checkpoint.PAUSE_ENV)."""
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS="cpu")
+  env.pop(checkpoint.PAUSE_ENV, None)
+  if pause:
+    env[checkpoint.PAUSE_ENV] = pause
   log = open(f"{out}.log", "ab")
   return subprocess.Popen([sys.executable, "-m", "nanotext.train", BASE, *RESUME,
                            f"output_dir={out}"], cwd=REPO, env=env, stdout=log,
@@ -102,14 +106,15 @@ def test_sigterm_then_sigkill_resumes_bitwise_exactly(tmp_path, devices):
   assert "received SIGTERM: saved the checkpoint of step" in log, log[-2000:]
   stopped = steps_on_disk(broken)[-1]
   assert 6 <= stopped < 24 and f"checkpoint of step {stopped} and stopped" in log
-  # 2. The same command resumes; SIGKILL it while a later save is being written (or just
-  # after one completed), so nothing gets a chance to clean up.
-  proc = start(broken, devices)
-  wait_for(proc, lambda: saving_now(broken) or steps_on_disk(broken)[-1] > stopped + 4,
-           "a later save")
+  # 2. The same command resumes; SIGKILL it while its first save is being written, so nothing
+  # gets a chance to clean up. The trainer writes the marker inside that save and waits there.
+  marker, pause = f"{broken}.marker", (stopped // 4 + 1) * 4  # the next checkpoint.every=4
+  proc = start(broken, devices, pause=f"{pause}:{marker}")
+  wait_for(proc, lambda: os.path.exists(marker), f"the save of step {pause}", timeout=300)
+  assert saving_now(broken)
   proc.kill()
   assert proc.wait(timeout=60) == -signal.SIGKILL
-  assert steps_on_disk(broken)[-1] < 24, "the kill came after the end of the run"
+  assert steps_on_disk(broken)[-1] == stopped, "the save of the killed run completed"
   # 3. The same command again finishes the run from the newest complete checkpoint.
   proc = start(broken, devices)
   assert proc.wait(timeout=180) == 0, open(f"{broken}.log").read()[-3000:]

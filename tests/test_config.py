@@ -1,9 +1,12 @@
-import jax
 """Tests of nanotext.config: loading, inheritance, overrides, validation, finalize, round trip."""
 
+import dataclasses
 import os
+import pickle
 
+import jax
 import pytest
+import yaml
 
 from conftest import BASE, SPEEDRUN
 from nanotext import config, wiring
@@ -198,8 +201,8 @@ def test_batch_not_divisible_by_grad_accum():
 
 # finalize.
 
-def finalize(*overrides, num_devices=8):
-  return wiring.finalize(load(*overrides), jax.devices()[:num_devices])
+def finalize(*overrides, num_devices=8, path=BASE):
+  return wiring.finalize(load(*overrides, path=path), jax.devices()[:num_devices])
 
 
 def test_finalize_fills_derived_values():
@@ -260,3 +263,48 @@ def test_run_identity_diff():
   diff = config.run_identity_diff(old, finalize("model.d_model=512").to_dict())
   assert any(d.startswith("model.d_model: 256 -> 512") for d in diff)
   assert config.run_identity_diff(old, finalize("seed=1").to_dict()) == ["seed: 0 -> 1"]
+
+
+# Typed sections: built once by finalize from base.yml's keys and types.
+
+def test_typed_sections_are_frozen():
+  cfg = finalize()
+  for section, key in (("model", "d_model"), ("train", "steps"), ("mesh", "fsdp")):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      setattr(cfg[section], key, 1)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.seed = 1
+  assert isinstance(cfg.mesh.rules, tuple) and hash(cfg.model) == hash(finalize().model)
+  assert cfg.checkpoint["async"] is cfg.checkpoint.async_ is True  # a keyword as a key
+  assert dataclasses.replace(cfg.train, steps=9).steps == 9 and cfg.train.steps == 200
+
+
+def test_typed_field_types_are_base_yml_types():
+  with open(BASE, encoding="utf-8") as f:
+    schema = yaml.safe_load(f)
+  cfg = finalize()
+  for section, tree in schema.items():
+    for key, default in (tree.items() if isinstance(tree, dict) else [(None, tree)]):
+      obj = cfg if key is None else cfg[section]
+      field = {f.metadata["key"]: f for f in dataclasses.fields(obj)}[key or section]
+      want = tuple if isinstance(default, list) else type(default)
+      assert field.type is want and type(obj[key or section]) is want, (section, key)
+  with pytest.raises(TypeError, match="TrainConfig.steps must be of type int"):
+    dataclasses.replace(cfg.train, steps="9")
+
+
+def test_a_key_added_to_base_yml_is_typed_with_no_other_edit(tmp_path, monkeypatch):
+  text = open(BASE, encoding="utf-8").read().replace(
+      "\nmodel:\n", "\nmodel:\n  new_knob: 2.5  # a new key\n  new_list: [1, 2]\n", 1)
+  schema = write(tmp_path / "base.yml", text)
+  monkeypatch.setattr(config, "SCHEMA_PATH", tmp_path / "base.yml")
+  cfg = finalize(path=schema)
+  assert cfg.model.new_knob == 2.5 and cfg.model.new_list == (1, 2)
+  assert finalize("model.new_knob=3", path=schema).model.new_knob == 3.0
+  assert cfg.to_dict()["model"]["new_list"] == [1, 2]
+
+
+def test_typed_config_round_trips_and_pickles():
+  cfg = finalize()
+  assert config.typed(cfg.to_dict()) == cfg and pickle.loads(pickle.dumps(cfg)) == cfg
+  assert config.get(cfg, "mesh.rules")[0] == ["batch", ["data", "fsdp"]]

@@ -184,15 +184,14 @@ def _fresh_iterator_state(cfg) -> dict:
   The state of an unread grain pipeline holds indices only, so when the run's data is not on
   this machine the same pipeline over synthetic tokens gives the identical state.
   """
-  import ml_collections
+  import dataclasses
   from nanotext.data import pipeline
   kw = dict(seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, seed=cfg.seed,
             vocab_size=cfg.model.vocab_size)
   try:
     return pipeline.make_train_iter(cfg.data, **kw).get_state()
   except (UserError, OSError):
-    data = ml_collections.ConfigDict(cfg.data.to_dict())
-    data.source, data.workers = "synthetic", 0
+    data = dataclasses.replace(cfg.data, source="synthetic", workers=0)
     return pipeline.make_train_iter(data, **kw).get_state()
 
 
