@@ -1,8 +1,9 @@
 """optax optimizers: AdamW baseline, or Muon for hidden matrices with Adam groups for the rest.
 
 Parameter groups are the `role` each parameter is given where the model makes it
-(nanotext.model.layers.ROLES): matrix (Muon), embed, head and scalar (Adam groups). A 3-D matrix
-is a stack: [3, embed, heads] (merged QKV) is three hidden matrices, each orthogonalised alone.
+(nanotext.model.layers.ROLES): matrix (Muon), embed, head and scalar (Adam groups). A matrix of
+more than 2 dims is a stack: [3, embed, heads] (merged QKV) is three hidden matrices and
+[layers, embed, mlp] (model.scan_layers) one per layer, each orthogonalised alone.
 """
 
 import jax
@@ -125,8 +126,8 @@ def scale_by_muon(optim_cfg) -> optax.GradientTransformation:
   Differences from `optax.contrib.scale_by_muon`: the momentum is a schedule (warmup) and is not
   bias-corrected (the speedrun's `buf.lerp_(g, 1 - m)`; Nesterov `g.lerp_(buf, m)`), Newton-Schulz
   runs its matmuls in bfloat16 with float32 coefficients (`newton_schulz`), and updates are
-  scaled by sqrt(max(1, fan_out / fan_in)). A [n, in, out] stack (merged QKV) is n matrices, each
-  orthogonalised and scaled on its own, as the record's qkv_w.
+  scaled by sqrt(max(1, fan_out / fan_in)). A [..., in, out] stack (merged QKV, scanned layers)
+  is that many matrices, each orthogonalised and scaled on its own, as the record's qkv_w.
   """
   momentum = muon_momentum(optim_cfg)
   coeffs = ns_coefficients(optim_cfg)
@@ -196,33 +197,37 @@ def orthogonalize_all(tree, layout: str, ortho):
   and orthogonalises all of them (no collectives in the loop, all the compute everywhere).
   distributed: same-shape matrices are stacked and the stack is split over all devices, so each
   orthogonalises a share and the results are gathered back (the speedrun's distributed Muon).
-  A 3-D leaf is a stack of matrices (leading axis unsharded): each is orthogonalised on its own.
+  A leaf of more than 2 dims is a stack of [in, out] matrices (merged QKV [3, in, out], scanned
+  layers [L, in, out] or [L, 3, in, out]): each is orthogonalised on its own.
   """
-  per_matrix = lambda f: lambda x: jax.vmap(f)(x) if x.ndim == 3 else f(x)
+  def per_matrix(x):
+    f = ortho
+    for _ in range(x.ndim - 2):  # one vmap per leading stack axis
+      f = jax.vmap(f)
+    return f(x)
   if layout == "sharded":
-    return jax.tree.map(per_matrix(ortho), tree)
+    return jax.tree.map(per_matrix, tree)
   if layout == "replicated":
-    return jax.tree.map(lambda x: per_matrix(ortho)(sharding.replicate(x)), tree)
+    return jax.tree.map(lambda x: per_matrix(sharding.replicate(x)), tree)
   leaves, treedef = jax.tree.flatten(tree)
-  # Every matrix, stacks unstacked, joins the group of its shape: q, k, v of a merged [3, D, HK]
-  # go with the other [D, HK] matrices, three items of the spread stack.
+  # Every leaf joins the group of its matrix shape as a run of matrices, so q, k, v of a merged
+  # [3, D, HK] (or L layers' worth) go with the other [D, HK] matrices, items of one spread
+  # stack; a leaf is one slice of the stack, not one per layer (ops independent of depth).
   groups = {}
   for i, x in enumerate(leaves):
-    for j in range(x.shape[0]) if x.ndim == 3 else (None,):
-      shape = x.shape[1:] if j is not None else x.shape
-      groups.setdefault((shape, x.dtype), []).append((i, j))
-  done_of = {}
+    groups.setdefault((x.shape[-2:], x.dtype), []).append(i)
+  out = [None] * len(leaves)
   n_dev = sharding.spread_count()
-  for items in groups.values():
-    stack = jnp.stack([leaves[i] if j is None else leaves[i][j] for i, j in items])
-    pad = -len(items) % n_dev  # whole matrices per device; zero matrices orthogonalise to zero
+  for (shape, _), items in groups.items():
+    parts = [leaves[i].reshape((-1,) + shape) for i in items]
+    stack = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    pad = -stack.shape[0] % n_dev  # whole matrices per device; zero matrices orthogonalise to zero
     stack = jnp.pad(stack, ((0, pad), (0, 0), (0, 0))) if pad else stack
     done = sharding.replicate(jax.vmap(ortho)(sharding.spread_leading(stack)))
-    for k, item in enumerate(items):
-      done_of[item] = done[k]
-  out = [done_of[(i, None)] if x.ndim == 2 else jnp.stack([done_of[(i, j)]
-                                                           for j in range(x.shape[0])])
-         for i, x in enumerate(leaves)]
+    start = 0
+    for i, part in zip(items, parts):
+      out[i] = done[start:start + part.shape[0]].reshape(leaves[i].shape)
+      start += part.shape[0]
   return jax.tree.unflatten(treedef, out)
 
 

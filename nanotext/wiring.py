@@ -95,7 +95,7 @@ def check(cfg):
   from nanotext import watch, window_schedule
   from nanotext.data import pipeline
   from nanotext.model import attention, gpt
-  gpt.check_config(cfg.model)
+  gpt.check_config(cfg.model, cfg.attention)
   attention.check_config(cfg.attention)
   optim.check_config(cfg.optim)
   pipeline.check_config(cfg.data)

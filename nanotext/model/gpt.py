@@ -20,9 +20,12 @@ CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
            "rope_freqs": ("linspace", "arange")}
 
 
-def check_config(m) -> None:
-  """The model section's choices and the rules between its switches (UserError naming keys)."""
+def check_config(m, attn_cfg=None) -> None:
+  """The model section's choices and the rules between its switches (UserError naming keys);
+  with `attn_cfg`, also that model.scan_layers gets identical blocks."""
   config.check_choices("model", m, CHOICES)
+  if attn_cfg is not None:
+    check_scan(m, attn_cfg)
   if m.head_dim == 0 and m.d_model % m.num_heads:
     raise UserError(f"model.d_model={m.d_model} is not divisible by model.num_heads="
                     f"{m.num_heads}; set model.head_dim explicitly or change one of them")
@@ -51,6 +54,26 @@ def check_config(m) -> None:
     raise UserError("model.fp8_head=true needs an untied head (model.tie_embeddings=false)")
 
 
+def check_scan(m, attn_cfg) -> None:
+  """model.scan_layers=true needs identical blocks: refuse (one line) the keys that differ them.
+
+  Value embeddings on some layers, MLP-only layers, U-net skips between layers and a window
+  pattern with both sizes make block i differ from block j; x0 lambdas are per-layer parameters
+  and stack like any other.
+  """
+  if not m.scan_layers:
+    return
+  no_attn = [i for i in m.no_attention_layers if i < m.num_layers]
+  bad = ["model.unet_skips=true"] if m.unet_skips else []
+  bad += [f"model.value_embeds={m.value_embeds}"] if m.value_embeds else []
+  bad += [f"model.no_attention_layers={no_attn}"] if no_attn else []
+  if len(set(layer_windows(attn_cfg, m.num_layers, attn_cfg.window))) > 1:
+    bad.append(f"attention.window_pattern={attn_cfg.window_pattern!r}")
+  if bad:
+    raise UserError(f"model.scan_layers=true needs identical blocks, but {', '.join(bad)} "
+                    "make(s) layers differ; turn those off or set model.scan_layers=false")
+
+
 def logical_sizes(m, train_cfg) -> dict:
   """{logical axis: (config key, size)} of the model's weights and activations, so sharding
   checks can name the key to change; act_* activations have their weight axis's size."""
@@ -61,7 +84,7 @@ def logical_sizes(m, train_cfg) -> dict:
            "length": ("model.max_seq_len", m.max_seq_len),
            "batch": (batch_key, t.batch_size // t.grad_accum),
            "act_length": ("train.seq_len", t.seq_len),
-           "kv": ("model.head_dim", m.head_dim)}
+           "kv": ("model.head_dim", m.head_dim), "layers": ("model.num_layers", m.num_layers)}
   for name in ("embed", "heads", "mlp", "vocab", "kv"):
     sizes["act_" + name] = sizes[name]
   return sizes
@@ -133,9 +156,14 @@ class GPT(nnx.Module):
         if cfg.norm == "rmsnorm" else None
     # Per-layer windows when the caller names none: the pattern at the full (final) window.
     self.windows = layer_windows(attn_cfg, cfg.num_layers, attn_cfg.window)
-    no_attn = set(cfg.no_attention_layers)  # indices past the last layer do not apply
-    self.blocks = nnx.List([Block(cfg, attn_cfg, impl=impl, rngs=rngs, attention=i not in no_attn)
-                            for i in range(cfg.num_layers)])
+    if cfg.scan_layers:  # one Block whose parameters carry a leading `layers` axis
+      check_scan(cfg, attn_cfg)
+      self.blocks = stacked_blocks(cfg, attn_cfg, impl, rngs)
+    else:
+      no_attn = set(cfg.no_attention_layers)  # indices past the last layer do not apply
+      self.blocks = nnx.List([Block(cfg, attn_cfg, impl=impl, rngs=rngs,
+                                    attention=i not in no_attn) for i in range(cfg.num_layers)])
+    self.scan_layers = cfg.scan_layers
     # Value embeddings: extra token tables mixed into v of the first and last layers.
     self.ve_layers = value_embed_layers(cfg.value_embeds, cfg.num_layers)
     self.value_embeds = nnx.List([
@@ -174,6 +202,9 @@ class GPT(nnx.Module):
       x_BTD = self.ln_embed(x_BTD)
     x0_BTD = x_BTD
     windows = self.windows if windows is None else tuple(windows)
+    if self.scan_layers:
+      x_BTD = scan_blocks(self.blocks, self.remat, windows, x_BTD, x0_BTD, segment_ids_BT)
+      return self.ln_f(x_BTD)
     ve = [table(tokens_BT) for table in self.value_embeds]
     L = len(self.blocks)
     n_skip = 0 if self.skip_weights is None else L // 2
@@ -223,6 +254,28 @@ def remat_block(policy: str, window: int):
   if policy == "none":
     return call
   return nnx.remat(call, policy=REMAT_POLICIES[policy])
+
+
+def stacked_blocks(cfg, attn_cfg, impl, rngs) -> Block:
+  """num_layers Blocks created at once (nnx.vmap): each parameter gets a leading `layers` axis."""
+  @nnx.split_rngs(splits=cfg.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def make(rngs):
+    return Block(cfg, attn_cfg, impl=impl, rngs=rngs)
+  return make(rngs)
+
+
+def scan_blocks(blocks: Block, policy: str, windows, x_BTD, x0_BTD, segment_ids_BT):
+  """Run stacked blocks with lax.scan: one traced (and compiled) block body whatever the depth."""
+  if len(set(windows)) > 1:
+    raise UserError(f"model.scan_layers=true runs one window for every layer, got {windows}")
+  graphdef, stacked = nnx.split(blocks)
+  def body(x_BTD, layer):
+    return nnx.merge(graphdef, layer)(x_BTD, x0_BTD, segment_ids_BT, windows[0]), None
+  if policy != "none":
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[policy], prevent_cse=False)
+  with jax.named_scope("blocks"):
+    return jax.lax.scan(body, x_BTD, stacked)[0]
 
 
 def norm_eps(cfg) -> dict:
