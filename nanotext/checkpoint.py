@@ -326,8 +326,10 @@ def _check_same_params(saved, wanted, where: str) -> None:
     if a.get(key) != b.get(key):
       got = "missing" if key not in a else f"shape {a[key]}"
       want = "absent" if key not in b else f"shape {b[key]}"
+      # A stacked (model.scan_layers) tree names blocks/attn/..., an unrolled one blocks/0/attn/...
+      keys = "model.* keys; model.scan_layers too" if key.startswith("blocks/") else "model.* keys"
       raise UserError(f"checkpoint '{where}' does not fit this model: parameter {key} is {got} "
-                      f"in the checkpoint but {want} here (check the model.* keys)")
+                      f"in the checkpoint but {want} here (check the {keys})")
 
 
 def latest_params(output_dir: str, step: int = -1):

@@ -25,6 +25,9 @@ nanotext <-> HF GPT-2 (HF names without 'transformer.'; both sides store matrice
   blocks.{i}.mlp.fc.kernel|bias     h.{i}.mlp.c_fc.weight [D, F] | bias
   blocks.{i}.mlp.proj.kernel|bias   h.{i}.mlp.c_proj.weight [F, D] | bias
   ln_f.scale|bias                   ln_f.weight|bias
+A model.scan_layers run stores blocks.* stacked ([num_layers, ...] under one name): to-hf and
+export-torch unstack it into the names above, from-hf stacks them when model.scan_layers=true,
+and params-only copies the tree as it is (with the run's config).
 HF's gelu_new (tanh form) is jax.nn.gelu's default (approximate=True); LayerNorm eps is 1e-5 on
 both sides. The speedrun mapping is in nanotext.convert.torch_export and docs/convert.md.
 """

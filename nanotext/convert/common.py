@@ -37,6 +37,39 @@ def flatten(params) -> dict:
   return {path_name(p): v for p, v in leaves}
 
 
+def per_layer(cfg, flat: dict) -> dict:
+  """Flat params of a model.scan_layers run ('blocks.mlp.fc.kernel' [L, ...]) under the unrolled
+  model's names ('blocks.{i}.mlp.fc.kernel', one layer each); other runs' params unchanged."""
+  if not cfg.model.scan_layers:
+    return flat
+  out = {}
+  for name, value in flat.items():
+    if name.startswith("blocks."):
+      out.update({f"blocks.{i}.{name[7:]}": value[i] for i in range(value.shape[0])})
+    else:
+      out[name] = value
+  return out
+
+
+def stacked(cfg, flat: dict) -> dict:
+  """Inverse of `per_layer`: unrolled 'blocks.{i}.*' names stacked for a model.scan_layers run."""
+  if not cfg.model.scan_layers:
+    return flat
+  out, layers = {}, {}
+  for name, value in flat.items():
+    if name.startswith("blocks."):
+      i, rest = name[7:].split(".", 1)
+      layers.setdefault(rest, {})[int(i)] = value
+    else:
+      out[name] = value
+  for rest, by_layer in layers.items():
+    if sorted(by_layer) != list(range(cfg.model.num_layers)):
+      raise UserError(f"blocks.*.{rest}: layers {sorted(by_layer)} cannot stack into "
+                      f"model.num_layers={cfg.model.num_layers} (model.scan_layers=true)")
+    out[f"blocks.{rest}"] = np.stack([by_layer[i] for i in range(cfg.model.num_layers)])
+  return out
+
+
 def fill(template, flat: dict, what: str):
   """A tree shaped like `template` (ShapeDtypeStructs with shardings) holding `flat`'s arrays.
 

@@ -9,7 +9,8 @@ import os
 
 import numpy as np
 
-from nanotext.convert.common import fill, flatten, load_run, require, staged_dir
+from nanotext.convert.common import (fill, flatten, load_run, per_layer, require,
+                                     stacked, staged_dir)
 from nanotext.convert.hf_tokenizer import generation_config, special_ids, write_tokenizer
 from nanotext.errors import UserError
 
@@ -162,7 +163,7 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
                       f"checkpoint, which needs {want!r}")
   run = wiring.from_config(cfg)
   cfg = run.cfg
-  params = fill(run.abstract_state()["params"], flat, "the Hugging Face checkpoint")
+  params = fill(run.abstract_state()["params"], stacked(cfg, flat), "the Hugging Face checkpoint")
   state = run.state_from_params(params)
   data_state = {"iterator": _fresh_iterator_state(cfg)}
   with staged_dir(out_abs, force=force, protect=(hf,)) as tmp:
@@ -233,7 +234,7 @@ def to_hf(run: str, out: str, *, step: int = -1, force: bool = False, log=print)
   from safetensors.numpy import save_file
   cfg, step, params = load_run(run, step)
   check_classic(cfg)
-  flat = flatten(params)
+  flat = per_layer(cfg, flatten(params))
   tensors = {theirs: flat.pop(ours) for ours, theirs in _shared_names().items()}
   for i in range(cfg.model.num_layers):
     tensors.update({theirs: flat.pop(ours) for ours, theirs in _block_names(i).items()})

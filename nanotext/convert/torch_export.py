@@ -27,7 +27,7 @@ import os
 
 import numpy as np
 
-from nanotext.convert.common import flatten, load_run, require, staged_file
+from nanotext.convert.common import flatten, load_run, per_layer, require, staged_file
 from nanotext.errors import UserError
 
 # What the record's `GPT` (train_gpt.py 587b45fb) hard-codes: another value would load into its
@@ -59,7 +59,7 @@ def check_expressible(cfg) -> None:
 def torch_state_dict(cfg, params) -> dict:
   """{torch name: numpy array} for a params tree of a run the record's module expresses."""
   check_expressible(cfg)
-  flat = flatten(params)
+  flat = per_layer(cfg, flatten(params))
   t = lambda name: np.asarray(flat.pop(name)).T
   head = np.asarray(flat.pop("head.kernel"), np.float32).T  # the record's lm_head is float32
   out = {"embed.weight": np.asarray(flat.pop("embed.embedding")),
