@@ -70,8 +70,8 @@ def check_scan(m, attn_cfg) -> None:
   if len(set(layer_windows(attn_cfg, m.num_layers, attn_cfg.window))) > 1:
     bad.append(f"attention.window_pattern={attn_cfg.window_pattern!r}")
   if bad:
-    raise UserError(f"model.scan_layers=true needs identical blocks, but {', '.join(bad)} "
-                    "make(s) layers differ; turn those off or set model.scan_layers=false")
+    raise UserError(f"model.scan_layers=true needs identical blocks; these make layers differ: "
+                    f"{', '.join(bad)} (turn them off or set model.scan_layers=false)")
 
 
 def logical_sizes(m, train_cfg) -> dict:
