@@ -20,7 +20,13 @@ SPEEDRUN_SCANNABLE = ["model.value_embeds=0", "model.unet_skips=false",
                       "model.no_attention_layers=[]", "attention.window_pattern=",
                       "model.zero_init_head=false", "model.zero_init_proj=false",
                       "model.mlp_dim=0"]
-CONFIGS = {"base": (BASE, []), "speedrun": (SPEEDRUN, SPEEDRUN_SCANNABLE)}
+PORT = os.path.join(os.path.dirname(BASE), "modded_nanogpt_jax.yml")
+# The port's block: fused QKV [L, 3*H*K, D] (L Muon matrices), a learned scale per layer.
+PORT_SCANNABLE = ["model.value_residual=false", "model.unet_skips=false",
+                  "model.zero_init_head=false", "model.zero_init_proj=false", "model.mlp_dim=0",
+                  "train.grad_accum=1", "model.param_dtype=float32", "train.seq_len_start=0"]
+CONFIGS = {"base": (BASE, []), "speedrun": (SPEEDRUN, SPEEDRUN_SCANNABLE),
+           "port": (PORT, PORT_SCANNABLE)}
 # Scan and unrolled blocks run the same float32 ops; XLA may fuse and order them differently.
 RTOL = 1e-5
 
@@ -102,6 +108,8 @@ def test_refuses_blocks_that_differ():
   for key in ("model.unet_skips", "model.value_embeds=3", "model.no_attention_layers=[7]",
               "attention.window_pattern='LSSSLSSLSSSL'", "model.scan_layers=false"):
     assert key in str(e.value)
+  with pytest.raises(UserError, match="model.unet_skips=true, model.value_residual=true"):
+    wiring.load(PORT, ["model.scan_layers=true"])
   with pytest.raises(UserError, match="attention.window_pattern='LS'"):
     prepare("base", True, ["attention.window=16", "attention.window_pattern=LS"])
   prepare("base", True, ["attention.window=16", "attention.window_pattern=LL",

@@ -57,9 +57,10 @@ def check_config(m, attn_cfg=None) -> None:
 def check_scan(m, attn_cfg) -> None:
   """model.scan_layers=true needs identical blocks: refuse (one line) the keys that differ them.
 
-  Value embeddings on some layers, MLP-only layers, U-net skips between layers and a window
-  pattern with both sizes make block i differ from block j; x0 lambdas are per-layer parameters
-  and stack like any other.
+  Value embeddings on some layers, MLP-only layers, U-net skips between layers, the first
+  layer's v carried to the others and a window pattern with both sizes make block i differ from
+  block j; x0 lambdas, a learned attention scale and fused QKV are per-layer parameters that
+  stack like any other.
   """
   if not m.scan_layers:
     return
@@ -67,6 +68,7 @@ def check_scan(m, attn_cfg) -> None:
   bad = ["model.unet_skips=true"] if m.unet_skips else []
   bad += [f"model.value_embeds={m.value_embeds}"] if m.value_embeds else []
   bad += [f"model.no_attention_layers={no_attn}"] if no_attn else []
+  bad += ["model.value_residual=true"] if m.value_residual else []  # layer 0's v feeds the rest
   if len(set(layer_windows(attn_cfg, m.num_layers, attn_cfg.window))) > 1:
     bad.append(f"attention.window_pattern={attn_cfg.window_pattern!r}")
   if bad:
@@ -271,7 +273,7 @@ def scan_blocks(blocks: Block, policy: str, windows, x_BTD, x0_BTD, segment_ids_
     raise UserError(f"model.scan_layers=true runs one window for every layer, got {windows}")
   graphdef, stacked = nnx.split(blocks)
   def body(x_BTD, layer):
-    return nnx.merge(graphdef, layer)(x_BTD, x0_BTD, segment_ids_BT, windows[0]), None
+    return nnx.merge(graphdef, layer)(x_BTD, x0_BTD, segment_ids_BT, windows[0])[0], None
   if policy != "none":
     body = jax.checkpoint(body, policy=REMAT_POLICIES[policy], prevent_cse=False)
   with jax.named_scope("blocks"):
