@@ -169,22 +169,32 @@ def aspect_scale(shape, rule: str) -> float:
 def layer_decay(decay: float) -> optax.GradientTransformation:
   """Layer-wise learning-rate decay: the updates of block i times decay^(L - 1 - i).
 
-  The last block keeps the full rate and each block below it one more factor of `decay`; L and
-  i come from the parameter paths (`blocks/<i>/...`); parameters outside the blocks are left as
-  they are.
+  The last block keeps the full rate and each block below it one more factor of `decay`. Blocks
+  are found by path: `blocks/<i>/...` (unrolled; L = the largest i + 1), or `blocks/...` with
+  the layers on the leading axis (model.scan_layers). Other parameters are left as they are.
   """
-  def mults(tree):
-    index = lambda path: next((int(getattr(k, "key", getattr(k, "idx", -1)))
-                               for a, k in zip(path, path[1:])
-                               if getattr(a, "key", None) == "blocks"), None)
-    paths = [index(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    top = max([i for i in paths if i is not None], default=0)
-    return [1.0 if i is None else float(decay) ** (top - i) for i in paths]
+  def block_of(path):
+    """'stack' for a scanned block parameter, its index for an unrolled one, else None."""
+    for a, k in zip(path, path[1:]):
+      if getattr(a, "key", None) == "blocks":
+        key = getattr(k, "key", getattr(k, "idx", None))
+        return key if isinstance(key, int) else "stack"
+    return None
 
   def update(updates, state, params=None):
     del params
-    leaves, treedef = jax.tree.flatten(updates)
-    return jax.tree.unflatten(treedef, [u * m for u, m in zip(leaves, mults(updates))]), state
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    blocks = [block_of(p) for p, _ in flat]
+    top = max([b for b in blocks if isinstance(b, int)], default=0)
+    def scaled_leaf(u, b):
+      if b is None:
+        return u
+      if b == "stack":  # [L, ...]: layer l gets decay^(L - 1 - l)
+        f = float(decay) ** np.arange(u.shape[0] - 1, -1, -1)
+        return u * jnp.asarray(f, u.dtype).reshape((-1,) + (1,) * (u.ndim - 1))
+      return u * float(decay) ** (top - b)
+    out = [scaled_leaf(u, b) for (_, u), b in zip(flat, blocks)]
+    return jax.tree.unflatten(treedef, out), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 

@@ -184,3 +184,16 @@ def test_train_cli_compiles_every_length_before_step_one(tmp_path):
   out = proc.stdout + proc.stderr
   assert "compiled 2 train step program(s)" in out, out[-2000:]
   assert "compilations inside the training loop: 0" in out
+
+
+def test_muon_layer_decay_on_scanned_layers():
+  ov = TINY + ["model.scan_layers=true", "model.num_layers=3", "optim.name=muon"]
+  def updates(decay):
+    run = wiring.prepare(os.path.join(REPO, "configs", "base.yml"),
+                         ov + [f"optim.muon_layer_decay={decay}"], devices=jax.devices()[:1])
+    state = run.init_state()
+    grads = jax.tree.map(jnp.ones_like, state["params"])
+    return run.tx.update(grads, state["opt_state"], state["params"])[0]
+  ref, dec = updates(1.0), updates(0.5)
+  want = ref["blocks"]["mlp"]["fc"]["kernel"] * np.array([0.25, 0.5, 1.0])[:, None, None]
+  np.testing.assert_allclose(dec["blocks"]["mlp"]["fc"]["kernel"], want, rtol=1e-6)
