@@ -159,8 +159,10 @@ def test_auto_resolution():
     resolve_impl("flash2", "cpu")
 
 
-def test_splash_under_a_mesh_is_sharded():
-  """With sharding rules active, splash runs per device (shard_map) on batch/head shards."""
+@pytest.mark.parametrize("impl,window,tol", [("splash", 16, SPLASH_TOL), ("flash", 0, 1e-5)])
+def test_pallas_kernels_under_a_mesh_are_sharded(impl, window, tol):
+  """With sharding rules active, splash and flash run per device (shard_map) on batch/head
+  shards (flash has no windows)."""
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   from nanotext import sharding
   mesh = jax.make_mesh((1, 2, 2), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3,
@@ -169,12 +171,12 @@ def test_splash_under_a_mesh_is_sharded():
   q, k, v, g, seg = inputs(128, seed=3)
   x_sh = NamedSharding(mesh, P("fsdp", None, "tensor", None))
   q, k, v, g = (jax.device_put(x, x_sh) for x in (q, k, v, g))
-  kw = dict(scale=SCALE, window=16, segment_ids_BT=jax.device_put(seg, NamedSharding(
+  kw = dict(scale=SCALE, window=window, segment_ids_BT=jax.device_put(seg, NamedSharding(
       mesh, P("fsdp", None))))
   def run(impl):
     with sharding.use_rules(rules, mesh):
       return jax.jit(lambda q, k, v, g: forward_and_grads(kernel(impl), q, k, v, g, **kw))(
           q, k, v, g)
-  got, want = run("splash"), run("xla")
-  assert max(max_errors(got, want)) < SPLASH_TOL
+  got, want = run(impl), run("xla")
+  assert max(max_errors(got, want)) < tol
   assert got[0].sharding.is_equivalent_to(x_sh, 4)

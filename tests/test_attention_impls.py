@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, TINY
-from test_attention import (B, MASKS, SCALE, forward_and_grads, inputs, kernel, max_errors,
+from test_attention import (MASKS, SCALE, forward_and_grads, inputs, kernel, max_errors,
                             reference)
 from nanotext.errors import UserError
 from nanotext.model.attention import resolve_impl
@@ -79,26 +79,6 @@ def test_flash_refuses_windows_and_untileable_shapes():
   # A window covering the whole sequence is plain causal, which flash does express.
   np.testing.assert_allclose(kernel("flash")(q, k, v, scale=SCALE, window=128),
                              kernel("xla")(q, k, v, scale=SCALE), atol=F32_TOL)
-
-
-def test_flash_under_a_mesh_is_sharded():
-  """With sharding rules active, flash runs per device (shard_map) on batch/head shards."""
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-  from nanotext import sharding
-  mesh = jax.make_mesh((1, 2, 2), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                       devices=jax.devices()[:4])
-  rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["act_heads", "tensor"]])
-  q, k, v, g, seg = inputs(128, seed=3)
-  x_sh = NamedSharding(mesh, P("fsdp", None, "tensor", None))
-  q, k, v, g = (jax.device_put(x, x_sh) for x in (q, k, v, g))
-  kw = dict(scale=SCALE, segment_ids_BT=jax.device_put(seg, NamedSharding(mesh, P("fsdp", None))))
-  def run(impl):
-    with sharding.use_rules(rules, mesh):
-      return jax.jit(lambda q, k, v, g: forward_and_grads(kernel(impl), q, k, v, g, **kw))(
-          q, k, v, g)
-  got, want = run("flash"), run("xla")
-  assert max(max_errors(got, want)) < F32_TOL
-  assert got[0].sharding.is_equivalent_to(x_sh, 4) and B % 2 == 0
 
 
 def test_einsum_trains_to_xla_losses(tmp_path):
