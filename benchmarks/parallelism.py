@@ -241,6 +241,15 @@ def _invalid_row(r, mesh: str, head: str) -> str:
   return f"| {r['layout']} | {mesh} | invalid: {r['invalid']} |" + " |" * (head.count(" | ") - 2)
 
 
+def _markdown(head: str, rows, row_text) -> str:
+  """A markdown table: the header, then `row_text(r, mesh)` per layout (refused ones padded)."""
+  lines = _table_head(head)
+  for r in rows:
+    mesh = "×".join(map(str, r["shape"]))
+    lines.append(_invalid_row(r, mesh, head) if "invalid" in r else row_text(r, mesh))
+  return "\n".join(lines)
+
+
 def _counts(col: dict) -> str:
   """'ag 3 rs 2': the non-zero collective counts by short name."""
   return " ".join(f"{_SHORT[k]} {v['count']}" for k, v in col.items() if v["count"])
@@ -252,27 +261,19 @@ def topology_table(rows) -> str:
           "| collectives (count) | collective MiB/step | XLA TFLOP/chip | analytic TFLOP/chip "
           "| GB accessed/chip | est. compute ms | est. HBM ms | **roofline estimate ms** "
           "| compile s |")
-  lines = _table_head(head)
-  for r in rows:
-    mesh = "×".join(map(str, r["shape"]))
-    if "invalid" in r:
-      lines.append(_invalid_row(r, mesh, head))
-      continue
+  def row(r, mesh):
     hbm = f"{r['total_bytes_per_chip'] / 2**30:.2f} ({r['hbm_bytes_per_chip'] / 2**30:.2f})"
     if r.get("overflow"):
-      lines.append(f"| {r['layout']} | {mesh} | {r['name']} | {hbm}: does not fit |" + " |" * 11)
-      continue
+      return f"| {r['layout']} | {mesh} | {r['name']} | {hbm}: does not fit |" + " |" * 11
     col = r["collectives"]
-    counts = _counts(col)
     compute, memory, est = roofline_s(r)
-    lines.append(
-        f"| {r['layout']} | {mesh} | {r['name']} | {hbm} | {r['argument'] / 2**30:.2f} "
-        f"| {r['temp'] / 2**30:.2f} | {counts or 'none'} "
-        f"| {sum(v['bytes'] for v in col.values()) / MIB:.1f} "
-        f"| {r['flops_xla_per_chip'] / 1e12:.2f} | {r['flops_analytic_per_chip'] / 1e12:.2f} "
-        f"| {r['bytes_accessed_per_chip'] / 1e9:.1f} | {1e3 * compute:.1f} | {1e3 * memory:.1f} "
-        f"| {1e3 * est:.1f} | {r['compile_s']:.0f} |")
-  return "\n".join(lines)
+    return (f"| {r['layout']} | {mesh} | {r['name']} | {hbm} | {r['argument'] / 2**30:.2f} "
+            f"| {r['temp'] / 2**30:.2f} | {_counts(col) or 'none'} "
+            f"| {sum(v['bytes'] for v in col.values()) / MIB:.1f} "
+            f"| {r['flops_xla_per_chip'] / 1e12:.2f} | {r['flops_analytic_per_chip'] / 1e12:.2f} "
+            f"| {r['bytes_accessed_per_chip'] / 1e9:.1f} | {1e3 * compute:.1f} "
+            f"| {1e3 * memory:.1f} | {1e3 * est:.1f} | {r['compile_s']:.0f} |")
+  return _markdown(head, rows, row)
 
 
 def topology_report(rows, command: str, slice_name: str) -> str:
@@ -304,21 +305,14 @@ def table(rows) -> str:
   head = ("| layout | data×fsdp×tensor | compile s | step ms | tokens/s | params+opt MiB/dev "
           "| args MiB | outputs MiB | temps MiB | alias MiB | final loss | collectives "
           "(count) | collective MiB/step |")
-  lines = _table_head(head)
-  for r in rows:
-    mesh = "×".join(map(str, r["shape"]))
-    if "invalid" in r:
-      lines.append(_invalid_row(r, mesh, head))
-      continue
+  def row(r, mesh):
     mem, col = r["memory"], r["collectives"]
-    counts = _counts(col)
-    lines.append(
-        f"| {r['layout']} | {mesh} | {r['compile_s']:.1f} | {1e3 * r['step_s']:.0f} "
-        f"| {r['tokens_per_s']:,.0f} | {_mib(r['state_bytes'])} | {_mib(mem['argument'])} "
-        f"| {_mib(mem['output'])} | {_mib(mem['temp'])} | {_mib(mem['alias'])} "
-        f"| {r['losses'][-1]:.6f} | {counts or 'none'} "
-        f"| {_mib(sum(v['bytes'] for v in col.values()))} |")
-  return "\n".join(lines)
+    return (f"| {r['layout']} | {mesh} | {r['compile_s']:.1f} | {1e3 * r['step_s']:.0f} "
+            f"| {r['tokens_per_s']:,.0f} | {_mib(r['state_bytes'])} | {_mib(mem['argument'])} "
+            f"| {_mib(mem['output'])} | {_mib(mem['temp'])} | {_mib(mem['alias'])} "
+            f"| {r['losses'][-1]:.6f} | {_counts(col) or 'none'} "
+            f"| {_mib(sum(v['bytes'] for v in col.values()))} |")
+  return _markdown(head, rows, row)
 
 
 def loss_table(rows) -> str:
