@@ -101,3 +101,15 @@ def test_too_big_for_the_chip_exits_2():
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("nanotext: error: eval: needs up to ") and "v5e-4 has 15.75 GiB" in last
   assert "model.remat" in last and "train.loss_chunk" in last and "train.grad_accum" in last
+
+
+@needs_libtpu
+def test_a_mesh_that_splits_a_torus_axis():
+  """fsdp 8 x tensor 2 on a 4x4 v6e-16: no physical axis is 8 long, so mesh axes split them."""
+  from nanotext import sharding
+  from nanotext.config import load
+  devices = topology.devices(topology.parse("v6e-16"))
+  cfg = load(BASE, ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=2"])
+  mesh = sharding.make_mesh(cfg.mesh, devices)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 2}
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
