@@ -189,11 +189,12 @@ def check_divisible(dims, rules, mesh_sizes: dict) -> None:
                       f"change {what} or the mesh")
 
 
-def param_dims(abstract_state, keys_by_axis: dict):
+def param_dims(abstract_state, keys_by_axis: dict, alternates: dict | None = None):
   """(logical name, size, what sets it) for every dimension of every parameter.
 
-  `what` is the config key that sets that axis (from the model) when the size is its value,
-  else the parameter's path and axis.
+  `what` is the config key that sets that axis (from the model) when the size is its value, or
+  the key in `alternates` ({axis: (key, size)}, e.g. token tables shorter than the head) when
+  that is; else the parameter's path and axis.
   """
   specs = param_specs(abstract_state).to_pure_dict()
   shapes = abstract_state.to_pure_dict()
@@ -205,7 +206,9 @@ def param_dims(abstract_state, keys_by_axis: dict):
       if axis is None:
         continue
       key, value = keys_by_axis.get(axis, (None, None))
-      out.append((axis, size, key if value == size else f"dim {i} of parameter {name(path)}"))
+      alt_key, alt_value = (alternates or {}).get(axis, (None, None))
+      out.append((axis, size, key if value == size else alt_key if alt_value == size
+                  else f"dim {i} of parameter {name(path)}"))
   return out
 
 

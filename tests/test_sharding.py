@@ -100,3 +100,10 @@ def test_a_parameter_dim_no_key_sets_is_named_by_its_path():
   rules = sharding.parse_rules([["layers", "fsdp"]])
   with pytest.raises(UserError, match=r"dim 0 of parameter w=3 is not divisible by mesh.fsdp=2"):
     sharding.check_divisible(dims, rules, {"data": 1, "fsdp": 2, "tensor": 1})
+
+
+def test_token_tables_shorter_than_the_head_name_embed_rows():
+  from conftest import TINY, one_line_error, run_cli
+  proc = run_cli("nanotext.train", "configs/base.yml", *TINY, "model.tie_embeddings=false",
+                 "model.embed_rows=511", "mesh.tensor=2", "mesh.data=1", "mesh.fsdp=4")
+  one_line_error(proc, "model.embed_rows=511", "mesh.tensor")
