@@ -131,7 +131,7 @@ class Monitor:
     self.windows_of = windows_of  # 0-based step -> per-layer attention windows
     self.run, self.writer, self.log, self.counter = run, writer, log, counter
     self.tokens_per_step = t_cfg.batch_size * t_cfg.seq_len
-    self._flops = {}  # per-layer windows -> FLOPs per step (the schedule changes them)
+    self._flops = {}  # (per-layer windows, row length) -> FLOPs per step (schedules change them)
     self.peak = cfg.metrics.peak_flops * run.mesh.devices.size  # the run's devices, not all
     self.clock = [start_step, time.perf_counter()]  # last reported step and when it was read
     self.start = tuple(self.clock)  # for the ETA: the loop's own pace, evals and saves included
@@ -139,13 +139,13 @@ class Monitor:
     self.skipped, self.last_loss, self.verified = skipped, float("nan"), start_step
 
   def flops_per_step(self, step: int) -> float:
-    """Training FLOPs of (1-based) step `step`, at its schedule stage's windows."""
+    """Training FLOPs of (1-based) step `step`, at its schedule stage's windows and row length."""
     cfg = self.run.cfg
-    windows = self.windows_of(step - 1)
-    if windows not in self._flops:
-      self._flops[windows] = metrics.flops_per_token(cfg.model, cfg.train.seq_len,
-                                                     windows) * self.tokens_per_step
-    return self._flops[windows]
+    stage = (self.windows_of(step - 1), window_schedule.seq_len_at(cfg.train, step - 1))
+    if stage not in self._flops:
+      self._flops[stage] = metrics.flops_per_token(cfg.model, stage[1],
+                                                   stage[0]) * self.tokens_per_step
+    return self._flops[stage]
 
   def add(self, step: int, dev) -> None:
     self.unverified.append((step, dev))

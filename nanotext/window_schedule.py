@@ -144,7 +144,3 @@ def stages(cfg, start: int, stop: int, key=step_stage) -> list:
     step = hi
   return list(dict.fromkeys(out))
 
-
-def stage_windows(cfg, start: int, stop: int) -> list:
-  """The distinct window tuples of 0-based steps start..stop-1, in order of use."""
-  return stages(cfg, start, stop, key=step_windows)

@@ -157,8 +157,7 @@ def check_divisible(cfg, abstract, rules) -> None:
   """Every sharded dimension of the activations and of every parameter divides its mesh axes."""
   sizes = gpt.logical_sizes(cfg.model, cfg.train)
   dims = [(name, size, key) for name, (key, size) in sizes.items()]
-  rows = cfg.model.embed_rows  # the token tables' rows, when fewer than the head's
-  dims += sharding.param_dims(abstract, sizes, {"vocab": ("model.embed_rows", rows)})
+  dims += sharding.param_dims(abstract, sizes, gpt.table_sizes(cfg.model))
   mesh_sizes = {a: cfg.mesh[a] for a in sharding.MESH_AXES}
   sharding.check_divisible(dims, rules, mesh_sizes)
 

@@ -194,14 +194,15 @@ def test_window_stages_are_found_without_visiting_every_step():
   cfg = config.load(BASE, TINY + ["attention.window_schedule=true", "attention.window=1024",
                                   "attention.window_start=128", "attention.window_block=128",
                                   "train.seq_len=2048", f"train.steps={2**31 - 1}"])
-  stages = window_schedule.stage_windows(cfg, 0, cfg.train.steps)  # a loop over 2**31 steps would hang
+  # A loop over 2**31 steps would hang.
+  stages = window_schedule.stages(cfg, 0, cfg.train.steps, key=window_schedule.step_windows)
   assert len(stages) == 8 and stages == list(dict.fromkeys(stages))
   small = cfg.copy_and_resolve_references()
   with small.unlocked():
     small.train.steps = 500
   want = list(dict.fromkeys(window_schedule.step_windows(small, s) for s in range(500)))
-  assert window_schedule.stage_windows(small, 0, 500) == want
-  assert window_schedule.stage_windows(small, 300, 500) == \
+  assert window_schedule.stages(small, 0, 500, key=window_schedule.step_windows) == want
+  assert window_schedule.stages(small, 300, 500, key=window_schedule.step_windows) == \
       list(dict.fromkeys(window_schedule.step_windows(small, s) for s in range(300, 500)))
 
 

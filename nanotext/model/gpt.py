@@ -92,6 +92,12 @@ def logical_sizes(m, train_cfg) -> dict:
   return sizes
 
 
+def table_sizes(m) -> dict:
+  """{logical axis: (config key, size)} of parameters that may differ from `logical_sizes`: the
+  token tables' rows (model.embed_rows) beside the head's model.vocab_size."""
+  return {"vocab": ("model.embed_rows", m.embed_rows)}
+
+
 class MLP(nnx.Module):
   """Two-layer MLP with GELU (GPT-2) or ReLU^2 (speedrun)."""
 
