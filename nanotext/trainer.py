@@ -52,10 +52,15 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0):
   skip = run.cfg.train.on_nonfinite == "skip"
   nan_step = run.cfg.train.debug_nan_step
 
+  row_sum = run.cfg.train.loss_reduction == "row_sum"
+
   def objective(p, x, y, poison):
     loss = loss_fn(graphdef, p, x, y, run.eot_id, windows, run.cfg.train.loss_chunk)
-    return loss if poison is None else loss * poison
-  grad_fn = jax.value_and_grad(objective)
+    # row_sum: the gradient of each row's summed loss (mean over rows); the metric stays the mean.
+    scale = x.shape[1] if row_sum else 1
+    loss = loss * scale if poison is None else loss * scale * poison
+    return loss, loss / scale
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
 
   def micro_batches(a_BT, accum):
     # Row r goes to micro-batch r % accum, so each device's rows spread over all micro-batches.
@@ -76,16 +81,17 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0):
     with sharding.use_rules(run.rules, run.mesh):
       params = state["params"]
       if n_micro == 1:
-        loss, grads = grad_fn(params, batch["inputs"], batch["targets"], poison)
+        (_, loss), grads = grad_fn(params, batch["inputs"], batch["targets"], poison)
       else:
         def body(carry, xy):
-          loss, grads = grad_fn(params, *xy, poison)
+          (_, loss), grads = grad_fn(params, *xy, poison)
           return jax.tree.map(jnp.add, carry, (loss, grads)), None
         zeros = (jnp.zeros([], jnp.float32), jax.tree.map(jnp.zeros_like, params))
         xs = (micro_batches(batch["inputs"], n_micro), micro_batches(batch["targets"], n_micro))
         (loss, grads), _ = jax.lax.scan(body, zeros, xs)
         loss, grads = loss / n_micro, jax.tree.map(lambda g: g / n_micro, grads)
-      grad_norm = optax.global_norm(grads)
+      # The logged norm is of the mean loss's gradient, whichever loss_reduction steps.
+      grad_norm = optax.global_norm(grads) / (T // cut if row_sum else 1)
       updates, opt_state = tx.update(grads, state["opt_state"], params)
       new_params = optax.apply_updates(params, updates)
       if skip:
@@ -168,6 +174,8 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
   train_execs = compile_train_steps(run, state, first, range(start_step, t_cfg.steps))
   evals = [d for d in range(start_step + 1, t_cfg.steps)
            if t_cfg.eval_every and d % t_cfg.eval_every == 0] + [t_cfg.steps]
+  at_start = t_cfg.eval_at_start and start_step == 0 and bool(val_batches)
+  evals = [0] * at_start + evals
   eval_execs = {w: make_eval_step(run, w).lower(state["params"], val_batches[0]).compile()
                 for w in dict.fromkeys(eval_windows(cfg, d) for d in evals)} if val_batches else {}
   eval_exec = bool(eval_execs) or None
@@ -178,14 +186,19 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
       f" and {n_eval} eval step programs"
   log(f"compiled {len(train_execs)} train step program(s){evals_said} ({programs} in all) in "
       f"{compile_s:.1f} s")
-  mon = Monitor(run, writer, log, counter, start_step=start_step, skipped=skipped_steps,
-                windows_of=lambda step: step_windows(cfg, step))
-  profiler = Profiler(cfg, log)
 
   def evaluate(params, done):
     run_eval = eval_execs[eval_windows(cfg, done)]
     losses = [run_eval(params, b) for b in val_batches]
     return float(np.mean(jax.device_get(losses)))
+
+  if at_start:  # the record validates the initial weights too (outside its timed steps)
+    row = metrics.val_row(evaluate(state["params"], 0), bytes_per_token)
+    writer.write(0, row)
+    log(f"step {0:>6d} | {metrics.val_text(row)}")
+  mon = Monitor(run, writer, log, counter, start_step=start_step, skipped=skipped_steps,
+                windows_of=lambda step: step_windows(cfg, step))
+  profiler = Profiler(cfg, log)
 
   def save(step, state, data_state):
     # Only a state whose every step was read back finite may reach disk.

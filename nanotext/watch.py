@@ -18,9 +18,11 @@ ON_NONFINITE = ("abort", "skip")
 
 def check_config(t) -> None:
   """The train section's choices: what a non-finite step does (Monitor acts on it), and the
-  windows validation runs at (window_schedule.eval_windows)."""
+  windows validation runs at (window_schedule.eval_windows) and the loss the step's gradient is
+  of (trainer)."""
   config.check_choices("train", t, {"on_nonfinite": ON_NONFINITE,
-                                    "eval_windows": ("final", "step")})
+                                    "eval_windows": ("final", "step"),
+                                    "loss_reduction": ("mean", "row_sum")})
 
 
 class CompileCounter:

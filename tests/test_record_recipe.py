@@ -1,6 +1,7 @@
 """The record config end to end at reduced dims: long rows, its layout and windows (its golden
 curve is in test_golden.py)."""
 
+import json
 import os
 
 import jax
@@ -49,3 +50,41 @@ def test_record_config_trains_on_long_rows(tmp_path):
                                        f"output_dir={tmp_path}"], log=lambda s: None)
   assert np.isfinite(result.last_loss) and np.isfinite(result.val_loss)
   assert int(result.state["step"]) == 2
+
+
+def one_step(reduction: str):
+  """Params before and after one AdamW step whose eps dwarfs the gradient, so that the update is
+  proportional to it, and the step's metrics."""
+  ov = TINY + [f"train.loss_reduction={reduction}", "optim.eps=1e6", "optim.lr=1e6",
+               "optim.warmup_steps=0", "optim.grad_clip=0", "optim.weight_decay=0"]
+  run_ = wiring.prepare(os.path.join(REPO, "configs", "base.yml"), ov, devices=jax.devices()[:1])
+  state = run_.init_state()
+  before = jax.tree.map(np.asarray, state["params"])
+  batch = trainer.global_batch(run_, next(run_.train_iter()))
+  after, m = trainer.make_train_step(run_)(state, batch)
+  return before, jax.tree.map(np.asarray, after["params"]), jax.device_get(m)
+
+
+def test_row_sum_steps_on_each_rows_summed_loss():
+  """The record's reduction='sum' over a row: the gradient is seq_len times the mean's; the
+  logged loss and gradient norm stay those of the mean."""
+  p0, p_mean, m_mean = one_step("mean")
+  _, p_sum, m_sum = one_step("row_sum")
+  for a, b, c in zip(jax.tree.leaves(p0), jax.tree.leaves(p_mean), jax.tree.leaves(p_sum)):
+    np.testing.assert_allclose(c - a, 32 * (b - a), rtol=2e-3, atol=1e-5)  # train.seq_len=32
+  assert float(m_sum["loss"]) == float(m_mean["loss"])
+  np.testing.assert_allclose(m_sum["grad_norm"], m_mean["grad_norm"], rtol=1e-5)
+
+
+def test_eval_at_start_validates_the_initial_weights_once(tmp_path):
+  """train.eval_at_start (the record's step-0 validation): the zero-initialised head gives
+  exactly ln(vocab); a resumed run does not validate step 0 again."""
+  common = TINY + SMALL + ["train.seq_len=256", "train.eval_every=2", "train.eval_at_start=true",
+                           "checkpoint.every=2", f"output_dir={tmp_path}"]
+  run(RECORD, common + ["train.steps=2"], log=lambda s: None)
+  run(RECORD, common + ["train.steps=4"], log=lambda s: None)
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+  assert sorted(val) == [0, 2, 4]
+  np.testing.assert_allclose(val[0], np.log(512), rtol=1e-6)

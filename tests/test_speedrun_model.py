@@ -15,7 +15,7 @@ from nanotext import config, optim, sharding, wiring
 from nanotext.errors import UserError
 from nanotext.model import count_params
 from nanotext.model.gpt import value_embed_layers
-from nanotext.model.layers import fp8_head_scales, fp8_matmul, rms_norm
+from nanotext.model.layers import fp8_head_scales, fp8_matmul, rms_norm, scaled_sum
 
 SPEEDRUN_RECORD = os.path.join(REPO, "configs", "speedrun_record.yml")
 SMALL = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
@@ -170,6 +170,21 @@ def test_polar_express_coefficients_are_selected():
   assert spread(cfg.optim) < spread(config.load(SPEEDRUN, ["optim.muon_bf16=false"]).optim)
   with pytest.raises(UserError, match="optim.muon_ns_coeffs"):
     wiring.load(SPEEDRUN, ["optim.muon_ns_coeffs=cubic"])
+
+
+def test_scalar_mixing_rounds_once_from_float32():
+  """x0/value/skip lambdas: float32 scalars times bf16 activations, summed in float32 and rounded
+  once (the record's compiled PyTorch), not the lambdas rounded to bf16 first."""
+  rng = np.random.default_rng(0)
+  x, x0 = (jnp.asarray(rng.normal(size=(4, 256)), jnp.bfloat16) for _ in range(2))
+  lam = jnp.asarray([1.0123457, -0.3141593], jnp.float32)  # not bf16 numbers
+  got = scaled_sum((lam[0], lam[1]), (x, x0))
+  f64 = lambda a: np.asarray(a, np.float64)
+  want = (np.float32(lam[0]) * f64(x).astype(np.float32) +
+          np.float32(lam[1]) * f64(x0).astype(np.float32)).astype(jnp.bfloat16)
+  assert got.dtype == jnp.bfloat16 and np.array_equal(f64(got), f64(want))
+  lam16 = lam.astype(jnp.bfloat16)  # the old way moves a share of the outputs by an ulp or more
+  assert np.mean(f64(got) != f64(lam16[0] * x + lam16[1] * x0)) > 0.1
 
 
 def test_fp8_matmul_is_close_to_the_exact_matmul():

@@ -13,7 +13,7 @@ from nanotext.model.blocked_attention import blocked_attention
 from nanotext.model.cpu_attention import cpu_attention
 from nanotext.model.flash_attention import flash_attention, problem as flash_problem
 from nanotext.model.layers import (Linear, StackedLinear, init_array, param, proj_std, rms_norm,
-                                   weight_std)
+                                   scaled_sum, weight_std)
 from nanotext.model.rope import apply_rope, rope_frequencies
 
 IMPLS = ("auto", "xla", "cudnn", "splash", "flash", "blocked", "cpu", "einsum")
@@ -377,9 +377,10 @@ class CausalSelfAttention(nnx.Module):
       lam = self.v_residual.value.astype(v.dtype)[0]
       v = (1 - lam) * v + lam * v1_BTHK
     if self.v_lambdas is not None:
-      lam = self.v_lambdas.value.astype(v.dtype)
+      lam = self.v_lambdas.value
       # Layers without a value embedding still scale v by lambdas[0], as the record does.
-      v = lam[0] * v if ve_BTD is None else lam[0] * v + lam[1] * ve_BTD.reshape(shape)
+      v = scaled_sum((lam[0],), (v,)) if ve_BTD is None else \
+          scaled_sum((lam[0], lam[1]), (v, ve_BTD.reshape(shape)))
     if self.qk_norm:
       q, k = rms_norm(q, self.qk_eps), rms_norm(k, self.qk_eps)
     if self.rope is not None:

@@ -10,7 +10,7 @@ from nanotext.errors import UserError
 from nanotext.window_schedule import layer_windows
 from nanotext.model.attention import CausalSelfAttention
 from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul, init_array,
-                                   param, proj_std, weight_std)
+                                   param, proj_std, scaled_sum, weight_std)
 
 
 CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
@@ -133,8 +133,8 @@ class Block(nnx.Module):
     """(x, v1): `window` (static int) overrides attention.window; `ve_BTD`: this layer's value
     embedding; `v1`: the first attention layer's v (model.value_residual), passed on."""
     if self.lambdas is not None:
-      lam = self.lambdas.value.astype(x_BTD.dtype)
-      x_BTD = lam[0] * x_BTD + lam[1] * x0_BTD
+      lam = self.lambdas.value
+      x_BTD = scaled_sum((lam[0], lam[1]), (x_BTD, x0_BTD))
     if self.attn is not None:
       with jax.named_scope("attention"):
         y_BTD, v1 = self.attn(self.ln1(x_BTD), segment_ids_BT, window, ve_BTD, v1)
@@ -219,7 +219,7 @@ class GPT(nnx.Module):
     skips, v1 = [], None
     for i, block in enumerate(self.blocks):
       if i >= L - n_skip:  # decoder half: the mirrored encoder output (a stack: last in, first out)
-        x_BTD = x_BTD + self.skip_weights.value[i - (L - n_skip)].astype(x_BTD.dtype) * skips.pop()
+        x_BTD = scaled_sum((1.0, self.skip_weights.value[i - (L - n_skip)]), (x_BTD, skips.pop()))
       with jax.named_scope(f"block_{i}"):
         j = self.ve_layers[i]
         x_BTD, v1 = remat_block(self.remat, windows[i])(

@@ -105,6 +105,13 @@ class Norm(nnx.Module):
     return (y * self.scale.value + self.bias.value).astype(x.dtype)
 
 
+def scaled_sum(weights, terms):
+  """sum(w * t) in float32, rounded once to the first term's dtype: the record's float32
+  scalars times bf16 activations, as its compiled (fused) PyTorch computes them."""
+  total = sum(jnp.asarray(w, jnp.float32) * t.astype(jnp.float32) for w, t in zip(weights, terms))
+  return total.astype(terms[0].dtype)
+
+
 def rms_norm(x, eps=1e-6):
   """Parameter-free RMS normalisation over the last axis."""
   x32 = x.astype(jnp.float32)
