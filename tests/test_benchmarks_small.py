@@ -76,3 +76,20 @@ def test_convergence_report_and_plot(tmp_path):
   png = tmp_path / "c.png"
   convergence.plot(curves, 4.0, 19.1, str(png))
   assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_attention_numerics_kernels_are_within_an_ulp_of_float64():
+  """benchmarks/attention_numerics.py: its online-softmax kernel and the blocked kernel both land
+  within a bf16 ulp (RMS) of the float64 answer, and do not agree with it bit for bit."""
+  import jax.numpy as jnp
+  num = _load("attention_numerics")
+  from nanotext.model.blocked_attention import blocked_attention
+  q, k, v, seg = num.inputs(512, seed=0)
+  m = num.mask(512, 256, seg)
+  ref = num.exact(q, k, v, m)[None]
+  onl = num.online(q, k, v, m)
+  blk = blocked_attention(q, k, v, scale=num.SCALE, window=256, block_windows=True,
+                          segment_ids_BT=jnp.asarray(seg), block=num.BLOCK)
+  for out in (onl, blk):
+    mx, rel = num.errors(out, ref, ref)
+    assert 0 < rel < 2.0 ** -8 and mx < 0.05
