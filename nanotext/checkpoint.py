@@ -341,7 +341,14 @@ def latest_params(output_dir: str, step: int = -1):
   if step is None or step not in manager.all_steps():
     raise UserError(f"output_dir '{output_dir}' has no checkpoint for step {step}; "
                     f"it has {list(manager.all_steps())}")
-  # An explicit single-device target: checkpoints written by several processes restore too.
+  params, integrity = read_on_one_device(manager, step, "params")
+  verify(params, integrity, step_dir(manager, step), prefix="params/")
+  return step, params
+
+
+def read_on_one_device(manager, step: int, part: str = ""):
+  """(the step's state, or its `part` such as "params", on one local device; its integrity
+  record or None), whatever mesh or process count wrote it. Damaged if it cannot be read."""
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   where = step_dir(manager, step)
   try:
@@ -352,11 +359,10 @@ def latest_params(output_dir: str, step: int = -1):
       items["integrity"] = ocp.args.JsonRestore()
     out = manager.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # orbax raises many kinds for unreadable folders
-    raise Damaged(f"cannot read the checkpoint of step {step} in '{output_dir}': "
+    raise Damaged(f"cannot read the checkpoint of step {step} in '{where}': "
                   f"{_first_line(e)}") from None
-  verify(out.state["params"], out["integrity"] if "integrity" in items else None, where,
-         prefix="params/")
-  return step, out.state["params"]
+  state = out.state[part] if part else out.state
+  return state, out["integrity"] if "integrity" in items else None
 
 
 def _first_line(e: Exception) -> str:

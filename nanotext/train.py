@@ -170,8 +170,24 @@ def main(argv) -> None:
   except (NonFiniteError, CheckpointError) as e:
     # Not bad input (status 2) but a failed run: one line, status 1, checkpoints left intact.
     fail(str(e), 1)
+  except Exception as e:  # of runtime errors, only a device out of memory is expected
+    if not out_of_memory(e):
+      raise
+    fail(out_of_memory(e), 1)
   except KeyboardInterrupt:  # before the handlers of the run are installed: nothing written
     fail("interrupted", 130)
+
+
+def out_of_memory(e: Exception) -> str:
+  """The one line for a device allocation that failed (XLA's RESOURCE_EXHAUSTED), else ""."""
+  import jax
+  head = (str(e).splitlines() or [""])[0]
+  if not isinstance(e, jax.errors.JaxRuntimeError) or not head.startswith("RESOURCE_EXHAUSTED"):
+    return ""
+  return (f"the device ran out of memory ({head[len('RESOURCE_EXHAUSTED: '):][:120]}); checkpoints "
+          "already written are intact. Lower the memory per device: model.remat=dots, "
+          "train.loss_chunk=256, train.grad_accum, train.eval_seq_len / eval_batches, or more "
+          "devices on mesh.fsdp (python -m nanotext.compile reports what each program needs)")
 
 
 def _is_main() -> bool:

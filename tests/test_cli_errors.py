@@ -2,12 +2,14 @@
 and nothing in an existing output_dir touched."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import yaml
 
-from conftest import BASE, TINY, run_cli
+from conftest import BASE, REPO, TINY, run_cli
 from nanotext.data import binfile
 
 
@@ -160,3 +162,23 @@ def test_duplicate_keys_and_nan_rates(out, tmp_path):
   cfg.write_text(f"base: {BASE}\ntrain:\n  steps: 3\ntrain:\n  steps: 200\n")
   expect_error(train(out, str(cfg), *TINY), "duplicate key 'train'")
   expect_error(train(out, BASE, *TINY, "optim.lr=nan"), "optim.lr", "finite")
+
+
+def test_device_out_of_memory_is_one_line_and_status_1():
+  """XLA's RESOURCE_EXHAUSTED (a run too big for its devices) is a failed run, said in one line
+  that names the keys that lower memory; other runtime errors keep their traceback."""
+  raise_in_run = ("import sys, jax, absl.app, nanotext.train as t\n"
+                  "def run(*a, **k):\n"
+                  "  raise jax.errors.JaxRuntimeError(sys.argv[1])\n"
+                  "t.run = run\n"
+                  "absl.app.run(t.main, argv=['train', 'configs/base.yml'], "
+                  "flags_parser=t.parse_flags)\n")
+  go = lambda msg: subprocess.run([sys.executable, "-c", raise_in_run, msg], cwd=REPO,
+                                  capture_output=True, text=True, timeout=120)
+  proc = go("RESOURCE_EXHAUSTED: Out of memory allocating 38730384176 bytes.")
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+  lines = [l for l in proc.stderr.splitlines() if l.startswith("nanotext: error:")]
+  assert len(lines) == 1 and "ran out of memory (Out of memory allocating 38730384176" in lines[0]
+  assert "model.remat=dots" in lines[0] and "nanotext.compile" in lines[0]
+  other = go("INTERNAL: something else")
+  assert other.returncode == 1 and "Traceback" in other.stderr

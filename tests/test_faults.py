@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import BASE, REPO, TINY
+from conftest import BASE, REPO, TINY, one_line_error, run_cli
 from nanotext import checkpoint
 from nanotext.errors import UserError
 from nanotext.train import run
@@ -293,3 +293,25 @@ def test_ctrl_c_during_compilation_stops_cleanly(tmp_path):
   assert proc.wait(timeout=300) == 0, open(f"{out}.log").read()[-3000:]
   log = open(f"{out}.log").read()
   assert "received SIGINT: saved the checkpoint of step 1" in log and "Traceback" not in log
+
+
+def test_verify_finds_damage_in_an_older_step_and_moves_nothing(reference, tmp_path):
+  """`python -m nanotext.verify` reads every step, so damage to a step no resume would restore
+  (here step 2 of 2, 4, 6) is found: exit 1, that step named with its array; nothing moved."""
+  out = copy_of(reference, tmp_path)
+  clean = run_cli("nanotext.verify", out)
+  assert clean.returncode == 0, clean.stderr
+  assert [l.split()[:3] for l in clean.stdout.splitlines()[1:]] == \
+      [["step", s, "intact"] for s in ("6", "4", "2")]
+  victim = array_files(os.path.join(out, "checkpoints", "2"))[0]
+  with open(victim, "r+b") as f:
+    f.seek(os.path.getsize(victim) // 2)
+    f.write(b"\xde\xad\xbe\xef")
+  before = step_files(out)
+  proc = run_cli("nanotext.verify", out)
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+  rows = {l.split()[1]: l for l in proc.stdout.splitlines() if l.strip().startswith("step")}
+  assert "intact" in rows["6"] and "intact" in rows["4"]
+  assert "damaged" in rows["2"] and ("does not match" in rows["2"] or "cannot read" in rows["2"])
+  assert step_files(out) == before and not os.path.exists(os.path.join(out, "damaged"))
+  one_line_error(run_cli("nanotext.verify", str(tmp_path / "nothing")), "no checkpoints/")
