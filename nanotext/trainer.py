@@ -43,6 +43,7 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0):
   each distinct stage is its own executable, compiled before the loop starts. Shorter rows are
   the batch's rows cut into pieces (same tokens, targets still the next token), run in
   micro-batches of as many rows as at full length (modded-nanogpt-jax's fixed micro-batch).
+  train.loss_reduction=row_sum steps on the gradient of each row's summed loss (the record's).
 
   A step whose loss or gradient norm is not finite leaves params and optimizer state as they
   were when train.on_nonfinite=skip (selected on device: no host sync); with abort the host
@@ -51,7 +52,6 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0):
   accum, graphdef, tx = run.cfg.train.grad_accum, run.graphdef, run.tx
   skip = run.cfg.train.on_nonfinite == "skip"
   nan_step = run.cfg.train.debug_nan_step
-
   row_sum = run.cfg.train.loss_reduction == "row_sum"
 
   def objective(p, x, y, poison):
