@@ -93,3 +93,11 @@ def test_attention_numerics_kernels_are_within_an_ulp_of_float64():
   for out in (onl, blk):
     mx, rel = num.errors(out, ref, ref)
     assert 0 < rel < 2.0 ** -8 and mx < 0.05
+
+
+def test_long_attention_points_and_the_dense_path_it_will_not_compile():
+  long = _load("long_attention")
+  r = long.point(512, "blocked", window=256, heads=2, repeats=1, max_gib=1.0)
+  assert r["temp_gib"] > 0 and r["step_ms"] > 0
+  skipped = long.point(49152, "xla", window=1792, heads=6, repeats=1, max_gib=4.0)
+  assert skipped["skipped"] == "not compiled (about 162 GiB)"
