@@ -30,7 +30,7 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanotext.hlo import COLLECTIVES, collectives, shape_bytes  # noqa: E402,F401 -- shared parsers
+from nanotext.hlo import COLLECTIVES, collectives  # noqa: E402 -- after the sys.path line
 
 _LAYOUTS = flags.DEFINE_string("layouts", "", "Comma list like dp8,fsdp8,fsdp4xtp2; "
                                "empty = the defaults for this device count.")

@@ -5,6 +5,7 @@ against optimizer steps and against tokens seen. Train loss is a line, validatio
 markers joined by a dashed line, in the run's colour; several runs overlay for an ablation.
 """
 
+import importlib
 import json
 import os
 import sys
@@ -155,7 +156,7 @@ def parse(argv) -> tuple:
 def main(argv) -> None:
   runs, out, title = parse(argv)
   try:
-    import matplotlib  # noqa: F401
+    importlib.import_module("matplotlib")
   except ImportError:
     raise UserError("plotting needs matplotlib: pip install matplotlib "
                     "(or pip install -e '.[plots]')") from None

@@ -6,6 +6,7 @@ descriptions, enough to build a mesh and compile for it; nothing runs.
 """
 
 import dataclasses
+import importlib
 import glob
 import os
 import re
@@ -94,8 +95,8 @@ def devices(sl: Slice) -> list:
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", sl.name)
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-  try:
-    import libtpu  # noqa: F401 -- only to tell "not installed" apart from other failures
+  try:  # only to tell "not installed" apart from other failures
+    importlib.import_module("libtpu")
   except ImportError:
     raise UserError("compiling for a TPU needs libtpu, which is not installed; run "
                     "pip install -e '.[tpu]' (libtpu matching the installed jax)") from None

@@ -113,8 +113,8 @@ def test_output_dir_of_another_run(tmp_path):
   assert first.returncode == 0, first.stderr
   before = snapshot(out)
   assert "config.yml" in before and "metrics.jsonl" in before
-  last = expect_error(run_cli("nanotext.train", *args, "model.d_model=32"),
-                      str(out), "overwrite", "model.d_model")
+  expect_error(run_cli("nanotext.train", *args, "model.d_model=32"),
+               str(out), "overwrite", "model.d_model")
   assert snapshot(out) == before
   same = run_cli("nanotext.train", *args)  # the same run: resumes from its checkpoint
   assert same.returncode == 0, same.stderr

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import BASE, REPO, TINY
 from nanotext.errors import UserError
+from nanotext.hlo import shape_bytes
 
 _spec = importlib.util.spec_from_file_location(
     "parallelism_bench", os.path.join(REPO, "benchmarks", "parallelism.py"))
@@ -45,9 +46,9 @@ def test_collectives_counts_and_bytes():
 
 
 def test_shape_bytes():
-  assert bench.shape_bytes("f32[]") == 4
-  assert bench.shape_bytes("(pred[3], f8e4m3fn[2,2], u64[0])") == 3 + 4
-  assert bench.shape_bytes("token[]") == 0  # not an array type
+  assert shape_bytes("f32[]") == 4
+  assert shape_bytes("(pred[3], f8e4m3fn[2,2], u64[0])") == 3 + 4
+  assert shape_bytes("token[]") == 0  # not an array type
 
 
 @pytest.mark.parametrize("text, name, shape", [
