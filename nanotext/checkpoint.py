@@ -304,7 +304,10 @@ def load_params(path: str, abstract_params):
     raise UserError(f"cannot read the checkpoint '{where}': {_first_line(e)}") from None
   if whole_state and not (isinstance(meta, dict) and "params" in meta):
     raise UserError(f"checkpoint '{where}' holds no parameters")
-  _check_same_params(meta["params"] if whole_state else meta, abstract_params, where)
+  saved = meta["params"] if whole_state else meta
+  if _stacked(saved) != _stacked(abstract_params):
+    return where, _load_other_layout(ckptr, item, whole_state, saved, abstract_params, where)
+  _check_same_params(saved, abstract_params, where)
   restore_args = jax.tree.map(
       lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
       abstract_params)
@@ -312,6 +315,28 @@ def load_params(path: str, abstract_params):
   out = ckptr.restore(item, args=ocp.args.PyTreeRestore(
       item=wrap(abstract_params), restore_args=wrap(restore_args), partial_restore=whole_state))
   return where, out["params"] if whole_state else out
+
+
+def _stacked(tree) -> bool:
+  """Whether a params tree holds model.scan_layers blocks (stacked on a leading layers axis)."""
+  from nanotext.convert.common import flatten, is_stacked
+  return is_stacked(flatten(tree))
+
+
+def _load_other_layout(ckptr, item: str, whole_state: bool, saved, abstract_params, where: str):
+  """Params saved with the other model.scan_layers setting, read on one device, stacked or
+  unstacked, then checked name by name and shape by shape and placed like `abstract_params`."""
+  from nanotext.convert.common import fill, flatten, is_stacked, stack_blocks, unstack_blocks
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
+  args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=device, global_shape=a.shape,
+                                                     dtype=a.dtype), target)
+  wrap = (lambda t: {"params": t}) if whole_state else (lambda t: t)
+  out = ckptr.restore(item, args=ocp.args.PyTreeRestore(
+      item=wrap(target), restore_args=wrap(args), partial_restore=whole_state))
+  flat = flatten(jax.device_get(out["params"] if whole_state else out))
+  flat = unstack_blocks(flat) if is_stacked(flat) else stack_blocks(flat)
+  return fill(abstract_params, flat, f"checkpoint '{where}' (model.scan_layers converted)")
 
 
 def _check_same_params(saved, wanted, where: str) -> None:
@@ -326,10 +351,8 @@ def _check_same_params(saved, wanted, where: str) -> None:
     if a.get(key) != b.get(key):
       got = "missing" if key not in a else f"shape {a[key]}"
       want = "absent" if key not in b else f"shape {b[key]}"
-      # A stacked (model.scan_layers) tree names blocks/attn/..., an unrolled one blocks/0/attn/...
-      keys = "model.* keys; model.scan_layers too" if key.startswith("blocks/") else "model.* keys"
       raise UserError(f"checkpoint '{where}' does not fit this model: parameter {key} is {got} "
-                      f"in the checkpoint but {want} here (check the {keys})")
+                      f"in the checkpoint but {want} here (check the model.* keys)")
 
 
 def latest_params(output_dir: str, step: int = -1):

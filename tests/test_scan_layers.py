@@ -143,3 +143,36 @@ def test_hf_round_trip_through_a_scanned_run(tmp_path):
   assert sorted(a) == sorted(b)
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_load_params_from_converts_between_unrolled_and_scanned(tmp_path):
+  """checkpoint.load_params_from stacks an unrolled run's blocks for a scanned model and
+  unstacks a scanned one's (here from a params-only folder), placed on the target's mesh."""
+  from nanotext import checkpoint
+  from nanotext.convert import params_only
+  from nanotext.train import run
+  common = TINY + EXACT + ["train.steps=2", "checkpoint.every=2", "sample.max_new_tokens=0"]
+  flat = lambda tree: {"/".join(str(getattr(k, "key", k)) for k in p): np.asarray(v)
+                       for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  unrolled_run = str(tmp_path / "unrolled")
+  run(BASE, common + [f"output_dir={unrolled_run}"], log=lambda s: None)
+  saved = jax.device_get(checkpoint.latest_params(unrolled_run)[1])
+  scanned = prepare("base", True, n_devices=8)
+  _, got = checkpoint.load_params(unrolled_run, scanned.abstract_state()["params"])
+  want = flat(stack_blocks(saved))
+  assert sorted(flat(got)) == sorted(want)
+  for k, v in flat(jax.device_get(got)).items():
+    np.testing.assert_array_equal(v, want[k], err_msg=k)
+  kernel = got["blocks"]["mlp"]["fc"]["kernel"]
+  assert kernel.shape[0] == 3 and kernel.sharding == \
+      scanned.abstract_state()["params"]["blocks"]["mlp"]["fc"]["kernel"].sharding
+
+  scanned_run = str(tmp_path / "scanned")
+  run(BASE, common + [f"output_dir={scanned_run}", "model.scan_layers=true"], log=lambda s: None)
+  folder = params_only(scanned_run, str(tmp_path / "params"), log=lambda s: None)
+  stacked_saved = jax.device_get(checkpoint.latest_params(scanned_run)[1])
+  unrolled = prepare("base", False)
+  _, back = checkpoint.load_params(folder, unrolled.abstract_state()["params"])
+  assert flat(stack_blocks(jax.device_get(back))).keys() == flat(stacked_saved).keys()
+  for k, v in flat(stack_blocks(jax.device_get(back))).items():
+    np.testing.assert_array_equal(v, flat(stacked_saved)[k], err_msg=k)

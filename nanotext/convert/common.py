@@ -37,11 +37,14 @@ def flatten(params) -> dict:
   return {path_name(p): v for p, v in leaves}
 
 
-def per_layer(cfg, flat: dict) -> dict:
-  """Flat params of a model.scan_layers run ('blocks.mlp.fc.kernel' [L, ...]) under the unrolled
-  model's names ('blocks.{i}.mlp.fc.kernel', one layer each); other runs' params unchanged."""
-  if not cfg.model.scan_layers:
-    return flat
+def is_stacked(flat: dict) -> bool:
+  """Whether flat names hold model.scan_layers blocks ('blocks.mlp.fc.kernel' [L, ...]) rather
+  than one layer each ('blocks.0.mlp.fc.kernel')."""
+  return any(n.startswith("blocks.") and not n.split(".")[1].isdigit() for n in flat)
+
+
+def unstack_blocks(flat: dict) -> dict:
+  """Stacked 'blocks.*' arrays [L, ...] as one 'blocks.{i}.*' array per layer."""
   out = {}
   for name, value in flat.items():
     if name.startswith("blocks."):
@@ -51,10 +54,9 @@ def per_layer(cfg, flat: dict) -> dict:
   return out
 
 
-def stacked(cfg, flat: dict) -> dict:
-  """Inverse of `per_layer`: unrolled 'blocks.{i}.*' names stacked for a model.scan_layers run."""
-  if not cfg.model.scan_layers:
-    return flat
+def stack_blocks(flat: dict, num_layers: int | None = None) -> dict:
+  """Inverse of `unstack_blocks`; every name needs layers 0 .. num_layers - 1 (by default as
+  many as the deepest one has)."""
   out, layers = {}, {}
   for name, value in flat.items():
     if name.startswith("blocks."):
@@ -62,12 +64,25 @@ def stacked(cfg, flat: dict) -> dict:
       layers.setdefault(rest, {})[int(i)] = value
     else:
       out[name] = value
+  n = num_layers if num_layers is not None else \
+      max((max(b) + 1 for b in layers.values()), default=0)
   for rest, by_layer in layers.items():
-    if sorted(by_layer) != list(range(cfg.model.num_layers)):
+    if sorted(by_layer) != list(range(n)):
       raise UserError(f"blocks.*.{rest}: layers {sorted(by_layer)} cannot stack into "
-                      f"model.num_layers={cfg.model.num_layers} (model.scan_layers=true)")
-    out[f"blocks.{rest}"] = np.stack([by_layer[i] for i in range(cfg.model.num_layers)])
+                      f"model.num_layers={n} (model.scan_layers=true)")
+    out[f"blocks.{rest}"] = np.stack([np.asarray(by_layer[i]) for i in range(n)])
   return out
+
+
+def per_layer(cfg, flat: dict) -> dict:
+  """Flat params of a model.scan_layers run under the unrolled model's names (one layer each);
+  other runs' params unchanged."""
+  return unstack_blocks(flat) if cfg.model.scan_layers else flat
+
+
+def stacked(cfg, flat: dict) -> dict:
+  """Inverse of `per_layer`: unrolled 'blocks.{i}.*' names stacked for a model.scan_layers run."""
+  return stack_blocks(flat, cfg.model.num_layers) if cfg.model.scan_layers else flat
 
 
 def fill(template, flat: dict, what: str):
