@@ -16,10 +16,6 @@ import statistics
 
 from absl import app, flags
 
-_LENGTHS = flags.DEFINE_list("lengths", ["2048", "4096"], "Row lengths T (the float64 reference is dense).")
-_SEEDS = flags.DEFINE_integer("seeds", 3, "Random inputs per length (median reported).")
-_WINDOW = flags.DEFINE_integer("window", 1792, "Block window in tokens (the record's longest).")
-
 BLOCK, HEADS, K, SCALE = 128, 6, 128, 0.12
 
 
@@ -90,13 +86,14 @@ def main(argv):
   from nanotext.model.blocked_attention import blocked_attention
   print("| T | pair | max abs difference | relative RMS difference | in bf16 ulps (2^-8) |")
   print("| --- | --- | --- | --- | --- |")
-  for T in map(int, _LENGTHS.value):
+  FLAGS = flags.FLAGS
+  for T in map(int, FLAGS.lengths):
     rows = {"blocked vs exact": [], "online vs exact": [], "blocked vs online": []}
-    for seed in range(_SEEDS.value):
+    for seed in range(FLAGS.seeds):
       q, k, v, seg = inputs(T, seed)
-      m = mask(T, _WINDOW.value, seg)
+      m = mask(T, FLAGS.window, seg)
       ref = exact(q, k, v, m)
-      blk = blocked_attention(q, k, v, scale=SCALE, window=_WINDOW.value, block_windows=True,
+      blk = blocked_attention(q, k, v, scale=SCALE, window=FLAGS.window, block_windows=True,
                               segment_ids_BT=jnp.asarray(seg), block=BLOCK)
       onl = online(q, k, v, m)
       rows["blocked vs exact"].append(errors(blk, ref[None], ref))
@@ -109,4 +106,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Defined here, not at import: the tests import this module beside others with a --lengths.
+  flags.DEFINE_list("lengths", ["2048", "4096"], "Row lengths T (the float64 reference is dense).")
+  flags.DEFINE_integer("seeds", 3, "Random inputs per length (median reported).")
+  flags.DEFINE_integer("window", 1792, "Block window in tokens (the record's longest).")
   app.run(main)
