@@ -106,7 +106,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  # Defined here, not at import: the tests import this module beside others with a --lengths.
+  # Defined here, not at import: the tests import this module beside other benchmarks.
   flags.DEFINE_list("lengths", ["2048", "4096"], "Row lengths T (the float64 reference is dense).")
   flags.DEFINE_integer("seeds", 3, "Random inputs per length (median reported).")
   flags.DEFINE_integer("window", 1792, "Block window in tokens (the record's longest).")

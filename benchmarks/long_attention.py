@@ -15,12 +15,16 @@ import time
 
 from absl import app, flags
 
-_LENGTHS = flags.DEFINE_list("lengths", ["1024", "4096", "8192", "49152"], "Row lengths T.")
-_WINDOW = flags.DEFINE_integer("window", 1792, "Window in tokens (whole 128-token blocks).")
-_HEADS = flags.DEFINE_integer("heads", 6, "Attention heads.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per point (median).")
-_DENSE_MAX = flags.DEFINE_float("dense_max_gib", 8.0, "Run dense only below this many GiB.")
-_IMPLS = flags.DEFINE_list("impls", ["blocked", "xla"], "Kernels: blocked and/or xla (dense).")
+
+def define_flags() -> None:
+  """The script's flags; defined only when it runs (tests import this module beside other
+  benchmarks, some with a --repeats of their own)."""
+  flags.DEFINE_list("lengths", ["1024", "4096", "8192", "49152"], "Row lengths T.")
+  flags.DEFINE_integer("window", 1792, "Window in tokens (whole 128-token blocks).")
+  flags.DEFINE_integer("heads", 6, "Attention heads.")
+  flags.DEFINE_integer("repeats", 3, "Timed runs per point (median).")
+  flags.DEFINE_float("dense_max_gib", 8.0, "Run dense only below this many GiB.")
+  flags.DEFINE_list("impls", ["blocked", "xla"], "Kernels: blocked and/or xla (dense).")
 
 
 def point(T: int, impl: str, window: int, heads: int, repeats: int, max_gib: float) -> dict:
@@ -61,21 +65,22 @@ def point(T: int, impl: str, window: int, heads: int, repeats: int, max_gib: flo
 
 def main(argv):
   from nanotext.errors import fail
+  F = flags.FLAGS
   if len(argv) > 1:
     fail(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
-    lengths = [int(t) for t in _LENGTHS.value]
+    lengths = [int(t) for t in F.lengths]
   except ValueError:
-    fail(f"--lengths must be integers, got {','.join(_LENGTHS.value)}")
-  if set(_IMPLS.value) - {"blocked", "xla"}:
-    fail(f"--impls takes blocked and/or xla, got {','.join(_IMPLS.value)}")
-  if any(t <= 0 or t % 128 for t in lengths) or _WINDOW.value % 128 or _WINDOW.value <= 0:
+    fail(f"--lengths must be integers, got {','.join(F.lengths)}")
+  if set(F.impls) - {"blocked", "xla"}:
+    fail(f"--impls takes blocked and/or xla, got {','.join(F.impls)}")
+  if any(t <= 0 or t % 128 for t in lengths) or F.window % 128 or F.window <= 0:
     fail("--lengths and --window must be positive multiples of 128")
   print("| T | impl | temporaries (GiB) | fwd+bwd (ms) | compile (s) |")
   print("| --- | --- | --- | --- | --- |")
   for T in lengths:
-    for impl in _IMPLS.value:
-      r = point(T, impl, _WINDOW.value, _HEADS.value, _REPEATS.value, _DENSE_MAX.value)
+    for impl in F.impls:
+      r = point(T, impl, F.window, F.heads, F.repeats, F.dense_max_gib)
       name = "blocked" if impl == "blocked" else "dense (xla)"
       if "skipped" in r:
         print(f"| {T:,} | {name} | {r['skipped']} | | |", flush=True)
@@ -87,4 +92,5 @@ def main(argv):
 
 if __name__ == "__main__":
   from nanotext.errors import parse_flags
+  define_flags()
   app.run(main, flags_parser=parse_flags)
