@@ -33,7 +33,7 @@ NON_NEGATIVE = ("train.eval_every", "checkpoint.every", "model.head_dim", "model
                 "model.init_std", "model.embed_std", "attention.window",
                 "profile.steps", "train.target_val_loss", "train.loss_chunk", "optim.lr",
                 "optim.muon_lr", "optim.embed_lr", "optim.head_lr", "optim.scalar_lr",
-                "optim.weight_decay", "optim.final_lr_frac", "optim.eps")
+                "optim.weight_decay", "optim.final_lr_frac", "optim.eps", "optim.head_eps")
 # Counters held in int32 on the device (the step) or in 32-bit grain indices.
 INT32 = ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
          "train.log_every", "train.eval_every", "train.eval_batches", "checkpoint.every",
@@ -302,6 +302,8 @@ def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
     m.embed_rows = min(tokenizer_vocab or m.vocab_size, m.vocab_size)
   if cfg.optim.head_lr_record:  # the record's head is sqrt(d) W: Adam's steps shrink by sqrt(d)
     cfg.optim.head_lr = cfg.optim.head_lr_record / m.d_model ** 0.5
+  if not cfg.optim.head_eps:  # ... and its gradients by sqrt(d): the same eps is sqrt(d) larger here
+    cfg.optim.head_eps = cfg.optim.eps * (m.d_model ** 0.5 if cfg.optim.head_lr_record else 1.0)
   for axis, size in mesh_sizes.items():
     cfg.mesh[axis] = size
   cfg.data.dir = cfg.data.dir or data_dir
@@ -334,9 +336,12 @@ def save(cfg, path) -> None:
 
 
 def run_identity_diff(old: dict, new: dict) -> list:
-  """Keys (with old -> new values) whose change makes `new` a different run than `old`."""
+  """Keys (with old -> new values) whose change makes `new` a different run than `old`.
+
+  A key only one side has was added to (or removed from) nanotext between the two: not a change
+  of the run (a resume takes the key's value from here on)."""
   a, b = _flatten(old), _flatten(new)
   def ignored(k):
     return any(k == p or k.startswith(p + ".") for p in RUN_IDENTITY_IGNORES)
-  return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+  return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) & set(b))
           if not ignored(k) and a.get(k) != b.get(k)]

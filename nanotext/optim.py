@@ -241,8 +241,9 @@ def orthogonalize_all(tree, layout: str, ortho):
   return jax.tree.unflatten(treedef, out)
 
 
-def _adam(optim_cfg, lr):
-  return in_float32(optax.adam(lr, b1=optim_cfg.beta1, b2=optim_cfg.beta2, eps=optim_cfg.eps))
+def _adam(optim_cfg, lr, eps=None):
+  eps = optim_cfg.eps if eps is None else eps
+  return in_float32(optax.adam(lr, b1=optim_cfg.beta1, b2=optim_cfg.beta2, eps=eps))
 
 
 def in_float32(tx) -> optax.GradientTransformation:
@@ -276,7 +277,7 @@ def make_optimizer(optim_cfg, labels, total_steps: int) -> optax.GradientTransfo
                               if optim_cfg.muon_layer_decay != 1 else []),
                             optax.scale_by_learning_rate(scaled(factor, optim_cfg.muon_lr))),
       "embed": _adam(optim_cfg, scaled(factor, optim_cfg.embed_lr)),
-      "head": _adam(optim_cfg, scaled(factor, optim_cfg.head_lr)),
+      "head": _adam(optim_cfg, scaled(factor, optim_cfg.head_lr), optim_cfg.head_eps or None),
       "scalar": _adam(optim_cfg, scaled(factor, optim_cfg.scalar_lr)),
   }
   used = set(jax.tree.leaves(labels))

@@ -21,8 +21,9 @@ from nanotext.window_schedule import eval_windows, stages, step_stage, step_wind
 
 
 def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, chunk=0,
-            train=True):
-  """Mean next-token cross-entropy; with `eot_id`, attention stays within documents.
+            train=True, per_row=False):
+  """Next-token cross-entropy (the mean; with `per_row`, each row's sum averaged over rows);
+  with `eot_id`, attention stays within documents.
 
   `windows`: per-layer sliding windows (static ints) of one schedule stage; None = the final ones.
   `chunk`: train.loss_chunk (0 = the whole sequence's logits at once). `train=False`: evaluation
@@ -32,7 +33,7 @@ def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, 
   model = nnx.merge(graphdef, params)
   x_BTD = model.hidden(inputs_BT, segments_BT, windows)
   with jax.named_scope("loss"):
-    return cross_entropy(model, x_BTD, targets_BT, chunk, train)
+    return cross_entropy(model, x_BTD, targets_BT, chunk, train, per_row)
 
 
 def make_train_step(run: Run, windows=None, seq_len: int = 0):
@@ -55,11 +56,11 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0):
   row_sum = run.cfg.train.loss_reduction == "row_sum"
 
   def objective(p, x, y, poison):
-    loss = loss_fn(graphdef, p, x, y, run.eot_id, windows, run.cfg.train.loss_chunk)
-    # row_sum: the gradient of each row's summed loss (mean over rows); the metric stays the mean.
-    scale = x.shape[1] if row_sum else 1
-    loss = loss * scale if poison is None else loss * scale * poison
-    return loss, loss / scale
+    loss = loss_fn(graphdef, p, x, y, run.eot_id, windows, run.cfg.train.loss_chunk,
+                   per_row=row_sum)
+    loss = loss if poison is None else loss * poison
+    # row_sum steps on each row's summed loss (mean over rows); the metric stays the token mean.
+    return loss, loss / x.shape[1] if row_sum else loss
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
   def micro_batches(a_BT, accum):

@@ -54,11 +54,12 @@ class Run:
     return new_state(jnp.asarray(step, jnp.int32), params, self.tx.init(params))
 
   def data_kwargs(self) -> dict:
-    """This process's share of every global batch, for the data pipelines."""
+    """This process's share of every global batch, for the data pipelines; token ids must index
+    the embedding tables (model.embed_rows rows, at most the head's model.vocab_size)."""
     t, nproc = self.cfg.train, jax.process_count()
     return dict(seq_len=t.seq_len, batch_size=t.batch_size // nproc,
                 process_index=jax.process_index(), process_count=nproc,
-                vocab_size=self.cfg.model.vocab_size)
+                vocab_size=self.cfg.model.embed_rows or self.cfg.model.vocab_size)
 
   def train_iter(self):
     """The checkpointable grain iterator of this process's training rows."""

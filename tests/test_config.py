@@ -308,3 +308,9 @@ def test_typed_config_round_trips_and_pickles():
   cfg = finalize()
   assert config.typed(cfg.to_dict()) == cfg and pickle.loads(pickle.dumps(cfg)) == cfg
   assert config.get(cfg, "mesh.rules")[0] == ["batch", ["data", "fsdp"]]
+
+
+def test_a_key_added_since_the_run_started_is_not_a_change():
+  old = finalize().to_dict()
+  del old["optim"]["head_eps"]  # a config.yml written before the key existed
+  assert config.run_identity_diff(old, finalize().to_dict()) == []

@@ -65,8 +65,9 @@ class ShardSource:
       at = offset + int(np.argmax(window >= self._vocab))
       from nanotext.errors import UserError
       raise UserError(f"shard '{self._files[k]}' holds token id {int(window.max())} (at token "
-                      f"{at}), not below model.vocab_size={self._vocab}: the shard was made with "
-                      "another tokenizer, or model.vocab_size is too small")
+                      f"{at}), not below the {self._vocab} rows of the embedding tables "
+                      "(model.embed_rows, at most model.vocab_size): the shard was made with "
+                      "another tokenizer, or the tables are too small")
     return window
 
   def __getstate__(self):

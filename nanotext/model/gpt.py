@@ -10,7 +10,7 @@ from nanotext.errors import UserError
 from nanotext.window_schedule import layer_windows
 from nanotext.model.attention import CausalSelfAttention
 from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul, init_array,
-                                   param, proj_std, scaled_sum, weight_std)
+                                   lookup, param, proj_std, scaled_sum, weight_std)
 
 
 CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
@@ -203,7 +203,7 @@ class GPT(nnx.Module):
 
   def hidden(self, tokens_BT, segment_ids_BT=None, windows=None):
     """The final normalised hidden states [B, T, D] that the head turns into logits."""
-    x_BTD = self.embed(tokens_BT)
+    x_BTD, *ve = lookup((self.embed, *self.value_embeds), tokens_BT)
     if self.pos is not None:
       x_BTD = x_BTD + self.pos.value[: tokens_BT.shape[1]].astype(x_BTD.dtype)[None]
     if self.ln_embed is not None:
@@ -213,7 +213,6 @@ class GPT(nnx.Module):
     if self.scan_layers:
       x_BTD = scan_blocks(self.blocks, self.remat, windows, x_BTD, x0_BTD, segment_ids_BT)
       return self.ln_f(x_BTD)
-    ve = [table(tokens_BT) for table in self.value_embeds]
     L = len(self.blocks)
     n_skip = 0 if self.skip_weights is None else L // 2
     skips, v1 = [], None
@@ -228,16 +227,16 @@ class GPT(nnx.Module):
         skips.append(x_BTD)
     return self.ln_f(x_BTD)
 
-  def logits(self, x_BTD, tokens: int = 0, train: bool = True):
-    """Soft-capped float32 logits of hidden states; `tokens`: the tokens the loss averages over
-    when x_BTD is one chunk of them (the FP8 head's gradient scale assumes that mean);
-    `train=False`: the head in the model dtype, not FP8."""
+  def logits(self, x_BTD, loss_denominator: int = 0, train: bool = True):
+    """Soft-capped float32 logits of hidden states. `loss_denominator`: what the loss divides its
+    summed token losses by (model.loss.cross_entropy; 0 = this call's tokens, a mean), which
+    sets the FP8 head's gradient scale; `train=False`: the head in the model dtype, not FP8."""
     if self.head is None:
       logits_BTV = self.embed.attend(x_BTD)
     elif self.fp8_head and train:
       B, T, D = x_BTD.shape
       logits_NV = fp8_matmul(x_BTD.reshape(B * T, D), self.head.kernel.value,
-                             *fp8_head_scales(D, tokens or B * T))
+                             *fp8_head_scales(D, loss_denominator or B * T))
       logits_BTV = logits_NV.reshape(B, T, -1)
     else:
       logits_BTV = self.head(x_BTD)

@@ -127,19 +127,59 @@ class Embed(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, tokens_BT):
-    x_BTD = jnp.take(self.embedding.value, tokens_BT, axis=0).astype(self.dtype)
-    return sharding.constrain(x_BTD, ("batch", "act_length", "act_embed"))
+    return lookup((self,), tokens_BT)[0]
 
   def attend(self, x_BTD):
     return x_BTD.astype(self.dtype) @ self.embedding.value.astype(self.dtype).T
 
 
+def lookup(embeds, tokens_BT) -> tuple:
+  """Each Embed's rows at the same token ids, [B, T, D] each in its dtype (model.dtype).
+
+  The token embedding and the value embeddings share their ids: the forward pass gathers from
+  each table, the backward pass sums every table's gradient in one float32 scatter-add (not one
+  per table, and not in a bf16 table's own dtype, where the frequent tokens' sums of tens of
+  thousands of rows lose 5-8% at a 49,152-token row), rounding once to each table's dtype.
+  """
+  tables = tuple(e.embedding.value for e in embeds)
+  rows = _shared_lookup(tables, tokens_BT)
+  return tuple(sharding.constrain(x.astype(e.dtype), ("batch", "act_length", "act_embed"))
+               for x, e in zip(rows, embeds))
+
+
+@jax.custom_vjp
+def _shared_lookup(tables, ids_BT):
+  return tuple(jnp.take(t, ids_BT, axis=0) for t in tables)
+
+
+def _shared_lookup_fwd(tables, ids_BT):
+  return _shared_lookup(tables, ids_BT), (tables, ids_BT)  # the tables are live params anyway
+
+
+def _shared_lookup_bwd(res, grads):
+  tables, ids_BT = res
+  if len({t.shape for t in tables}) > 1:  # tables of different shapes: one scatter each
+    sums = [jnp.zeros(t.shape, jnp.float32).at[ids_BT].add(g.astype(jnp.float32))
+            for t, g in zip(tables, grads)]
+  else:  # one scatter of [n, B, T, D] updates into [n, V, D]
+    g_NBTD = jnp.stack([g.astype(jnp.float32) for g in grads])
+    acc_NVD = sharding.constrain(jnp.zeros((len(tables),) + tables[0].shape, jnp.float32),
+                                 (None, "vocab", "embed"))
+    sums = sharding.constrain(acc_NVD.at[:, ids_BT].add(g_NBTD), (None, "vocab", "embed"))
+  return tuple(s.astype(t.dtype) for s, t in zip(sums, tables)), None
+
+
+_shared_lookup.defvjp(_shared_lookup_fwd, _shared_lookup_bwd)
+
+
 # FP8 matmul (modded-nanogpt's FP8 lm head). Per-tensor scales are static, so no amax pass over the
 # [tokens, vocab] gradient is needed. Values are divided by their scale, saturated to the format's
-# largest finite value (float8_e4m3fn has no inf: an overflow would be NaN), rounded to FP8 and
-# dequantised (`q.astype(dtype) * scale`) right before each dot: the pattern XLA's GPU compiler
-# rewrites into one scaled FP8 GEMM on FP8 hardware (H100 and newer). Elsewhere (CPU, older GPUs)
-# the same code runs a bf16/f32 matmul of FP8-rounded values: the numerics, not the speed.
+# largest finite value (float8_e4m3fn has no inf: an overflow would be NaN) and rounded to FP8.
+# Each dot then takes the FP8 values dequantised in float32 (`q.astype(float32) * scale`, the
+# scales float32 as the record's torch._scaled_mm takes them) and accumulates in float32: the
+# pattern XLA's GPU compiler rewrites into one scaled FP8 GEMM on FP8 hardware (H100 and newer).
+# Elsewhere (CPU, older GPUs) the same code runs a float32 matmul of FP8 values: the numerics, not
+# the speed.
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
@@ -149,50 +189,56 @@ def _quantize(x, scale, q_dtype):
   return jnp.clip(x.astype(jnp.float32) / scale, -big, big).astype(q_dtype)
 
 
-def _dequantize(q, scale, dtype):
-  return q.astype(dtype) * jnp.asarray(scale, dtype)
+def _dequantize(q, scale):
+  """FP8 codes times their float32 scale, in float32 (exact up to the scale's rounding)."""
+  return q.astype(jnp.float32) * jnp.float32(scale)
+
+
+def _dot32(a, b):
+  return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def fp8_matmul(x_ND, w_DV, x_s: float, w_s: float, grad_s: float):
   """x @ w with both operands in float8_e4m3fn (scales x_s, w_s), output in x's dtype.
 
-  The backward pass rounds the output gradient to float8_e5m2 (scale grad_s), as the record.
+  The backward pass rounds the output gradient to float8_e5m2 (scale grad_s), as the record;
+  the input gradient comes out in x's dtype, the weight gradient in w's (both summed in float32).
   """
   return _fp8_fwd(x_ND, w_DV, x_s, w_s, grad_s)[0]
 
 
 def _fp8_fwd(x_ND, w_DV, x_s, w_s, grad_s):
   x8, w8 = _quantize(x_ND, x_s, E4M3), _quantize(w_DV, w_s, E4M3)
-  dt = x_ND.dtype
-  out = jnp.dot(_dequantize(x8, x_s, dt), _dequantize(w8, w_s, dt),
-                preferred_element_type=jnp.float32).astype(dt)
+  out = _dot32(_dequantize(x8, x_s), _dequantize(w8, w_s)).astype(x_ND.dtype)
   # FP8 residuals: the backward pass reuses the rounded operands (a quarter of f32's memory).
-  return out, (x8, w8, jnp.zeros((0,), dt), jnp.zeros((0,), w_DV.dtype))
+  return out, (x8, w8, jnp.zeros((0,), x_ND.dtype), jnp.zeros((0,), w_DV.dtype))
 
 
 def _fp8_bwd(x_s, w_s, grad_s, res, g_NV):
   x8, w8, x_like, w_like = res
-  g8 = _quantize(g_NV, grad_s, E5M2)
-  dt = x_like.dtype
-  g = _dequantize(g8, grad_s, dt)
-  dx = jnp.dot(g, _dequantize(w8, w_s, dt).T, preferred_element_type=jnp.float32).astype(dt)
-  dw = jnp.dot(_dequantize(x8, x_s, dt).T, g, preferred_element_type=jnp.float32)
+  g = _dequantize(_quantize(g_NV, grad_s, E5M2), grad_s)
+  dx = _dot32(g, _dequantize(w8, w_s).T).astype(x_like.dtype)
+  dw = _dot32(_dequantize(x8, x_s).T, g)
   return dx, dw.astype(w_like.dtype)
 
 
 fp8_matmul.defvjp(_fp8_fwd, _fp8_bwd)
 
 
-def fp8_head_scales(d_model: int, tokens: int) -> tuple:
+def fp8_head_scales(d_model: int, loss_denominator: int) -> tuple:
   """(x_s, w_s, grad_s) of the record's head, carried over to nanotext's parameterisation.
 
   The record (train_gpt.py 587b45fb, `CastedLinear(..., x_s=(model_dim**0.5)/448, w_s=24/448,
-  grad_s=1/448)`) computes z = x W, logits 30 * sigmoid(z / (7.5 sqrt(d))), a summed loss. nanotext
-  computes z' = x W', 15 * tanh(z' / 15) (the same up to a constant when z' = z / sqrt(d)), and
-  the mean over `tokens`. So W' = W / sqrt(d) and dL/dz' = sqrt(d) / tokens * dL/dz, giving
-  x_s = sqrt(d) / 448 (an RMS-normalised row has |x_i| <= sqrt(d)), w_s = 24 / (448 sqrt(d)) and
-  grad_s = sqrt(d) / (448 tokens): the same FP8 codes as the record's.
+  grad_s=1/448)`) computes z = x W, logits 30 * sigmoid(z / (7.5 sqrt(d))) and the loss summed
+  over its one row per GPU, so its head sees the per-token gradient dL/dz. nanotext computes
+  z' = x W', 15 * tanh(z' / 15) (the same up to a constant when z' = z / sqrt(d)), and divides
+  the summed token loss by `loss_denominator`: the rows of the micro-batch for
+  train.loss_reduction=row_sum, its tokens for mean (model.loss.cross_entropy says which). So
+  W' = W / sqrt(d) and dL/dz' = sqrt(d) / loss_denominator * dL/dz, giving x_s = sqrt(d) / 448
+  (an RMS-normalised row has |x_i| <= sqrt(d)), w_s = 24 / (448 sqrt(d)) and grad_s =
+  sqrt(d) / (448 loss_denominator): the record's FP8 codes, whatever the reduction, row length,
+  rows per step, micro-batching or loss chunking.
   """
   r = float(np.sqrt(d_model))
-  return r / 448.0, 24.0 / (448.0 * r), r / (448.0 * tokens)
+  return r / 448.0, 24.0 / (448.0 * r), r / (448.0 * loss_denominator)

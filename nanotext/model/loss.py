@@ -7,8 +7,12 @@ import optax
 from nanotext import sharding
 
 
-def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True):
-  """Mean cross-entropy of `model.logits(x_BTD, train=train)` against targets.
+def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True,
+                  per_row: bool = False):
+  """Cross-entropy of `model.logits(x_BTD, train=train)` against targets: the summed token loss
+  divided by the tokens (the mean), or with `per_row` by the rows (each row's summed loss,
+  averaged over rows: train.loss_reduction=row_sum, the record's reduction='sum' on one row per
+  GPU). The head learns that divisor, so its FP8 gradient scale follows the reduction.
 
   With 0 < `chunk` < T the positions are taken `chunk` at a time (every row at once, so the batch
   stays sharded): each chunk's float32 logits live only inside a rematerialised scan step, and the
@@ -17,9 +21,11 @@ def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True):
   whole-sequence loss up to float32 summation order.
   """
   B, T, D = x_BTD.shape
+  denominator = B if per_row else B * T
+  xent = optax.softmax_cross_entropy_with_integer_labels
   if not chunk or chunk >= T:
-    logits_BTV = model.logits(x_BTD, train=train)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
+    logits_BTV = model.logits(x_BTD, loss_denominator=denominator, train=train)
+    return xent(logits_BTV, targets_BT).sum() / denominator
   n = T // chunk
   x_NBCD = sharding.constrain(x_BTD.reshape(B, n, chunk, D).swapaxes(0, 1),
                               (None, "batch", "act_length", "act_embed"))
@@ -27,10 +33,10 @@ def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True):
 
   @jax.checkpoint  # keep only the chunk's inputs; its logits are recomputed in the backward pass
   def chunk_sum(x_BCD, y_BC):
-    logits_BCV = model.logits(x_BCD, tokens=B * T, train=train)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BCV, y_BC).sum()
+    logits_BCV = model.logits(x_BCD, loss_denominator=denominator, train=train)
+    return xent(logits_BCV, y_BC).sum()
 
   def body(total, xy):
     return total + chunk_sum(*xy), None
   total, _ = jax.lax.scan(body, jnp.zeros([], jnp.float32), (x_NBCD, y_NBC))
-  return total / (B * T)
+  return total / denominator
