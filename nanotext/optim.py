@@ -140,11 +140,13 @@ def scale_by_muon(optim_cfg) -> optax.GradientTransformation:
   def update(updates, state, params=None):
     del params
     m = momentum(state["count"])
-    mu = jax.tree.map(lambda b, g: b + (1 - m) * (g - b), state["mu"], updates)
-    if optim_cfg.muon_nesterov:
-      look = jax.tree.map(lambda g, b: g + m * (b - g), updates, mu)
-    else:
-      look = mu
+    f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+    # In float32, stored in the buffer's dtype: a bfloat16 momentum (param_dtype bfloat16) must
+    # come back bfloat16, or the next step's compiled program refuses its own state.
+    mu = jax.tree.map(lambda b, g: b + (1 - m) * (g - b), f32(state["mu"]), f32(updates))
+    look = jax.tree.map(lambda g, b: g + m * (b - g), f32(updates), mu) \
+        if optim_cfg.muon_nesterov else mu
+    mu = jax.tree.map(lambda new, old: new.astype(old.dtype), mu, state["mu"])
     out = orthogonalize_all(look, optim_cfg.muon_layout,
                             lambda x: newton_schulz(x, coeffs, optim_cfg.muon_ns_steps, ns_dtype))
     out = jax.tree.map(lambda y, x: y.astype(x.dtype) * aspect_scale(x.shape, optim_cfg.muon_scale),
