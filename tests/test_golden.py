@@ -7,7 +7,8 @@ both re-recorded when the recipe took the record's row-sum loss and float32 scal
 moved by at most 7.3e-4 relative, record by 8.4e-3 in bf16); both re-recorded when the FP8 head's
 gradient scale followed the row-sum loss and its scales stayed float32, the embedding gradients
 summed in float32 and the head's Adam epsilon took the record's sqrt(d) (speedrun moved by at most
-7.8e-4, record by 7.5e-4). A change to the model, the optimizer,
+7.8e-4, record by 7.5e-4); and again when the rotary frequencies took the record's float32
+linspace (speedrun moved by 5.0e-4, record by 3.3e-4). A change to the model, the optimizer,
 the schedules or the data order moves these curves; a refactor must not.
 """
 
