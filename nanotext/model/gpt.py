@@ -9,6 +9,7 @@ from nanotext import config, sharding
 from nanotext.errors import UserError
 from nanotext.window_schedule import layer_windows
 from nanotext.model.attention import CausalSelfAttention
+from nanotext.model.head_loss import head_loss_sum
 from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul, init_array,
                                    lookup, param, proj_std, scaled_sum, weight_std)
 
@@ -226,6 +227,21 @@ class GPT(nnx.Module):
       if i < n_skip:
         skips.append(x_BTD)
     return self.ln_f(x_BTD)
+
+  def loss_sum(self, x_BTD, targets_BT, loss_denominator: int = 0, train: bool = True):
+    """Summed float32 cross-entropy of the soft-capped logits of hidden states against targets,
+    the head fused with its loss (model/head_loss.py). `loss_denominator`: what the loss divides
+    the sum by (model.loss.cross_entropy; 0 = these tokens, a mean), which sets the FP8 head's
+    gradient scale; `train=False`: the head in the model dtype, not FP8."""
+    B, T, D = x_BTD.shape
+    if self.head is None:
+      w_DV, dtype = self.embed.embedding.value.T, self.embed.dtype
+    else:
+      w_DV, dtype = self.head.kernel.value, self.head.dtype
+    fp8 = fp8_head_scales(D, loss_denominator or B * T) if self.fp8_head and train else None
+    x_ND = x_BTD.reshape(B * T, D)
+    return head_loss_sum(x_ND if fp8 else x_ND.astype(dtype), w_DV, targets_BT.reshape(B * T),
+                         softcap=self.softcap, fp8=fp8)
 
   def logits(self, x_BTD, loss_denominator: int = 0, train: bool = True):
     """Soft-capped float32 logits of hidden states. `loss_denominator`: what the loss divides its

@@ -2,14 +2,14 @@
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from nanotext import sharding
 
 
 def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True,
                   per_row: bool = False):
-  """Cross-entropy of `model.logits(x_BTD, train=train)` against targets: the summed token loss
+  """Cross-entropy of the model's logits of x_BTD against targets (`model.loss_sum`, the head
+  fused with the loss; `train=False`: the evaluation head): the summed token loss
   divided by the tokens (the mean), or with `per_row` by the rows (each row's summed loss,
   averaged over rows: train.loss_reduction=row_sum, the record's reduction='sum' on one row per
   GPU). The head learns that divisor, so its FP8 gradient scale follows the reduction.
@@ -22,10 +22,8 @@ def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True,
   """
   B, T, D = x_BTD.shape
   denominator = B if per_row else B * T
-  xent = optax.softmax_cross_entropy_with_integer_labels
   if not chunk or chunk >= T:
-    logits_BTV = model.logits(x_BTD, loss_denominator=denominator, train=train)
-    return xent(logits_BTV, targets_BT).sum() / denominator
+    return model.loss_sum(x_BTD, targets_BT, denominator, train) / denominator
   n = T // chunk
   x_NBCD = sharding.constrain(x_BTD.reshape(B, n, chunk, D).swapaxes(0, 1),
                               (None, "batch", "act_length", "act_embed"))
@@ -33,8 +31,7 @@ def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True,
 
   @jax.checkpoint  # keep only the chunk's inputs; its logits are recomputed in the backward pass
   def chunk_sum(x_BCD, y_BC):
-    logits_BCV = model.logits(x_BCD, loss_denominator=denominator, train=train)
-    return xent(logits_BCV, y_BC).sum()
+    return model.loss_sum(x_BCD, y_BC, denominator, train)
 
   def body(total, xy):
     return total + chunk_sum(*xy), None

@@ -1,0 +1,73 @@
+"""The fused head + soft-cap + cross-entropy against autodiff of the unfused computation, and the
+passes it makes over the [tokens, vocab] logits."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from nanotext.model.head_loss import head_loss_sum
+from nanotext.model.layers import fp8_head_scales, fp8_matmul, rms_norm
+
+
+def unfused(x, w, y, softcap, fp8):
+  """The head and loss as autodiff sees them: logits, soft-cap, optax's cross-entropy."""
+  z = fp8_matmul(x, w, *fp8) if fp8 else jnp.dot(x, w.astype(x.dtype))
+  logits = z.astype(jnp.float32)
+  logits = softcap * jnp.tanh(logits / softcap) if softcap else logits
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
+
+
+def inputs(dtype, N=256, D=64, V=512):
+  kx, kw, ky = jax.random.split(jax.random.key(0), 3)
+  x = rms_norm(jax.random.normal(kx, (N, D))).astype(dtype)
+  w = jax.random.normal(kw, (D, V)) * 3 / np.sqrt(D)
+  return x, w, jax.random.randint(ky, (N,), 0, V)
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 15.0])
+@pytest.mark.parametrize("dtype,fp8", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_value_and_gradients_match_autodiff(softcap, dtype, fp8):
+  x, w, y = inputs(jnp.dtype(dtype))
+  scales = fp8_head_scales(x.shape[1], x.shape[0]) if fp8 else None
+  # The mean's gradient scale (1 / N), as the train step feeds the FP8 head.
+  ours = jax.value_and_grad(lambda x, w: head_loss_sum(x, w, y, softcap=softcap, fp8=scales)
+                            / x.shape[0], argnums=(0, 1))(x, w)
+  want = jax.value_and_grad(lambda x, w: unfused(x, w, y, softcap, scales) / x.shape[0],
+                            argnums=(0, 1))(x, w)
+  tol = 1e-6 if dtype == "float32" else 1e-2  # bf16: z and its gradient rounded alike, sums apart
+  np.testing.assert_allclose(ours[0], want[0], rtol=1e-6)
+  for a, b in zip(ours[1], want[1]):
+    assert a.dtype == b.dtype and rel(a, b) < tol, (rel(a, b), a.dtype)
+
+
+def logits_sized_ops(hlo: str, n: int, v: int) -> int:
+  """Instructions of the optimised HLO's entry computation whose result is a whole [n, v] array:
+  each is one pass over the logits (a fusion, a matmul, a convert the compiler left alone)."""
+  entry = hlo[hlo.index("ENTRY"):]
+  pattern = re.compile(rf"= [a-z0-9]+\[{n},{v}\]")
+  return sum(1 for line in entry.splitlines() if pattern.search(line))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fewer_passes_over_the_logits(fp8):
+  """Value and gradient of the soft-capped loss: the fused function writes fewer [N, V] arrays
+  than autodiff of the unfused one (counted in the compiled CPU program)."""
+  N, V = 512, 1024
+  x, w, y = inputs(jnp.bfloat16, N=N, V=V)
+  scales = fp8_head_scales(x.shape[1], N) if fp8 else None
+  def count(fn):
+    grad = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+    return logits_sized_ops(grad.lower(x, w).compile().as_text(), N, V)
+  fused = count(lambda x, w: head_loss_sum(x, w, y, softcap=15.0, fp8=scales))
+  plain = count(lambda x, w: unfused(x, w, y, 15.0, scales))
+  print(f"[{N}, {V}] arrays written: fused {fused}, autodiff {plain}")
+  assert fused < plain
