@@ -12,9 +12,8 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import measure  # noqa: E402  (also defines --steps: timed steps per round)
+import gpu_step  # noqa: E402
 
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds per layout.")
 LAYOUTS = ("distributed", "replicated", "sharded")
 
 
@@ -24,16 +23,16 @@ def main(argv):
     fail("usage: python benchmarks/muon_layout.py CONFIG [key=value ...]")
   times = {k: [] for k in LAYOUTS}
   try:
-    for _ in range(_ROUNDS.value):
+    for _ in range(flags.FLAGS.rounds):
       for layout in LAYOUTS:
-        r = measure(argv[1], argv[2:] + [f"optim.muon_layout={layout}"], steps=flags.FLAGS.steps,
+        r = gpu_step.measure(argv[1], argv[2:] + [f"optim.muon_layout={layout}"], steps=flags.FLAGS.steps,
                     repeats=1, warmup=1)
         times[layout].append(r["step_s"])
   except UserError as e:
     fail(str(e))
   med = {k: statistics.median(v) for k, v in times.items()}
   best = min(med.values())
-  print(f"| optim.muon_layout | step time (median of {_ROUNDS.value}) | vs fastest | rounds |")
+  print(f"| optim.muon_layout | step time (median of {flags.FLAGS.rounds}) | vs fastest | rounds |")
   print("| --- | --- | --- | --- |")
   for k in LAYOUTS:
     rounds = ", ".join(f"{1e3 * t:.0f}" for t in times[k])
@@ -41,4 +40,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  gpu_step.define_flags()  # --steps: timed steps per round
+  flags.DEFINE_integer("rounds", 3, "Interleaved rounds per layout.")
   app.run(main)

@@ -7,6 +7,9 @@ import sys
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The float32 agreement tests (1e-5 tolerances) assume full float32 matmuls: the CPU's default,
+# not a GPU's (TF32-like there: 1.4e-3 apart). JAX_PLATFORMS=cuda pytest runs them as written.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 import pytest  # noqa: E402
 
@@ -43,3 +46,14 @@ def one_line_error(proc, *needles):
 @pytest.fixture
 def tiny():
   return list(TINY)
+
+
+def pytest_collection_modifyitems(config, items):
+  """`gpu`-marked tests run only where jax has a GPU backend (JAX_PLATFORMS=cuda pytest -m gpu)."""
+  import jax
+  if jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason="needs a GPU: run with JAX_PLATFORMS=cuda")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)

@@ -1,0 +1,204 @@
+"""Step benchmark on any backend (made for the GPU): `python benchmarks/gpu_step.py CONFIG
+[key=value ...] [--steps 10] [--repeats 3] [--schedule] [--trace] [--json FILE]`.
+
+Builds the run exactly as training does (wiring), on synthetic batches, and prints one table:
+compile time per train program, time from start to the first finished step, the step time at
+the final attention windows (median of --repeats windows of --steps steps), with --schedule the
+mean step over every step of the window schedule (train.steps, each step on its own stage's
+program, as the trainer runs them), tokens/s, MFU against the device's peak, peak device memory
+(the allocator's peak where the backend reports one, else the compiled program's), and with
+--trace the top kernels by time from a profiler trace of --trace_steps steps.
+
+The record's figures on one H100 (train_gpt.py @ 587b45fb, one 49,152-token row per step): 124.9
+ms at the final windows, 115.2 ms over a 150-step schedule, 88 s to the first step, 29.7 GiB.
+"""
+
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+T_START = time.perf_counter()
+
+
+def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, trace_steps=0,
+            top=12) -> dict:
+  """Compile and time a config's train step(s) on synthetic data; see the module docstring."""
+  import jax
+  from nanotext import metrics, trainer, window_schedule, wiring
+
+  run = wiring.prepare(path, list(overrides) + ["data.source=synthetic"])
+  cfg = run.cfg
+  state = run.init_state()
+  batch = trainer.global_batch(run, next(run.train_iter()))
+  n = cfg.train.steps
+  final = window_schedule.step_stage(cfg, n - 1)
+  used = window_schedule.stages(cfg, 0, n) if schedule else [final]
+  programs, compile_s = {}, {}
+  for stage in used:
+    t0 = time.perf_counter()
+    programs[stage] = trainer.make_train_step(run, *stage).lower(state, batch).compile()
+    compile_s[stage] = time.perf_counter() - t0
+  first_stage = window_schedule.step_stage(cfg, 0) if schedule else final
+  state, m = programs[first_stage](state, batch)
+  jax.block_until_ready(m)
+  to_first_step = time.perf_counter() - T_START
+  step = programs[final]
+  for _ in range(warmup):
+    state, m = step(state, batch)
+  jax.block_until_ready(m)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      state, m = step(state, batch)
+    jax.block_until_ready(m)
+    times.append((time.perf_counter() - t0) / steps)
+  step_s = statistics.median(times)
+  schedule_s = None
+  if schedule:
+    t0 = time.perf_counter()
+    for k in range(n):
+      state, m = programs[window_schedule.step_stage(cfg, k)](state, batch)
+    jax.block_until_ready(m)
+    schedule_s = (time.perf_counter() - t0) / n
+  kernels = top_kernels(step, state, batch, trace_steps, top) if trace_steps else []
+  tokens = cfg.train.batch_size * cfg.train.seq_len
+  flops = metrics.flops_per_token(cfg.model, final[1], final[0]) * tokens
+  peak = cfg.metrics.peak_flops * jax.device_count()
+  return {"config": " ".join([path, *overrides]), "backend": jax.default_backend(),
+          "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
+          "jax": jax.__version__, "params": run.num_params, "attention": run.impl,
+          "compile_s": {describe(st): s for st, s in compile_s.items()},
+          "to_first_step_s": to_first_step, "step_s": step_s, "step_s_all": times,
+          "schedule_step_s": schedule_s, "tokens_per_s": tokens / step_s,
+          "mfu": flops / step_s / peak, "peak_flops": peak, "peak_bytes": peak_bytes(step),
+          "kernels": kernels}
+
+
+def describe(stage) -> str:
+  """'windows 1792/896 x 49152' for a (per-layer windows, row length) stage."""
+  windows, seq_len = stage
+  distinct = sorted({w for w in windows}, reverse=True)
+  return f"windows {'/'.join(str(w or 'causal') for w in distinct)} x {seq_len}"
+
+
+def peak_bytes(compiled) -> int:
+  """The allocator's peak on device 0 where reported (GPU, TPU), else the program's own size."""
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return int(stats["peak_bytes_in_use"])
+  mem = compiled.memory_analysis()
+  return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+             - mem.alias_size_in_bytes) if mem is not None else 0
+
+
+def top_kernels(step, state, batch, n_steps: int, top: int) -> list:
+  """[(name, ms per step, share)] of the `top` kernels by time in a profiler trace of n steps.
+
+  Reads jax.profiler's perfetto trace: device kernels where the trace has a device process
+  (GPU/TPU: '/device:...'), else the XLA ops run on the host's XLA threads (CPU).
+  """
+  import jax
+  with tempfile.TemporaryDirectory() as where:
+    with jax.profiler.trace(where, create_perfetto_trace=True):
+      for _ in range(n_steps):
+        state, m = step(state, batch)
+      jax.block_until_ready(m)
+    files = glob.glob(os.path.join(where, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+      return []
+    with gzip.open(files[0]) as f:
+      events = json.load(f)
+  return kernel_table(events.get("traceEvents", events) if isinstance(events, dict) else events,
+                      n_steps, top)
+
+
+def kernel_table(events: list, n_steps: int, top: int) -> list:
+  """Aggregate a Chrome/perfetto trace's complete events into the top kernels (see top_kernels)."""
+  procs, threads = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      procs[e.get("pid")] = e.get("args", {}).get("name", "")
+    if e.get("ph") == "M" and e.get("name") == "thread_name":
+      threads[(e.get("pid"), e.get("tid"))] = e.get("args", {}).get("name", "")
+  device = {p for p, name in procs.items() if name.startswith("/device:")}
+  def counted(e):
+    if device:
+      return e.get("pid") in device
+    # On the host, XLA's executor also logs its own spans (`ThunkExecutor::...`) and control flow
+    # (`while.N`) around the ops: only the ops count.
+    name = e.get("name", "")
+    return (threads.get((e.get("pid"), e.get("tid")), "").startswith("tf_XLA")
+            and "::" not in name and not name.startswith(("while", "call", "conditional")))
+  total = collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and counted(e):
+      total[e.get("name", "?")] += float(e.get("dur", 0.0))
+  all_us = sum(total.values()) or 1.0
+  return [(name, us / 1e3 / n_steps, us / all_us) for name, us in total.most_common(top)]
+
+
+def table(r: dict) -> str:
+  """The result as one markdown table."""
+  gib = lambda b: f"{b / 2**30:.2f} GiB"
+  rows = [("config", f"`{r['config']}`"),
+          ("device", f"{r['device']} x {r['devices']} ({r['backend']}, jax {r['jax']})"),
+          ("parameters / attention kernel", f"{r['params']:,} / {r['attention']}")]
+  rows += [(f"compile: {k}", f"{s:.1f} s") for k, s in r["compile_s"].items()]
+  rows += [("start to first step", f"{r['to_first_step_s']:.1f} s"),
+           ("step at the final windows (median)",
+            f"{1e3 * r['step_s']:.1f} ms ({', '.join(f'{1e3 * t:.1f}' for t in r['step_s_all'])})")]
+  if r["schedule_step_s"] is not None:
+    rows.append(("step over the window schedule (mean)", f"{1e3 * r['schedule_step_s']:.1f} ms"))
+  rows += [("tokens/s", f"{r['tokens_per_s']:,.0f}"),
+           ("MFU", f"{100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e12:,.3f} TFLOP/s"),
+           ("peak memory (device 0)", gib(r["peak_bytes"]))]
+  rows += [(f"kernel: `{name[:60]}`", f"{ms:.2f} ms/step ({100 * share:.1f}%)")
+           for name, ms, share in r["kernels"]]
+  return "\n".join(["| what | value |", "| --- | --- |"] + [f"| {a} | {b} |" for a, b in rows])
+
+
+def main(argv):
+  from absl import flags, logging
+  from nanotext.errors import UserError, fail
+  logging.set_verbosity(logging.WARNING)  # the profiler logs its file writes at INFO
+  f = flags.FLAGS
+  if len(argv) < 2:
+    fail("usage: python benchmarks/gpu_step.py CONFIG [key=value ...] [--steps N] [--schedule] "
+         "[--trace]")
+  try:
+    r = measure(argv[1], argv[2:], steps=f.steps, repeats=f.repeats, warmup=f.warmup,
+                schedule=f.schedule, trace_steps=f.trace_steps if f.trace else 0, top=f.top)
+  except UserError as e:
+    fail(str(e))
+  print(table(r))
+  if f.json:
+    with open(f.json, "w") as out:
+      json.dump(r, out, indent=1)
+
+
+def define_flags():
+  from absl import flags
+  flags.DEFINE_integer("steps", 10, "Timed steps per repeat.")
+  flags.DEFINE_integer("repeats", 3, "Timed repeats (the median is reported).")
+  flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
+  flags.DEFINE_bool("schedule", False, "Also run every step of the window schedule once.")
+  flags.DEFINE_bool("trace", False, "Profile --trace_steps steps and list the top kernels.")
+  flags.DEFINE_integer("trace_steps", 3, "Steps in the profiler trace.")
+  flags.DEFINE_integer("top", 12, "Kernels listed.")
+  flags.DEFINE_string("json", "", "Also write the result as JSON to this file.")
+
+
+if __name__ == "__main__":
+  from absl import app
+  define_flags()
+  app.run(main)

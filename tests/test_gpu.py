@@ -1,0 +1,74 @@
+"""The GPU tier: what only an NVIDIA GPU can show (`JAX_PLATFORMS=cuda pytest -m gpu`).
+
+Every test here is marked `gpu` and skipped on other backends (tests/conftest.py); their logic
+has CPU tests elsewhere (test_head_loss.py, test_speedrun_model.py, test_attention*.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nanotext.model.head_loss import head_loss_sum
+from nanotext.model.layers import fp8_head_scales, rms_norm
+
+pytestmark = pytest.mark.gpu
+
+
+def head_inputs(N=4096, D=768, V=50304):
+  kx, kw, ky = jax.random.split(jax.random.key(0), 3)
+  x = rms_norm(jax.random.normal(kx, (N, D))).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, (D, V)) * 3 / np.sqrt(D)
+  return x, w, jax.random.randint(ky, (N,), 0, V)
+
+
+def test_fp8_head_compiles_to_fp8_gemms():
+  """XLA rewrites the dequantise -> dot pattern of the FP8 head into cuBLASLt FP8 GEMMs: the
+  forward and both backward matmuls (H100 and newer; an older GPU has no FP8 GEMM)."""
+  if "H100" not in jax.devices()[0].device_kind and "H200" not in jax.devices()[0].device_kind:
+    pytest.skip("FP8 GEMMs need a Hopper GPU")
+  x, w, y = head_inputs()
+  scales = fp8_head_scales(x.shape[1], 1)
+  fn = jax.jit(jax.grad(lambda x, w: head_loss_sum(x, w, y, softcap=15.0, fp8=scales),
+                        argnums=(0, 1)))
+  hlo = fn.lower(x, w).compile().as_text()
+  assert hlo.count("__cublas$lt$matmul$f8") >= 3, hlo.count("__cublas$lt$matmul$f8")
+
+
+def test_fused_head_loss_agrees_with_the_cpu():
+  """The same loss and gradients on the GPU as on the CPU (float32 matmuls at 'highest')."""
+  x, w, y = head_inputs(N=1024, V=8192)
+  fn = lambda x, w: head_loss_sum(x.astype(jnp.float32), w, y, softcap=15.0)
+  gpu = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(x, w)
+  cpu_dev = jax.devices("cpu")[0]
+  cpu = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), device=cpu_dev)(
+      jax.device_put(x, cpu_dev), jax.device_put(w, cpu_dev))
+  np.testing.assert_allclose(gpu[0], cpu[0], rtol=1e-5)
+  for a, b in zip(gpu[1], cpu[1]):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=1e-3, atol=1e-6)
+
+
+def test_embedding_backward_is_one_scatter():
+  """The token and value tables' gradients: one float32 scatter on the GPU too."""
+  from types import SimpleNamespace
+  from nanotext.model.layers import lookup
+  ids = jax.random.randint(jax.random.key(0), (1, 4096), 0, 50257)
+  tables = [jnp.zeros((50257, 768), jnp.bfloat16) for _ in range(4)]
+  def loss(tables):
+    embeds = [SimpleNamespace(embedding=SimpleNamespace(value=t), dtype=jnp.bfloat16)
+              for t in tables]
+    return sum(x.astype(jnp.float32).sum() for x in lookup(embeds, ids))
+  hlo = jax.jit(jax.grad(loss)).lower(tables).compile().as_text()
+  assert hlo.count(" scatter(") + hlo.count("scatter-fusion") >= 1
+  assert hlo.count(" scatter(") <= 1
+
+
+def test_cudnn_attention_agrees_with_xla():
+  from nanotext.model.attention import dot_product_attention
+  q, k, v = (jax.random.normal(jax.random.key(i), (2, 1024, 4, 128), jnp.bfloat16)
+             for i in range(3))
+  out = {impl: dot_product_attention(q, k, v, impl=impl, scale=0.12, window=256)
+         for impl in ("cudnn", "xla")}
+  np.testing.assert_allclose(np.asarray(out["cudnn"], np.float32),
+                             np.asarray(out["xla"], np.float32), atol=2e-2)

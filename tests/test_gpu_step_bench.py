@@ -1,0 +1,42 @@
+"""benchmarks/gpu_step.py on CPU at toy shapes: the table's figures, and its trace reader."""
+
+import importlib.util
+import os
+
+import pytest
+
+from conftest import REPO
+
+_spec = importlib.util.spec_from_file_location("gpu_step_bench",
+                                               os.path.join(REPO, "benchmarks", "gpu_step.py"))
+gpu_step = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_step)
+
+RECORD = os.path.join(REPO, "configs", "speedrun_record.yml")
+TOY = ["model.num_layers=2", "model.d_model=64", "model.num_heads=1", "model.head_dim=64",
+       "model.mlp_dim=128", "model.vocab_size=512", "model.embed_rows=0", "model.align=0",
+       "train.seq_len=512", "train.batch_size=8", "train.steps=4", "attention.window=256",
+       "attention.window_start=128", "train.eval_seq_len=0"]
+
+
+@pytest.mark.slow
+def test_measure_reports_every_figure():
+  r = gpu_step.measure(RECORD, TOY, steps=1, repeats=2, warmup=0, schedule=True, trace_steps=1,
+                       top=5)
+  assert r["step_s"] > 0 and r["schedule_step_s"] > 0 and 0 < r["mfu"] < 1
+  assert len(r["compile_s"]) == 2 and r["to_first_step_s"] > sum(r["compile_s"].values())
+  assert r["peak_bytes"] > 0 and r["tokens_per_s"] == pytest.approx(8 * 512 / r["step_s"])
+  assert r["kernels"] and all(ms >= 0 and "::" not in name for name, ms, _ in r["kernels"])
+  text = gpu_step.table(r)
+  assert "step at the final windows" in text and "kernel:" in text
+
+
+def test_kernel_table_reads_device_streams_when_there_are_any():
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+  events = meta + [{"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "dur": 3000.0},
+                   {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "dur": 3000.0},
+                   {"ph": "X", "pid": 1, "tid": 8, "name": "softmax", "dur": 2000.0},
+                   {"ph": "X", "pid": 2, "tid": 9, "name": "python", "dur": 99000.0}]
+  rows = gpu_step.kernel_table(events, n_steps=2, top=5)
+  assert rows == [("gemm", 3.0, 0.75), ("softmax", 1.0, 0.25)]
