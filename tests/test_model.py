@@ -131,3 +131,24 @@ def test_kernel_resolution_on_cpu():
     resolve_impl("cudnn", "cpu")
   with pytest.raises(UserError, match="train.seq_len"):
     resolve_impl("splash", "cpu", seq_len=100)
+
+
+def test_shared_lookup_is_one_float32_scatter():
+  """Token and value tables read at the same ids: gradients equal to each table's own gather,
+  summed in one scatter for all of them (3 tables: 1 scatter in the compiled program, not 3)."""
+  import re
+  from types import SimpleNamespace
+  from nanotext.model.layers import lookup
+  ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 50)
+  tables = [jax.random.normal(jax.random.key(i), (50, 8)) for i in range(3)]
+  def ours(tables):
+    embeds = [SimpleNamespace(embedding=SimpleNamespace(value=t), dtype=jnp.float32)
+              for t in tables]
+    return sum(((x * (i + 1)) ** 2).sum() for i, x in enumerate(lookup(embeds, ids)))
+  def plain(tables):
+    return sum(((jnp.take(t, ids, axis=0) * (i + 1)) ** 2).sum() for i, t in enumerate(tables))
+  for a, b in zip(jax.grad(ours)(tables), jax.grad(plain)(tables)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  count = lambda f: len(re.findall(r" scatter\(", jax.jit(jax.grad(f)).lower(tables).compile()
+                                   .as_text()))
+  assert (count(ours), count(plain)) == (1, 3)
