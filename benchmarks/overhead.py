@@ -39,7 +39,7 @@ REQUIRED = {"model.positions": "learned", "model.norm": "layernorm", "model.mlp_
             "model.dtype": "float32", "model.param_dtype": "float32", "attention.window": 0,
             "attention.window_pattern": "", "attention.window_schedule": False,
             "attention.doc_mask": False, "optim.name": "adamw", "train.grad_accum": 1,
-            "train.on_nonfinite": "abort", "train.debug_nan_step": -1,
+            "train.on_nonfinite": "abort",
             "model.scan_layers": False}  # its weight copy reads blocks.{i}
 
 

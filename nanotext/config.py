@@ -49,6 +49,10 @@ RUN_IDENTITY_IGNORES = ("overwrite", "distributed", "mesh", "data.allow_changed"
                         "data.workers", "profile", "train.compile_cache_dir",
                         "train.target_val_loss", "model.remat", "train.loss_chunk")
 
+# Keys nanotext no longer has: a config file that holds one (a run's saved config.yml from an
+# older version) still loads, the key ignored.
+RETIRED = ("train.debug_nan_step",)
+
 
 class _UniqueKeyLoader(yaml.SafeLoader):
   """A SafeLoader that refuses a key given twice in one mapping (YAML's default: last wins)."""
@@ -201,6 +205,8 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
   values = dict(schema)
   for source, flat in _file_chain(Path(path)):
     for key, value in flat.items():
+      if key in RETIRED:
+        continue
       if key not in schema:
         raise UserError(f"{_unknown_key(key, schema)} (in '{source}')")
       values[key] = coerce(key, value, schema[key])

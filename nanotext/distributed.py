@@ -86,21 +86,19 @@ def maybe_initialize(dist_cfg, log=print) -> bool:
   Must run before anything touches a JAX backend (jax.devices(), jax.device_count(), arrays).
   """
   import jax
-  from jax._src import xla_bridge  # the only way to ask whether backends exist without making them
 
   p = plan(dist_cfg)  # validate first: bad keys fail fast, before any network wait
   n = dist_cfg.local_device_count
   if n and jax.config.jax_num_cpu_devices != n:
-    if xla_bridge.backends_are_initialized():
+    try:  # jax refuses the change once a backend exists
+      jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
       raise UserError(f"distributed.local_device_count={n} must be set before JAX starts; "
-                      "this process already uses JAX (run it from a fresh process)")
-    jax.config.update("jax_num_cpu_devices", n)
+                      "this process already uses JAX (run it from a fresh process)") from None
   if p is None:
     return False
   if jax.distributed.is_initialized():
     return True  # an in-process caller (a notebook, a test) already joined
-  if xla_bridge.backends_are_initialized():
-    raise UserError("the distributed: settings need a fresh process (JAX is already running here)")
   try:
     jax.distributed.initialize(
         coordinator_address=p.coordinator_address, num_processes=p.num_processes,
@@ -108,6 +106,9 @@ def maybe_initialize(dist_cfg, log=print) -> bool:
         # Only auto mode may consult SLURM/MPI/TPU env; explicit settings must win as given.
         cluster_detection_method=None if p.auto else "deactivate")
   except (ValueError, RuntimeError) as e:
+    if "must be called before" in str(e):  # jax refuses to join once a backend exists
+      raise UserError("the distributed: settings need a fresh process (JAX is already running "
+                      "here)") from None
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     where = p.coordinator_address or "auto-detected coordinator"
     hint = " (distributed.auto=true found no cluster: set distributed.coordinator_address)" \

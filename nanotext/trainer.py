@@ -52,13 +52,11 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0):
   """
   accum, graphdef, tx = run.cfg.train.grad_accum, run.graphdef, run.tx
   skip = run.cfg.train.on_nonfinite == "skip"
-  nan_step = run.cfg.train.debug_nan_step
   row_sum = run.cfg.train.loss_reduction == "row_sum"
 
-  def objective(p, x, y, poison):
+  def objective(p, x, y):
     loss = loss_fn(graphdef, p, x, y, run.eot_id, windows, run.cfg.train.loss_chunk,
                    per_row=row_sum)
-    loss = loss if poison is None else loss * poison
     # row_sum steps on each row's summed loss (mean over rows); the metric stays the token mean.
     return loss, loss / x.shape[1] if row_sum else loss
   grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -76,16 +74,13 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0):
     if cut > 1:  # each row's tokens as `cut` consecutive rows; they stay on their device
       batch = {k: sharding.constrain(v.reshape(B * cut, T // cut), ("batch", "act_length"))
                for k, v in batch.items()}
-    # Testing hook: train.debug_nan_step=N makes step N's loss (and so its gradients) NaN.
-    poison = None if nan_step < 0 else \
-        jnp.where(state["step"] + 1 == nan_step, jnp.nan, 1.0).astype(jnp.float32)
     with sharding.use_rules(run.rules, run.mesh):
       params = state["params"]
       if n_micro == 1:
-        (_, loss), grads = grad_fn(params, batch["inputs"], batch["targets"], poison)
+        (_, loss), grads = grad_fn(params, batch["inputs"], batch["targets"])
       else:
         def body(carry, xy):
-          (_, loss), grads = grad_fn(params, *xy, poison)
+          (_, loss), grads = grad_fn(params, *xy)
           return jax.tree.map(jnp.add, carry, (loss, grads)), None
         zeros = (jnp.zeros([], jnp.float32), jax.tree.map(jnp.zeros_like, params))
         xs = (micro_batches(batch["inputs"], n_micro), micro_batches(batch["targets"], n_micro))

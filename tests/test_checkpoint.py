@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+import nan_poison
 from conftest import BASE, REPO, TINY
 from nanotext import checkpoint, trainer, wiring
 from nanotext.errors import UserError
@@ -148,9 +149,9 @@ def test_nonfinite_loss_aborts_before_the_bad_state_is_saved(tmp_path):
   out = str(tmp_path)
   # Log rarely so the bad step is first read back by the save of that very step.
   args = [BASE, *TINY, f"output_dir={out}", "train.steps=8", "checkpoint.every=2",
-          "train.log_every=100", "train.debug_nan_step=6", "sample.max_new_tokens=0"]
+          "train.log_every=100", "sample.max_new_tokens=0"]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  proc = subprocess.run([sys.executable, "-m", "nanotext.train", *args], cwd=REPO, env=env,
+  proc = subprocess.run([sys.executable, "tests/nan_poison.py", "6", *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=180)
   assert proc.returncode == 1, proc.stderr[-3000:]
   err = [l for l in proc.stderr.splitlines() if l.startswith("nanotext: error:")]
@@ -160,8 +161,12 @@ def test_nonfinite_loss_aborts_before_the_bad_state_is_saved(tmp_path):
 
 
 def test_skip_leaves_the_state_and_counts_the_step(tmp_path):
-  result, _ = quiet_run(FSDP8 + [f"output_dir={tmp_path}", "train.steps=6",
-                                 "train.on_nonfinite=skip", "train.debug_nan_step=3"])
+  args = FSDP8 + [f"output_dir={tmp_path}", "train.steps=6", "train.on_nonfinite=skip"]
+  restore = nan_poison.install(BASE, args, 3)
+  try:
+    result, _ = quiet_run(args)
+  finally:
+    restore()
   with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f if '"loss"' in line]
   assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1, 1]

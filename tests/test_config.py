@@ -314,3 +314,9 @@ def test_a_key_added_since_the_run_started_is_not_a_change():
   old = finalize().to_dict()
   del old["optim"]["head_eps"]  # a config.yml written before the key existed
   assert config.run_identity_diff(old, finalize().to_dict()) == []
+
+
+def test_a_retired_key_in_an_old_runs_config_is_ignored(tmp_path):
+  path = tmp_path / "config.yml"
+  path.write_text("base: %s\ntrain:\n  debug_nan_step: -1\n" % os.path.abspath(BASE))
+  assert config.load(str(path)).train.steps == config.load(BASE).train.steps
