@@ -15,7 +15,7 @@ from flax import nnx
 from nanotext import checkpoint, metrics, sharding
 from nanotext.wiring import Run, new_state
 from nanotext.watch import CompileCounter, Monitor, Preemption, Profiler
-from nanotext.model.attention import segment_ids_from_tokens
+from nanotext.model.kernels.masks import segment_ids_from_tokens
 from nanotext.model.loss import cross_entropy
 from nanotext.window_schedule import eval_windows, stages, step_stage, step_windows
 

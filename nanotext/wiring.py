@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from nanotext import config, optim, sharding
 from nanotext.errors import UserError
 from nanotext.model import GPT, count_params, gpt
-from nanotext.model.attention import resolve_impl
+from nanotext.model.kernels.dispatch import resolve_impl
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ first query's window start): at T = 256 in blocks of 128 that is 3/4 of the scor
 written out with its max held constant for the gradient (softmax does not depend on it), which
 leaves XLA fewer, simpler elementwise passes. Selected by `attention.impl=cpu`, and by `auto` on
 CPU, where it measured faster than xla (benchmarks/RESULTS.md); it agrees with the xla kernel
-forward and backward (tests/test_cpu_attention.py). Unlike model/blocked_attention.py (windows
+forward and backward (tests/test_cpu_attention.py). Unlike kernels/blocked.py (windows
 in T x W memory for long sequences, chunked and rematerialised) it keeps every block's scores
 live and unrolls the blocks: the cheaper choice for the short sequences a CPU trains on.
 """
