@@ -7,7 +7,12 @@ both re-recorded when the recipe took the record's row-sum loss and float32 scal
 moved by at most 7.3e-4 relative, record by 8.4e-3 in bf16); both re-recorded when the FP8 head's
 gradient scale followed the row-sum loss and its scales stayed float32, the embedding gradients
 summed in float32 and the head's Adam epsilon took the record's sqrt(d) (speedrun moved by at most
-7.8e-4, record by 7.5e-4). A change to the model, the optimizer,
+7.8e-4, record by 7.5e-4); both re-recorded when the attention windows became a runtime input
+(one program for every window stage; the blocked kernel's key strips as wide as the schedule's
+largest window, the extra keys masked): the masks are the same, only float rounding of the wider
+reductions differs (last bits from step 4 or 6, then amplified by training: speedrun moved by at
+most 4.8e-4, record by 3.5e-4; test_runtime_windows pins every step of the record's schedule to the
+per-stage programs' loss within 1e-5). A change to the model, the optimizer,
 the schedules or the data order moves these curves; a refactor must not.
 """
 

@@ -79,11 +79,13 @@ class CausalSelfAttention(nnx.Module):
     self.impl, self.window = impl, attn_cfg.window
     self.block = attn_cfg.window_block if attn_cfg.block_windows else 0  # record's block mask
 
-  def __call__(self, x_BTD, segment_ids_BT=None, window=None, ve_BTD=None, v1_BTHK=None):
+  def __call__(self, x_BTD, segment_ids_BT=None, window=None, ve_BTD=None, v1_BTHK=None,
+               runtime_window=None):
     """(attention output [B, T, D], v1) for x [B, T, D]. `window` (static int) overrides
     attention.window for a schedule; `ve_BTD` is this layer's value embedding (model.value_embeds;
     None for middle layers); `v1_BTHK`, with model.value_residual, the first layer's v (None in
-    the first layer, whose own v becomes v1)."""
+    the first layer, whose own v becomes v1); `runtime_window` (traced int32, 0 = none) the window
+    applied at run time, `window` then being its static bound."""
     B, T, _ = x_BTD.shape
     shape = (B, T, self.num_heads, self.head_dim)
     names = ("batch", "act_length", "act_heads", "act_kv")
@@ -115,6 +117,7 @@ class CausalSelfAttention(nnx.Module):
     with jax.named_scope("attention_kernel"):
       out_BTHK = dot_product_attention(q, k, v, impl=self.impl, scale=scale,
                                        window=self.window if window is None else window,
-                                       segment_ids_BT=segment_ids_BT, block=self.block)
+                                       segment_ids_BT=segment_ids_BT, block=self.block,
+                                       runtime_window=runtime_window)
     out_BTHK = sharding.constrain(out_BTHK, names)
     return self.o(out_BTHK.reshape(B, T, -1)), v1_BTHK

@@ -2,6 +2,7 @@
 `dot_product_attention` calls the chosen kernel with the mask it needs."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nanotext.errors import UserError
@@ -13,6 +14,10 @@ from nanotext.model.kernels.per_device import platform
 from nanotext.model.kernels.xla import xla_attention
 
 IMPLS = ("auto", "xla", "cudnn", "splash", "flash", "blocked", "cpu", "einsum")
+# Kernels whose window may be a traced int32 (masks built from it; blocked sizes its strips by a
+# static bound). Splash builds block-sparsity tables from a static mask, cuDNN takes a static
+# local_window_size and flash has no window: one program per window stage for them.
+RUNTIME_WINDOW_IMPLS = ("xla", "blocked", "cpu", "einsum")
 # Above this length a dense [T, T] mask/score per head is the cost that matters: `auto` takes the
 # blocked kernel for windowed attention (at 4096, f32 scores are 64 MiB per head and example).
 DENSE_MAX_T = 4096
@@ -60,16 +65,23 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
   return impl
 
 
+def takes_runtime_window(impl: str) -> bool:
+  """Whether kernel `impl` (resolved, not auto) takes the window as a runtime input, so that one
+  program serves every stage of a window schedule."""
+  return impl in RUNTIME_WINDOW_IMPLS
+
+
 def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, window: int = 0,
-                          segment_ids_BT=None, block: int = 0):
+                          segment_ids_BT=None, block: int = 0, runtime_window=None):
   """Causal attention, optionally windowed and/or document-masked, through the selected kernel.
 
   A query at t sees keys s <= t, also only keys with the same segment id when `segment_ids_BT`
   [B, T] is given, and with `window` > 0: keys t - window < s (block = 0, token-exact), or, with
   `block` > 0, keys in blocks t // block - W + 1 .. t // block, W = max(1, window // block) (the
   record's block mask). `window` must be a static Python int: it shapes the kernel's mask (and
-  splash's block-sparsity tables), so every distinct window in a schedule is its own compiled
-  program, to be compiled ahead rather than traced as an array.
+  splash's block-sparsity tables). With `runtime_window` (a traced int32 scalar, 0 = no window;
+  only kernels that `takes_runtime_window`), that is the window applied and `window` its static
+  bound (0 = none): one compiled program serves every window up to the bound.
   """
   if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 0:
     raise TypeError(f"window must be a static non-negative Python int, got {window!r}")
@@ -79,16 +91,23 @@ def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, wi
     impl = resolve_impl(impl, jax.default_backend(), head_dim=q_BTHK.shape[-1], seq_len=T,
                         window=window, block_windows=bool(block))
   args = (q_BTHK, k_BTHK, v_BTHK)
+  if runtime_window is not None:
+    if not takes_runtime_window(impl):
+      raise ValueError(f"attention.impl={impl} needs a static window; ask takes_runtime_window")
+    live = {"runtime_window": jnp.asarray(runtime_window, jnp.int32)}
+  else:
+    live = {}
   if impl == "blocked":
     return blocked_attention(*args, scale=scale, window=window, block_windows=bool(block),
-                             segment_ids_BT=segment_ids_BT, **({"block": block} if block else {}))
+                             segment_ids_BT=segment_ids_BT, **({"block": block} if block else {}),
+                             **live)
   if impl == "xla":
     return xla_attention(*args, scale=scale, window=window, segment_ids_BT=segment_ids_BT,
-                         block=block)
+                         block=block, **live)
   if impl == "cpu":
-    if block and window:
-      resolve_impl("cpu", "cpu", window=window, block_windows=True)  # raises the UserError
-    return cpu_attention(*args, scale=scale, window=window, segment_ids_BT=segment_ids_BT)
+    if block and (window or live):
+      resolve_impl("cpu", "cpu", window=window or 1, block_windows=True)  # raises the UserError
+    return cpu_attention(*args, scale=scale, window=window, segment_ids_BT=segment_ids_BT, **live)
   if impl == "cudnn":
     if block and window:
       resolve_impl("cudnn", "gpu", window=window, block_windows=True)  # raises the UserError
@@ -101,5 +120,5 @@ def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, wi
     return flash.flash_attention(*args, scale=scale, segment_ids_BT=segment_ids_BT)
   if impl == "einsum":
     return einsum_attention(*args, scale=scale, window=window, segment_ids_BT=segment_ids_BT,
-                            block=block)
+                            block=block, **live)
   raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
