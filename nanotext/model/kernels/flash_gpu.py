@@ -55,6 +55,8 @@ def flash_gpu_attention(q_BTHK, k_BTHK, v_BTHK, *, scale: float, window=0, segme
   """Causal attention within documents (`segment_ids_BT` [B, T], ids never decreasing along a
   row) and a window (int or traced int32; 0 = none) of tokens, or with `block` > 0 of whole
   `block`-token blocks (the record's block mask); per device under a mesh."""
+  if problem(q_BTHK.shape[1], q_BTHK.shape[-1], tiles):
+    raise ValueError(f"flash_gpu: {problem(q_BTHK.shape[1], q_BTHK.shape[-1], tiles)}")
   interpret = platform() != "gpu"
   local = functools.partial(_local, scale=float(scale), window_block=block, tiles=tiles,
                             interpret=interpret)
