@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanotext.model.cpu_attention import cpu_attention  # noqa: E402
+from nanotext.model.kernels.cpu import cpu_attention  # noqa: E402
 
 B, T, H, K = 16, 256, 4, 64
 SCALE = K ** -0.5

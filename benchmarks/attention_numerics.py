@@ -35,7 +35,7 @@ def inputs(T: int, seed: int):
 
 
 def mask(T: int, window: int, seg):
-  from nanotext.model.attention import block_window_mask
+  from nanotext.model.kernels.masks import block_window_mask
   return block_window_mask(T, window, BLOCK) & (seg[0][:, None] == seg[0][None, :])
 
 
@@ -83,7 +83,7 @@ def errors(a, b, ref):
 def main(argv):
   del argv
   import jax.numpy as jnp
-  from nanotext.model.blocked_attention import blocked_attention
+  from nanotext.model.kernels.blocked import blocked_attention
   print("| T | pair | max abs difference | relative RMS difference | in bf16 ulps (2^-8) |")
   print("| --- | --- | --- | --- | --- |")
   FLAGS = flags.FLAGS

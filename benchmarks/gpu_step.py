@@ -40,25 +40,22 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
   batch = trainer.global_batch(run, next(run.train_iter()))
   n = cfg.train.steps
   final = window_schedule.step_stage(cfg, n - 1)
-  used = window_schedule.stages(cfg, 0, n) if schedule else [final]
-  programs, compile_s = {}, {}
-  for stage in used:
-    t0 = time.perf_counter()
-    programs[stage] = trainer.make_train_step(run, *stage).lower(state, batch).compile()
-    compile_s[stage] = time.perf_counter() - t0
+  lines = []  # the trainer's own line per compiled program: name and seconds
+  programs = trainer.compile_train_steps(run, state, batch, range(n) if schedule else [n - 1],
+                                         log=lines.append)
   first_stage = window_schedule.step_stage(cfg, 0) if schedule else final
-  state, m = programs[first_stage](state, batch)
+  state, m = programs(first_stage, state, batch)
   jax.block_until_ready(m)
   to_first_step = time.perf_counter() - T_START
-  step = programs[final]
+  step = lambda state: programs(final, state, batch)
   for _ in range(warmup):
-    state, m = step(state, batch)
+    state, m = step(state)
   jax.block_until_ready(m)
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
     for _ in range(steps):
-      state, m = step(state, batch)
+      state, m = step(state)
     jax.block_until_ready(m)
     times.append((time.perf_counter() - t0) / steps)
   step_s = statistics.median(times)
@@ -66,28 +63,22 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
   if schedule:
     t0 = time.perf_counter()
     for k in range(n):
-      state, m = programs[window_schedule.step_stage(cfg, k)](state, batch)
+      state, m = programs(window_schedule.step_stage(cfg, k), state, batch)
     jax.block_until_ready(m)
     schedule_s = (time.perf_counter() - t0) / n
-  kernels = top_kernels(step, state, batch, trace_steps, top) if trace_steps else []
+  kernels = top_kernels(step, state, trace_steps, top) if trace_steps else []
+  final_exec = programs.execs[programs.plan[final]]
   tokens = cfg.train.batch_size * cfg.train.seq_len
   flops = metrics.flops_per_token(cfg.model, final[1], final[0]) * tokens
   peak = cfg.metrics.peak_flops * jax.device_count()
   return {"config": " ".join([path, *overrides]), "backend": jax.default_backend(),
           "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
           "jax": jax.__version__, "params": run.num_params, "attention": run.impl,
-          "compile_s": {describe(st): s for st, s in compile_s.items()},
+          "compiled": lines,
           "to_first_step_s": to_first_step, "step_s": step_s, "step_s_all": times,
           "schedule_step_s": schedule_s, "tokens_per_s": tokens / step_s,
-          "mfu": flops / step_s / peak, "peak_flops": peak, "peak_bytes": peak_bytes(step),
+          "mfu": flops / step_s / peak, "peak_flops": peak, "peak_bytes": peak_bytes(final_exec),
           "kernels": kernels}
-
-
-def describe(stage) -> str:
-  """'windows 1792/896 x 49152' for a (per-layer windows, row length) stage."""
-  windows, seq_len = stage
-  distinct = sorted({w for w in windows}, reverse=True)
-  return f"windows {'/'.join(str(w or 'causal') for w in distinct)} x {seq_len}"
 
 
 def peak_bytes(compiled) -> int:
@@ -101,7 +92,7 @@ def peak_bytes(compiled) -> int:
              - mem.alias_size_in_bytes) if mem is not None else 0
 
 
-def top_kernels(step, state, batch, n_steps: int, top: int) -> list:
+def top_kernels(step, state, n_steps: int, top: int) -> list:
   """[(name, ms per step, share)] of the `top` kernels by time in a profiler trace of n steps.
 
   Reads jax.profiler's perfetto trace: device kernels where the trace has a device process
@@ -111,7 +102,7 @@ def top_kernels(step, state, batch, n_steps: int, top: int) -> list:
   with tempfile.TemporaryDirectory() as where:
     with jax.profiler.trace(where, create_perfetto_trace=True):
       for _ in range(n_steps):
-        state, m = step(state, batch)
+        state, m = step(state)
       jax.block_until_ready(m)
     files = glob.glob(os.path.join(where, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
@@ -153,7 +144,7 @@ def table(r: dict) -> str:
   rows = [("config", f"`{r['config']}`"),
           ("device", f"{r['device']} x {r['devices']} ({r['backend']}, jax {r['jax']})"),
           ("parameters / attention kernel", f"{r['params']:,} / {r['attention']}")]
-  rows += [(f"compile: {k}", f"{s:.1f} s") for k, s in r["compile_s"].items()]
+  rows += [("compile", line.replace("compiled ", "")) for line in r["compiled"]]
   rows += [("start to first step", f"{r['to_first_step_s']:.1f} s"),
            ("step at the final windows (median)",
             f"{1e3 * r['step_s']:.1f} ms ({', '.join(f'{1e3 * t:.1f}' for t in r['step_s_all'])})")]

@@ -32,7 +32,7 @@ def point(T: int, impl: str, window: int, heads: int, repeats: int, max_gib: flo
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from nanotext.model.attention import dot_product_attention
+  from nanotext.model.kernels.dispatch import dot_product_attention
   shape = (1, T, heads, 128)
   dense_gib = 3 * 4 * heads * T * T / 2**30  # float32 scores, probabilities and their gradient
   if impl == "xla" and dense_gib > 4 * max_gib:  # XLA's compiler itself would need that memory

@@ -104,10 +104,11 @@ def nanotext_losses(params_flat: dict, shard: str, overrides=OVERRIDES) -> np.nd
   state = run.state_from_params(params)
   it = run.train_iter()
   batches = [trainer.global_batch(run, next(it)) for _ in range(run.cfg.train.steps)]
-  execs = trainer.compile_train_steps(run, state, batches[0], range(run.cfg.train.steps))
+  programs = trainer.compile_train_steps(run, state, batches[0], range(run.cfg.train.steps),
+                                        log=lambda line: None)
   losses = []
   for s, batch in enumerate(batches):
-    state, m = execs[step_stage(run.cfg, s)](state, batch)
+    state, m = programs(step_stage(run.cfg, s), state, batch)
     losses.append(float(m["loss"]))
   return np.array(losses)
 

@@ -1,8 +1,9 @@
 """Fit before you fly: `python -m nanotext.compile CONFIG [key=value ...] --topology=NAME
 [--programs=all] [--json=FILE] [--min_headroom=0.1]`.
 
-Compiles every program a run would compile (one train program per attention-window stage, and
-the eval program) for a TPU slice, on any machine with libtpu installed, and prints per program
+Compiles every program a run would compile (the train programs: one per attention-window stage, or
+one for all stages with a kernel that takes the windows at run time; and the eval program) for a
+TPU slice, on any machine with libtpu installed, and prints per program
 the per-chip memory against the chip's HBM, analytic and XLA FLOPs, bytes accessed and the
 collectives with their bytes, then one verdict line. Exit 0 if every program fits with the
 headroom asked for, 2 (one line naming the bytes and the keys that help) otherwise.
@@ -33,21 +34,32 @@ _OOM_RE = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT])\) exceed
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def programs(cfg) -> list:
-  """[(name, stage, steps)] of the run: one train program per distinct stage (per-layer windows,
-  row length), in order of first use, then the eval program (stage None = the final windows)."""
-  from nanotext import window_schedule
-  stages = {}
+def programs(cfg, impl: str = "") -> list:
+  """[(name, window_schedule.Program, steps)] of the run as the trainer compiles them: train
+  programs in order of first use (one per stage (per-layer windows, row length), or one per row
+  length where attention kernel `impl` takes the windows at run time), then the program of the
+  final evaluation (steps None)."""
+  from nanotext import window_schedule as ws
+  from nanotext.model.kernels.dispatch import takes_runtime_window
+  runtime = bool(impl) and takes_runtime_window(impl)
+  steps = {}
   for step in range(cfg.train.steps):
-    stages.setdefault(window_schedule.step_stage(cfg, step), []).append(step)
-  lengths = {seq_len for _, seq_len in stages}
+    steps.setdefault(ws.step_stage(cfg, step), []).append(step)
+  train = ws.plan(list(steps), runtime)
+  served = {}
+  for stage, program in train.items():
+    served.setdefault(program, []).extend(steps[stage])
+  lengths = {p.seq_len for p in served}
   out = []
-  for (windows, seq_len), steps in stages.items():
-    long = max(windows) if any(windows) else 0
-    name = "train" if len(stages) == 1 else f"train@{long or 'causal'}"
-    name += f"x{seq_len}" if len(lengths) > 1 else ""
-    out.append((name, (windows, seq_len), (steps[0], steps[-1])))
-  return out + [("eval", None, None)]
+  for program, used in served.items():
+    lo, hi = (str(w or "causal") for w in program.span)
+    name = "train" if len(served) == 1 else f"train@{lo}..{hi}" if program.runtime else \
+        f"train@{hi}"
+    name += f"x{program.seq_len}" if len(lengths) > 1 else ""
+    out.append((name, program, (min(used), max(used))))
+  evals = ws.eval_plan(cfg, ws.eval_points(cfg.train), runtime)
+  final = (ws.eval_windows(cfg, cfg.train.steps), cfg.train.eval_seq_len or cfg.train.seq_len)
+  return out + [("eval", evals[final], None)]
 
 
 def select(progs: list, spec: str) -> list:
@@ -75,14 +87,29 @@ def abstract_batch(run) -> dict:
   return {"inputs": spec, "targets": spec}
 
 
-def compile_program(run, name, stage, hbm_bytes: int, min_headroom: float = 0.0) -> dict:
-  """Compile one program for the run's devices; its record (an HBM overflow is a record too)."""
+def eval_batch(run) -> dict:
+  """ShapeDtypeStructs of one validation batch (rows of train.eval_seq_len)."""
+  import jax
+  import jax.numpy as jnp
+  t = run.cfg.train
+  spec = jax.ShapeDtypeStruct((t.batch_size, t.eval_seq_len or t.seq_len), jnp.int32,
+                              sharding=run.batch_sharding)
+  return {"inputs": spec, "targets": spec}
+
+
+def compile_program(run, name, program, hbm_bytes: int, min_headroom: float = 0.0) -> dict:
+  """Compile one program (a window_schedule.Program) for the run's devices; its record (an HBM
+  overflow is a record too)."""
   from nanotext import trainer
   state, batch = run.abstract_state(), abstract_batch(run)
   if name == "eval":
-    jitted, args = trainer.make_eval_step(run), (state["params"], batch)
+    jitted = trainer.make_eval_step(run, program.windows, runtime=program.runtime)
+    args = (state["params"], eval_batch(run))
   else:
-    jitted, args = trainer.make_train_step(run, *stage), (state, batch)
+    jitted = trainer.make_train_step(run, program.windows, program.seq_len,
+                                     runtime=program.runtime)
+    args = (state, batch)
+  args += trainer.windows_args(run, program)
   rec = {"name": name, "hbm_bytes_per_chip": hbm_bytes}
   t0 = time.perf_counter()
   try:
@@ -99,7 +126,7 @@ def compile_program(run, name, stage, hbm_bytes: int, min_headroom: float = 0.0)
   rec.update(measure(compiled))
   rec["headroom"] = 1.0 - rec["total_bytes_per_chip"] / hbm_bytes
   rec["fits"] = rec["headroom"] >= min_headroom
-  rec["flops_analytic_per_chip"] = analytic_flops(run, stage, train=name != "eval")
+  rec["flops_analytic_per_chip"] = analytic_flops(run, program, train=name != "eval")
   return rec
 
 
@@ -123,14 +150,13 @@ def measure(compiled) -> dict:
   return rec
 
 
-def analytic_flops(run, stage, *, train: bool) -> float:
-  """Model FLOPs per chip of one step (6N + attention per token; forward only for eval)."""
-  from nanotext import metrics, window_schedule
+def analytic_flops(run, program, *, train: bool) -> float:
+  """Model FLOPs per chip of one step (6N + attention per token; forward only for eval) at the
+  program's windows (with runtime windows, their bounds: its largest step)."""
+  from nanotext import metrics
   cfg = run.cfg
-  w, seq_len = stage if stage is not None else \
-      (window_schedule.step_windows(cfg, cfg.train.steps), cfg.train.seq_len)
-  tokens = cfg.train.batch_size * cfg.train.seq_len
-  per_token = metrics.flops_per_token(cfg.model, seq_len, w)
+  tokens = cfg.train.batch_size * (cfg.train.seq_len if train else program.seq_len)
+  per_token = metrics.flops_per_token(cfg.model, program.seq_len, program.windows)
   return per_token * tokens / run.mesh.size / (1 if train else 3)
 
 
@@ -208,13 +234,14 @@ def run_compile(path, overrides, slice_name, which="all", min_headroom=0.10, log
       f"{run.impl}, {run.cfg.train.batch_size} x {run.cfg.train.seq_len} tokens per step, "
       f"grad_accum {run.cfg.train.grad_accum}, remat {run.cfg.model.remat}, loss_chunk "
       f"{run.cfg.train.loss_chunk}")
-  chosen = select(programs(run.cfg), which)
+  chosen = select(programs(run.cfg, run.impl), which)
   recs = []
-  for name, stage, steps in chosen:
-    rec = compile_program(run, name, stage, sl.chip.hbm_bytes, min_headroom)
+  for name, program, steps in chosen:
+    rec = compile_program(run, name, program, sl.chip.hbm_bytes, min_headroom)
     rec["steps"] = steps
-    rec["windows"] = None if stage is None else list(stage[0])
-    rec["seq_len"] = run.cfg.train.seq_len if stage is None else stage[1]
+    rec["windows"] = list(program.windows)
+    rec["runtime_windows"] = program.runtime
+    rec["seq_len"] = program.seq_len
     recs.append(rec)
     log(describe(rec))
   return run, sl, recs

@@ -11,39 +11,45 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nanotext import checkpoint, metrics, sharding
 from nanotext.wiring import Run, new_state
 from nanotext.watch import CompileCounter, Monitor, Preemption, Profiler
-from nanotext.model.attention import segment_ids_from_tokens
+from nanotext.model.kernels.dispatch import takes_runtime_window
+from nanotext.model.kernels.masks import segment_ids_from_tokens
 from nanotext.model.loss import cross_entropy
-from nanotext.window_schedule import eval_windows, stages, step_stage, step_windows
+from nanotext.window_schedule import (eval_plan, eval_points, eval_windows, plan, stages,
+                                      step_stage, step_windows)
 
 
 def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, chunk=0,
-            train=True, per_row=False):
+            train=True, per_row=False, runtime_windows=None):
   """Next-token cross-entropy (the mean; with `per_row`, each row's sum averaged over rows);
   with `eot_id`, attention stays within documents.
 
   `windows`: per-layer sliding windows (static ints) of one schedule stage; None = the final ones.
+  `runtime_windows`: int32 [layers], the windows applied (`windows` then their static bounds).
   `chunk`: train.loss_chunk (0 = the whole sequence's logits at once). `train=False`: evaluation
   (no FP8 head).
   """
   segments_BT = None if eot_id is None else segment_ids_from_tokens(inputs_BT, eot_id)
   model = nnx.merge(graphdef, params)
-  x_BTD = model.hidden(inputs_BT, segments_BT, windows)
+  x_BTD = model.hidden(inputs_BT, segments_BT, windows, runtime_windows)
   with jax.named_scope("loss"):
     return cross_entropy(model, x_BTD, targets_BT, chunk, train, per_row)
 
 
-def make_train_step(run: Run, windows=None, seq_len: int = 0):
+def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = False):
   """jit(state, batch) -> (state, metrics), state donated, with gradient accumulation.
 
   `windows` (a tuple of static per-layer ints, one attention.window_schedule stage) and
-  `seq_len` (a train.seq_len_start warmup length; 0 = the batch's) are baked into the program:
-  each distinct stage is its own executable, compiled before the loop starts. Shorter rows are
-  the batch's rows cut into pieces (same tokens, targets still the next token), run in
-  micro-batches of as many rows as at full length (modded-nanogpt-jax's fixed micro-batch).
+  `seq_len` (a train.seq_len_start warmup length; 0 = the batch's) are baked into the program.
+  With `runtime`, the step is jit(state, batch, windows [layers] int32) and `windows` are their
+  static bounds: one program for every window stage (kernels/dispatch.takes_runtime_window).
+  Shorter rows are the batch's rows cut into pieces (same tokens, targets still the next token),
+  run in micro-batches of as many rows as at full length (modded-nanogpt-jax's fixed
+  micro-batch).
   train.loss_reduction=row_sum steps on the gradient of each row's summed loss (the record's).
 
   A step whose loss or gradient norm is not finite leaves params and optimizer state as they
@@ -54,9 +60,9 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0):
   skip = run.cfg.train.on_nonfinite == "skip"
   row_sum = run.cfg.train.loss_reduction == "row_sum"
 
-  def objective(p, x, y):
+  def objective(p, x, y, live):
     loss = loss_fn(graphdef, p, x, y, run.eot_id, windows, run.cfg.train.loss_chunk,
-                   per_row=row_sum)
+                   per_row=row_sum, runtime_windows=live)
     # row_sum steps on each row's summed loss (mean over rows); the metric stays the token mean.
     return loss, loss / x.shape[1] if row_sum else loss
   grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -67,7 +73,8 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0):
     a = a_BT.reshape(b // accum, accum, t).swapaxes(0, 1)
     return sharding.constrain(a, (None, "batch", "act_length"))
 
-  def step_fn(state, batch):
+  def step_fn(state, batch, *runtime_windows):
+    live = runtime_windows[0] if runtime_windows else None
     B, T = batch["inputs"].shape
     cut = T // seq_len if seq_len and seq_len < T else 1
     n_micro = accum * cut
@@ -77,10 +84,10 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0):
     with sharding.use_rules(run.rules, run.mesh):
       params = state["params"]
       if n_micro == 1:
-        (_, loss), grads = grad_fn(params, batch["inputs"], batch["targets"])
+        (_, loss), grads = grad_fn(params, batch["inputs"], batch["targets"], live)
       else:
         def body(carry, xy):
-          (_, loss), grads = grad_fn(params, *xy)
+          (_, loss), grads = grad_fn(params, *xy, live)
           return jax.tree.map(jnp.add, carry, (loss, grads)), None
         zeros = (jnp.zeros([], jnp.float32), jax.tree.map(jnp.zeros_like, params))
         xs = (micro_batches(batch["inputs"], n_micro), micro_batches(batch["targets"], n_micro))
@@ -99,19 +106,34 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0):
     return new_state(state["step"] + 1, new_params, opt_state), metrics
 
   batch_sh = {"inputs": run.batch_sharding, "targets": run.batch_sharding}
-  return jax.jit(step_fn, in_shardings=(run.state_shardings, batch_sh),
+  return jax.jit(step_fn, in_shardings=(run.state_shardings, batch_sh) + _windows_sh(run, runtime),
                  out_shardings=(run.state_shardings, None), donate_argnums=0)
 
 
-def make_eval_step(run: Run, windows=None):
+def make_eval_step(run: Run, windows=None, runtime: bool = False):
   """jit(params, batch) -> mean loss at per-layer `windows` (None: the final ones), with the
-  evaluation head (no FP8, as the record's eval mode)."""
-  def eval_fn(params, batch):
+  evaluation head (no FP8, as the record's eval mode); with `runtime`, jit(params, batch,
+  windows [layers] int32) and `windows` their static bounds."""
+  def eval_fn(params, batch, *runtime_windows):
     with sharding.use_rules(run.rules, run.mesh):
       return loss_fn(run.graphdef, params, batch["inputs"], batch["targets"], run.eot_id,
-                     windows, chunk=run.cfg.train.loss_chunk, train=False)
+                     windows, chunk=run.cfg.train.loss_chunk, train=False,
+                     runtime_windows=runtime_windows[0] if runtime_windows else None)
   batch_sh = {"inputs": run.batch_sharding, "targets": run.batch_sharding}
-  return jax.jit(eval_fn, in_shardings=(run.state_shardings["params"], batch_sh))
+  return jax.jit(eval_fn, in_shardings=(run.state_shardings["params"], batch_sh)
+                 + _windows_sh(run, runtime))
+
+
+def _windows_sh(run: Run, runtime: bool) -> tuple:
+  """The sharding of a runtime windows argument (replicated), if the program takes one."""
+  return (NamedSharding(run.mesh, P()),) if runtime else ()
+
+
+def windows_args(run: Run, program) -> tuple:
+  """The abstract windows argument of `program` (a window_schedule.Program) for lowering: an
+  int32 [layers] where it takes its windows at run time, else nothing."""
+  return tuple(jax.ShapeDtypeStruct((run.cfg.model.num_layers,), jnp.int32, sharding=sh)
+               for sh in _windows_sh(run, program.runtime))
 
 
 def global_batch(run: Run, local: dict) -> dict:
@@ -120,22 +142,69 @@ def global_batch(run: Run, local: dict) -> dict:
           for k, v in local.items()}
 
 
-def compile_train_steps(run: Run, state, batch, steps) -> dict:
-  """AOT-compile one train program per distinct stage (windows, row length) `steps` (0-based)
-  need, keyed by window_schedule.step_stage.
+@dataclasses.dataclass
+class Programs:
+  """Compiled step programs and the one serving each stage (windows, row length): calling it
+  with a stage runs that program, giving it the stage's windows where it takes them at run time."""
+  plan: dict     # stage -> window_schedule.Program
+  execs: dict    # Program -> compiled executable
+  windows: dict  # per-layer windows -> replicated int32 [layers] device array (runtime programs)
+
+  def __call__(self, stage, *args):
+    program = self.plan[stage]
+    return self.execs[program](*args, *((self.windows[stage[0]],) if program.runtime else ()))
+
+  def __len__(self) -> int:
+    return len(self.execs)
+
+
+def compile_programs(run: Run, kind: str, stage_plan: dict, args, log=print) -> Programs:
+  """AOT-compile each distinct program of `stage_plan` ({stage: Program}) for `args`, logging a
+  line per program (name, seconds) as it finishes; `kind` is train or eval.
 
   Tracing runs one after another; XLA compilations run in a thread pool, since they are
   independent and release the GIL (many schedule stages on a many-core host).
   """
+  make = make_train_step if kind == "train" else make_eval_step
+  programs = list(dict.fromkeys(stage_plan.values()))
+  n_layers, replicated = run.cfg.model.num_layers, NamedSharding(run.mesh, P())
+  lowered, seconds = {}, {}
+  for p in programs:
+    t0 = time.perf_counter()
+    static = (p.windows, p.seq_len) if kind == "train" else (p.windows,)
+    lowered[p] = make(run, *static, runtime=p.runtime).lower(*args, *windows_args(run, p))
+    seconds[p] = time.perf_counter() - t0
+
+  def compile_one(p):
+    t0 = time.perf_counter()
+    return lowered[p].compile(), time.perf_counter() - t0
+
+  with_len = len({p.seq_len for p in programs}) > 1
+  execs = {}
+  workers = max(1, min(len(programs), os.cpu_count() or 1))
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    futures = {pool.submit(compile_one, p): p for p in programs}
+    for future in concurrent.futures.as_completed(futures):
+      p = futures[future]
+      execs[p], secs = future.result()
+      log(f"compiled {kind} ({p.describe(with_len)}) in {seconds[p] + secs:.1f} s")
+  # Each stage's windows on the devices once, before the loop (no transfer per step).
+  windows = {w: jax.make_array_from_callback((n_layers,), replicated,
+                                             lambda i, w=w: np.asarray(w, np.int32)[i])
+             for (w, _), p in stage_plan.items() if p.runtime}
+  return Programs(stage_plan, execs, windows)
+
+
+def compile_train_steps(run: Run, state, batch, steps, log=print) -> Programs:
+  """The train programs that 0-based `steps` need, compiled: one per stage (windows, row length),
+  or one per row length with a kernel that takes the windows at run time; called as
+  `programs(window_schedule.step_stage(cfg, step), state, batch)`."""
   if isinstance(steps, range) and steps.step == 1:
     needed = stages(run.cfg, steps.start, steps.stop)
   else:
     needed = list(dict.fromkeys(step_stage(run.cfg, s) for s in steps))  # in order of use
-  lowered = {st: make_train_step(run, *st).lower(state, batch) for st in needed}
-  workers = max(1, min(len(lowered), os.cpu_count() or 1))
-  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    futures = {w: pool.submit(low.compile) for w, low in lowered.items()}
-    return {w: f.result() for w, f in futures.items()}
+  stage_plan = plan(needed, takes_runtime_window(run.impl))
+  return compile_programs(run, "train", stage_plan, (state, batch), log)
 
 
 @dataclasses.dataclass
@@ -165,15 +234,15 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
   t0 = time.perf_counter()
   first = global_batch(run, next(train_iter))
   data_state = train_iter.get_state()  # batches consumed through the step about to run
-  # Every window tuple of the schedule is its own program: all of them are compiled here, so a
-  # window change in the loop only switches executables.
-  train_execs = compile_train_steps(run, state, first, range(start_step, t_cfg.steps))
-  evals = [d for d in range(start_step + 1, t_cfg.steps)
-           if t_cfg.eval_every and d % t_cfg.eval_every == 0] + [t_cfg.steps]
+  # Every program the schedule needs is compiled here (one for all window stages where the kernel
+  # takes the windows at run time), so a window change in the loop only switches inputs or
+  # executables.
+  train_execs = compile_train_steps(run, state, first, range(start_step, t_cfg.steps), log)
   at_start = t_cfg.eval_at_start and start_step == 0 and bool(val_batches)
-  evals = [0] * at_start + evals
-  eval_execs = {w: make_eval_step(run, w).lower(state["params"], val_batches[0]).compile()
-                for w in dict.fromkeys(eval_windows(cfg, d) for d in evals)} if val_batches else {}
+  evals = eval_points(t_cfg, start_step)
+  eval_execs = compile_programs(
+      run, "eval", eval_plan(cfg, evals, takes_runtime_window(run.impl)),
+      (state["params"], val_batches[0]), log) if val_batches else {}
   eval_exec = bool(eval_execs) or None
   compile_s = time.perf_counter() - t0
   programs = len(train_execs) + len(eval_execs)
@@ -184,8 +253,8 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
       f"{compile_s:.1f} s")
 
   def evaluate(params, done):
-    run_eval = eval_execs[eval_windows(cfg, done)]
-    losses = [run_eval(params, b) for b in val_batches]
+    stage = (eval_windows(cfg, done), t_cfg.eval_seq_len or t_cfg.seq_len)
+    losses = [eval_execs(stage, params, b) for b in val_batches]
     return float(np.mean(jax.device_get(losses)))
 
   if at_start:  # the record validates the initial weights too (outside its timed steps)
@@ -214,7 +283,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     for step in range(start_step, t_cfg.steps):
       done = step + 1
       with profiler.step(step):
-        state, step_metrics = train_execs[step_stage(cfg, step)](state, batch)
+        state, step_metrics = train_execs(step_stage(cfg, step), state, batch)
       saved_state = data_state
       if done < t_cfg.steps:
         batch = global_batch(run, next(train_iter))  # overlaps with the step just dispatched

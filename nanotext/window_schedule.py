@@ -1,10 +1,13 @@
 """The per-step schedules that shape programs: sliding windows and row length, in one place.
 
 The trainer (which program runs a step, which the eval uses), the metrics (FLOPs per step), the
-logs (attn_window) and the model (its default windows) all read them from here. Windows and row
-lengths are static Python ints: each distinct (per-layer windows, row length) stage is its own
-compiled program.
+logs (attn_window) and the model (its default windows) all read them from here. Row lengths shape
+arrays, so each is its own compiled program. Windows are static Python ints per stage; a kernel
+that takes the window as a runtime input (kernels/dispatch.takes_runtime_window) runs every
+window stage of a row length in one program (`plan`), the windows an int32 [layers] argument.
 """
+
+import dataclasses
 
 from nanotext.errors import UserError
 
@@ -144,3 +147,71 @@ def stages(cfg, start: int, stop: int, key=step_stage) -> list:
     step = hi
   return list(dict.fromkeys(out))
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """One compiled step: its row length and per-layer windows as the kernels see them (0 = causal).
+
+  With `runtime`, `windows` are per-layer static bounds (0 = none) of the windows the program is
+  given as an int32 [layers] input each step: kernels size their work by the bound and mask by
+  the input. `span` (the long windows served, first and last) only describes it."""
+  seq_len: int
+  windows: tuple
+  runtime: bool = False
+  span: tuple = dataclasses.field(default=(0, 0), compare=False)
+
+  def describe(self, with_len: bool = False) -> str:
+    """'windows 128..1792, runtime', 'windows 1792', 'causal' (+ the row length)."""
+    name = lambda w: str(w) if w else "causal"
+    lo, hi = self.span
+    text = f"windows {name(lo)}..{name(hi)}, runtime" if self.runtime else \
+        "causal" if not hi else f"windows {name(hi)}"
+    return text + (f", rows of {self.seq_len}" if with_len else "")
+
+
+def long_of(windows) -> int:
+  """The largest of per-layer windows, 0 when every layer is plain causal (names a stage)."""
+  return max(windows) if any(windows) else 0
+
+
+def window_bounds(tuples) -> tuple:
+  """Per-layer upper bounds of several per-layer window tuples (0 = causal bounds nothing)."""
+  return tuple(0 if 0 in col else max(col) for col in zip(*tuples))
+
+
+def plan(stage_list, runtime: bool) -> dict:
+  """{(windows, row length): Program} for distinct stages in order of use: one static program
+  per stage, or with `runtime` one program per row length for all its window stages (a single
+  stage stays static: a compile-time window is the tighter program)."""
+  by_len = {}
+  for windows, seq_len in stage_list:
+    by_len.setdefault(seq_len, []).append(tuple(windows))
+  out = {}
+  for seq_len, ws in by_len.items():
+    span = (long_of(ws[0]), long_of(ws[-1]))
+    if runtime and len(ws) > 1:
+      shared = Program(seq_len, window_bounds(ws), True, span)
+      out.update({(w, seq_len): shared for w in ws})
+    else:
+      out.update({(w, seq_len): Program(seq_len, w, False, (long_of(w),) * 2) for w in ws})
+  return out
+
+
+def train_plan(cfg, start: int, stop: int, runtime: bool) -> dict:
+  """{step_stage: Program} of 0-based train steps start..stop-1 (see `plan`)."""
+  return plan(stages(cfg, start, stop), runtime)
+
+
+def eval_points(train_cfg, start_step: int = 0) -> list:
+  """The evaluations (after how many steps) of a run from `start_step`: every train.eval_every,
+  the final one, and step 0 with train.eval_at_start on a fresh run."""
+  t = train_cfg
+  dones = [d for d in range(start_step + 1, t.steps) if t.eval_every and d % t.eval_every == 0]
+  return [0] * bool(t.eval_at_start and start_step == 0) + dones + [t.steps]
+
+
+def eval_plan(cfg, dones, runtime: bool) -> dict:
+  """{(windows, eval row length): Program} of the evaluations after `dones` steps."""
+  seq_len = cfg.train.eval_seq_len or cfg.train.seq_len
+  return plan(dict.fromkeys((eval_windows(cfg, d), seq_len) for d in dones), runtime)

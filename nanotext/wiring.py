@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from nanotext import config, optim, sharding
 from nanotext.errors import UserError
 from nanotext.model import GPT, count_params, gpt
-from nanotext.model.attention import resolve_impl
+from nanotext.model.kernels.dispatch import resolve_impl
 
 
 @dataclasses.dataclass
@@ -167,7 +167,8 @@ def abstract_model(cfg, backend: str):
   """(graphdef, abstract parameter State, attention kernel) of cfg's model on `backend`."""
   impl = resolve_impl(cfg.attention.impl, backend, head_dim=cfg.model.head_dim,
                       seq_len=cfg.train.seq_len, window=cfg.attention.window,
-                      block_windows=cfg.attention.block_windows)
+                      block_windows=cfg.attention.block_windows,
+                      doc_mask=cfg.attention.doc_mask)
   graphdef, abstract = nnx.split(nnx.eval_shape(
       lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(cfg.seed))))  # no arrays
   return graphdef, abstract, impl

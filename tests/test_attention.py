@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from nanotext.errors import UserError
-from nanotext.model import attention
-from nanotext.model.attention import (dot_product_attention, resolve_impl,
-                                      segment_ids_from_tokens)
+from nanotext.model.kernels import cudnn, splash
+from nanotext.model.kernels.dispatch import dot_product_attention, resolve_impl
+from nanotext.model.kernels.masks import segment_ids_from_tokens
 
 B, H, K = 2, 2, 32
 SCALE = 0.7 / np.sqrt(K)  # not 1/sqrt(K), so a kernel that applies its own default scale fails
@@ -86,7 +86,7 @@ def test_splash_matches_xla(window, docs):
 
 def test_splash_multi_block(monkeypatch):
   """T=256 in 128-wide blocks: the block-sparse tables skip and partially mask whole tiles."""
-  monkeypatch.setattr(attention, "_splash_block", lambda T: 128)
+  monkeypatch.setattr(splash, "block_size", lambda T: 128)
   q, k, v, g, seg = inputs(256, seed=2)
   kw = dict(scale=SCALE, window=40, segment_ids_BT=seg)
   errs = max_errors(forward_and_grads(kernel("splash"), q, k, v, g, **kw),
@@ -151,7 +151,7 @@ def test_auto_resolution():
   assert resolve_impl("auto", "tpu", seq_len=1024) == "splash"
   assert resolve_impl("auto", "tpu", seq_len=100) == "xla"
   # On a GPU backend auto follows a trial trace of cuDNN (which fails on a CPU-only jax, so xla).
-  cudnn_ok = attention._cudnn_problem(64, 128) is None
+  cudnn_ok = cudnn.problem(64, 128) is None
   assert resolve_impl("auto", "gpu", head_dim=64, seq_len=128) == ("cudnn" if cudnn_ok else "xla")
   assert resolve_impl("auto", "gpu", head_dim=12, seq_len=128) == "xla"  # cuDNN wants K % 8 == 0
   assert resolve_impl("xla", "tpu") == "xla"

@@ -14,7 +14,7 @@ from conftest import BASE, TINY
 from test_attention import (MASKS, SCALE, forward_and_grads, inputs, kernel, max_errors,
                             reference)
 from nanotext.errors import UserError
-from nanotext.model.attention import resolve_impl
+from nanotext.model.kernels.dispatch import resolve_impl
 
 # float32: einsum is xla's math written out (same einsums, float32 softmax), so they agree to
 # round-off, observed <= 1e-6; flash's online softmax over 128-key tiles and its backward from the

@@ -83,7 +83,7 @@ def test_attention_numerics_kernels_are_within_an_ulp_of_float64():
   within a bf16 ulp (RMS) of the float64 answer, and do not agree with it bit for bit."""
   import jax.numpy as jnp
   num = _load("attention_numerics")
-  from nanotext.model.blocked_attention import blocked_attention
+  from nanotext.model.kernels.blocked import blocked_attention
   q, k, v, seg = num.inputs(512, seed=0)
   m = num.mask(512, 256, seg)
   ref = num.exact(q, k, v, m)[None]

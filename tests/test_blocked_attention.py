@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from nanotext import window_schedule
-from nanotext.model import attention
-from nanotext.model.attention import block_window_mask, dot_product_attention, resolve_impl
-from nanotext.model.blocked_attention import blocked_attention, key_blocks
+from nanotext.model.kernels import splash
+from nanotext.model.kernels.blocked import blocked_attention, key_blocks
+from nanotext.model.kernels.dispatch import dot_product_attention, resolve_impl
+from nanotext.model.kernels.masks import block_window_mask
 
 B, H, K = 2, 2, 16
 SCALE = 0.7 / np.sqrt(K)
@@ -144,7 +145,7 @@ def test_dispatch_block_windows_match_reference(impl):
 
 def test_splash_block_windows_match_reference(monkeypatch):
   """Splash (interpret mode) with the lazily computed block-window mask and segment ids."""
-  monkeypatch.setattr(attention, "_splash_block", lambda T: 128)
+  monkeypatch.setattr(splash, "block_size", lambda T: 128)
   T, window = 256, 128
   q, k, v, g, seg = inputs(T, seed=4)
   mask = ref_mask(T, seg, window, 64)

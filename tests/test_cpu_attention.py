@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from test_attention import MASKS, SCALE, forward_and_grads, inputs, kernel, max_errors, reference
-from nanotext.model.cpu_attention import cpu_attention, key_range
+from nanotext.model.kernels.cpu import cpu_attention, key_range
 
 
 @pytest.mark.parametrize("window,docs", MASKS)

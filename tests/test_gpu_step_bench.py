@@ -24,7 +24,8 @@ def test_measure_reports_every_figure():
   r = gpu_step.measure(RECORD, TOY, steps=1, repeats=2, warmup=0, schedule=True, trace_steps=1,
                        top=5)
   assert r["step_s"] > 0 and r["schedule_step_s"] > 0 and 0 < r["mfu"] < 1
-  assert len(r["compile_s"]) == 2 and r["to_first_step_s"] > sum(r["compile_s"].values())
+  assert len(r["compiled"]) == 1 and "runtime" in r["compiled"][0]  # one program, all windows
+  assert r["to_first_step_s"] > 0
   assert r["peak_bytes"] > 0 and r["tokens_per_s"] == pytest.approx(8 * 512 / r["step_s"])
   assert r["kernels"] and all(ms >= 0 and "::" not in name for name, ms, _ in r["kernels"])
   text = gpu_step.table(r)

@@ -124,7 +124,7 @@ def test_sliding_window_limits_attention():
 
 def test_kernel_resolution_on_cpu():
   from nanotext.errors import UserError
-  from nanotext.model.attention import resolve_impl
+  from nanotext.model.kernels.dispatch import resolve_impl
   assert resolve_impl("auto", "cpu") == "cpu"
   assert resolve_impl("splash", "cpu") == "splash"  # interpret mode off TPU
   with pytest.raises(UserError, match="attention.impl"):

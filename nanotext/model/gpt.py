@@ -130,15 +130,18 @@ class Block(nnx.Module):
     self.lambdas = param(jnp.array([1.0, 0.0], cfg.param_dtype), (None,), "scalar") \
         if cfg.x0_mix else None
 
-  def __call__(self, x_BTD, x0_BTD, segment_ids_BT=None, window=None, ve_BTD=None, v1=None):
+  def __call__(self, x_BTD, x0_BTD, segment_ids_BT=None, window=None, ve_BTD=None, v1=None,
+               runtime_window=None):
     """(x, v1): `window` (static int) overrides attention.window; `ve_BTD`: this layer's value
-    embedding; `v1`: the first attention layer's v (model.value_residual), passed on."""
+    embedding; `v1`: the first attention layer's v (model.value_residual), passed on;
+    `runtime_window`: a traced window under the static bound `window` (see GPT.hidden)."""
     if self.lambdas is not None:
       lam = self.lambdas.value
       x_BTD = scaled_sum((lam[0], lam[1]), (x_BTD, x0_BTD))
     if self.attn is not None:
       with jax.named_scope("attention"):
-        y_BTD, v1 = self.attn(self.ln1(x_BTD), segment_ids_BT, window, ve_BTD, v1)
+        y_BTD, v1 = self.attn(self.ln1(x_BTD), segment_ids_BT, window, ve_BTD, v1,
+                              runtime_window)
         x_BTD = x_BTD + y_BTD
     with jax.named_scope("mlp"):
       x_BTD = x_BTD + self.mlp(self.ln2(x_BTD))
@@ -192,18 +195,25 @@ class GPT(nnx.Module):
     self.fp8_head = cfg.fp8_head
     self.remat = cfg.remat
 
-  def __call__(self, tokens_BT, segment_ids_BT=None, windows=None, train: bool = True):
+  def __call__(self, tokens_BT, segment_ids_BT=None, windows=None, train: bool = True,
+               runtime_windows=None):
     """Logits; with `segment_ids_BT`, attention stays within each document.
 
     `windows`: per-layer sliding windows (a tuple of static ints, e.g. one stage of
     attention.window_schedule); None = the configured pattern at attention.window.
     `train=False` (evaluation, sampling) computes the head in the model dtype, not FP8 (record:
-    `use_fp8 and self.training`).
+    `use_fp8 and self.training`). `runtime_windows`: see `hidden`.
     """
-    return self.logits(self.hidden(tokens_BT, segment_ids_BT, windows), train=train)
+    return self.logits(self.hidden(tokens_BT, segment_ids_BT, windows, runtime_windows),
+                       train=train)
 
-  def hidden(self, tokens_BT, segment_ids_BT=None, windows=None):
-    """The final normalised hidden states [B, T, D] that the head turns into logits."""
+  def hidden(self, tokens_BT, segment_ids_BT=None, windows=None, runtime_windows=None):
+    """The final normalised hidden states [B, T, D] that the head turns into logits.
+
+    `runtime_windows` (int32 [num_layers], traced; 0 = causal): the windows applied, one program
+    for every window stage, `windows` then being their static per-layer bounds (0 = none), which
+    size the kernels' work (kernels/dispatch.takes_runtime_window says which kernels can).
+    """
     x_BTD, *ve = lookup((self.embed, *self.value_embeds), tokens_BT)
     if self.pos is not None:
       x_BTD = x_BTD + self.pos.value[: tokens_BT.shape[1]].astype(x_BTD.dtype)[None]
@@ -212,7 +222,8 @@ class GPT(nnx.Module):
     x0_BTD = x_BTD
     windows = self.windows if windows is None else tuple(windows)
     if self.scan_layers:
-      x_BTD = scan_blocks(self.blocks, self.remat, windows, x_BTD, x0_BTD, segment_ids_BT)
+      x_BTD = scan_blocks(self.blocks, self.remat, windows, x_BTD, x0_BTD, segment_ids_BT,
+                          None if runtime_windows is None else runtime_windows[0])
       return self.ln_f(x_BTD)
     L = len(self.blocks)
     n_skip = 0 if self.skip_weights is None else L // 2
@@ -222,8 +233,9 @@ class GPT(nnx.Module):
         x_BTD = scaled_sum((1.0, self.skip_weights.value[i - (L - n_skip)]), (x_BTD, skips.pop()))
       with jax.named_scope(f"block_{i}"):
         j = self.ve_layers[i]
+        live = None if runtime_windows is None else runtime_windows[i]
         x_BTD, v1 = remat_block(self.remat, windows[i])(
-            block, x_BTD, x0_BTD, segment_ids_BT, None if j is None else ve[j], v1)
+            block, x_BTD, x0_BTD, segment_ids_BT, None if j is None else ve[j], v1, live)
       if i < n_skip:
         skips.append(x_BTD)
     return self.ln_f(x_BTD)
@@ -271,9 +283,10 @@ REMAT_POLICIES = {
 
 
 def remat_block(policy: str, window: int):
-  """(block, x, x0, segments, ve, v1) -> (block output, v1), rematerialised per model.remat."""
-  def call(block, x_BTD, x0_BTD, segment_ids_BT, ve_BTD, v1):
-    return block(x_BTD, x0_BTD, segment_ids_BT, window, ve_BTD, v1)
+  """(block, x, x0, segments, ve, v1[, runtime window]) -> (block output, v1), rematerialised
+  per model.remat; `window` is static (with a runtime window, its bound)."""
+  def call(block, x_BTD, x0_BTD, segment_ids_BT, ve_BTD, v1, runtime_window=None):
+    return block(x_BTD, x0_BTD, segment_ids_BT, window, ve_BTD, v1, runtime_window)
   if policy == "none":
     return call
   return nnx.remat(call, policy=REMAT_POLICIES[policy])
@@ -288,13 +301,16 @@ def stacked_blocks(cfg, attn_cfg, impl, rngs) -> Block:
   return make(rngs)
 
 
-def scan_blocks(blocks: Block, policy: str, windows, x_BTD, x0_BTD, segment_ids_BT):
-  """Run stacked blocks with lax.scan: one traced (and compiled) block body whatever the depth."""
+def scan_blocks(blocks: Block, policy: str, windows, x_BTD, x0_BTD, segment_ids_BT,
+                runtime_window=None):
+  """Run stacked blocks with lax.scan: one traced (and compiled) block body whatever the depth;
+  every layer has the same window (`runtime_window`: a traced one under the static bound)."""
   if len(set(windows)) > 1:
     raise UserError(f"model.scan_layers=true runs one window for every layer, got {windows}")
   graphdef, stacked = nnx.split(blocks)
   def body(x_BTD, layer):
-    return nnx.merge(graphdef, layer)(x_BTD, x0_BTD, segment_ids_BT, windows[0])[0], None
+    block = nnx.merge(graphdef, layer)
+    return block(x_BTD, x0_BTD, segment_ids_BT, windows[0], runtime_window=runtime_window)[0], None
   if policy != "none":
     body = jax.checkpoint(body, policy=REMAT_POLICIES[policy], prevent_cse=False)
   with jax.named_scope("blocks"):

@@ -8,7 +8,7 @@ first query's window start): at T = 256 in blocks of 128 that is 3/4 of the scor
 written out with its max held constant for the gradient (softmax does not depend on it), which
 leaves XLA fewer, simpler elementwise passes. Selected by `attention.impl=cpu`, and by `auto` on
 CPU, where it measured faster than xla (benchmarks/RESULTS.md); it agrees with the xla kernel
-forward and backward (tests/test_cpu_attention.py). Unlike model/blocked_attention.py (windows
+forward and backward (tests/test_cpu_attention.py). Unlike kernels/blocked.py (windows
 in T x W memory for long sequences, chunked and rematerialised) it keeps every block's scores
 live and unrolls the blocks: the cheaper choice for the short sequences a CPU trains on.
 """
@@ -16,6 +16,8 @@ live and unrolls the blocks: the cheaper choice for the short sequences a CPU tr
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from nanotext.model.kernels.masks import live_window_mask
 
 BLOCK = 128  # queries per block; 64 measured about the same at T = 256, with twice the ops
 NEG = -1e30  # masked score: exp underflows to exactly 0; finite, so no inf - inf = nan
@@ -38,8 +40,11 @@ def static_bias(start: int, stop: int, lo: int, window: int) -> np.ndarray:
 
 
 def cpu_attention(q_BTHK, k_BTHK, v_BTHK, *, scale: float, window: int = 0,
-                      segment_ids_BT=None, block: int = BLOCK):
-  """Causal (optionally windowed, document-masked) attention; same contract as the xla kernel."""
+                  segment_ids_BT=None, block: int = BLOCK, runtime_window=None):
+  """Causal (optionally windowed, document-masked) attention; same contract as the xla kernel.
+
+  `runtime_window` (traced int32, 0 = none) masks at run time inside the keys that the static
+  `window` (its bound; 0 = none) lets each block score."""
   T = q_BTHK.shape[1]
   q_BTHK = q_BTHK * jnp.asarray(scale, q_BTHK.dtype)  # scale T*K values, not T*T scores
   outs = []
@@ -52,6 +57,10 @@ def cpu_attention(q_BTHK, k_BTHK, v_BTHK, *, scale: float, window: int = 0,
     if segment_ids_BT is not None:
       same_BQS = segment_ids_BT[:, start:stop, None] == segment_ids_BT[:, None, lo:hi]
       s_BHQS = jnp.where(same_BQS[:, None], s_BHQS, NEG)
+    if runtime_window is not None:
+      live_QS = live_window_mask(np.arange(start, stop)[:, None], np.arange(lo, hi)[None, :],
+                                 runtime_window)
+      s_BHQS = jnp.where(live_QS, s_BHQS, NEG)
     m_BHQ1 = jax.lax.stop_gradient(s_BHQS.max(axis=-1, keepdims=True))
     e_BHQS = jnp.exp(s_BHQS - m_BHQ1)
     p_BHQS = e_BHQS / e_BHQS.sum(axis=-1, keepdims=True)

@@ -3,7 +3,7 @@
 `jax.experimental.pallas.ops.tpu.flash_attention` walks [128, 128] tiles of q and k with an
 online softmax and saves the logsumexp for its own backward kernels. It masks causally and by
 segment ids, and takes an additive [B, H, T, T] bias, but has no sliding window: a dense bias
-would cost the T^2 memory the kernel exists to avoid, so `resolve_impl` refuses flash with
+would cost the T^2 memory the kernel exists to avoid, so the dispatch refuses flash with
 `attention.window` (splash and blocked have windows). Keys are tiled in 128-token blocks, so T
 must be a multiple of 128; a head_dim above 128 must be a multiple of 128.
 
@@ -18,6 +18,8 @@ import functools
 import jax
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+
+from nanotext.model.kernels.per_device import per_device, platform
 
 LANES = 128  # key tiles (and the segment-id broadcast) are this wide
 
@@ -34,8 +36,13 @@ def problem(seq_len: int, head_dim: int, window: int = 0):
   return None
 
 
-def flash_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale: float,
-                    interpret: bool):
+def flash_attention(q_BTHK, k_BTHK, v_BTHK, *, scale: float, segment_ids_BT=None):
+  """Causal (optionally document-masked) attention, per device under a mesh."""
+  local = functools.partial(_local, scale=scale, interpret=platform() != "tpu")
+  return per_device(local, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
+
+
+def _local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale: float, interpret: bool):
   """Causal (optionally document-masked) attention through the Pallas kernel."""
   q_BHTK, k_BHTK, v_BHTK = (x.swapaxes(1, 2) for x in (q_BTHK, k_BTHK, v_BTHK))
   args = (q_BHTK, k_BHTK, v_BHTK) + (() if segment_ids_BT is None else (segment_ids_BT,))

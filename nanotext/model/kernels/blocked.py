@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nanotext.model.kernels.masks import live_window_mask
+
 BLOCK = 128                # query/key block: the record's FlexAttention BLOCK_SIZE
 CHUNK_ELEMENTS = 2 ** 24   # score entries per chunk (64 MiB in float32) bound the live scores
 
@@ -28,12 +30,14 @@ def key_blocks(T: int, window: int, block: int, block_windows: bool) -> int:
 
 def blocked_attention(q_BTHK, k_BTHK, v_BTHK, *, scale: float, window: int = 0,
                       block_windows: bool = False, segment_ids_BT=None, block: int = BLOCK,
-                      chunk_elements: int = CHUNK_ELEMENTS):
+                      chunk_elements: int = CHUNK_ELEMENTS, runtime_window=None):
   """Causal attention; `window` in tokens (block_windows: in whole `block`-token key blocks).
 
   Token windows: a query at t sees keys t - window < s <= t. Block windows: a query in block i
   sees key blocks i - window // block + 1 .. i (at least its own), token-causal inside.
-  `segment_ids_BT` [B, T] keeps attention inside documents.
+  `segment_ids_BT` [B, T] keeps attention inside documents. `runtime_window` (traced int32,
+  0 = none) is the window actually applied, by the same rules; the static `window` is then its
+  bound (0 = none) and sets the strip width, so one program serves every window up to it.
   """
   B, T, H, K = q_BTHK.shape
   nw = key_blocks(T, window, block, block_windows)
@@ -73,6 +77,9 @@ def blocked_attention(q_BTHK, k_BTHK, v_BTHK, *, scale: float, window: int = 0,
     mask_CqWb = (s >= 0) & (s <= t)
     if token_window:
       mask_CqWb &= t - s < token_window
+    if runtime_window is not None:
+      live_block = block if block_windows else 0
+      mask_CqWb = mask_CqWb & live_window_mask(t, s, runtime_window, live_block)
     mask_BCqWb = mask_CqWb & (seg_q_BCb[:, :, :, None, None] == seg_k_BCWb[:, :, None, :, :])
     s_BCHqWb = jnp.where(mask_BCqWb[:, :, None], s_BCHqWb, -jnp.inf)
     p = jax.nn.softmax(s_BCHqWb.reshape(B, C, H, block, nw * block), axis=-1)

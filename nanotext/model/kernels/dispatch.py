@@ -1,0 +1,137 @@
+"""The one place that picks an attention kernel: `resolve_impl` for a config, then
+`dot_product_attention` calls the chosen kernel with the mask it needs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nanotext.errors import UserError
+from nanotext.model.kernels import cudnn, flash, flash_gpu, splash
+from nanotext.model.kernels.blocked import blocked_attention
+from nanotext.model.kernels.cpu import cpu_attention
+from nanotext.model.kernels.einsum import einsum_attention
+from nanotext.model.kernels.per_device import platform
+from nanotext.model.kernels.xla import xla_attention
+
+IMPLS = ("auto", "xla", "cudnn", "splash", "flash", "flash_gpu", "blocked", "cpu", "einsum")
+# Kernels whose window may be a traced int32 (masks built from it; blocked sizes its strips by a
+# static bound; flash_gpu's block tables come from it). Splash builds block-sparsity tables from a
+# static mask, cuDNN takes a static local_window_size and flash has no window: one program per
+# window stage for them.
+RUNTIME_WINDOW_IMPLS = ("xla", "blocked", "cpu", "einsum", "flash_gpu")
+# Above this length a dense [T, T] mask/score per head is the cost that matters: `auto` takes the
+# blocked kernel for windowed attention (at 4096, f32 scores are 64 MiB per head and example).
+DENSE_MAX_T = 4096
+
+
+def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0,
+                 window: int = 0, block_windows: bool = False, doc_mask: bool = False) -> str:
+  """The concrete kernel for `attention.impl` on this backend (the one place that decides).
+
+  `head_dim` and `seq_len` (0 = unknown) let `auto` check that the kernel accepts the model's
+  shapes: on TPU it is splash when the sequence length tiles into 128-wide blocks; on GPU,
+  windowed or document-masked attention is flash_gpu (block-sparse) when it tiles the shapes;
+  elsewhere, windowed attention (`window` > 0) is blocked when the windows are block-granular
+  (cuDNN and jax's xla path have no such mask) or the sequence is longer than DENSE_MAX_T;
+  otherwise on CPU up to DENSE_MAX_T tokens the cpu kernel (faster there than xla's full score
+  matrix), on GPU cudnn when a trial trace of cuDNN flash attention succeeds, else xla.
+  """
+  if impl not in IMPLS:
+    raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
+  if impl == "auto":
+    if backend == "tpu" and seq_len % splash.LANES == 0:
+      return "splash"
+    if (backend == "gpu" and (window or doc_mask) and head_dim and seq_len
+        and flash_gpu.problem(seq_len, head_dim) is None):
+      return "flash_gpu"
+    if window and (block_windows or seq_len > DENSE_MAX_T):
+      return "blocked"
+    if backend == "cpu" and seq_len <= DENSE_MAX_T:  # it unrolls T / 128 query blocks
+      return "cpu"
+    if backend == "gpu" and cudnn.problem(head_dim, seq_len) is None:
+      return "cudnn"
+    return "xla"
+  if impl in ("cudnn", "cpu") and block_windows and window:
+    raise UserError(f"attention.impl={impl} cannot express block-granular windows "
+                    "(attention.block_windows=true); use attention.impl=blocked or auto")
+  if impl == "cudnn":
+    if backend != "gpu":
+      raise UserError(f"attention.impl=cudnn needs an NVIDIA GPU with cuDNN, but the backend is "
+                      f"{backend}; use attention.impl=xla or auto")
+    problem = cudnn.problem(head_dim, seq_len)
+    if problem is not None:
+      raise UserError(f"attention.impl=cudnn is not usable on backend {backend} "
+                      f"(head_dim={head_dim or 'unknown'}, seq_len={seq_len or 'unknown'}): "
+                      f"{problem}; use attention.impl=xla or auto")
+  if impl == "splash" and seq_len:
+    splash.block_size(seq_len)  # raises UserError early for a sequence length splash cannot tile
+  if impl == "flash" and (problem := flash.problem(seq_len, head_dim, window)):
+    raise UserError(f"attention.impl=flash {problem}; use attention.impl=splash, blocked or auto")
+  if impl == "flash_gpu" and (problem := flash_gpu.problem(seq_len, head_dim)):
+    raise UserError(f"attention.impl=flash_gpu {problem}; use attention.impl=blocked or auto")
+  return impl
+
+
+def takes_runtime_window(impl: str) -> bool:
+  """Whether kernel `impl` (resolved, not auto) takes the window as a runtime input, so that one
+  program serves every stage of a window schedule."""
+  return impl in RUNTIME_WINDOW_IMPLS
+
+
+def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, window: int = 0,
+                          segment_ids_BT=None, block: int = 0, runtime_window=None):
+  """Causal attention, optionally windowed and/or document-masked, through the selected kernel.
+
+  A query at t sees keys s <= t, also only keys with the same segment id when `segment_ids_BT`
+  [B, T] is given, and with `window` > 0: keys t - window < s (block = 0, token-exact), or, with
+  `block` > 0, keys in blocks t // block - W + 1 .. t // block, W = max(1, window // block) (the
+  record's block mask). `window` must be a static Python int: it shapes the kernel's mask (and
+  splash's block-sparsity tables). With `runtime_window` (a traced int32 scalar, 0 = no window;
+  only kernels that `takes_runtime_window`), that is the window applied and `window` its static
+  bound (0 = none): one compiled program serves every window up to the bound.
+  """
+  if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 0:
+    raise TypeError(f"window must be a static non-negative Python int, got {window!r}")
+  T = q_BTHK.shape[1]
+  window = 0 if window >= T else int(window)  # a window covering the whole sequence is plain causal
+  if impl == "auto":
+    impl = resolve_impl(impl, jax.default_backend(), head_dim=q_BTHK.shape[-1], seq_len=T,
+                        window=window, block_windows=bool(block),
+                        doc_mask=segment_ids_BT is not None)
+  args = (q_BTHK, k_BTHK, v_BTHK)
+  if runtime_window is not None:
+    if not takes_runtime_window(impl):
+      raise ValueError(f"attention.impl={impl} needs a static window; ask takes_runtime_window")
+    live = {"runtime_window": jnp.asarray(runtime_window, jnp.int32)}
+  else:
+    live = {}
+  if impl == "blocked":
+    return blocked_attention(*args, scale=scale, window=window, block_windows=bool(block),
+                             segment_ids_BT=segment_ids_BT, **({"block": block} if block else {}),
+                             **live)
+  if impl == "xla":
+    return xla_attention(*args, scale=scale, window=window, segment_ids_BT=segment_ids_BT,
+                         block=block, **live)
+  if impl == "cpu":
+    if block and (window or live):
+      resolve_impl("cpu", "cpu", window=window or 1, block_windows=True)  # raises the UserError
+    return cpu_attention(*args, scale=scale, window=window, segment_ids_BT=segment_ids_BT, **live)
+  if impl == "cudnn":
+    if block and window:
+      resolve_impl("cudnn", "gpu", window=window, block_windows=True)  # raises the UserError
+    return cudnn.cudnn_attention(*args, scale=scale, window=window, segment_ids_BT=segment_ids_BT)
+  if impl == "splash":
+    return splash.splash_attention(*args, scale=scale, window=window,
+                                   segment_ids_BT=segment_ids_BT, block=block)
+  if impl == "flash":
+    resolve_impl("flash", platform(), head_dim=q_BTHK.shape[-1], seq_len=T, window=window)
+    return flash.flash_attention(*args, scale=scale, segment_ids_BT=segment_ids_BT)
+  if impl == "flash_gpu":
+    resolve_impl("flash_gpu", platform(), head_dim=q_BTHK.shape[-1], seq_len=T)
+    return flash_gpu.flash_gpu_attention(
+        *args, scale=scale, window=live.get("runtime_window", window),
+        segment_ids_BT=segment_ids_BT, block=block)
+  if impl == "einsum":
+    return einsum_attention(*args, scale=scale, window=window, segment_ids_BT=segment_ids_BT,
+                            block=block, **live)
+  raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
