@@ -26,6 +26,8 @@ CASES = [(16, 40, 0), (40, 40, 0), (0, 0, 0), (16, 48, 16), (32, 0, 16), (16, 16
 def test_runtime_window_matches_the_static_window(impl, window, bound, block):
   if impl == "cpu" and block:
     pytest.skip("the cpu kernel has no block windows")
+  if impl == "flash_gpu":
+    pytest.skip("its tiles need rows of 128+: tests/test_flash_gpu.py runs its runtime windows")
   if window == 0 and bound:
     pytest.skip("0 (no window) needs no bound")
   q, k, v, g, seg = inputs(64, seed=window + bound)
