@@ -17,11 +17,11 @@ import time
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
 from nanotext.errors import ResourceError, UserError
+from nanotext.integrity import Damaged, checksums, name_of, record_beside, verify, verify_named
 
 
 class CheckpointError(ResourceError):
@@ -86,10 +86,6 @@ class ProcessJsonSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class ProcessJsonRestore(ocp.args.CheckpointArgs):
   pass
-
-
-class Damaged(UserError):
-  """A checkpoint step that does not restore or does not match its checksums."""
 
 
 class Manager(ocp.CheckpointManager):
@@ -162,79 +158,6 @@ def close(manager: Manager) -> None:
     manager.close()
   except Exception as e:  # the run's own error (already propagating) is the one to report
     logging.error("closing the checkpoint manager: %s", _first_line(e))
-
-
-def _words(x):
-  """x's bits as uint32, elementwise (so a sharded array stays sharded: no gather)."""
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint32)
-  size = x.dtype.itemsize
-  if size == 4:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32)
-  if size in (1, 2):
-    small = jax.lax.bitcast_convert_type(x, jnp.uint8 if size == 1 else jnp.uint16)
-    return small.astype(jnp.uint32)
-  w = jax.lax.bitcast_convert_type(x, jnp.uint32)  # 8 bytes: [..., 2] words
-  return w[..., 0] ^ (w[..., 1] * jnp.uint32(0x9E3779B1))
-
-
-def _pair(x):
-  """Two position-weighted uint32 sums of x's bits: any changed byte changes the first."""
-  w = _words(x)
-  i = jnp.zeros(w.shape, jnp.uint32)
-  stride = 1
-  for d in reversed(range(w.ndim)):
-    i = i + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
-    stride *= w.shape[d]
-  # Sums wrap modulo 2**32 in any order, so a sharded reduction gives the same bits everywhere.
-  a = jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)
-  b = jnp.sum(((w << 7) | (w >> 25)) ^ (i * jnp.uint32(0x9E3779B1)), dtype=jnp.uint32)
-  return jnp.stack([a, b])
-
-
-_pairs = jax.jit(lambda leaves: [_pair(x) for x in leaves])
-
-
-def _name(path) -> str:
-  """'params/blocks/0/attn/q/kernel' for a key path (saved trees key list items by strings)."""
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-
-
-def checksums(tree) -> dict:
-  """{array name: 16 hex digits}, computed on the devices where the arrays already are."""
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  values = jax.device_get(_pairs([jnp.asarray(x) for _, x in flat]))
-  return {_name(p): f"{int(v[0]):08x}{int(v[1]):08x}" for (p, _), v in zip(flat, values)}
-
-
-def verify(tree, integrity, where: str, prefix: str = "") -> None:
-  """Raise Damaged unless every array of `tree` matches the checksum saved with it."""
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  _verify_named({prefix + _name(p): x for p, x in flat}, integrity, where)
-
-
-def _verify_named(arrays: dict, integrity, where: str) -> None:
-  """verify() of {saved name: array}; names the checksums do not list are not checked."""
-  saved = (integrity or {}).get("checksums")
-  if not saved or not arrays:  # a step written before checksums existed: nothing to compare
-    return
-  values = jax.device_get(_pairs([jnp.asarray(x) for x in arrays.values()]))
-  got = {k: f"{int(v[0]):08x}{int(v[1]):08x}" for k, v in zip(arrays, values)}
-  bad = [k for k, v in got.items() if saved.get(k, v) != v]
-  if bad:
-    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-    raise Damaged(f"checkpoint '{where}' is damaged: array {bad[0]}{more} does not match the "
-                  "checksum saved with it")
-
-
-def _integrity_beside(item: str):
-  """The integrity record of the step whose `state` item is `item` (None: none readable)."""
-  try:
-    with open(os.path.join(os.path.dirname(item), "integrity", "metadata")) as f:
-      record = json.load(f)
-    return record if isinstance(record, dict) else None
-  except (OSError, ValueError):
-    return None
 
 
 def step_dir(manager, step: int) -> str:
@@ -343,7 +266,7 @@ def _load_params(item: str, whole_state: bool, abstract_params):
   if whole_state and not (isinstance(meta, dict) and "params" in meta):
     raise UserError(f"checkpoint '{where}' holds no parameters")
   saved = meta["params"] if whole_state else meta
-  integrity = _integrity_beside(item) if whole_state else None
+  integrity = record_beside(item) if whole_state else None
   if _stacked(saved) != _stacked(abstract_params):
     return _load_other_layout(ckptr, item, whole_state, saved, abstract_params, where, integrity)
   _check_same_params(saved, abstract_params, where)
@@ -370,9 +293,9 @@ def _restore(ckptr, item: str, target, args, partial: bool, where: str):
 def _verify_params(params, saved_meta, integrity, where: str) -> None:
   """Checksums of the restored params, for the arrays restored in their saved dtype (a cast,
   e.g. a bfloat16 run's weights into a float32 model, changes the bits the sums are of)."""
-  dtypes = {_name(p): m.dtype for p, m in jax.tree_util.tree_flatten_with_path(saved_meta)[0]}
+  dtypes = {name_of(p): m.dtype for p, m in jax.tree_util.tree_flatten_with_path(saved_meta)[0]}
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  _verify_named({f"params/{_name(p)}": x for p, x in flat if dtypes.get(_name(p)) == x.dtype},
+  verify_named({f"params/{name_of(p)}": x for p, x in flat if dtypes.get(name_of(p)) == x.dtype},
                 integrity, where)
 
 

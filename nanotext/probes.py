@@ -81,7 +81,8 @@ def free_space(path: str, need: int, what: str) -> None:
 
 def run_outputs(cfg, out: str, checkpoint_bytes: int) -> None:
   """Every path a run writes, tried before it compiles: checkpoints/, config.yml,
-  metrics.jsonl, tb/, the profile folder, and room on disk for one checkpoint."""
+  metrics.jsonl, tb/, the profile and compile-cache folders, and room on disk for one
+  checkpoint."""
   ckpt = os.path.join(out, "checkpoints")
   writable_dir(ckpt, "the checkpoint folder")
   replaceable(os.path.join(out, "config.yml"), "the run's config")
@@ -91,5 +92,6 @@ def run_outputs(cfg, out: str, checkpoint_bytes: int) -> None:
   if cfg.profile.steps > 0 and cfg.profile.start_step >= 0 and \
       cfg.profile.start_step < cfg.train.steps:
     writable_dir(cfg.profile.dir or os.path.join(out, "profile"), "profile.dir")
-  if cfg.checkpoint.every or cfg.train.steps:
-    free_space(ckpt, checkpoint_bytes, "a checkpoint of this run")
+  if cfg.train.compile_cache_dir:  # JAX would warn per program and cache nothing
+    writable_dir(os.path.expanduser(cfg.train.compile_cache_dir), "train.compile_cache_dir")
+  free_space(ckpt, checkpoint_bytes, "a checkpoint of this run")

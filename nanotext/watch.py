@@ -90,7 +90,7 @@ class Preemption:
   Before the first step there is nothing to save: with `on_early_stop` set, a signal stops the
   process at once (even mid-compilation, which can take minutes), after that callback has put
   output_dir back as it was; it returns the line printed. Inside `deferred()` (while output_dir
-  is being changed) the stop waits for the block's end.
+  is being changed) the stop waits for the block's end. A second Ctrl-C stops at once.
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -135,6 +135,13 @@ class Preemption:
 
   def _on_signal(self, signum, frame):
     del frame
+    if self.received == "SIGINT" and signum == signal.SIGINT and self._previous:
+      # Ctrl-C again: do not wait for the save (a hung file system would never return); the
+      # step being written is discarded, the newest complete one stays. Only SIGINT: a
+      # launcher may deliver SIGTERM twice, and preemption must get its checkpoint.
+      os.write(2, b"nanotext: error: a second SIGINT: stopped without waiting for the "
+                  b"checkpoint being written (the newest complete one is kept)\n")
+      os._exit(128 + signum)
     if self.training or self.on_early_stop is None:
       self.received = signal.Signals(signum).name
     elif self._deferring:

@@ -290,6 +290,18 @@ def test_a_failing_disk_is_one_line_and_releases_the_lock(tmp_path):
   assert not os.path.exists(os.path.join(out, ".lock"))
 
 
+def test_metrics_that_cannot_grow_mid_run_are_one_line(tmp_path):
+  """A full disk mid-run hit metrics.jsonl first (no periodic checkpoints): an OSError
+  traceback. Now one line naming the file, status 1."""
+  out = str(tmp_path / "run")
+  proc = subprocess.run(["bash", "-c", 'ulimit -f 4 && exec "$0" "$@"', sys.executable, "-m",
+                         "nanotext.train", BASE, *ARGS, f"output_dir={out}", "train.steps=80",
+                         "checkpoint.every=0"], cwd=REPO, capture_output=True, text=True,
+                        timeout=300)
+  assert_one_error_line(proc, 1, "metrics.jsonl", "File too large")
+  assert not os.path.exists(os.path.join(out, ".lock"))
+
+
 def test_ctrl_c_during_compilation_stops_cleanly(tmp_path):
   """Before the first step there is nothing to save: Ctrl-C stops at once, in one line, and the
   output_dir the run created is gone again (tests/test_faults_startup.py: more signal cases)."""

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import BASE, REPO
 from test_cli_errors import snapshot
-from test_faults import (ARGS, array_files, assert_one_error_line, copy_of, make_reference,
-                         quiet_run)
+from test_faults import (ARGS, array_files, assert_one_error_line, assert_same_as, copy_of,
+                         make_reference, quiet_run, start)
 from nanotext import checkpoint, probes, rundir
 from nanotext.errors import ResourceError, UserError
 
@@ -156,6 +156,33 @@ def test_a_profile_dir_that_cannot_be_written_is_refused_before_training(tmp_pat
   assert not out.exists() and not (locked / "p").exists()
 
 
+def test_a_compile_cache_dir_that_cannot_be_written_is_refused(tmp_path):
+  """JAX warned once per program and cached nothing: a restart compiled everything again."""
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  with immutable(locked):
+    proc = train_cli(tmp_path / "run", f"train.compile_cache_dir={locked / 'cache'}")
+  assert_one_error_line(proc, 2, "train.compile_cache_dir", "Operation not permitted")
+  assert not (tmp_path / "run").exists()
+
+
+def test_paths_with_percent_braces_and_spaces_work_in_every_tool(tmp_path):
+  """Characters a format string or a shell would read (but a glob would not) are plain."""
+  out = str(tmp_path / "a %s {0} b")
+  quiet_run(out, "train.steps=2", "profile.steps=1", "profile.start_step=1",
+            f"profile.dir={tmp_path / 'p %d'}", f"train.compile_cache_dir={tmp_path / 'c {}'}")
+  assert os.listdir(tmp_path / "p %d") and os.listdir(tmp_path / "c {}")
+  ok = subprocess.run([sys.executable, "-m", "nanotext.verify", out], cwd=REPO,
+                      capture_output=True, text=True, timeout=300)
+  assert ok.returncode == 0 and "step       2  intact" in ok.stdout, ok.stderr
+  folder = str(tmp_path / "p {1} %")
+  conv = subprocess.run([sys.executable, "-m", "nanotext.convert", "params-only", f"--run={out}",
+                         f"--out={folder}"], cwd=REPO, capture_output=True, text=True,
+                        timeout=300)
+  assert conv.returncode == 0, conv.stderr
+  assert checkpoint.load_params(folder, checkpoint.latest_params(out)[1])[0] == folder
+
+
 def test_probes_leave_nothing_behind_and_tell_resources_from_permissions(tmp_path):
   probes.writable_dir(str(tmp_path / "a" / "b"), "x")
   assert os.listdir(tmp_path) == []  # the folders it made for the probe are gone again
@@ -242,3 +269,22 @@ def test_a_failure_before_the_first_step_puts_output_dir_back(reference, tmp_pat
   with pytest.raises(UserError, match="checkpoint .*/6' is damaged"):
     quiet_run(str(out), f"checkpoint.load_params_from={src}")
   assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_does_not_wait_for_the_save(reference, tmp_path):
+  """The first Ctrl-C asks for a save and a stop; a second one (a save that hangs) stops at
+  once. The step being written is discarded, the earlier ones stay, and a resume ends as the
+  uninterrupted run."""
+  out = str(tmp_path / "run")
+  proc, marker = start(out, pause_at=6)  # holds inside the final save of step 6
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.5)
+  t0 = time.monotonic()
+  proc.send_signal(signal.SIGINT)
+  assert proc.wait(timeout=60) == 128 + signal.SIGINT and time.monotonic() - t0 < 30
+  log = open(f"{out}.log").read()
+  assert "a second SIGINT: stopped without waiting" in log and "Traceback" not in log
+  _, lines = quiet_run(out)
+  assert any("resumed from the checkpoint of step 4" in l for l in lines), lines
+  assert_same_as(reference, out)

@@ -85,6 +85,24 @@ def test_generate_restores_12_layers_in_their_order(tmp_path):
   np.testing.assert_array_equal(logits(graphdef, got), logits(run.graphdef, bf16))
 
 
+def test_the_newest_step_rotated_away_while_read_is_read_again(reference, tmp_path,
+                                                               monkeypatch):
+  """generate and convert read the newest step of a run that may still be training: a step
+  removed under them is no 'damaged' error; the newest one by then is read."""
+  out = copy_of(reference, tmp_path)
+  read = checkpoint.read_on_one_device
+  removed = []
+
+  def rotated_away(m, step, part=""):
+    if not removed:
+      removed.append(step)
+      shutil.rmtree(checkpoint.step_dir(m, step))
+    return read(m, step, part)
+  monkeypatch.setattr(checkpoint, "read_on_one_device", rotated_away)
+  step, _ = checkpoint.latest_params(out)
+  assert removed == [6] and step == 4
+
+
 def test_generate_refuses_a_negative_step_and_an_empty_prompt_first(reference, tmp_path):
   """step=-5 sampled the newest step; the prompt is checked before the checkpoint is read."""
   out = with_tokenizer(copy_of(reference, tmp_path))

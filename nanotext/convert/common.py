@@ -207,6 +207,11 @@ def check_out(out: str, *, force: bool, protect=(), folder: bool = True) -> None
   out = _check_target(out, force, protect)
   if not folder and os.path.isdir(out):
     raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
+  parent = os.path.dirname(out)
+  while not os.path.isdir(parent):
+    if os.path.lexists(parent):
+      raise UserError(f"--out '{out}': a file stands where its folder '{parent}' would be")
+    parent = os.path.dirname(parent)
   probes.writable_dir(os.path.dirname(out), "the folder of --out")
 
 

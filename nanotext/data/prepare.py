@@ -80,6 +80,8 @@ def prepare_shakespeare(out_dir: str | None = None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
   except OSError as e:
     raise UserError(f"cannot create '{out_dir}' ({e}): set data.dir") from None
+  from nanotext import probes
+  probes.writable_dir(out_dir, "the prepared-data folder (data.dir)")
   tok = get_tokenizer("shakespeare")
   corpus = load_corpus()
   missing = set(VAL_WORKS) - {name for name, _ in corpus}
