@@ -17,14 +17,14 @@ import time
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
-from nanotext.errors import UserError
+from nanotext.errors import ResourceError, UserError
+from nanotext.integrity import Damaged, checksums, name_of, record_beside, verify, verify_named
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ResourceError):
   """A checkpoint write failed (disk full, permissions, ...): not bad input, exit status 1."""
 
 
@@ -88,10 +88,6 @@ class ProcessJsonRestore(ocp.args.CheckpointArgs):
   pass
 
 
-class Damaged(UserError):
-  """A checkpoint step that does not restore or does not match its checksums."""
-
-
 class Manager(ocp.CheckpointManager):
   """A CheckpointManager that remembers its last requested step, to prove it reached disk."""
   requested = None
@@ -106,6 +102,8 @@ def checkpoint_dir(output_dir: str) -> str:
 def make_manager(output_dir: str, *, keep: int, create: bool = True,
                  async_save: bool = True) -> Manager:
   """A manager that keeps the newest `keep` steps; saves are atomic, async unless told not."""
+  from nanotext.rundir import check_no_glob
+  check_no_glob(checkpoint_dir(output_dir), "the checkpoint folder")
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=create, enable_async_checkpointing=async_save,
       # Leftovers of a save killed midway are removed, never mistaken for a step.
@@ -118,6 +116,11 @@ def make_manager(output_dir: str, *, keep: int, create: bool = True,
 def save(manager: Manager, step: int, state, data_state: dict, config_dict: dict) -> None:
   """Start saving a step; async saves return once the arrays are copied off the devices."""
   wait(manager)  # surfaces a failed earlier write before starting the next
+  from nanotext import probes
+  try:  # orbax would wait 300 s for a step directory it failed to create, then raise
+    probes.writable_dir(str(manager.directory), "the checkpoint folder")
+  except (UserError, ResourceError) as e:
+    raise CheckpointError(f"cannot save the checkpoint of step {step}: {e}") from None
   fp = manager.fingerprint
   integrity = {"checksums": checksums(state), "data": None if fp is None else list(fp)}
   manager.save(step, force=True, args=ocp.args.Composite(
@@ -155,62 +158,6 @@ def close(manager: Manager) -> None:
     manager.close()
   except Exception as e:  # the run's own error (already propagating) is the one to report
     logging.error("closing the checkpoint manager: %s", _first_line(e))
-
-
-def _words(x):
-  """x's bits as uint32, elementwise (so a sharded array stays sharded: no gather)."""
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint32)
-  size = x.dtype.itemsize
-  if size == 4:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32)
-  if size in (1, 2):
-    small = jax.lax.bitcast_convert_type(x, jnp.uint8 if size == 1 else jnp.uint16)
-    return small.astype(jnp.uint32)
-  w = jax.lax.bitcast_convert_type(x, jnp.uint32)  # 8 bytes: [..., 2] words
-  return w[..., 0] ^ (w[..., 1] * jnp.uint32(0x9E3779B1))
-
-
-def _pair(x):
-  """Two position-weighted uint32 sums of x's bits: any changed byte changes the first."""
-  w = _words(x)
-  i = jnp.zeros(w.shape, jnp.uint32)
-  stride = 1
-  for d in reversed(range(w.ndim)):
-    i = i + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
-    stride *= w.shape[d]
-  # Sums wrap modulo 2**32 in any order, so a sharded reduction gives the same bits everywhere.
-  a = jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)
-  b = jnp.sum(((w << 7) | (w >> 25)) ^ (i * jnp.uint32(0x9E3779B1)), dtype=jnp.uint32)
-  return jnp.stack([a, b])
-
-
-_pairs = jax.jit(lambda leaves: [_pair(x) for x in leaves])
-
-
-def _name(path) -> str:
-  """'params/blocks/0/attn/q/kernel' for a key path (saved trees key list items by strings)."""
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-
-
-def checksums(tree) -> dict:
-  """{array name: 16 hex digits}, computed on the devices where the arrays already are."""
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  values = jax.device_get(_pairs([jnp.asarray(x) for _, x in flat]))
-  return {_name(p): f"{int(v[0]):08x}{int(v[1]):08x}" for (p, _), v in zip(flat, values)}
-
-
-def verify(tree, integrity, where: str, prefix: str = "") -> None:
-  """Raise Damaged unless every array of `tree` matches the checksum saved with it."""
-  saved = (integrity or {}).get("checksums")
-  if not saved:  # a step written before checksums existed: nothing to compare
-    return
-  got = {prefix + k: v for k, v in checksums(tree).items()}
-  bad = [k for k, v in got.items() if saved.get(k, v) != v]
-  if bad:
-    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-    raise Damaged(f"checkpoint '{where}' is damaged: array {bad[0]}{more} does not match the "
-                  "checksum saved with it")
 
 
 def step_dir(manager, step: int) -> str:
@@ -276,6 +223,8 @@ def abstract_with_shardings(tree, shardings):
 def find_params_item(path: str) -> tuple:
   """(item dir, whether it holds the whole train state) of a run dir, its checkpoints/ dir, a
   step dir (the newest step where there are several) or a params-only folder (convert)."""
+  from nanotext.rundir import check_no_glob, is_step_name
+  check_no_glob(os.path.abspath(path), "checkpoint.load_params_from")
   if not os.path.isdir(path):
     raise UserError(f"checkpoint.load_params_from='{path}' is not a directory")
   if os.path.isdir(os.path.join(path, "state")):
@@ -284,7 +233,7 @@ def find_params_item(path: str) -> tuple:
   if not os.path.isdir(root) and os.path.isdir(os.path.join(path, "params")):
     return os.path.join(os.path.abspath(path), "params"), False
   root = root if os.path.isdir(root) else path
-  steps = [int(n) for n in os.listdir(root) if n.isdigit()
+  steps = [int(n) for n in os.listdir(root) if is_step_name(n)
            and os.path.isdir(os.path.join(root, n, "state"))]
   if not steps:
     raise UserError(f"checkpoint.load_params_from='{path}' holds no complete checkpoint "
@@ -294,27 +243,60 @@ def find_params_item(path: str) -> tuple:
 
 
 def load_params(path: str, abstract_params):
-  """Only the parameters of a checkpoint, into `abstract_params`' shapes and shardings."""
-  item, whole_state = find_params_item(path)
+  """Only the parameters of a checkpoint, into `abstract_params`' shapes and shardings,
+  checked against the checksums saved with them. A step that a run still training removes
+  while it is read is no error: the then newest step is read instead."""
+  for attempt in range(3):
+    item, whole_state = find_params_item(path)
+    try:
+      return os.path.dirname(item), _load_params(item, whole_state, abstract_params)
+    except Damaged:
+      if attempt == 2 or os.path.isdir(item):  # still there: really damaged
+        raise
+  raise AssertionError("unreachable")
+
+
+def _load_params(item: str, whole_state: bool, abstract_params):
   where = os.path.dirname(item)
   ckptr = ocp.PyTreeCheckpointer()
   try:
     meta = ckptr.metadata(item).item_metadata.tree
   except Exception as e:  # orbax raises many kinds for unreadable folders
-    raise UserError(f"cannot read the checkpoint '{where}': {_first_line(e)}") from None
+    raise Damaged(f"cannot read the checkpoint '{where}': {_first_line(e)}") from None
   if whole_state and not (isinstance(meta, dict) and "params" in meta):
     raise UserError(f"checkpoint '{where}' holds no parameters")
   saved = meta["params"] if whole_state else meta
+  integrity = record_beside(item) if whole_state else None
   if _stacked(saved) != _stacked(abstract_params):
-    return where, _load_other_layout(ckptr, item, whole_state, saved, abstract_params, where)
+    return _load_other_layout(ckptr, item, whole_state, saved, abstract_params, where, integrity)
   _check_same_params(saved, abstract_params, where)
   restore_args = jax.tree.map(
       lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
       abstract_params)
   wrap = (lambda t: {"params": t}) if whole_state else (lambda t: t)
-  out = ckptr.restore(item, args=ocp.args.PyTreeRestore(
-      item=wrap(abstract_params), restore_args=wrap(restore_args), partial_restore=whole_state))
-  return where, out["params"] if whole_state else out
+  out = _restore(ckptr, item, wrap(abstract_params), wrap(restore_args), whole_state, where)
+  params = out["params"] if whole_state else out
+  _verify_params(params, saved, integrity, where)
+  return params
+
+
+def _restore(ckptr, item: str, target, args, partial: bool, where: str):
+  """ckptr.restore, with whatever orbax or tensorstore raise for damaged files as Damaged."""
+  try:
+    return ckptr.restore(item, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=args, partial_restore=partial))
+  except Exception as e:  # a truncated file is a bare Exception over a tensorstore ValueError
+    raise Damaged(f"checkpoint '{where}' cannot be read, it is damaged "
+                  f"({_first_line(e)})") from None
+
+
+def _verify_params(params, saved_meta, integrity, where: str) -> None:
+  """Checksums of the restored params, for the arrays restored in their saved dtype (a cast,
+  e.g. a bfloat16 run's weights into a float32 model, changes the bits the sums are of)."""
+  dtypes = {name_of(p): m.dtype for p, m in jax.tree_util.tree_flatten_with_path(saved_meta)[0]}
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  verify_named({f"params/{name_of(p)}": x for p, x in flat if dtypes.get(name_of(p)) == x.dtype},
+                integrity, where)
 
 
 def _stacked(tree) -> bool:
@@ -323,7 +305,8 @@ def _stacked(tree) -> bool:
   return is_stacked(flatten(tree))
 
 
-def _load_other_layout(ckptr, item: str, whole_state: bool, saved, abstract_params, where: str):
+def _load_other_layout(ckptr, item: str, whole_state: bool, saved, abstract_params, where: str,
+                       integrity=None):
   """Params saved with the other model.scan_layers setting, read on one device, stacked or
   unstacked, then checked name by name and shape by shape and placed like `abstract_params`."""
   from nanotext.convert.common import fill, flatten, is_stacked, stack_blocks, unstack_blocks
@@ -332,9 +315,10 @@ def _load_other_layout(ckptr, item: str, whole_state: bool, saved, abstract_para
   args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=device, global_shape=a.shape,
                                                      dtype=a.dtype), target)
   wrap = (lambda t: {"params": t}) if whole_state else (lambda t: t)
-  out = ckptr.restore(item, args=ocp.args.PyTreeRestore(
-      item=wrap(target), restore_args=wrap(args), partial_restore=whole_state))
-  flat = flatten(jax.device_get(out["params"] if whole_state else out))
+  out = _restore(ckptr, item, wrap(target), wrap(args), whole_state, where)
+  out = out["params"] if whole_state else out
+  _verify_params(out, saved, integrity, where)
+  flat = flatten(jax.device_get(out))
   flat = unstack_blocks(flat) if is_stacked(flat) else stack_blocks(flat)
   return fill(abstract_params, flat, f"checkpoint '{where}' (model.scan_layers converted)")
 
@@ -356,17 +340,30 @@ def _check_same_params(saved, wanted, where: str) -> None:
 
 
 def latest_params(output_dir: str, step: int = -1):
-  """Parameters of a run's newest (or given) checkpoint on one local device; for sampling."""
+  """Parameters of a run's newest (or given) checkpoint on one local device; for sampling.
+
+  The newest step of a run still training may be removed (rotated out) while it is read:
+  then the step newest by that time is read instead."""
+  if step < -1:
+    raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, or -1 (the "
+                    "default) for the newest")
   if not os.path.isdir(checkpoint_dir(output_dir)):
     raise UserError(f"output_dir '{output_dir}' holds no checkpoints")
   manager = make_manager(output_dir, keep=1, create=False)
-  step = manager.latest_step() if step < 0 else step
-  if step is None or step not in manager.all_steps():
-    raise UserError(f"output_dir '{output_dir}' has no checkpoint for step {step}; "
-                    f"it has {list(manager.all_steps())}")
-  params, integrity = read_on_one_device(manager, step, "params")
-  verify(params, integrity, step_dir(manager, step), prefix="params/")
-  return step, params
+  for attempt in range(3):
+    at = manager.latest_step() if step < 0 else step
+    if at is None or at not in manager.all_steps():
+      raise UserError(f"output_dir '{output_dir}' has no checkpoint for step {at}; "
+                      f"it has {list(manager.all_steps())}")
+    try:
+      params, integrity = read_on_one_device(manager, at, "params")
+      verify(params, integrity, step_dir(manager, at), prefix="params/")
+      return at, params
+    except Damaged:
+      if step >= 0 or attempt == 2 or os.path.isdir(step_dir(manager, at)):
+        raise
+      manager.reload()
+  raise AssertionError("unreachable")
 
 
 def read_on_one_device(manager, step: int, part: str = ""):

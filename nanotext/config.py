@@ -68,22 +68,35 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     return super().construct_mapping(node, deep)
 
 
+# A config is a few kilobytes; these bounds keep a hostile file (a YAML alias bomb, a huge file)
+# to one line instead of minutes of work and a MemoryError.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000
+MAX_BASE_DEPTH = 32
+
+
 def _read_yaml(path: Path) -> dict:
   if not path.exists():
     raise UserError(f"config file '{path}' does not exist")
   if not path.is_file():
     raise UserError(f"config path '{path}' is not a file")
   try:
+    if path.stat().st_size > MAX_YAML_BYTES:
+      raise UserError(f"config file '{path}' is {path.stat().st_size:,} bytes, more than a config "
+                      f"can be ({MAX_YAML_BYTES:,})")
     with open(path, encoding="utf-8") as f:
-      data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+      data = _load_bounded(f.read(MAX_YAML_BYTES + 1), f"config file '{path}'") or {}
   except UnicodeDecodeError as e:
     raise UserError(f"config file '{path}' is not UTF-8 text (byte {e.start})") from None
   except OSError as e:
     raise UserError(f"cannot read config file '{path}': {e.strerror}") from None
   except yaml.constructor.ConstructorError as e:
     line = e.problem_mark.line + 1 if e.problem_mark else "?"
-    raise UserError(f"config file '{path}' has a {e.problem} (line {line}); each key may appear "
-                    "once per section") from None
+    if (e.problem or "").startswith("duplicate key"):
+      raise UserError(f"config file '{path}' has a {e.problem} (line {line}); each key may "
+                      "appear once per section") from None
+    raise UserError(f"config file '{path}' line {line}: {e.problem} (a config holds plain "
+                    "values only: no !!python or other tags)") from None
   except yaml.YAMLError as e:
     line = getattr(getattr(e, "problem_mark", None), "line", None)
     where = f" (line {line + 1})" if line is not None else ""
@@ -91,6 +104,36 @@ def _read_yaml(path: Path) -> dict:
   if not isinstance(data, dict):
     raise UserError(f"config file '{path}' must hold a mapping of keys, not {type(data).__name__}")
   return data
+
+
+def read_file(path) -> dict:
+  """A YAML mapping from a file, with the bounds of a config file (a run's saved config.yml)."""
+  return _read_yaml(Path(path))
+
+
+def _load_bounded(text: str, what: str):
+  """yaml.load with _UniqueKeyLoader, refusing a document whose values, aliases expanded,
+  number more than MAX_YAML_VALUES (counted on the node graph before anything is built);
+  `what` names the text in that error."""
+  loader = _UniqueKeyLoader(text)
+  try:
+    node = loader.get_single_node()
+    if node is None:
+      return None
+    count, todo = 0, [node]
+    while todo:  # aliases are shared nodes: each visit is one value of the expanded document
+      n = todo.pop()
+      count += 1
+      if count > MAX_YAML_VALUES:
+        raise UserError(f"{what} expands to more than {MAX_YAML_VALUES:,} values (YAML "
+                        "aliases nested in one another?); a config holds a few hundred")
+      if isinstance(n, yaml.SequenceNode):
+        todo.extend(n.value)
+      elif isinstance(n, yaml.MappingNode):
+        todo.extend(v for kv in n.value for v in kv)
+    return loader.construct_document(node)
+  finally:
+    loader.dispose()
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -169,7 +212,7 @@ def coerce(key: str, value, default):
   if kind is list:
     if isinstance(value, str):
       try:
-        value = yaml.safe_load(value)
+        value = _load_bounded(value, f"the value of {key}")
       except yaml.YAMLError:
         raise bad("a YAML list") from None
     if isinstance(value, list):
@@ -178,17 +221,25 @@ def coerce(key: str, value, default):
   raise UserError(f"config key '{key}' has an unsupported default type {kind.__name__}")
 
 
-def _file_chain(path: Path, seen=()) -> list:
+def _file_chain(path: Path) -> list:
   """The config files from the root ancestor down to `path`, each as a flat dict."""
-  path = path.resolve() if path.exists() else path
-  if path in seen:
-    raise UserError(f"config file '{path}' inherits from itself (via 'base:')")
-  flat = _flatten(_read_yaml(path))
-  parent = flat.pop("base", "") or ""
-  if not isinstance(parent, str):
-    raise UserError(f"config key 'base' in '{path}' must be a file path")
-  chain = _file_chain(path.parent / parent, seen + (path,)) if parent else []
-  return chain + [(str(path), flat)]
+  chain, seen = [], []
+  while True:
+    path = path.resolve() if path.exists() else path
+    if path in seen:
+      raise UserError(f"config file '{path}' inherits from itself (via 'base:')")
+    if len(seen) >= MAX_BASE_DEPTH:
+      raise UserError(f"config file '{seen[0]}' has a chain of 'base:' files more than "
+                      f"{MAX_BASE_DEPTH} deep")
+    seen.append(path)
+    flat = _flatten(_read_yaml(path))
+    parent = flat.pop("base", "") or ""
+    if not isinstance(parent, str):
+      raise UserError(f"config key 'base' in '{path}' must be a file path")
+    chain.append((str(path), flat))
+    if not parent:
+      return chain[::-1]
+    path = path.parent / parent
 
 
 def parse_override(arg: str):

@@ -1,11 +1,31 @@
-"""User-facing errors and the CLI wrapper that turns them into one line and exit status 2."""
+"""User-facing errors and the CLI wrapper that turns them into one line: exit status 2 for bad
+input, 1 for a missing resource, 130 for Ctrl-C."""
 
+import errno
 import os
 import sys
 
 
 class UserError(Exception):
   """Bad input the user can fix (config, data, checkpoint, arguments); exit status 2."""
+
+
+class ResourceError(RuntimeError):
+  """A missing resource (disk space, a file-size limit, memory): not bad input, exit status 1."""
+
+
+# errnos that say the machine ran out of something, not that the input was wrong
+_RESOURCE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM}
+
+
+def os_error(e: OSError, what: str) -> Exception:
+  """The one-line error for an OSError met while doing `what` ("cannot write 'X'"): a
+  ResourceError for a full disk or a size limit, else a UserError (permissions, a file where a
+  folder belongs, a read-only or kernel file system: the path given is the thing to change)."""
+  reason = e.strerror or type(e).__name__
+  if e.errno in _RESOURCE_ERRNOS:
+    return ResourceError(f"{what}: {reason}; free some space (or raise the limit) and run again")
+  return UserError(f"{what}: {reason}")
 
 
 def fail(message: str, status: int = 2) -> None:
@@ -21,12 +41,19 @@ def fail(message: str, status: int = 2) -> None:
 
 
 def run_cli(main, argv=None) -> None:
-  """Call `main(argv)`, mapping UserError to a one-line message and exit status 2."""
+  """Call `main(argv)`: UserError is one line and exit status 2, ResourceError one line and 1,
+  Ctrl-C one line and 130 (the tools run under it only read, or write through a staging
+  folder that a kill leaves unused, so stopping anywhere loses nothing)."""
   quiet_background_errors()
+  drop_storage_error_logs()
   try:
     main(sys.argv[1:] if argv is None else argv)
   except UserError as e:
     fail(str(e))
+  except ResourceError as e:
+    fail(str(e), 1)
+  except KeyboardInterrupt:
+    fail("interrupted", 130)
 
 
 def parse_flags(argv):
@@ -62,3 +89,14 @@ def quiet_background_errors() -> None:
   sys.excepthook = lambda t, v, tb: None if closed_loop(v) else hooks[0](t, v, tb)
   sys.unraisablehook = lambda u: None if closed_loop(u.exc_value) else hooks[1](u)
   threading.excepthook = lambda a: None if closed_loop(a.exc_value) else hooks[2](a)
+
+
+def drop_storage_error_logs() -> None:
+  """Drop orbax's own error logs (a failed write is logged by each of its threads, with
+  tracebacks): the tools report the failure in their one line."""
+  import logging as pylogging
+
+  class DropErrors(pylogging.Filter):
+    def filter(self, record):
+      return not (record.levelno >= pylogging.ERROR and "orbax" in record.pathname)
+  pylogging.getLogger("absl").addFilter(DropErrors())

@@ -3,11 +3,8 @@
 import os
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
+# jax and flax are imported inside the functions: a Ctrl-C while they load (seconds) is then
+# caught by run_cli and ends in one line, not a traceback.
 from nanotext.errors import UserError, run_cli
 
 USAGE = ("usage: python -m nanotext.generate output_dir=DIR [prompt=TEXT] [max_new_tokens=N] "
@@ -16,6 +13,9 @@ USAGE = ("usage: python -m nanotext.generate output_dir=DIR [prompt=TEXT] [max_n
 
 def make_sampler(graphdef, max_len: int, temperature: float, top_k: int):
   """jit(params, buf_BT, pos, key) -> next token id after position `pos` of a fixed buffer."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
   def next_token(params, buf, pos, key):
     logits_V = nnx.merge(graphdef, params)(buf, train=False)[0, pos].astype(jnp.float32)
     if temperature <= 0:
@@ -32,6 +32,8 @@ def make_sampler(graphdef, max_len: int, temperature: float, top_k: int):
 def sample(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
            temperature: float, top_k: int, seed: int) -> list:
   """Autoregressively extend `prompt_ids`; the context is the last `max_len` tokens."""
+  import jax
+  import numpy as np
   if not prompt_ids:
     raise UserError("the prompt encodes to no tokens; give a non-empty prompt")
   step_fn = make_sampler(graphdef, max_len, temperature, top_k)
@@ -48,14 +50,51 @@ def sample(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
 
 def sample_text(graphdef, params, cfg, tokenizer, prompt: str) -> str:
   """Prompt text -> sampled continuation text, with the settings in cfg.sample."""
-  ids = sample(graphdef, params, tokenizer.encode(prompt), max_len=cfg.model.max_seq_len,
-               max_new_tokens=cfg.sample.max_new_tokens, temperature=cfg.sample.temperature,
-               top_k=cfg.sample.top_k, seed=cfg.sample.seed)
+  s = cfg.sample
+  ids = sample(graphdef, params, encode_prompt(tokenizer, prompt), max_len=cfg.model.max_seq_len,
+               max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+               seed=s.seed)
   return tokenizer.decode(ids)
 
 
+def encode_prompt(tokenizer, prompt: str) -> list:
+  """The prompt's token ids; UserError for one that encodes to none (checked before a run
+  trains and before generate reads a checkpoint, not after)."""
+  ids = tokenizer.encode(prompt)
+  if not ids:
+    raise UserError(f"sample.prompt={prompt!r} encodes to no tokens; give a non-empty prompt "
+                    "(or sample.max_new_tokens=0 for no sample)")
+  return ids
+
+
+def in_model_order(abstract_params, params, where: str):
+  """A restored params tree rebuilt in the model's own tree, matched name by name.
+
+  Saved trees key list items by strings, so a restore without a target returns layers in
+  string order ('0', '1', '10', '11', '2', ...): merged by position, 11 or more layers would be
+  permuted. Shapes are checked; dtypes stay as saved (a params-only folder may be bfloat16)."""
+  from nanotext.convert.common import fill, flatten
+  return fill(abstract_params, flatten(params), f"checkpoint '{where}'", cast=False)
+
+
+def restore(out: str, cfg, step: int = -1) -> tuple:
+  """(step, graphdef, params) of a run's newest (or given) checkpoint, or of a params-only
+  folder, on one local device in the model's own tree."""
+  import jax
+  from nanotext import checkpoint, wiring
+  if os.path.isdir(os.path.join(out, "params")):  # a params-only folder (nanotext.convert)
+    from nanotext.convert import load_params
+    if step >= 0:
+      raise UserError(f"'{out}' is a params-only folder (one step): leave step= out")
+    step, params = load_params(out)
+  else:
+    step, params = checkpoint.latest_params(out, step)
+  graphdef, abstract, _ = wiring.abstract_model(cfg, jax.default_backend())
+  return step, graphdef, in_model_order(abstract.to_pure_dict(), params, f"{out} step {step}")
+
+
 def main(argv) -> None:
-  from nanotext import checkpoint, config, wiring
+  from nanotext import config, rundir
   from nanotext.data.tokenizer import get_tokenizer
 
   args = dict(config.parse_override(a) for a in argv)
@@ -66,19 +105,19 @@ def main(argv) -> None:
   if "output_dir" not in args:
     raise UserError(f"output_dir is required; {USAGE}")
   out = args.pop("output_dir")
+  rundir.check_no_glob(os.path.abspath(out), "output_dir")
   cfg_path = os.path.join(out, "config.yml")
   if not os.path.isfile(cfg_path):
     raise UserError(f"output_dir '{out}' holds no config.yml (is it a nanotext run directory?)")
   step = int(config.coerce("step", args.pop("step", "-1"), 0))
+  if step < -1:
+    raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, or leave it out "
+                    "for the newest")
   overrides = [f"sample.{k}={v}" for k, v in args.items()]
   cfg = config.load(cfg_path, overrides)
   tokenizer = get_tokenizer(cfg.data.tokenizer)
-  if os.path.isdir(os.path.join(out, "params")):  # a params-only folder (nanotext.convert)
-    from nanotext.convert import load_params
-    step, params = load_params(out)
-  else:
-    step, params = checkpoint.latest_params(out, step)
-  graphdef = wiring.abstract_model(cfg, jax.default_backend())[0]  # params come restored
+  encode_prompt(tokenizer, cfg.sample.prompt)  # before the checkpoint is read
+  step, graphdef, params = restore(out, cfg, step)
   print(f"[step {step}] {cfg.sample.prompt}", end="", flush=True)
   print(sample_text(graphdef, params, cfg, tokenizer, cfg.sample.prompt))
 

@@ -91,7 +91,11 @@ class Writer:
     if not self.enabled:
       return
     row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
-    self._jsonl.write(json.dumps(row) + "\n")
+    try:
+      self._jsonl.write(json.dumps(row) + "\n")
+    except OSError as e:  # a disk that filled up mid-run: one line (exit 1), checkpoints intact
+      from nanotext.errors import os_error
+      raise os_error(e, f"cannot write '{self._jsonl.name}'") from None
     if self._tb is not None:
       for k, v in row.items():
         if k != "step" and isinstance(v, (int, float)):
@@ -99,7 +103,10 @@ class Writer:
 
   def close(self) -> None:
     if self._jsonl is not None:
-      self._jsonl.close()
+      try:
+        self._jsonl.close()
+      except OSError:  # its write failed already and was reported; do not mask that error
+        pass
     if self._tb is not None:
       self._tb.close()
 

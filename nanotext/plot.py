@@ -7,16 +7,22 @@ markers joined by a dashed line, in the run's colour; several runs overlay for a
 
 import importlib
 import json
+import math
 import os
 import sys
+import tempfile
 
-from nanotext.errors import UserError, fail
+from nanotext.errors import UserError, os_error, run_cli
 
 USAGE = "usage: python -m nanotext.plot RUN_DIR [RUN_DIR ...] --out=FILE.png [--title=TEXT]"
 
 
 def read_run(run_dir: str) -> dict:
-  """{'name', 'tokens_per_step', 'train': [(step, loss)], 'val': [(step, loss, bpb|None)]}."""
+  """{'name', 'tokens_per_step', 'train': [(step, loss)], 'val': [(step, loss, bpb|None)],
+  'skipped': [line numbers that are not metrics]}.
+
+  A line that is not a metrics row (not UTF-8, not JSON, a step that is not a finite integer,
+  a loss that is not a number; a run still writing its last line) is skipped and counted."""
   path = os.path.join(run_dir, "metrics.jsonl")
   if os.path.isfile(run_dir):
     raise UserError(f"'{run_dir}' is a file, not a run directory (give the output_dir of a run)")
@@ -24,35 +30,59 @@ def read_run(run_dir: str) -> dict:
     raise UserError(f"run directory '{run_dir}' does not exist")
   if not os.path.isfile(path):
     raise UserError(f"'{run_dir}' holds no metrics.jsonl (is it the output_dir of a run?)")
-  train, val = {}, {}
-  with open(path) as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-        step = int(row["step"])
-      except (ValueError, KeyError, TypeError):
-        raise UserError(f"{path}:{n} is not a metrics line") from None
-      # A resumed run appends again from its checkpoint: the latest value of a step wins.
-      if "loss" in row:
-        train[step] = float(row["loss"])
-      if "val_loss" in row:
-        val[step] = (float(row["val_loss"]), row.get("val_bpb"))
+  train, val, skipped = {}, {}, []
+  try:
+    with open(path, "rb") as f:
+      for n, raw in enumerate(f, 1):
+        if not raw.strip():
+          continue
+        row = _metrics_row(raw)
+        if row is None:
+          skipped.append(n)
+          continue
+        # A resumed run appends again from its checkpoint: the latest value of a step wins.
+        step, loss, val_loss, bpb = row
+        if loss is not None:
+          train[step] = loss
+        if val_loss is not None:
+          val[step] = (val_loss, bpb)
+  except OSError as e:
+    raise os_error(e, f"cannot read '{path}'") from None
   return {"name": os.path.basename(os.path.normpath(run_dir)) or run_dir,
           "tokens_per_step": _tokens_per_step(run_dir),
           "train": sorted(train.items()),
-          "val": [(s, v, b) for s, (v, b) in sorted(val.items())]}
+          "val": [(s, v, b) for s, (v, b) in sorted(val.items())],
+          "skipped": skipped}
+
+
+def _metrics_row(raw: bytes):
+  """(step, loss, val_loss, val_bpb) of one metrics.jsonl line (None where absent), or None
+  when the line is not a metrics row."""
+  def number(x):
+    if x is None:
+      return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+      raise ValueError(f"not a number: {x!r}")
+    return float(x)
+  try:
+    row = json.loads(raw.decode("utf-8"))
+    step = row["step"]
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
+        or step != int(step):
+      return None
+    values = [number(row.get(k)) for k in ("loss", "val_loss", "val_bpb")]
+  except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
+    return None
+  return (int(step), *values)
 
 
 def _tokens_per_step(run_dir: str) -> int | None:
   """train.batch_size * train.seq_len from the run's config.yml; None if unreadable."""
+  from nanotext import config
   try:
-    import yaml
-    with open(os.path.join(run_dir, "config.yml")) as f:
-      t = yaml.safe_load(f)["train"]
+    t = config.read_file(os.path.join(run_dir, "config.yml"))["train"]
     return int(t["batch_size"]) * int(t["seq_len"])
-  except (OSError, KeyError, TypeError, ValueError):
+  except (UserError, KeyError, TypeError, ValueError, OverflowError):
     return None
 
 
@@ -119,10 +149,44 @@ def plot(runs: list, out: str, title: str = "") -> None:
     fig.text(0.5, 0.005, "train bits per byte = train loss / ln 2 / the validation text's bytes "
              "per token", ha="center", fontsize=8, color="gray")
   fig.tight_layout(rect=(0, 0.02, 1, 1))
-  tmp = out + ".tmp" + os.path.splitext(out)[1]
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  os.replace(tmp, out)  # never a half-written image at --out
+  parent, name = os.path.split(os.path.abspath(out))
+  fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
+  os.close(fd)
+  try:
+    fig.savefig(tmp, dpi=110, format=image_format(out))
+    plt.close(fig)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's private 0600 would outlive the rename
+    os.replace(tmp, out)  # never a half-written image at --out
+  except OSError as e:
+    raise os_error(e, f"cannot write --out '{out}'") from None
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def image_format(out: str) -> str:
+  """The image format of --out, from its extension (png when it has none)."""
+  ext = os.path.splitext(out)[1][1:].lower()
+  return ext or "png"
+
+
+def check_out(out: str) -> None:
+  """Refuse an --out matplotlib cannot write (its format) or this user cannot (its folder),
+  before any run is read."""
+  from matplotlib.figure import Figure
+  from nanotext import probes
+  kinds = Figure().canvas.get_supported_filetypes()
+  if image_format(out) not in kinds:
+    raise UserError(f"--out '{out}': '.{image_format(out)}' is not an image format matplotlib "
+                    f"writes (one of: {', '.join(sorted(kinds))})")
+  probes.writable_dir(os.path.dirname(os.path.abspath(out)), "the folder of --out")
+  probes.replaceable(out, "--out")
 
 
 def parse(argv) -> tuple:
@@ -160,9 +224,15 @@ def main(argv) -> None:
   except ImportError:
     raise UserError("plotting needs matplotlib: pip install matplotlib "
                     "(or pip install -e '.[plots]')") from None
+  check_out(out)
   data = [read_run(r) for r in runs]
   if not any(d["train"] or d["val"] for d in data):
     raise UserError("the metrics.jsonl of every run given is empty: nothing to plot")
+  for d, r in zip(data, runs):
+    if d["skipped"]:
+      lines = d["skipped"]
+      print(f"{os.path.join(r, 'metrics.jsonl')}: skipped {len(lines)} line(s) that are not "
+            f"metrics rows (line {lines[0]}{', ...' if len(lines) > 1 else ''})")
   plot(data, out, title)
   print(f"wrote {out}")
   for d in data:
@@ -173,7 +243,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  try:
-    main(sys.argv[1:])
-  except UserError as e:
-    fail(str(e))
+  run_cli(main, sys.argv[1:])

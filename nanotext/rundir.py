@@ -10,6 +10,8 @@
 - Damaged checkpoint steps are moved to `output_dir/damaged/`, never deleted.
 - `fingerprint`: names, sizes and a cheap hash of the training shards, saved with each step, so a
   resume on data that changed is noticed.
+- `StartUp`: what a run's start changed in output_dir, put back when it is stopped before its
+  first step (there is nothing to save then).
 """
 
 import datetime
@@ -20,7 +22,7 @@ import socket
 import time
 import zlib
 
-from nanotext.errors import UserError
+from nanotext.errors import UserError, os_error
 
 LOCK = ".lock"
 ASIDE = ".overwritten"  # the previous run while an overwrite is not yet committed
@@ -29,6 +31,30 @@ DAMAGED = "damaged"
 RUN_FILES = ("checkpoints", "tb", "metrics.jsonl", "config.yml")
 # Longer names make orbax's temporary step names fail deep inside a save; refuse them up front.
 MAX_PATH = 3000
+# Orbax globs inside a checkpoint's own path (merging per-process OCDBT files, reading array
+# metadata), so a path with these characters saves steps that can never be read back.
+GLOB_CHARS = "*?["
+
+
+def check_no_glob(path: str, what: str) -> None:
+  """UserError when `path` holds a character orbax would read as a glob pattern."""
+  bad = sorted({c for c in path if c in GLOB_CHARS})
+  if bad:
+    raise UserError(f"{what} '{path}' contains {' and '.join(repr(c) for c in bad)}: checkpoints "
+                    "use the path as a glob pattern and could not be read back; choose (or "
+                    "symlink) a path without * ? [")
+
+
+def kernel_fs(path: str) -> str:
+  """'proc', 'sys' or 'dev' when `path` lies in that kernel file system, else ''."""
+  real = os.path.realpath(path)
+  top = real.split(os.sep)[1] if real.count(os.sep) else ""
+  return top if top in ("proc", "sys", "dev") else ""
+
+
+def is_step_name(name: str) -> bool:
+  """Whether a name in checkpoints/ is a step number (ASCII digits: '²' and '٣' are not)."""
+  return name.isascii() and name.isdigit()
 
 
 def check_output_dir_path(out: str) -> str:
@@ -36,11 +62,11 @@ def check_output_dir_path(out: str) -> str:
   if not out or not out.strip():
     raise UserError("output_dir is empty: set output_dir=DIR")
   path = os.path.abspath(os.path.expanduser(out))
+  check_no_glob(path, "output_dir")
   if len(path) > MAX_PATH or any(len(p.encode()) > 255 for p in path.split(os.sep)):
     raise UserError(f"output_dir '{out[:80]}...' is too long a path for this file system")
-  real = os.path.realpath(path)
-  if real == "/proc" or real.startswith(("/proc/", "/sys/", "/dev/")) or real in ("/sys", "/dev"):
-    raise UserError(f"output_dir '{out}' lies in a kernel file system ({real.split('/')[1]}): "
+  if kernel_fs(path):
+    raise UserError(f"output_dir '{out}' lies in a kernel file system ({kernel_fs(path)}): "
                     "choose a directory on disk")
   if os.path.exists(path) and not os.path.isdir(path):
     raise UserError(f"output_dir '{out}' exists and is not a directory")
@@ -103,25 +129,38 @@ class Lock:
       except FileExistsError:
         self._take_over_if_stale()
         continue
+      except IsADirectoryError:
+        raise UserError(f"'{self.path}' is a directory, not a nanotext lock: move it out of "
+                        "output_dir") from None
       except OSError as e:
-        raise UserError(f"cannot write to output_dir '{self.out}': {e.strerror}") from None
-      with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(me))
+        raise os_error(e, f"cannot write to output_dir '{self.out}'") from None
+      try:
+        with os.fdopen(fd, "w") as f:
+          f.write(json.dumps(me))
+      except OSError as e:  # a full disk: the empty lock must not outlive this run
+        os.remove(self.path)
+        raise os_error(e, f"cannot write '{self.path}'") from None
       self.held = True
       return
     raise UserError(f"output_dir '{self.out}' is being locked by another run right now")
 
   def _take_over_if_stale(self) -> None:
+    if os.path.isdir(self.path) and not os.path.islink(self.path):
+      raise UserError(f"'{self.path}' is a directory, not a nanotext lock: move it out of "
+                      "output_dir")
     try:
-      with open(self.path) as f:
-        text = f.read()
+      with open(self.path, encoding="utf-8", errors="replace") as f:
+        text = f.read(4096)
       age = time.time() - os.path.getmtime(self.path)
     except FileNotFoundError:
       return  # released meanwhile: try again
+    except OSError as e:
+      raise os_error(e, f"cannot read the lock '{self.path}'") from None
     try:
       holder = json.loads(text)
     except ValueError:
       holder = None
+    holder = holder if isinstance(holder, dict) else None
     if holder is None and age < 10:  # being written this instant by another run
       holder = {"host": "?", "pid": "?", "since": "just now"}
     if holder is not None and _alive(holder):
@@ -135,6 +174,8 @@ class Lock:
       os.remove(f"{self.path}.stale-{os.getpid()}")
     except FileNotFoundError:
       pass
+    except OSError as e:
+      raise os_error(e, f"cannot take over the stale lock '{self.path}'") from None
 
   def release(self) -> None:
     if not self.held:
@@ -144,29 +185,25 @@ class Lock:
       with open(self.path) as f:
         if json.loads(f.read()).get("pid") == os.getpid():
           os.remove(self.path)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
       pass
 
 
 def check_run(cfg, out: str) -> bool:
   """Refuse an output_dir that holds a different run unless overwrite=true, or a run already
   past train.steps; True when the previous run is to be replaced (set aside, then deleted)."""
-  import yaml
   from nanotext import config
   path = os.path.join(out, "config.yml")
   if not os.path.lexists(path):
     return False
   try:
-    with open(path, encoding="utf-8") as f:
-      old = yaml.safe_load(f)
-    if not isinstance(old, dict):
-      raise ValueError("not a mapping")
-  except (OSError, ValueError, yaml.YAMLError) as e:
+    old = config.read_file(path)
+  except UserError as e:
     if cfg.overwrite:
       return True
-    raise UserError(f"'{path}' is damaged ({type(e).__name__}), so this run cannot tell whether "
-                    "output_dir holds the same run; restore that file, or pass overwrite=true "
-                    "to replace the run in output_dir") from None
+    raise UserError(f"'{path}' is damaged ({e}), so this run cannot tell whether output_dir "
+                    "holds the same run; restore that file, or pass overwrite=true to replace "
+                    "the run in output_dir") from None
   diff = config.run_identity_diff(old, cfg.to_dict())
   if diff:
     if not cfg.overwrite:
@@ -174,7 +211,7 @@ def check_run(cfg, out: str) -> bool:
                       f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); choose another "
                       "output_dir or pass overwrite=true to replace it")
     return True
-  done = [int(n) for n in os.listdir(os.path.join(out, "checkpoints")) if n.isdigit()] \
+  done = [int(n) for n in os.listdir(os.path.join(out, "checkpoints")) if is_step_name(n)] \
       if os.path.isdir(os.path.join(out, "checkpoints")) else []
   if done and max(done) > cfg.train.steps:
     raise UserError(f"output_dir '{cfg.output_dir}' holds a checkpoint of step {max(done)}, past "
@@ -185,7 +222,7 @@ def check_run(cfg, out: str) -> bool:
 
 def has_checkpoint(out: str) -> bool:
   root = os.path.join(out, "checkpoints")
-  return os.path.isdir(root) and any(n.isdigit() for n in os.listdir(root))
+  return os.path.isdir(root) and any(is_step_name(n) for n in os.listdir(root))
 
 
 def set_aside(out: str) -> str:
@@ -285,3 +322,90 @@ def fingerprint_change(old: list, new: list) -> str:
       return f"shard '{name}' changed (size {a[name][0]} -> {b[name][0]} bytes)" \
           if a[name][0] != b[name][0] else f"shard '{name}' changed (same size, other contents)"
   return ""
+
+
+class StartUp:
+  """What a run's start changes in output_dir, put back by `undo` when it is stopped before its
+  first step: the directory itself, checkpoints/ and tb/ when new, config.yml (bytes and time),
+  metrics.jsonl (length and time); with an overwrite, the previous run moved back.
+
+  Taken before the lock. Repairs made meanwhile stay made: a damaged step moved to damaged/,
+  an interrupted earlier overwrite finished or rolled back, leftovers of a killed save removed.
+  """
+
+  KEEP = "keep"  # a file that could not be read: left alone
+
+  def __init__(self, out: str):
+    self.out, self.existed = out, os.path.isdir(out)
+    self.had = {n: os.path.lexists(os.path.join(out, n)) for n in ("checkpoints", "tb")}
+    self.config = self._read(os.path.join(out, "config.yml"), whole=True)
+    self.metrics = self._read(os.path.join(out, "metrics.jsonl"), whole=False)
+    self.tb_files = set(self._files(os.path.join(out, "tb")))
+
+  @staticmethod
+  def _read(path: str, whole: bool):
+    """(bytes or size, mtime_ns) of a file; None when absent, KEEP when it cannot be read."""
+    if not os.path.lexists(path):
+      return None
+    try:
+      st = os.stat(path)
+      if whole:
+        if st.st_size > 1 << 20:  # not a config this run could have written: leave it be
+          return StartUp.KEEP
+        with open(path, "rb") as f:
+          return f.read(), st.st_mtime_ns
+      return st.st_size, st.st_mtime_ns
+    except OSError:
+      return StartUp.KEEP
+
+  @staticmethod
+  def _files(root: str) -> list:
+    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
+
+  def undo(self, set_aside: bool) -> None:
+    """Put output_dir back as it was (best effort: every step is tried, none raises)."""
+    out = self.out
+    steps = [lambda: roll_back(out)] if set_aside else [
+        lambda: self._put_back(os.path.join(out, "config.yml"), self.config, whole=True),
+        lambda: self._put_back(os.path.join(out, "metrics.jsonl"), self.metrics, whole=False),
+        self._undo_tb]
+    if not self.had["checkpoints"]:
+      steps.append(lambda: os.rmdir(os.path.join(out, "checkpoints")))  # only when still empty
+    for step in steps:
+      try:
+        step()
+      except OSError:
+        pass
+
+  def _put_back(self, path: str, saved, whole: bool) -> None:
+    if saved == self.KEEP:
+      return
+    if saved is None:
+      if os.path.lexists(path):
+        os.remove(path)
+      return
+    content, mtime = saved
+    if whole:
+      if self._read(path, whole=True) != saved:
+        with open(path + ".restore", "wb") as f:
+          f.write(content)
+        os.replace(path + ".restore", path)
+    elif os.path.getsize(path) != content:
+      os.truncate(path, content)
+    os.utime(path, ns=(mtime, mtime))
+
+  def _undo_tb(self) -> None:
+    tb = os.path.join(self.out, "tb")
+    for f in self._files(tb):
+      if f not in self.tb_files:
+        os.remove(f)
+    if not self.had["tb"] and os.path.isdir(tb):
+      shutil.rmtree(tb)
+
+  def remove_if_new(self) -> None:
+    """Remove output_dir again if this run created it and it is empty (after the lock went)."""
+    if not self.existed:
+      try:
+        os.rmdir(self.out)
+      except OSError:
+        pass

@@ -9,7 +9,7 @@ import os
 
 from absl import app, flags, logging
 
-from nanotext.errors import UserError, fail, parse_flags, quiet_background_errors
+from nanotext.errors import ResourceError, UserError, fail, parse_flags, quiet_background_errors
 
 _CONFIG = flags.DEFINE_string("config", None, "Config YAML (instead of the first argument).")
 _SET = flags.DEFINE_multi_string("set", [], "A key=value override; repeatable.")
@@ -42,7 +42,7 @@ def enable_compile_cache(path: str) -> None:
 def run(path: str, overrides, log=print):
   """Load, check and train; returns the loop result. Raises UserError on bad input."""
   import jax
-  from nanotext import checkpoint, config, distributed, rundir, wiring
+  from nanotext import checkpoint, config, distributed, probes, rundir, wiring
   from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
   from nanotext.generate import sample_text
   from nanotext.watch import Preemption
@@ -68,17 +68,34 @@ def run(path: str, overrides, log=print):
                     f"{jax.process_count()} processes; each loads an equal share")
   # Everything above and the data below is only read: a mistake found here changes nothing.
   out = rundir.check_output_dir_path(cfg.output_dir)
+  check_sample(cfg)
   train_iter, val_local = run_.train_iter(), run_.val_batches()
   fingerprint = rundir.fingerprint(cfg.data)
   is_main = jax.process_index() == 0
-  # Signals only set a flag from here on (the final save included): the loop saves and stops.
-  with (rundir.Lock(out) if is_main else contextlib.nullcontext()), \
-      Preemption(cfg.train.log_every) as preemption:
-    if is_main:
-      rundir.recover(out, log)
-    replace = rundir.check_run(cfg, out)
-    if replace and is_main:
-      rundir.set_aside(out)
+  start, lock, replace = rundir.StartUp(out), rundir.Lock(out), False
+
+  def stopped_early(signame: str) -> str:  # in the signal handler, before the first step
+    if lock.held:
+      start.undo(replace)
+      lock.release()
+      start.remove_if_new()
+    return (f"stopped by {signame} before the first step: nothing to save, output_dir "
+            f"'{cfg.output_dir}' is as it was")
+
+  # Signals: before the first step they stop the run at once (output_dir put back); from then
+  # on they only set a flag, and the loop saves and stops (the final save included).
+  with Preemption(cfg.train.log_every, on_early_stop=stopped_early) as preemption, \
+      contextlib.ExitStack() as stack:
+    with preemption.deferred():  # output_dir changes as a whole before a signal acts
+      if is_main:
+        stack.callback(start.remove_if_new)  # after the lock goes: a new dir left empty goes
+        stack.enter_context(lock)
+        rundir.recover(out, log)
+      replace = rundir.check_run(cfg, out)
+      if replace and is_main:
+        rundir.set_aside(out)
+      if is_main:  # every write the run will make, tried before it compiles
+        probes.run_outputs(cfg, out, state_bytes(run_))
     if jax.process_count() > 1:  # nobody reads output_dir while process 0 changes it
       from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices("nanotext: output_dir ready")
@@ -93,8 +110,13 @@ def run(path: str, overrides, log=print):
       result = _train(run_, cfg, manager, train_iter, val_local, preemption, log)
     except BaseException:
       checkpoint.close(manager)  # waits for earlier saves without hiding this error
-      if replace and is_main and not rundir.has_checkpoint(out):
+      if is_main and not preemption.training:  # failed before its first step: put it all back
+        start.undo(replace)
+      elif is_main and replace and not rundir.has_checkpoint(out):
         rundir.roll_back(out)
+      else:
+        replace = False
+      if replace:
         log(f"restored the previous run in {out}")
       raise
     manager.close()
@@ -116,6 +138,25 @@ def run(path: str, overrides, log=print):
                          cfg.sample.prompt)
       log(f"sample: {cfg.sample.prompt}{text}")
   return result
+
+
+def check_sample(cfg) -> None:
+  """The end-of-run sample's prompt, checked before training rather than after it."""
+  from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
+  from nanotext.generate import encode_prompt
+  if not cfg.sample.max_new_tokens or known_vocab_size(cfg.data.tokenizer) is None:
+    return
+  try:
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+  except UserError:  # e.g. tiktoken offline: the run trains and skips its sample
+    return
+  encode_prompt(tokenizer, cfg.sample.prompt)
+
+
+def state_bytes(run_) -> int:
+  """Bytes of the whole train state (what one checkpoint holds)."""
+  import jax
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run_.abstract_state()))
 
 
 def _train(run_, cfg, manager, train_iter, val_local, preemption, log):
@@ -157,7 +198,6 @@ def main(argv) -> None:
   cpu_flags = maybe_set_cpu_flags()  # before JAX starts a backend, which reads XLA_FLAGS once
   if cpu_flags:
     print(f"XLA_FLAGS={cpu_flags} (CPU defaults; set XLA_FLAGS to choose your own)", flush=True)
-  from nanotext.checkpoint import CheckpointError
   from nanotext.watch import NonFiniteError
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every step at INFO
@@ -167,7 +207,7 @@ def main(argv) -> None:
     run(path, overrides, log=lambda s: print(s, flush=True) if _is_main() else None)
   except UserError as e:
     fail(str(e))
-  except (NonFiniteError, CheckpointError) as e:
+  except (NonFiniteError, ResourceError) as e:  # a failed checkpoint write is a ResourceError
     # Not bad input (status 2) but a failed run: one line, status 1, checkpoints left intact.
     fail(str(e), 1)
   except Exception as e:  # of runtime errors, only a device out of memory is expected

@@ -280,6 +280,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
   with preemption, contextlib.ExitStack() as stack:
     stack.callback(profiler.stop)  # a trace in progress is written even if the loop fails
     counter.active = True
+    preemption.begin_training()  # a signal from here on saves and stops; before, it just stops
     for step in range(start_step, t_cfg.steps):
       done = step + 1
       with profiler.step(step):

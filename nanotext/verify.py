@@ -2,30 +2,42 @@
 
 A resume verifies only the step it restores (and the newer ones it has to skip); this reads
 every step of `DIR/checkpoints`, so damage to an older step is found before it is needed. Each
-step is read onto one local device whatever mesh wrote it. Nothing is moved or deleted. Exit
-status: 0 when every step is intact, 1 when one is damaged, 2 for a directory that is not a run.
+step is read onto one local device whatever mesh wrote it. Nothing is moved or deleted. A run
+may be training into DIR meanwhile. Exit status: 0 when every step is intact, 1 when one is
+damaged, 2 for a directory that is not a run, 130 on Ctrl-C.
 """
 
+import json
 import os
 import sys
+import time
 
-import jax
-import numpy as np
-
-from nanotext import checkpoint
+# jax, numpy and orbax are imported inside the functions: a Ctrl-C while they load (seconds)
+# is then caught by run_cli and ends in one line, not a traceback.
+from nanotext import rundir
 from nanotext.errors import UserError, run_cli
 
 USAGE = "usage: python -m nanotext.verify OUTPUT_DIR"
 
 
-def check_step(manager, step: int) -> tuple:
-  """(status, detail) of one step: intact, unverified (written before checksums) or damaged."""
+def check_step(manager, step: int, racing: bool = False) -> tuple:
+  """(status, detail) of one step: intact, unverified (written before checksums), damaged, or
+  gone (removed while it was read by the run training into the folder, when `racing`: its
+  rotation keeps checkpoint.keep steps; a step that fails twice and stays is damaged)."""
+  import jax
+  import numpy as np
+  from nanotext import checkpoint
   where = checkpoint.step_dir(manager, step)
-  try:
-    state, integrity = checkpoint.read_on_one_device(manager, step)
-    checkpoint.verify(state, integrity, where)
-  except checkpoint.Damaged as e:
-    return "damaged", str(e)
+  for attempt in range(2 if racing else 1):
+    try:
+      state, integrity = checkpoint.read_on_one_device(manager, step)
+      checkpoint.verify(state, integrity, where)
+      break
+    except checkpoint.Damaged as e:
+      if not os.path.isdir(where) or (racing and _gone(where)):
+        return "gone", "removed while it was read (the run in progress keeps checkpoint.keep)"
+      if attempt or not racing:
+        return "damaged", str(e)
   leaves = jax.tree.leaves(state)
   size = sum(np.dtype(x.dtype).itemsize * x.size for x in leaves) / 2**20
   if not (integrity or {}).get("checksums"):
@@ -33,22 +45,57 @@ def check_step(manager, step: int) -> tuple:
   return "intact", f"{len(leaves)} arrays, {size:,.1f} MiB, every checksum matches"
 
 
+def _gone(where: str, wait_s: float = 2.0) -> bool:
+  """Whether a step directory disappears (within `wait_s`: orbax deletes file by file)."""
+  deadline = time.monotonic() + wait_s
+  while os.path.isdir(where):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.1)
+  return True
+
+
+def running(out: str) -> str:
+  """'pid N on HOST' of a run that holds output_dir's lock now, else ''."""
+  try:
+    with open(os.path.join(out, rundir.LOCK)) as f:
+      holder = json.loads(f.read())
+  except (OSError, ValueError):
+    return ""
+  if not isinstance(holder, dict) or not rundir._alive(holder):  # pylint: disable=protected-access
+    return ""
+  return f"pid {holder.get('pid')} on {holder.get('host')}"
+
+
 def report(out: str, log=print) -> int:
-  """Print one line per step (newest first) and what else lies in checkpoints/; the exit status."""
+  """Print one line per step (newest first) and what else lies in checkpoints/; the exit status.
+
+  Only committed steps are read (orbax renames a step into place once complete), so a run
+  training into `out` meanwhile is no false alarm: its saves in progress are listed as such,
+  and a step it removes while being read is reported gone, not damaged."""
+  from nanotext import checkpoint
   root = checkpoint.checkpoint_dir(out)
+  rundir.check_no_glob(os.path.abspath(out), "the run directory")
   if not os.path.isdir(root):
     raise UserError(f"'{out}' holds no checkpoints/ directory (is it a nanotext run directory?)")
+  live = running(out)
   manager = checkpoint.make_manager(out, keep=1, create=False)
   steps = sorted(manager.all_steps(), reverse=True)
-  log(f"{len(steps)} checkpoint(s) in {root}" + (", newest first:" if steps else ""))
+  log(f"{len(steps)} checkpoint(s) in {root}" + (", newest first:" if steps else "") +
+      (f" (a run is training into it: {live})" if live else ""))
   damaged = 0
   for step in steps:
-    status, detail = check_step(manager, step)
+    status, detail = check_step(manager, step, racing=bool(live))
     damaged += status == "damaged"
     log(f"  step {step:>7d}  {status:<10s}  {detail}")
-  unfinished = sorted(n for n in os.listdir(root) if "orbax-checkpoint-tmp" in n)
+  try:
+    unfinished = sorted(n for n in os.listdir(root) if "orbax-checkpoint-tmp" in n)
+  except OSError:
+    unfinished = []
   for name in unfinished:
-    log(f"  {name}: a save that never finished; ignored by a resume, removed by the next save")
+    log(f"  {name}: " + ("being saved by the run in progress" if live else
+                         "a save that never finished; ignored by a resume, removed by the next "
+                         "save"))
   quarantined = os.path.join(out, "damaged")
   if os.path.isdir(quarantined) and os.listdir(quarantined):
     log(f"  {quarantined}: {len(os.listdir(quarantined))} step(s) a resume found damaged and "

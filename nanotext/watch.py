@@ -85,12 +85,21 @@ class NonFiniteError(RuntimeError):
 
 
 class Preemption:
-  """While active, SIGTERM and SIGINT only set a flag; the loop saves and exits at a step end."""
+  """While active, SIGTERM and SIGINT only set a flag; the loop saves and exits at a step end.
+
+  Before the first step there is nothing to save: with `on_early_stop` set, a signal stops the
+  process at once (even mid-compilation, which can take minutes), after that callback has put
+  output_dir back as it was; it returns the line printed. Inside `deferred()` (while output_dir
+  is being changed) the stop waits for the block's end. A second Ctrl-C stops at once.
+  """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-  def __init__(self, log_every: int):
+  def __init__(self, log_every: int, on_early_stop=None):
     self.received, self.log_every, self._previous, self._depth = None, log_every, {}, 0
+    self.on_early_stop = on_early_stop  # signal name -> message; runs in the signal handler
+    self.training = False  # set once the first step is dispatched
+    self._deferring, self._pending = 0, None
 
   def __enter__(self):
     # Re-entrant: train.run holds it for the whole run, the loop enters it again.
@@ -109,9 +118,49 @@ class Preemption:
       signal.signal(sig, handler)
     self._previous = {}
 
+  def begin_training(self) -> None:
+    """From the first step on, a signal asks for a checkpoint and a clean stop."""
+    self.training = True
+
+  @contextlib.contextmanager
+  def deferred(self):
+    """A block that changes output_dir: an early stop waits for its end."""
+    self._deferring += 1
+    try:
+      yield
+    finally:
+      self._deferring -= 1
+      if not self._deferring and self._pending is not None and not self.training:
+        self._stop_now(self._pending)
+
   def _on_signal(self, signum, frame):
     del frame
-    self.received = signal.Signals(signum).name
+    if self.received == "SIGINT" and signum == signal.SIGINT and self._previous:
+      # Ctrl-C again: do not wait for the save (a hung file system would never return); the
+      # step being written is discarded, the newest complete one stays. Only SIGINT: a
+      # launcher may deliver SIGTERM twice, and preemption must get its checkpoint.
+      os.write(2, b"nanotext: error: a second SIGINT: stopped without waiting for the "
+                  b"checkpoint being written (the newest complete one is kept)\n")
+      os._exit(128 + signum)
+    if self.training or self.on_early_stop is None:
+      self.received = signal.Signals(signum).name
+    elif self._deferring:
+      self._pending = signum
+    else:
+      self._stop_now(signum)
+
+  def _stop_now(self, signum: int) -> None:
+    """Put output_dir back, print one line, exit 128 + signal (the shell's status for it).
+
+    os._exit: compile threads cannot be joined, and nothing is left to flush. The line is
+    written with os.write: the signal may have landed inside a print to the same stream."""
+    name = signal.Signals(signum).name
+    try:
+      message = self.on_early_stop(name)
+    except Exception as e:  # pylint: disable=broad-except  # still exit: never hang here
+      message = f"stopped by {name} before the first step ({type(e).__name__}: {e})"
+    os.write(2, f"nanotext: error: {message}\n".encode("utf-8", "replace"))
+    os._exit(128 + signum)
 
   def requested(self, step: int) -> bool:
     """True when this run must stop after `step`; all processes agree on the step."""

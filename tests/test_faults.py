@@ -79,12 +79,14 @@ def assert_same_as(reference, out) -> None:
   assert step == 6 and all(np.array_equal(a, b) for a, b in zip(p, ref_params, strict=True))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def make_reference(tmp_path_factory):
   """An uninterrupted run of 6 steps with a checkpoint every 2 (all kept)."""
   out = str(tmp_path_factory.mktemp("reference") / "run")
   quiet_run(out)
   return out, losses(out), params(out)[1]
+
+
+reference = pytest.fixture(scope="module", name="reference")(make_reference)
 
 
 def copy_of(reference, tmp_path) -> str:
@@ -264,6 +266,12 @@ def assert_one_error_line(proc, status: int, *needles) -> None:
 
 def test_a_damaged_checkpoint_in_generate_is_one_line(reference, tmp_path):
   out = copy_of(reference, tmp_path)
+  # generate refuses a run without a tokenizer before reading it; give it one to get that far
+  with open(os.path.join(out, "config.yml")) as f:
+    cfg = yaml.safe_load(f)
+  cfg["data"]["tokenizer"] = "shakespeare"
+  with open(os.path.join(out, "config.yml"), "w") as f:
+    yaml.safe_dump(cfg, f)
   for victim in array_files(os.path.join(out, "checkpoints", "6")):
     with open(victim, "r+b") as f:
       f.truncate(os.path.getsize(victim) // 2)
@@ -282,7 +290,21 @@ def test_a_failing_disk_is_one_line_and_releases_the_lock(tmp_path):
   assert not os.path.exists(os.path.join(out, ".lock"))
 
 
+def test_metrics_that_cannot_grow_mid_run_are_one_line(tmp_path):
+  """A full disk mid-run hit metrics.jsonl first (no periodic checkpoints): an OSError
+  traceback. Now one line naming the file, status 1."""
+  out = str(tmp_path / "run")
+  proc = subprocess.run(["bash", "-c", 'ulimit -f 4 && exec "$0" "$@"', sys.executable, "-m",
+                         "nanotext.train", BASE, *ARGS, f"output_dir={out}", "train.steps=80",
+                         "checkpoint.every=0"], cwd=REPO, capture_output=True, text=True,
+                        timeout=300)
+  assert_one_error_line(proc, 1, "metrics.jsonl", "File too large")
+  assert not os.path.exists(os.path.join(out, ".lock"))
+
+
 def test_ctrl_c_during_compilation_stops_cleanly(tmp_path):
+  """Before the first step there is nothing to save: Ctrl-C stops at once, in one line, and the
+  output_dir the run created is gone again (tests/test_faults_startup.py: more signal cases)."""
   out = str(tmp_path / "run")
   proc, _ = start(out, "train.steps=50")
   deadline = time.time() + 300
@@ -290,9 +312,10 @@ def test_ctrl_c_during_compilation_stops_cleanly(tmp_path):
     assert proc.poll() is None and time.time() < deadline, open(f"{out}.log").read()[-3000:]
     time.sleep(0.05)
   proc.send_signal(signal.SIGINT)
-  assert proc.wait(timeout=300) == 0, open(f"{out}.log").read()[-3000:]
+  assert proc.wait(timeout=300) == 130, open(f"{out}.log").read()[-3000:]
   log = open(f"{out}.log").read()
-  assert "received SIGINT: saved the checkpoint of step 1" in log and "Traceback" not in log
+  assert "stopped by SIGINT before the first step" in log and "Traceback" not in log
+  assert not os.path.exists(out)
 
 
 def test_verify_finds_damage_in_an_older_step_and_moves_nothing(reference, tmp_path):

@@ -2,13 +2,14 @@
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 
 import jax
 import numpy as np
 
-from nanotext.errors import UserError
+from nanotext.errors import ResourceError, UserError, os_error
 
 
 def load_run(run: str, step: int = -1):
@@ -85,8 +86,9 @@ def stacked(cfg, flat: dict) -> dict:
   return stack_blocks(flat, cfg.model.num_layers) if cfg.model.scan_layers else flat
 
 
-def fill(template, flat: dict, what: str):
-  """A tree shaped like `template` (ShapeDtypeStructs with shardings) holding `flat`'s arrays.
+def fill(template, flat: dict, what: str, cast: bool = True):
+  """A tree shaped like `template` (ShapeDtypeStructs with shardings) holding `flat`'s arrays,
+  cast to the template's dtypes unless `cast` is false.
 
   Every template leaf must have a value of its shape and every value must be used, so a mapping
   that drifts from the model fails loudly instead of training on half-initialised weights.
@@ -100,7 +102,8 @@ def fill(template, flat: dict, what: str):
     if value.shape != tuple(sds.shape):
       raise UserError(f"{what}: '{name}' has shape {value.shape}, the nanotext model expects "
                       f"{tuple(sds.shape)}")
-    return jax.device_put(value.astype(sds.dtype), getattr(sds, "sharding", None))
+    return jax.device_put(value.astype(sds.dtype) if cast else value,
+                          getattr(sds, "sharding", None))
   out = jax.tree_util.tree_map_with_path(one, template)
   if flat:
     raise UserError(f"{what}: parameters with no place in the nanotext model: "
@@ -131,12 +134,53 @@ def _check_target(out: str, force: bool, protect=()) -> str:
     p = os.path.abspath(p)
     if out == p or p.startswith(out + os.sep):
       raise UserError(f"--out '{out}' would replace the input '{p}'; choose another path")
+    if out.startswith(p + os.sep):
+      raise UserError(f"--out '{out}' lies inside the input '{p}', which would then no longer "
+                      "read as it did; choose a path outside it")
+  run = _run_holding(out)
+  if run:
+    raise UserError(f"--out '{out}' lies inside the checkpoints/ of the run '{run}', which "
+                    "would no longer resume; choose a path outside it")
   if os.path.isdir(out) and not os.listdir(out):
     return out
   if os.path.lexists(out) and not force:
     raise UserError(f"output '{out}' already exists; choose another path or pass --force "
                     "to replace it")
   return out
+
+
+def _run_holding(path: str) -> str:
+  """The run directory whose checkpoints/ folder `path` lies in, else ''."""
+  parent = os.path.dirname(path)
+  while parent != os.path.dirname(parent):
+    if os.path.basename(parent) == "checkpoints":
+      run = os.path.dirname(parent)
+      if any(os.path.exists(os.path.join(run, n)) for n in ("config.yml", ".lock")):
+        return run
+    parent = os.path.dirname(parent)
+  return ""
+
+
+@contextlib.contextmanager
+def writing(out: str):
+  """Errors while writing `out` as one line: a full disk or a file-size limit is a
+  ResourceError (exit 1), a path that cannot be written a UserError (exit 2). Orbax and
+  tensorstore report OS errors in their own words; their os_error_code is the errno."""
+  try:
+    yield
+  except (UserError, ResourceError):
+    raise
+  except OSError as e:
+    raise os_error(e, f"cannot write '{out}'") from None
+  except Exception as e:  # orbax / tensorstore: a ValueError or bare Exception with a status
+    text = str(e)
+    code = re.search(r"os_error_code='?(\d+)", text)
+    if code:
+      errno_ = int(code.group(1))
+      raise os_error(OSError(errno_, os.strerror(errno_)), f"cannot write '{out}'") from None
+    if not re.match(r"[A-Z_]+: ", text):  # not a storage status: a bug, keep its traceback
+      raise
+    raise ResourceError(f"writing '{out}' failed: {text.splitlines()[0][:200]}") from None
 
 
 def _make_parent(out: str, parent: str) -> None:
@@ -148,6 +192,27 @@ def _make_parent(out: str, parent: str) -> None:
         from None
   except OSError as e:
     raise UserError(f"--out '{out}': cannot create '{parent}' ({e.strerror})") from None
+
+
+def check_out(out: str, *, force: bool, protect=(), folder: bool = True) -> None:
+  """Every check of --out that staged_dir / staged_file make, plus a write probe of its folder,
+  made before the conversion reads a checkpoint (minutes, for a large one)."""
+  from nanotext import probes, rundir
+  if rundir.kernel_fs(out):
+    raise UserError(f"--out '{out}' lies in a kernel file system ({rundir.kernel_fs(out)}): "
+                    "choose a path on disk")
+  if folder and os.path.isfile(out):
+    raise UserError(f"--out '{out}' is a file; this conversion writes a directory: give a "
+                    "directory path")
+  out = _check_target(out, force, protect)
+  if not folder and os.path.isdir(out):
+    raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
+  parent = os.path.dirname(out)
+  while not os.path.isdir(parent):
+    if os.path.lexists(parent):
+      raise UserError(f"--out '{out}': a file stands where its folder '{parent}' would be")
+    parent = os.path.dirname(parent)
+  probes.writable_dir(os.path.dirname(out), "the folder of --out")
 
 
 @contextlib.contextmanager
@@ -162,10 +227,12 @@ def staged_dir(out: str, *, force: bool, protect=()):
   out = _check_target(out, force, protect)
   parent, name = os.path.split(out)
   _make_parent(out, parent)
-  tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+  with writing(out):
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
   os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's private 0700 would outlive the rename
   try:
-    yield tmp
+    with writing(out):
+      yield tmp
     if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
       old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
       os.replace(out, os.path.join(old, name))  # aside first: rename cannot replace a full folder
@@ -186,11 +253,13 @@ def staged_file(out: str, *, force: bool, protect=()):
     raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
   parent, name = os.path.split(out)
   _make_parent(out, parent)
-  fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
+  with writing(out):
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
   os.close(fd)
   os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's private 0600 would outlive the rename
   try:
-    yield tmp
+    with writing(out):
+      yield tmp
     os.replace(tmp, out)
   finally:
     if os.path.exists(tmp):

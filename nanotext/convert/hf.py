@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from nanotext.convert.common import (fill, flatten, load_run, per_layer, require,
+from nanotext.convert.common import (check_out, fill, flatten, load_run, per_layer, require,
                                      stacked, staged_dir)
 from nanotext.convert.hf_tokenizer import generation_config, special_ids, write_tokenizer
 from nanotext.errors import UserError
@@ -142,10 +142,13 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   """Convert a HF GPT-2 directory into a nanotext run directory holding a step-0 checkpoint."""
   from nanotext import checkpoint, config, wiring
 
+  from nanotext.rundir import check_no_glob
+  check_no_glob(os.path.abspath(out), "--out")  # orbax writes its checkpoint there
   if os.path.isfile(hf):
     raise UserError(f"--hf '{hf}' is a file; give the Hugging Face model directory holding it")
   if not os.path.isdir(hf):
     raise UserError(f"Hugging Face directory '{hf}' does not exist")
+  check_out(os.path.abspath(out), force=force, protect=(hf,))
   c = _read_hf_config(hf)
   flat = _hf_to_flat(c, _read_hf_tensors(hf))
   derived = hf_overrides(c)
@@ -232,6 +235,7 @@ def to_hf(run: str, out: str, *, step: int = -1, force: bool = False, log=print)
   """A classic-GPT-2 nanotext checkpoint -> HF directory: config.json, generation_config.json,
   model.safetensors and the tokenizer files (`AutoTokenizer` / `pipeline` load it offline)."""
   from safetensors.numpy import save_file
+  check_out(os.path.abspath(out), force=force, protect=(run,))
   cfg, step, params = load_run(run, step)
   check_classic(cfg)
   flat = per_layer(cfg, flatten(params))

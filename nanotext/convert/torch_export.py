@@ -27,7 +27,8 @@ import os
 
 import numpy as np
 
-from nanotext.convert.common import flatten, load_run, per_layer, require, staged_file
+from nanotext.convert.common import (check_out, flatten, load_run, per_layer, require,
+                                     staged_file)
 from nanotext.errors import UserError
 
 # What the record's `GPT` (train_gpt.py 587b45fb) hard-codes: another value would load into its
@@ -91,6 +92,7 @@ def torch_state_dict(cfg, params) -> dict:
 def export_torch(run: str, out: str, *, step: int = -1, force: bool = False, log=print) -> str:
   """Write the params of `run`'s checkpoint as a modded-nanogpt safetensors state dict."""
   from safetensors.numpy import save_file
+  check_out(os.path.abspath(out), force=force, protect=(run,), folder=False)
   cfg, step, params = load_run(run, step)
   tensors = torch_state_dict(cfg, params)
   out_abs = os.path.abspath(out)

@@ -3,6 +3,7 @@
 Usage: python -m nanotext.data.fineweb [--train-shards N] [--out DIR]
 """
 
+import glob
 import os
 import shutil
 import sys
@@ -163,8 +164,9 @@ def download(train_shards: int, out_dir: str | None = None, fetch=None, log=_log
     tokens["val" if name == VAL_FILE else "train"] += count
   # Only after full success: a failed run keeps tmp_dir so huggingface_hub can resume.
   shutil.rmtree(tmp_dir, ignore_errors=True)
-  return {"dir": out_dir, "train_files": os.path.join(out_dir, "fineweb_train_*.bin"),
-          "val_files": os.path.join(out_dir, "fineweb_val_*.bin"),
+  pattern_dir = glob.escape(out_dir)  # a folder named with [ ] * ? is not a pattern
+  return {"dir": out_dir, "train_files": os.path.join(pattern_dir, "fineweb_train_*.bin"),
+          "val_files": os.path.join(pattern_dir, "fineweb_val_*.bin"),
           "train_shards": train_shards, "train_tokens": tokens["train"],
           "val_tokens": tokens["val"], "downloaded": downloaded, "skipped": skipped,
           "seconds": time.monotonic() - start}

@@ -1,5 +1,6 @@
 """Tokenize the embedded Shakespeare corpus into train/val `.bin` shards (cached on disk)."""
 
+import glob
 import hashlib
 import json
 import os
@@ -10,7 +11,7 @@ from nanotext.data import binfile
 from nanotext.data.corpus import load_corpus
 from nanotext.data.fileio import atomic_write
 from nanotext.data.tokenizer import get_tokenizer, shipped_path
-from nanotext.errors import UserError
+from nanotext.errors import UserError, os_error
 
 # Two whole plays (a tragedy and a comedy, ~4.6% of the text) held out by name, so the split
 # never depends on tokenizer, ordering or a random seed.
@@ -41,8 +42,9 @@ def _tokenizer_digest() -> str:
 
 def _result(out_dir: str, meta: dict) -> dict:
   """The returned description: globs for the pipeline plus the metadata."""
-  return {"train_files": os.path.join(out_dir, "train_*.bin"),
-          "val_files": os.path.join(out_dir, "val_*.bin"), "dir": out_dir, **meta}
+  # Escaped: a data.dir holding [ ] * ? is a folder name, not a pattern.
+  return {"train_files": os.path.join(glob.escape(out_dir), "train_*.bin"),
+          "val_files": os.path.join(glob.escape(out_dir), "val_*.bin"), "dir": out_dir, **meta}
 
 
 def _cached(out_dir: str, digest: str) -> dict | None:
@@ -78,6 +80,8 @@ def prepare_shakespeare(out_dir: str | None = None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
   except OSError as e:
     raise UserError(f"cannot create '{out_dir}' ({e}): set data.dir") from None
+  from nanotext import probes
+  probes.writable_dir(out_dir, "the prepared-data folder (data.dir)")
   tok = get_tokenizer("shakespeare")
   corpus = load_corpus()
   missing = set(VAL_WORKS) - {name for name, _ in corpus}
@@ -102,8 +106,9 @@ def prepare_shakespeare(out_dir: str | None = None) -> dict:
     # meta.json goes last: its presence marks a complete preparation.
     atomic_write(os.path.join(out_dir, META_FILE),
                  [(json.dumps(meta, indent=2) + "\n").encode()])
-  except OSError as e:
-    raise UserError(f"cannot write prepared data under '{out_dir}' ({e}): set data.dir") from None
+  except OSError as e:  # a full disk is exit 1, a folder that cannot be written exit 2
+    raise os_error(e, f"cannot write prepared data under '{out_dir}' (or set data.dir)") \
+        from None
   return _result(out_dir, meta)
 
 

@@ -142,7 +142,12 @@ def get_tokenizer(name: str) -> Tokenizer:
     if not path.is_file():
       raise UserError(
           f"shipped tokenizer '{path}' is missing: run python -m nanotext.data.tokenizer --train")
-    return HFTokenizer(HFTok.from_str(path.read_text()))
+    try:
+      return HFTokenizer(HFTok.from_str(path.read_text(encoding="utf-8")))
+    except Exception as e:  # tokenizers raises its own Exception type for a bad file
+      why = (str(e).splitlines() or [type(e).__name__])[0][:120]
+      raise UserError(f"shipped tokenizer '{path}' is damaged ({why}): reinstall nanotext, "
+                      "or rebuild it with python -m nanotext.data.tokenizer --train") from None
   if name == "gpt2":
     try:
       import tiktoken

@@ -1,0 +1,87 @@
+"""Checksums of a checkpoint's arrays: computed on the devices where the arrays are, saved as a
+step's `integrity` item, compared on every restore (truncated files, bytes overwritten in place)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from nanotext.errors import UserError
+
+
+class Damaged(UserError):
+  """A checkpoint step that does not restore or does not match its checksums."""
+
+
+def _words(x):
+  """x's bits as uint32, elementwise (so a sharded array stays sharded: no gather)."""
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  size = x.dtype.itemsize
+  if size == 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  if size in (1, 2):
+    small = jax.lax.bitcast_convert_type(x, jnp.uint8 if size == 1 else jnp.uint16)
+    return small.astype(jnp.uint32)
+  w = jax.lax.bitcast_convert_type(x, jnp.uint32)  # 8 bytes: [..., 2] words
+  return w[..., 0] ^ (w[..., 1] * jnp.uint32(0x9E3779B1))
+
+
+def _pair(x):
+  """Two position-weighted uint32 sums of x's bits: any changed byte changes the first."""
+  w = _words(x)
+  i = jnp.zeros(w.shape, jnp.uint32)
+  stride = 1
+  for d in reversed(range(w.ndim)):
+    i = i + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
+    stride *= w.shape[d]
+  # Sums wrap modulo 2**32 in any order, so a sharded reduction gives the same bits everywhere.
+  a = jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)
+  b = jnp.sum(((w << 7) | (w >> 25)) ^ (i * jnp.uint32(0x9E3779B1)), dtype=jnp.uint32)
+  return jnp.stack([a, b])
+
+
+_pairs = jax.jit(lambda leaves: [_pair(x) for x in leaves])
+
+
+def name_of(path) -> str:
+  """'params/blocks/0/attn/q/kernel' for a key path (saved trees key list items by strings)."""
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def checksums(tree) -> dict:
+  """{array name: 16 hex digits}, computed on the devices where the arrays already are."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  values = jax.device_get(_pairs([jnp.asarray(x) for _, x in flat]))
+  return {name_of(p): f"{int(v[0]):08x}{int(v[1]):08x}" for (p, _), v in zip(flat, values)}
+
+
+def verify(tree, integrity, where: str, prefix: str = "") -> None:
+  """Raise Damaged unless every array of `tree` matches the checksum saved with it."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  verify_named({prefix + name_of(p): x for p, x in flat}, integrity, where)
+
+
+def verify_named(arrays: dict, integrity, where: str) -> None:
+  """verify() of {saved name: array}; names the checksums do not list are not checked."""
+  saved = (integrity or {}).get("checksums")
+  if not saved or not arrays:  # a step written before checksums existed: nothing to compare
+    return
+  values = jax.device_get(_pairs([jnp.asarray(x) for x in arrays.values()]))
+  got = {k: f"{int(v[0]):08x}{int(v[1]):08x}" for k, v in zip(arrays, values)}
+  bad = [k for k, v in got.items() if saved.get(k, v) != v]
+  if bad:
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    raise Damaged(f"checkpoint '{where}' is damaged: array {bad[0]}{more} does not match the "
+                  "checksum saved with it")
+
+
+def record_beside(item: str):
+  """The integrity record of the step whose `state` item is `item` (None: none readable)."""
+  try:
+    with open(os.path.join(os.path.dirname(item), "integrity", "metadata")) as f:
+      record = json.load(f)
+    return record if isinstance(record, dict) else None
+  except (OSError, ValueError):
+    return None

@@ -1,0 +1,97 @@
+"""Writes tried before the expensive work: a run or a tool that cannot write where it must says
+so in one line before it compiles, trains or converts, not minutes later (or never: orbax waits
+300 s on a step directory it could not create).
+
+A probe writes a few bytes into a new file and deletes it; folders it had to create are removed
+again. Errors are `errors.os_error`: exit 2 for a path that cannot be written (permissions, an
+immutable file, a read-only or kernel file system), exit 1 for a full disk or a size limit.
+"""
+
+import errno
+import os
+import shutil
+import tempfile
+
+from nanotext.errors import ResourceError, os_error
+
+
+def writable_dir(path: str, what: str) -> None:
+  """Raise unless a file can be written in folder `path` (created for the probe if missing)."""
+  made = []
+  try:
+    parent = os.path.abspath(path)
+    while not os.path.isdir(parent):
+      if os.path.lexists(parent):
+        raise NotADirectoryError(errno.ENOTDIR, f"'{parent}' is a file, not a folder")
+      made.append(parent)
+      parent = os.path.dirname(parent)
+    for d in reversed(made):
+      os.mkdir(d)
+    fd, probe = tempfile.mkstemp(prefix=".nanotext-probe-", dir=path)
+    try:
+      os.write(fd, b"probe\n")
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+      os.remove(probe)
+  except OSError as e:
+    raise os_error(e, f"cannot write to {what} '{path}'") from None
+  finally:
+    for d in made:  # deepest first
+      try:
+        os.rmdir(d)
+      except OSError:
+        pass
+
+
+def appendable(path: str, what: str) -> None:
+  """Raise unless an existing file `path` can be opened for appending (immutable, read-only)."""
+  if not os.path.lexists(path):
+    return
+  try:
+    with open(path, "ab"):
+      pass
+  except OSError as e:
+    raise os_error(e, f"cannot write {what} '{path}'") from None
+
+
+def replaceable(path: str, what: str) -> None:
+  """Raise unless an existing file `path` can be replaced by a rename (not immutable)."""
+  if not os.path.lexists(path):
+    return
+  appendable(path, what)
+  if os.path.isdir(path):
+    raise os_error(IsADirectoryError(21, "it is a folder"), f"cannot write {what} '{path}'")
+
+
+def free_space(path: str, need: int, what: str) -> None:
+  """ResourceError when the file system of `path` has less than `need` bytes free."""
+  probe = os.path.abspath(path)
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  try:
+    free = shutil.disk_usage(probe).free
+  except OSError:
+    return  # cannot tell: the write itself reports it
+  if free < need:
+    raise ResourceError(f"{what} needs about {need / 2**20:,.1f} MiB but the file system of "
+                        f"'{path}' has {free / 2**20:,.1f} MiB free; free some space or choose "
+                        "another output_dir")
+
+
+def run_outputs(cfg, out: str, checkpoint_bytes: int) -> None:
+  """Every path a run writes, tried before it compiles: checkpoints/, config.yml,
+  metrics.jsonl, tb/, the profile and compile-cache folders, and room on disk for one
+  checkpoint."""
+  ckpt = os.path.join(out, "checkpoints")
+  writable_dir(ckpt, "the checkpoint folder")
+  replaceable(os.path.join(out, "config.yml"), "the run's config")
+  appendable(os.path.join(out, "metrics.jsonl"), "the run's metrics")
+  if cfg.metrics.tensorboard:
+    writable_dir(os.path.join(out, "tb"), "the TensorBoard folder")
+  if cfg.profile.steps > 0 and cfg.profile.start_step >= 0 and \
+      cfg.profile.start_step < cfg.train.steps:
+    writable_dir(cfg.profile.dir or os.path.join(out, "profile"), "profile.dir")
+  if cfg.train.compile_cache_dir:  # JAX would warn per program and cache nothing
+    writable_dir(os.path.expanduser(cfg.train.compile_cache_dir), "train.compile_cache_dir")
+  free_space(ckpt, checkpoint_bytes, "a checkpoint of this run")

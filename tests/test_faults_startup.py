@@ -1,0 +1,290 @@
+"""A run's start, before its first step: every write it will make is tried first, a path orbax
+would read as a glob is refused, odd things in output_dir are one line, and a signal stops it at
+once with output_dir as it was (there is nothing to save yet). Issue 21 and issue 18 item 4."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import BASE, REPO
+from test_cli_errors import snapshot
+from test_faults import (ARGS, array_files, assert_one_error_line, assert_same_as, copy_of,
+                         make_reference, quiet_run, start)
+from nanotext import checkpoint, probes, rundir
+from nanotext.errors import ResourceError, UserError
+
+reference = pytest.fixture(scope="module", name="reference")(make_reference)
+
+
+def train_cli(out, *extra, shell=""):
+  """`python -m nanotext.train` on the fault tests' tiny run; `shell` runs first (ulimit)."""
+  cmd = [sys.executable, "-m", "nanotext.train", BASE, *ARGS, f"output_dir={out}", *extra]
+  if shell:
+    cmd = ["bash", "-c", f'{shell} && exec "$0" "$@"', *cmd]
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+@contextlib.contextmanager
+def immutable(path):
+  """`chattr +i path` for the block (even root cannot write it); skips where unsupported."""
+  if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+    pytest.skip("chattr +i is not available here (needs root and ext4-like file systems)")
+  try:
+    yield
+  finally:
+    subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+# --- paths orbax reads as glob patterns ------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["run[1]", "st*q?"])
+def test_a_glob_character_in_output_dir_is_refused_before_anything(tmp_path, name):
+  """Orbax globs inside the checkpoint path: 'run[1]' trained and saved steps that no tool could
+  read back. Refused in one line; nothing is created."""
+  out = tmp_path / name
+  assert_one_error_line(train_cli(out), 2, "output_dir", "glob")
+  assert os.listdir(tmp_path) == []
+
+
+def test_glob_characters_in_the_readers_paths_are_refused(reference, tmp_path):
+  with pytest.raises(UserError, match="glob"):
+    checkpoint.make_manager(str(tmp_path / "a[1]"), keep=1)
+  with pytest.raises(UserError, match="checkpoint.load_params_from .*glob"):
+    checkpoint.find_params_item(str(tmp_path / "a[1]"))
+  link = tmp_path / "b?"  # the same run through a name with a glob character
+  os.symlink(reference[0], link)
+  for cmd in (["nanotext.generate", f"output_dir={link}"], ["nanotext.verify", str(link)],
+              ["nanotext.convert", "params-only", f"--run={link}", f"--out={tmp_path / 'p'}"]):
+    proc = subprocess.run([sys.executable, "-m", *cmd], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert_one_error_line(proc, 2, "glob")
+
+
+def test_a_data_dir_with_glob_characters_is_a_folder_not_a_pattern(tmp_path):
+  from nanotext.data import binfile, prepare
+  folder = tmp_path / "data[1]"
+  folder.mkdir()
+  binfile.write_shard(str(folder / "train_0.bin"), [1, 2, 3])
+  files = prepare._result(str(folder), {})["train_files"]  # pylint: disable=protected-access
+  assert binfile.find_shards(files, key="data.dir") == [str(folder / "train_0.bin")]
+
+
+# --- odd things in output_dir ----------------------------------------------------------------
+
+def test_stray_folders_named_with_non_ascii_digits_are_not_steps(reference, tmp_path):
+  """'²'.isdigit() is True and int('²') raises; '٣' is a digit int() reads as 3."""
+  out = copy_of(reference, tmp_path)
+  for name in ("²", "٣", "٧"):
+    os.mkdir(os.path.join(out, "checkpoints", name))
+  _, lines = quiet_run(out, "train.steps=8")
+  assert any("resumed from the checkpoint of step 6" in l for l in lines)
+  assert rundir.is_step_name("12") and not rundir.is_step_name("²")
+
+
+def test_a_lock_that_is_a_directory_is_one_line(reference, tmp_path):
+  out = copy_of(reference, tmp_path)
+  os.mkdir(os.path.join(out, ".lock"))
+  before = snapshot(out)
+  with pytest.raises(UserError, match=r"\.lock' is a directory"):
+    quiet_run(out, "train.steps=8")
+  assert snapshot(out) == before
+
+
+def test_a_full_disk_at_the_lock_is_one_line_status_1_and_leaves_no_lock(tmp_path):
+  """ulimit -f 0: the lock file is created but its first byte fails (EFBIG, as ENOSPC)."""
+  out = tmp_path / "run"
+  proc = train_cli(out, shell="ulimit -f 0")
+  assert_one_error_line(proc, 1, "File too large", ".lock")
+  assert not out.exists()
+
+
+# --- write probes: refused before compiling, never a hang ------------------------------------
+
+def test_an_immutable_checkpoint_folder_is_refused_before_training(reference, tmp_path):
+  """Orbax waited 300 s for a step directory it could not create, then a traceback."""
+  out = copy_of(reference, tmp_path)
+  before = snapshot(out)
+  with immutable(os.path.join(out, "checkpoints")):
+    t0 = time.monotonic()
+    proc = train_cli(out, "train.steps=8")
+    assert time.monotonic() - t0 < 120
+  assert_one_error_line(proc, 2, "checkpoint folder", "Operation not permitted")
+  assert "compiled" not in proc.stdout
+  assert snapshot(out) == before
+
+
+def test_a_save_into_a_folder_that_became_unwritable_fails_at_once(tmp_path):
+  """The probe in checkpoint.save: a run whose checkpoints/ turns read-only mid-run stops at
+  its next save in one line (CheckpointError, status 1), not after orbax's 300 s barrier."""
+  import jax.numpy as jnp
+  manager = checkpoint.make_manager(str(tmp_path), keep=2, async_save=True)
+  state = {"w": jnp.ones(4)}
+  checkpoint.save(manager, 1, state, {}, {})
+  checkpoint.wait(manager)
+  with immutable(tmp_path / "checkpoints"):
+    t0 = time.monotonic()
+    with pytest.raises(checkpoint.CheckpointError, match="step 2: cannot write"):
+      checkpoint.save(manager, 2, state, {}, {})
+    assert time.monotonic() - t0 < 30
+  manager.close()
+  assert issubclass(checkpoint.CheckpointError, ResourceError)  # exit status 1
+
+
+@pytest.mark.parametrize("victim", ["metrics.jsonl", "config.yml"])
+def test_an_immutable_run_file_is_refused_before_training(reference, tmp_path, victim):
+  out = copy_of(reference, tmp_path)
+  before = snapshot(out)
+  with immutable(os.path.join(out, victim)):
+    proc = train_cli(out, "train.steps=8")
+  assert_one_error_line(proc, 2, victim, "Operation not permitted")
+  assert "compiled" not in proc.stdout and snapshot(out) == before
+
+
+def test_a_profile_dir_that_cannot_be_written_is_refused_before_training(tmp_path):
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  out = tmp_path / "run"
+  with immutable(locked):
+    proc = train_cli(out, f"profile.dir={locked / 'p'}", "profile.steps=1",
+                     "profile.start_step=0")
+  assert_one_error_line(proc, 2, "profile.dir", str(locked / "p"))
+  assert not out.exists() and not (locked / "p").exists()
+
+
+def test_a_compile_cache_dir_that_cannot_be_written_is_refused(tmp_path):
+  """JAX warned once per program and cached nothing: a restart compiled everything again."""
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  with immutable(locked):
+    proc = train_cli(tmp_path / "run", f"train.compile_cache_dir={locked / 'cache'}")
+  assert_one_error_line(proc, 2, "train.compile_cache_dir", "Operation not permitted")
+  assert not (tmp_path / "run").exists()
+
+
+def test_paths_with_percent_braces_and_spaces_work_in_every_tool(tmp_path):
+  """Characters a format string or a shell would read (but a glob would not) are plain."""
+  out = str(tmp_path / "a %s {0} b")
+  quiet_run(out, "train.steps=2", "profile.steps=1", "profile.start_step=1",
+            f"profile.dir={tmp_path / 'p %d'}", f"train.compile_cache_dir={tmp_path / 'c {}'}")
+  assert os.listdir(tmp_path / "p %d") and os.listdir(tmp_path / "c {}")
+  ok = subprocess.run([sys.executable, "-m", "nanotext.verify", out], cwd=REPO,
+                      capture_output=True, text=True, timeout=300)
+  assert ok.returncode == 0 and "step       2  intact" in ok.stdout, ok.stderr
+  folder = str(tmp_path / "p {1} %")
+  conv = subprocess.run([sys.executable, "-m", "nanotext.convert", "params-only", f"--run={out}",
+                         f"--out={folder}"], cwd=REPO, capture_output=True, text=True,
+                        timeout=300)
+  assert conv.returncode == 0, conv.stderr
+  assert checkpoint.load_params(folder, checkpoint.latest_params(out)[1])[0] == folder
+
+
+def test_probes_leave_nothing_behind_and_tell_resources_from_permissions(tmp_path):
+  probes.writable_dir(str(tmp_path / "a" / "b"), "x")
+  assert os.listdir(tmp_path) == []  # the folders it made for the probe are gone again
+  with pytest.raises(ResourceError, match="a checkpoint needs about .* MiB free"):
+    probes.free_space(str(tmp_path), 2**60, "a checkpoint")
+  with pytest.raises(UserError, match="/f' is a file, not a folder"):
+    (tmp_path / "f").write_text("")
+    probes.writable_dir(str(tmp_path / "f" / "g"), "x")
+
+
+def test_an_empty_prompt_is_refused_before_training(tmp_path):
+  """sample.prompt= was refused only after training and saving."""
+  out = tmp_path / "run"
+  proc = train_cli(out, "sample.prompt=", "sample.max_new_tokens=4", "data.tokenizer=shakespeare",
+                   "model.vocab_size=8192")
+  assert_one_error_line(proc, 2, "sample.prompt=''", "no tokens")
+  assert "compiled" not in proc.stdout and not out.exists()
+
+
+# --- signals before the first step -----------------------------------------------------------
+
+SLOW_COMPILE = ["model.num_layers=4"]  # several seconds of compiling on CPU
+
+
+def start_and_signal(out, sig, *extra):
+  """Start a run, send `sig` once it prints its model line (its compilation follows at once);
+  returns (exit status, seconds from the signal to the exit, its output)."""
+  log = f"{out}.log"
+  with open(log, "wb") as f:
+    proc = subprocess.Popen([sys.executable, "-m", "nanotext.train", BASE, *ARGS, *SLOW_COMPILE,
+                             f"output_dir={out}", *extra], cwd=REPO, stdout=f, stderr=f)
+  deadline = time.time() + 300
+  while "model:" not in open(log).read():
+    assert proc.poll() is None and time.time() < deadline, open(log).read()[-3000:]
+    time.sleep(0.05)
+  time.sleep(0.5)  # into the restore or the compilation
+  t0 = time.monotonic()
+  proc.send_signal(sig)
+  status = proc.wait(timeout=120)
+  return status, time.monotonic() - t0, open(log).read()
+
+
+@pytest.mark.slow
+def test_sigterm_during_compilation_exits_at_once_and_creates_nothing(tmp_path):
+  """SIGTERM while compiling was taken as a preemption request: the process compiled on (for
+  minutes at full size) and only SIGKILL ended it."""
+  out = tmp_path / "run"
+  status, seconds, log = start_and_signal(out, signal.SIGTERM)
+  assert status == 128 + signal.SIGTERM, log[-3000:]
+  assert "compiled" not in log and "Traceback" not in log, log[-3000:]
+  assert log.strip().splitlines()[-1] == (f"nanotext: error: stopped by SIGTERM before the first "
+                                          f"step: nothing to save, output_dir '{out}' is as it was")
+  assert seconds < 20 and not out.exists()
+
+
+@pytest.mark.slow
+def test_a_signal_before_the_first_step_of_a_resume_or_overwrite_changes_nothing(tmp_path):
+  """A resume rewrites config.yml and appends to metrics.jsonl before compiling, an overwrite
+  sets the previous run aside: all of it is put back, bytes and times."""
+  out = tmp_path / "run"
+  first = train_cli(out, *SLOW_COMPILE, "train.steps=2", "checkpoint.every=2")
+  assert first.returncode == 0, first.stderr[-3000:]
+  before = snapshot(out)
+  status, _, log = start_and_signal(out, signal.SIGINT, "train.steps=6")
+  assert status == 128 + signal.SIGINT and "compiled" not in log, log[-3000:]
+  assert snapshot(out) == before and sorted(os.listdir(out)) == sorted(
+      ["checkpoints", "config.yml", "metrics.jsonl"])
+  status, _, log = start_and_signal(out, signal.SIGTERM, "overwrite=true", "model.d_model=32")
+  assert status == 128 + signal.SIGTERM, log[-3000:]
+  assert snapshot(out) == before and not os.path.exists(out / ".overwritten")
+  again = train_cli(out, *SLOW_COMPILE, "train.steps=4", "checkpoint.every=2")
+  assert again.returncode == 0 and "resumed from the checkpoint of step 2" in again.stdout
+
+
+def test_a_failure_before_the_first_step_puts_output_dir_back(reference, tmp_path):
+  """Bad input found after the start-up writes (a damaged checkpoint.load_params_from, read
+  after the lock and the probes) leaves no new output_dir behind."""
+  src = copy_of(reference, tmp_path)
+  for victim in array_files(os.path.join(src, "checkpoints", "6")):
+    with open(victim, "r+b") as f:
+      f.seek(os.path.getsize(victim) // 2)
+      f.write(b"\xde\xad\xbe\xef" * 64)
+  out = tmp_path / "new"
+  with pytest.raises(UserError, match="checkpoint .*/6' is damaged"):
+    quiet_run(str(out), f"checkpoint.load_params_from={src}")
+  assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_does_not_wait_for_the_save(reference, tmp_path):
+  """The first Ctrl-C asks for a save and a stop; a second one (a save that hangs) stops at
+  once. The step being written is discarded, the earlier ones stay, and a resume ends as the
+  uninterrupted run."""
+  out = str(tmp_path / "run")
+  proc, marker = start(out, pause_at=6)  # holds inside the final save of step 6
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.5)
+  t0 = time.monotonic()
+  proc.send_signal(signal.SIGINT)
+  assert proc.wait(timeout=60) == 128 + signal.SIGINT and time.monotonic() - t0 < 30
+  log = open(f"{out}.log").read()
+  assert "a second SIGINT: stopped without waiting" in log and "Traceback" not in log
+  _, lines = quiet_run(out)
+  assert any("resumed from the checkpoint of step 4" in l for l in lines), lines
+  assert_same_as(reference, out)

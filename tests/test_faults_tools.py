@@ -1,0 +1,266 @@
+"""The tools around a run (generate, verify, convert, plot) under bad input, damage, races and
+Ctrl-C: one line and the promised status, nothing written where it must not be. Issue 21, and
+generate's layer order from issue 18 item 4."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+
+from conftest import BASE, REPO, TINY
+from test_cli_errors import snapshot
+from test_faults import ARGS, array_files, assert_one_error_line, copy_of, make_reference
+from test_faults_startup import immutable, train_cli
+from nanotext import checkpoint, config, generate, verify, wiring
+
+reference = pytest.fixture(scope="module", name="reference")(make_reference)
+
+
+def cli(*args, env=None, shell=""):
+  cmd = [sys.executable, "-m", *args]
+  if shell:
+    cmd = ["bash", "-c", f'{shell} && exec "$0" "$@"', *cmd]
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, **(env or {})))
+
+
+def with_tokenizer(out):
+  """The run at `out` relabelled as Shakespeare-tokenized (TINY has none), so generate gets past
+  its prompt check; the model's 512 rows are enough for the ids of a short prompt."""
+  cfg = config.read_file(os.path.join(out, "config.yml"))
+  cfg["data"]["tokenizer"] = "shakespeare"
+  with open(os.path.join(out, "config.yml"), "w") as f:
+    yaml.safe_dump(cfg, f)
+  return out
+
+
+# --- generate ---------------------------------------------------------------------------------
+
+def saved_run(out, num_layers):
+  """A run directory holding config.yml and a checkpoint of fresh (not trained) params."""
+  run = wiring.prepare(BASE, TINY + [f"model.num_layers={num_layers}", "model.d_model=32",
+                                     "model.head_dim=16", f"output_dir={out}"])
+  state = run.init_state()
+  config.save(run.cfg, os.path.join(out, "config.yml"))
+  manager = checkpoint.make_manager(out, keep=1)
+  checkpoint.save(manager, 3, state, {}, {})
+  checkpoint.wait(manager)
+  manager.close()
+  return run, jax.device_get(state["params"])
+
+
+def logits(graphdef, params):
+  tokens = np.arange(32, dtype=np.int32)[None] * 7 % 512
+  return np.asarray(nnx.merge(graphdef, params)(tokens, train=False))
+
+
+def test_generate_restores_12_layers_in_their_order(tmp_path):
+  """Saved trees key layers by strings: restored without the model's tree they came back as
+  '0', '1', '10', '11', '2', ... and merged by position, so 12 layers ran permuted."""
+  out = str(tmp_path / "run")
+  run, params = saved_run(out, 12)
+  want = logits(run.graphdef, params)
+  step, graphdef, got = generate.restore(out, config.load(os.path.join(out, "config.yml")))
+  assert step == 3
+  np.testing.assert_array_equal(logits(graphdef, got), want)
+  # The bug this guards against: the saved tree merged as restored is another model.
+  _, as_saved = checkpoint.latest_params(out)
+  assert list(as_saved["blocks"])[:4] == ["0", "1", "10", "11"]
+  assert not np.allclose(logits(run.graphdef, as_saved), want)
+  # A params-only folder (convert) restores in order too, in its saved dtype.
+  from nanotext.convert import params_only
+  folder = str(tmp_path / "p")
+  params_only(out, folder, dtype="bfloat16", log=lambda s: None)
+  _, graphdef, got = generate.restore(folder, config.load(os.path.join(folder, "config.yml")))
+  assert {x.dtype for x in jax.tree.leaves(got)} == {np.dtype("bfloat16")}
+  bf16 = jax.tree.map(lambda x: np.asarray(x).astype("bfloat16"), params)
+  np.testing.assert_array_equal(logits(graphdef, got), logits(run.graphdef, bf16))
+
+
+def test_the_newest_step_rotated_away_while_read_is_read_again(reference, tmp_path,
+                                                               monkeypatch):
+  """generate and convert read the newest step of a run that may still be training: a step
+  removed under them is no 'damaged' error; the newest one by then is read."""
+  out = copy_of(reference, tmp_path)
+  read = checkpoint.read_on_one_device
+  removed = []
+
+  def rotated_away(m, step, part=""):
+    if not removed:
+      removed.append(step)
+      shutil.rmtree(checkpoint.step_dir(m, step))
+    return read(m, step, part)
+  monkeypatch.setattr(checkpoint, "read_on_one_device", rotated_away)
+  step, _ = checkpoint.latest_params(out)
+  assert removed == [6] and step == 4
+
+
+def test_generate_refuses_a_negative_step_and_an_empty_prompt_first(reference, tmp_path):
+  """step=-5 sampled the newest step; the prompt is checked before the checkpoint is read."""
+  out = with_tokenizer(copy_of(reference, tmp_path))
+  assert_one_error_line(cli("nanotext.generate", f"output_dir={out}", "step=-5"), 2, "step=-5")
+  for victim in array_files(os.path.join(out, "checkpoints", "6")):
+    os.truncate(victim, 10)
+  assert_one_error_line(cli("nanotext.generate", f"output_dir={out}", "prompt="), 2,
+                        "sample.prompt=''")
+
+
+def test_a_damaged_tokenizer_is_one_line(reference, tmp_path):
+  """The shipped tokenizer.json damaged (in a copy of the package): train and generate say so
+  in one line instead of the tokenizers parser's exception."""
+  pkg = tmp_path / "pkg"
+  shutil.copytree(os.path.join(REPO, "nanotext"), pkg / "nanotext",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copytree(os.path.join(REPO, "configs"), pkg / "configs")
+  tok = pkg / "nanotext" / "data" / "shakespeare" / "tokenizer.json"
+  tok.write_bytes(tok.read_bytes()[:5000])  # cut inside a UTF-8 character
+  out = with_tokenizer(copy_of(reference, tmp_path))
+  for cmd in ([sys.executable, "-m", "nanotext.generate", f"output_dir={out}"],
+              [sys.executable, "-m", "nanotext.train", "configs/base.yml", *ARGS,
+               "data.tokenizer=shakespeare", "model.vocab_size=8192",
+               f"output_dir={tmp_path / 'new'}"]):
+    proc = subprocess.run(cmd, cwd=pkg, capture_output=True, text=True, timeout=300)
+    assert_one_error_line(proc, 2, "tokenizer.json' is damaged", "--train")
+  assert not (tmp_path / "new").exists()
+
+
+def test_load_params_from_a_damaged_checkpoint_is_one_line(reference, tmp_path):
+  """Truncated array files: tensorstore tracebacks and a flood of 'sys.meta_path is None'."""
+  src = copy_of(reference, tmp_path)
+  for victim in array_files(os.path.join(src, "checkpoints", "6")):
+    os.truncate(victim, 1000)
+  proc = train_cli(tmp_path / "new", f"checkpoint.load_params_from={src}")
+  assert_one_error_line(proc, 2, "checkpoint", "damaged")
+  assert "meta_path" not in proc.stderr and not (tmp_path / "new").exists()
+
+
+# --- verify -----------------------------------------------------------------------------------
+
+def test_verify_calls_a_step_removed_while_read_gone_not_damaged(reference, tmp_path,
+                                                                 monkeypatch):
+  """A run training into the folder rotates steps out while verify reads them (3 of 5 tries
+  reported them damaged, exit 1). Here the removal lands inside the read, every time."""
+  out = copy_of(reference, tmp_path)
+  manager = checkpoint.make_manager(out, keep=1, create=False)
+  read = checkpoint.read_on_one_device
+
+  def rotated_away(m, step, part=""):
+    shutil.rmtree(checkpoint.step_dir(m, step))
+    return read(m, step, part)
+  monkeypatch.setattr(checkpoint, "read_on_one_device", rotated_away)
+  assert verify.check_step(manager, 4, racing=True)[0] == "gone"
+  assert verify.check_step(manager, 2, racing=False)[0] == "gone"
+  monkeypatch.setattr(checkpoint, "read_on_one_device", read)
+  victim = array_files(os.path.join(out, "checkpoints", "6"))[0]
+  os.truncate(victim, 10)
+  t0 = time.monotonic()
+  status, detail = verify.check_step(manager, 6, racing=True)
+  assert status == "damaged" and "step 6" in detail and time.monotonic() - t0 < 30
+
+
+@pytest.mark.slow
+def test_verify_beside_a_run_that_is_training_raises_no_false_alarm(tmp_path):
+  out = tmp_path / "run"
+  log = open(tmp_path / "train.log", "wb")
+  proc = subprocess.Popen([sys.executable, "-m", "nanotext.train", BASE, *ARGS, f"output_dir={out}",
+                           "train.steps=400", "checkpoint.every=1", "checkpoint.keep=2"],
+                          cwd=REPO, stdout=log, stderr=log)
+  try:
+    while not (out / "checkpoints").is_dir() or not any(
+        n.isdigit() for n in os.listdir(out / "checkpoints")):
+      assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+      time.sleep(0.2)
+    checked = 0
+    while proc.poll() is None and checked < 5:
+      result = cli("nanotext.verify", str(out))
+      assert result.returncode == 0 and "damaged" not in result.stdout, result.stdout
+      assert "a run is training into it" in result.stdout
+      checked += 1
+    assert checked >= 3
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+def test_ctrl_c_during_verify_is_one_line(reference, tmp_path):
+  out = copy_of(reference, tmp_path)
+  root = os.path.join(out, "checkpoints")
+  for n in range(8, 60, 2):  # more steps to read: a window for the signal
+    shutil.copytree(os.path.join(root, "6"), os.path.join(root, str(n)))
+  proc = subprocess.Popen([sys.executable, "-m", "nanotext.verify", out], cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+  assert "checkpoint(s) in" in proc.stdout.readline()
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+  assert err.strip().splitlines()[-1] == "nanotext: error: interrupted"
+
+
+# --- convert ----------------------------------------------------------------------------------
+
+def test_convert_refuses_an_out_inside_a_run(reference, tmp_path):
+  """params-only --out=RUN/checkpoints/99 wrote into the run it read, which then refused to
+  resume ('step 99 past train.steps')."""
+  run = copy_of(reference, tmp_path)
+  other = str(tmp_path / "other")
+  shutil.copytree(run, other)
+  before = snapshot(run), snapshot(other)
+  for out, needle in ((f"{run}/checkpoints/99", "inside the input"),
+                      (f"{run}/params", "inside the input"),
+                      (f"{other}/checkpoints/99", "inside the checkpoints/ of the run")):
+    assert_one_error_line(cli("nanotext.convert", "params-only", f"--run={run}",
+                              f"--out={out}"), 2, needle)
+  assert_one_error_line(cli("nanotext.convert", "to-hf", f"--run={run}", "--out=/proc/x"), 2,
+                        "kernel file system")
+  assert (snapshot(run), snapshot(other)) == before
+
+
+def test_a_file_size_limit_while_converting_is_one_line_status_1(reference, tmp_path):
+  out = tmp_path / "p"
+  proc = cli("nanotext.convert", "params-only", f"--run={reference[0]}", f"--out={out}",
+             shell="ulimit -f 64")
+  assert_one_error_line(proc, 1, "File too large")
+  assert "meta_path" not in proc.stderr and "ERROR" not in proc.stderr
+  assert os.listdir(tmp_path) == []  # no --out, no staging folder left
+
+
+# --- plot -------------------------------------------------------------------------------------
+
+def test_plot_skips_lines_that_are_not_metrics_and_needs_no_config(reference, tmp_path):
+  run = copy_of(reference, tmp_path)
+  with open(os.path.join(run, "metrics.jsonl"), "ab") as f:
+    f.write(b'{"step": 7, "loss": "abc"}\n{"step": 8, "loss": 1.0}\xff\xfe\n'
+            b'{"step": 1e400, "loss": 1.0}\n[1, 2]\n{"step": 9, "lo')  # the last: being written
+  with open(os.path.join(run, "config.yml"), "w") as f:
+    f.write("train: [\n")
+  out = tmp_path / "curves.png"
+  proc = cli("nanotext.plot", run, f"--out={out}")
+  assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+  assert "skipped 5 line(s) that are not metrics rows (line 8, ...)" in proc.stdout
+  assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_refuses_an_out_it_cannot_write_before_reading(reference, tmp_path):
+  run = reference[0]
+  assert_one_error_line(cli("nanotext.plot", run, f"--out={tmp_path / 'x.xyz'}"), 2,
+                        "'.xyz' is not an image format")
+  folder = tmp_path / "locked"
+  folder.mkdir()
+  with immutable(folder):
+    assert_one_error_line(cli("nanotext.plot", run, f"--out={folder / 'x.png'}"), 2,
+                          "Operation not permitted")
+  old = tmp_path / "old.png"
+  old.write_bytes(b"keep")
+  with immutable(old):
+    assert_one_error_line(cli("nanotext.plot", run, f"--out={old}"), 2,
+                          "Operation not permitted")
+  assert old.read_bytes() == b"keep" and sorted(os.listdir(tmp_path)) == ["locked", "old.png"]
