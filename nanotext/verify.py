@@ -33,7 +33,7 @@ def check_step(manager, step: int, racing: bool = False) -> tuple:
       state, integrity = checkpoint.read_on_one_device(manager, step)
       checkpoint.verify(state, integrity, where)
       break
-    except checkpoint.Damaged as e:
+    except (checkpoint.Damaged, FileNotFoundError) as e:  # a file rotated away mid-read
       if not os.path.isdir(where) or (racing and _gone(where)):
         return "gone", "removed while it was read (the run in progress keeps checkpoint.keep)"
       if attempt or not racing:
