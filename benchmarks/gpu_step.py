@@ -18,6 +18,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -66,8 +67,9 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
       state, m = programs(window_schedule.step_stage(cfg, k), state, batch)
     jax.block_until_ready(m)
     schedule_s = (time.perf_counter() - t0) / n
-  kernels = top_kernels(step, state, trace_steps, top) if trace_steps else []
   final_exec = programs.execs[programs.plan[final]]
+  kernels = (top_kernels(step, state, trace_steps, top, hlo_ops(final_exec)) if trace_steps
+             else [])
   tokens = cfg.train.batch_size * cfg.train.seq_len
   flops = metrics.flops_per_token(cfg.model, final[1], final[0]) * tokens
   peak = cfg.metrics.peak_flops * jax.device_count()
@@ -92,11 +94,17 @@ def peak_bytes(compiled) -> int:
              - mem.alias_size_in_bytes) if mem is not None else 0
 
 
-def top_kernels(step, state, n_steps: int, top: int) -> list:
+def hlo_ops(compiled) -> set:
+  """The instruction names of a compiled program (what a host trace names its ops by)."""
+  return set(re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", compiled.as_text(), re.M))
+
+
+def top_kernels(step, state, n_steps: int, top: int, ops: set) -> list:
   """[(name, ms per step, share)] of the `top` kernels by time in a profiler trace of n steps.
 
   Reads jax.profiler's perfetto trace: device kernels where the trace has a device process
-  (GPU/TPU: '/device:...'), else the XLA ops run on the host's XLA threads (CPU).
+  (GPU/TPU: '/device:...'), else the spans named after one of the program's instructions `ops`,
+  on whichever host thread ran them (CPU: XLA's pool, or the caller's thread for small programs).
   """
   import jax
   with tempfile.TemporaryDirectory() as where:
@@ -110,26 +118,21 @@ def top_kernels(step, state, n_steps: int, top: int) -> list:
     with gzip.open(files[0]) as f:
       events = json.load(f)
   return kernel_table(events.get("traceEvents", events) if isinstance(events, dict) else events,
-                      n_steps, top)
+                      n_steps, top, ops)
 
 
-def kernel_table(events: list, n_steps: int, top: int) -> list:
+def kernel_table(events: list, n_steps: int, top: int, ops: set = frozenset()) -> list:
   """Aggregate a Chrome/perfetto trace's complete events into the top kernels (see top_kernels)."""
-  procs, threads = {}, {}
-  for e in events:
-    if e.get("ph") == "M" and e.get("name") == "process_name":
-      procs[e.get("pid")] = e.get("args", {}).get("name", "")
-    if e.get("ph") == "M" and e.get("name") == "thread_name":
-      threads[(e.get("pid"), e.get("tid"))] = e.get("args", {}).get("name", "")
+  procs = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
   device = {p for p, name in procs.items() if name.startswith("/device:")}
   def counted(e):
     if device:
       return e.get("pid") in device
-    # On the host, XLA's executor also logs its own spans (`ThunkExecutor::...`) and control flow
-    # (`while.N`) around the ops: only the ops count.
+    # On the host the runtime logs its own spans around the ops, and control flow (`while.N`)
+    # spans the ops inside it: only the program's other instructions count.
     name = e.get("name", "")
-    return (threads.get((e.get("pid"), e.get("tid")), "").startswith("tf_XLA")
-            and "::" not in name and not name.startswith(("while", "call", "conditional")))
+    return name in ops and not name.startswith(("while", "call", "conditional"))
   total = collections.Counter()
   for e in events:
     if e.get("ph") == "X" and counted(e):

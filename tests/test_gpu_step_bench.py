@@ -41,3 +41,16 @@ def test_kernel_table_reads_device_streams_when_there_are_any():
                    {"ph": "X", "pid": 2, "tid": 9, "name": "python", "dur": 99000.0}]
   rows = gpu_step.kernel_table(events, n_steps=2, top=5)
   assert rows == [("gemm", 3.0, 0.75), ("softmax", 1.0, 0.25)]
+
+
+def test_kernel_table_on_a_host_counts_only_the_programs_instructions():
+  """Any thread may run a CPU program's ops; the runtime's own spans and control flow don't count."""
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
+  events = meta + [{"ph": "X", "pid": 1, "tid": 1, "name": "fusion.3", "dur": 4000.0},
+                   {"ph": "X", "pid": 1, "tid": 2, "name": "fusion.3", "dur": 2000.0},
+                   {"ph": "X", "pid": 1, "tid": 2, "name": "dot.1", "dur": 2000.0},
+                   {"ph": "X", "pid": 1, "tid": 2, "name": "while.2", "dur": 9000.0},
+                   {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(step)", "dur": 9000.0},
+                   {"ph": "X", "pid": 1, "tid": 1, "name": "ThunkExecutor::Execute", "dur": 9e3}]
+  rows = gpu_step.kernel_table(events, n_steps=1, top=5, ops={"fusion.3", "dot.1", "while.2"})
+  assert rows == [("fusion.3", 6.0, 0.75), ("dot.1", 2.0, 0.25)]

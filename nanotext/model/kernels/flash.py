@@ -8,10 +8,14 @@ would cost the T^2 memory the kernel exists to avoid, so the dispatch refuses fl
 must be a multiple of 128; a head_dim above 128 must be a multiple of 128.
 
 The kernel has no `interpret` argument. Off TPU it runs under `force_tpu_interpret_mode`, which
-only reaches the pallas_calls traced inside it; the backward kernels are traced later, when the
-gradient is transposed, so `_interpreted` wraps the kernel in a custom_vjp whose backward rule
-re-enters the mode. On TPU the kernel is called as is.
+only reaches the pallas_calls traced inside it. Its bf16 dots take the default matmul precision,
+and Mosaic refuses a bf16 dot at `jax_default_matmul_precision=highest` ("Bad lhs type"), so the
+kernel is traced at the default precision whatever the process set. The backward kernels are
+traced later, when the gradient is transposed, so `_traced_within` wraps the kernel in a
+custom_vjp whose backward rule re-enters both settings.
 """
+
+import contextlib
 
 import functools
 
@@ -46,9 +50,7 @@ def _local(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT=None, *, scale: float, interpr
   """Causal (optionally document-masked) attention through the Pallas kernel."""
   q_BHTK, k_BHTK, v_BHTK = (x.swapaxes(1, 2) for x in (q_BTHK, k_BTHK, v_BTHK))
   args = (q_BHTK, k_BHTK, v_BHTK) + (() if segment_ids_BT is None else (segment_ids_BT,))
-  fn = functools.partial(_kernel, scale=scale)
-  if interpret:
-    fn = _interpreted(fn, len(args))
+  fn = _traced_within(functools.partial(_kernel, scale=scale), len(args), interpret)
   return fn(*args).swapaxes(1, 2)
 
 
@@ -67,20 +69,30 @@ def _kernel(q_BHTK, k_BHTK, v_BHTK, segment_ids_BT=None, *, scale):
 _MODE = True
 
 
-def _interpreted(fn, n_args: int):
-  """`fn(q, k, v, [segment ids])` with forward and backward kernels traced in interpret mode."""
+@contextlib.contextmanager
+def _settings(interpret: bool):
+  """The default matmul precision, and the interpret mode off TPU."""
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(jax.default_matmul_precision("default"))
+    if interpret:
+      stack.enter_context(pltpu.force_tpu_interpret_mode(_MODE))
+    yield
+
+
+def _traced_within(fn, n_args: int, interpret: bool):
+  """`fn(q, k, v, [segment ids])` with forward and backward kernels traced under `_settings`."""
   @jax.custom_vjp
   def run(*args):
-    with pltpu.force_tpu_interpret_mode(_MODE):
+    with _settings(interpret):
       return fn(*args)
 
   def fwd(q, k, v, *segments):
-    with pltpu.force_tpu_interpret_mode(_MODE):
+    with _settings(interpret):
       out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *segments), q, k, v)
     return out, vjp
 
   def bwd(vjp, g):
-    with pltpu.force_tpu_interpret_mode(_MODE):
+    with _settings(interpret):
       return (*vjp(g), *(None,) * (n_args - 3))  # no cotangent for segment ids
 
   run.defvjp(fwd, bwd)
