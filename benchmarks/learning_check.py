@@ -8,8 +8,8 @@ with model.fp8_head=true, nanotext with the head in the model dtype, and, where 
 installed, benchmarks/record_torch.py (the record's training step re-derived, in its bf16 recipe
 with the FP8 head) from the same weights (nanotext's export-torch mapping). train.steps is the
 schedule's length (lr cooldown, window growth): --steps sets it, --run_steps runs only the
-first steps of it (each window size of the schedule is its own compiled program). Prints a markdown table of the
-losses and the largest relative differences.
+first steps of it (each window size of the schedule is its own compiled program). Prints a
+markdown table of the losses and the largest relative differences.
 
 The real shape (one 49,152-token row per step, 150 steps of the window schedule, on one GPU):
 
@@ -145,8 +145,10 @@ def table(columns: dict, reference: str, skip: int) -> str:
   out.append("")
   for k in names:
     if k != reference:
-      out.append(f"max |{k} - {reference}| / {reference}: {max_rel(columns[k], columns[reference]):.2%}"
-                 f" (steps {skip + 1}-{n}: {max_rel(columns[k], columns[reference], skip):.2%})")
+      whole, later = max_rel(columns[k], columns[reference]), \
+          max_rel(columns[k], columns[reference], skip)
+      out.append(f"max |{k} - {reference}| / {reference}: {whole:.2e} (steps {skip + 1}-{n}: "
+                 f"{later:.2e})")
   return "\n".join(out)
 
 

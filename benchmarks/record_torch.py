@@ -188,6 +188,7 @@ class RecordGPT(torch.nn.Module):
   `vocab`: the embedding tables' rows (the head has them rounded up to a multiple of 128);
   `eps`: F.rms_norm's epsilon on the activations; `dtype`: the activations (bfloat16 also makes
   the embedding tables bf16, as the record); `fp8_head`: the head in FP8 while training.
+  Parameters start at zero: the weights come from a state dict (`load_state`).
   """
 
   def __init__(self, vocab, d, eps, *, num_layers=12, dtype=torch.float32, fp8_head=False):
@@ -365,6 +366,9 @@ def load_state(model: RecordGPT, state: dict) -> None:
   """Load a {name: array or tensor} state dict (e.g. nanotext's export) strictly, each tensor
   converted to the model's dtype (bf16 arrays go through float32, which holds them exactly)."""
   own = model.state_dict()
-  as_torch = lambda v: v.float() if torch.is_tensor(v) else torch.as_tensor(np.asarray(v, np.float32))
+
+  def as_torch(v):
+    return v.float() if torch.is_tensor(v) else torch.from_numpy(np.array(v, np.float32))
+
   model.load_state_dict({k: as_torch(v).to(own[k].dtype if k in own else torch.float32)
                          for k, v in state.items()}, strict=True)
