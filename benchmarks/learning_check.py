@@ -145,10 +145,10 @@ def table(columns: dict, reference: str, skip: int) -> str:
   out.append("")
   for k in names:
     if k != reference:
-      whole, later = max_rel(columns[k], columns[reference]), \
-          max_rel(columns[k], columns[reference], skip)
-      out.append(f"max |{k} - {reference}| / {reference}: {whole:.2e} (steps {skip + 1}-{n}: "
-                 f"{later:.2e})")
+      line = f"max |{k} - {reference}| / {reference}: {max_rel(columns[k], columns[reference]):.2e}"
+      if n > skip:
+        line += f" (steps {skip + 1}-{n}: {max_rel(columns[k], columns[reference], skip):.2e})"
+      out.append(line)
   return "\n".join(out)
 
 
