@@ -112,8 +112,8 @@ def _scaled_mm(a8, b8, a_s, b_s):
 
 def matmul(a, b):
   """a @ b; bf16 operands give a bf16 product summed in float32 (a GPU's bf16 GEMM), computed
-  here as a float32 matmul of the bf16 values (exact products), rounded once."""
-  if a.dtype != torch.bfloat16:
+  off the GPU as a float32 matmul of the bf16 values (exact products), rounded once."""
+  if a.dtype != torch.bfloat16 or a.is_cuda:
     return a @ b
   return (a.float() @ b.float()).to(torch.bfloat16)
 
