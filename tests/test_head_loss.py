@@ -13,10 +13,15 @@ from nanotext.model.head_loss import head_loss_sum
 from nanotext.model.layers import fp8_head_scales, fp8_matmul, rms_norm
 
 
-def unfused(x, w, y, softcap, fp8):
-  """The head and loss as autodiff sees them: logits, soft-cap, optax's cross-entropy."""
-  z = fp8_matmul(x, w, *fp8) if fp8 else jnp.dot(x, w.astype(x.dtype))
-  logits = z.astype(jnp.float32)
+def unfused(x, w, y, softcap, fp8, r=1.0):
+  """The head and loss as autodiff sees them: logits, soft-cap, optax's cross-entropy; the FP8
+  head run at scale r (z = x (r w) in x's dtype, logits z / r)."""
+  if fp8:
+    x_s, w_s, grad_s = fp8
+    z = fp8_matmul(x, w * r, x_s, w_s * r, grad_s / r)
+  else:
+    z = jnp.dot(x, w.astype(x.dtype))
+  logits = z.astype(jnp.float32) / r
   logits = softcap * jnp.tanh(logits / softcap) if softcap else logits
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
 
@@ -34,14 +39,16 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("softcap", [0.0, 15.0])
-@pytest.mark.parametrize("dtype,fp8", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
-def test_value_and_gradients_match_autodiff(softcap, dtype, fp8):
+@pytest.mark.parametrize("dtype,fp8,r", [("float32", False, 1.0), ("bfloat16", False, 1.0),
+                                         ("bfloat16", True, 1.0), ("bfloat16", True, 8.0)])
+def test_value_and_gradients_match_autodiff(softcap, dtype, fp8, r):
   x, w, y = inputs(jnp.dtype(dtype))
   scales = fp8_head_scales(x.shape[1], x.shape[0]) if fp8 else None
   # The mean's gradient scale (1 / N), as the train step feeds the FP8 head.
-  ours = jax.value_and_grad(lambda x, w: head_loss_sum(x, w, y, softcap=softcap, fp8=scales)
-                            / x.shape[0], argnums=(0, 1))(x, w)
-  want = jax.value_and_grad(lambda x, w: unfused(x, w, y, softcap, scales) / x.shape[0],
+  ours = jax.value_and_grad(lambda x, w: head_loss_sum(x, w, y, softcap=softcap, fp8=scales,
+                                                       fp8_scale=r) / x.shape[0],
+                            argnums=(0, 1))(x, w)
+  want = jax.value_and_grad(lambda x, w: unfused(x, w, y, softcap, scales, r) / x.shape[0],
                             argnums=(0, 1))(x, w)
   tol = 1e-6 if dtype == "float32" else 1e-2  # bf16: z and its gradient rounded alike, sums apart
   np.testing.assert_allclose(ours[0], want[0], rtol=1e-6)

@@ -51,6 +51,18 @@ def test_schedule_warmup_constant_cooldown():
   np.testing.assert_allclose(optim.lr_factor(cfg, 100)(75), f(75), rtol=1e-6)
 
 
+def test_cooldown_is_the_records_fraction_of_progress():
+  # train_gpt.py 587b45fb get_lr: x = step / N, 1 while x < 1 - 0.4, else w = (1 - x) / 0.4 and
+  # w + (1 - w) * 0.1. At N = 12 the cooldown is 4.8 steps: no whole number of steps gives it.
+  def get_lr(step, n):
+    w = min(1.0, (1 - step / n) / 0.4)
+    return w + (1 - w) * 0.1
+  for n in (12, 13, 1770):
+    f = optim.lr_factor(optim_cfg(SPEEDRUN), n, xp=np)
+    np.testing.assert_allclose([f(s) for s in range(n + 1)], [get_lr(s, n) for s in range(n + 1)],
+                               rtol=1e-6)
+
+
 def test_muon_momentum_warmup():
   m = optim.muon_momentum(optim_cfg())
   np.testing.assert_allclose([m(0), m(150), m(300), m(1000)], [0.85, 0.90, 0.95, 0.95],
