@@ -66,11 +66,13 @@ def select(progs: list, spec: str) -> list:
   return [p for p in progs if p[0] in names]
 
 
-def abstract_batch(run) -> dict:
-  """ShapeDtypeStructs of one global batch, sharded as the data pipeline delivers it."""
+def abstract_batch(run, evaluation: bool = False) -> dict:
+  """ShapeDtypeStructs of one global batch (validation rows are train.eval_seq_len long),
+  sharded as the data pipeline delivers it."""
   import jax
   import jax.numpy as jnp
-  shape = (run.cfg.train.batch_size, run.cfg.train.seq_len)
+  t = run.cfg.train
+  shape = (t.batch_size, (t.eval_seq_len or t.seq_len) if evaluation else t.seq_len)
   spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=run.batch_sharding)
   return {"inputs": spec, "targets": spec}
 
@@ -78,12 +80,14 @@ def abstract_batch(run) -> dict:
 def compile_program(run, name, stage, hbm_bytes: int, min_headroom: float = 0.0) -> dict:
   """Compile one program for the run's devices; its record (an HBM overflow is a record too)."""
   from nanotext import trainer
-  state, batch = run.abstract_state(), abstract_batch(run)
+  state, batch = run.abstract_state(), abstract_batch(run, evaluation=name == "eval")
   if name == "eval":
     jitted, args = trainer.make_eval_step(run), (state["params"], batch)
   else:
     jitted, args = trainer.make_train_step(run, *stage), (state, batch)
   rec = {"name": name, "hbm_bytes_per_chip": hbm_bytes}
+  if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
+    rec["estimate_bytes_per_chip"] = (run.memory.eval if name == "eval" else run.memory.train).total
   t0 = time.perf_counter()
   try:
     compiled = jitted.lower(*args).compile()
@@ -154,11 +158,13 @@ def describe(rec) -> str:
                    for k, v in rec["collectives"].items() if v["count"]) or "none"
   ratio = rec["flops_xla_per_chip"] / rec["flops_analytic_per_chip"]
   verdict = "fits" if rec["fits"] else "does NOT fit"
+  est = f" (estimated {_gib(rec['estimate_bytes_per_chip'])})" \
+      if "estimate_bytes_per_chip" in rec else ""
   return "\n".join([
       head,
       f"  memory per chip  args {_gib(rec['argument'])} | outputs {_gib(rec['output'])} "
       f"(aliased {_gib(rec['alias'])}) | temps {_gib(rec['temp'])} | code "
-      f"{_gib(rec['generated_code'])} | total {_gib(rec['total_bytes_per_chip'])} of "
+      f"{_gib(rec['generated_code'])} | total {_gib(rec['total_bytes_per_chip'])}{est} of "
       f"{_gib(rec['hbm_bytes_per_chip'])} HBM, {100 * rec['headroom']:.1f}% headroom: {verdict}",
       f"  FLOPs per chip   analytic {_si(rec['flops_analytic_per_chip'])} | XLA "
       f"{_si(rec['flops_xla_per_chip'])} ({ratio:.2f}x) | bytes accessed "
@@ -208,6 +214,7 @@ def run_compile(path, overrides, slice_name, which="all", min_headroom=0.10, log
       f"{run.impl}, {run.cfg.train.batch_size} x {run.cfg.train.seq_len} tokens per step, "
       f"grad_accum {run.cfg.train.grad_accum}, remat {run.cfg.model.remat}, loss_chunk "
       f"{run.cfg.train.loss_chunk}")
+  log(run.memory.line())
   chosen = select(programs(run.cfg), which)
   recs = []
   for name, stage, steps in chosen:

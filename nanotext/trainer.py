@@ -114,7 +114,7 @@ def make_eval_step(run: Run, windows=None):
   def eval_fn(params, batch):
     with sharding.use_rules(run.rules, run.mesh):
       return loss_fn(run.graphdef, params, batch["inputs"], batch["targets"], run.eot_id,
-                     windows, chunk=run.cfg.train.loss_chunk, train=False)
+                     windows, chunk=run.cfg.train.eval_loss_chunk, train=False)
   batch_sh = {"inputs": run.batch_sharding, "targets": run.batch_sharding}
   return jax.jit(eval_fn, in_shardings=(run.state_shardings["params"], batch_sh))
 

@@ -64,5 +64,5 @@ def test_remat_policies_match_no_remat(policy, speedrun_plain):
 def test_bad_lean_step_keys_are_user_errors():
   with pytest.raises(UserError, match="train.loss_chunk=24 does not divide train.seq_len=32"):
     wiring.load(BASE, TINY + ["train.loss_chunk=24"])
-  with pytest.raises(UserError, match="model.remat='some' is not one of: none, full, dots"):
+  with pytest.raises(UserError, match="model.remat='some' is not one of: none, full, dots, auto"):
     wiring.load(BASE, TINY + ["model.remat=some"])

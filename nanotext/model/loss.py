@@ -23,7 +23,7 @@ def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True,
   B, T, D = x_BTD.shape
   denominator = B if per_row else B * T
   xent = optax.softmax_cross_entropy_with_integer_labels
-  if not chunk or chunk >= T:
+  if chunk <= 0 or chunk >= T:  # 0 = whole rows (-1 = auto, unresolved outside a run: whole)
     logits_BTV = model.logits(x_BTD, loss_denominator=denominator, train=train)
     return xent(logits_BTV, targets_BT).sum() / denominator
   n = T // chunk
