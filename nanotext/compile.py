@@ -87,7 +87,8 @@ def compile_program(run, name, stage, hbm_bytes: int, min_headroom: float = 0.0)
     jitted, args = trainer.make_train_step(run, *stage), (state, batch)
   rec = {"name": name, "hbm_bytes_per_chip": hbm_bytes}
   if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
-    rec["estimate_bytes_per_chip"] = (run.memory.eval if name == "eval" else run.memory.train).total
+    plan = run.memory
+    rec["estimate_bytes_per_chip"] = (plan.eval if name == "eval" else plan.train).total
   t0 = time.perf_counter()
   try:
     compiled = jitted.lower(*args).compile()
@@ -173,16 +174,24 @@ def describe(rec) -> str:
       f"  Mosaic kernels   {rec['tpu_custom_calls']} tpu_custom_call(s)"])
 
 
-def helpful_keys(run) -> str:
-  """The config changes that lower per-chip memory, given what the run already does."""
+def helpful_keys(run, programs=("train",)) -> str:
+  """The config changes that lower per-chip memory of the failing `programs`, given what the run
+  already does (remat and micro-batches do nothing for the eval step, a forward pass)."""
+  from nanotext.memory_plan import auto_chunk
   t, m = run.cfg.train, run.cfg.model
   keys = []
-  if m.remat != "full":
-    keys.append("model.remat=" + ("dots or full" if m.remat == "none" else "full"))
-  if not t.loss_chunk or t.loss_chunk >= t.seq_len:
-    keys.append(f"train.loss_chunk={min(256, t.seq_len // 2)}")
-  if t.batch_size % (2 * t.grad_accum) == 0:
-    keys.append(f"train.grad_accum={2 * t.grad_accum} (half the activations per micro-batch)")
+  if any(p != "eval" for p in programs):
+    if m.remat != "full":
+      keys.append("model.remat=" + ("dots or full" if m.remat == "none" else "full"))
+    if not t.loss_chunk and auto_chunk([t.seq_len]):
+      keys.append(f"train.loss_chunk={auto_chunk([t.seq_len])}")
+    if t.batch_size % (2 * t.grad_accum) == 0:
+      keys.append(f"train.grad_accum={2 * t.grad_accum} (half the activations per micro-batch)")
+  if "eval" in programs:
+    length = t.eval_seq_len or t.seq_len
+    if not t.eval_loss_chunk and auto_chunk([length]):
+      keys.append(f"train.eval_loss_chunk={auto_chunk([length])}")
+    keys.append("train.eval_seq_len" if t.eval_seq_len else "train.batch_size")
   if run.mesh.shape["data"] > 1:
     keys.append("mesh.fsdp=-1 mesh.data=1 (shard parameters and optimizer state)")
   return ", ".join(keys) + ", or a larger topology"
@@ -216,6 +225,7 @@ def run_compile(path, overrides, slice_name, which="all", min_headroom=0.10, log
       f"{run.cfg.train.loss_chunk}")
   log(run.memory.line())
   chosen = select(programs(run.cfg), which)
+  run.memory.require(*{"eval" if name == "eval" else "train" for name, _, _ in chosen})
   recs = []
   for name, stage, steps in chosen:
     rec = compile_program(run, name, stage, sl.chip.hbm_bytes, min_headroom)
@@ -249,7 +259,8 @@ def main(argv):
         out.write(json.dumps(rec) + "\n")
   ok, line = verdict(recs, sl.name, f.min_headroom)
   if not ok:
-    fail(f"{line}; try {helpful_keys(run)}")
+    bad = [r["name"] for r in recs if not r["fits"]]
+    fail(f"{line}; try {helpful_keys(run, ['eval' if b == 'eval' else 'train' for b in bad])}")
   print(line)
 
 

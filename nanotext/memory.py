@@ -29,7 +29,7 @@ FLASH_KERNELS = ("splash", "flash", "cudnn")
 
 def gib(n: float) -> str:
   """Bytes for people: '39.2 GiB', '96.0 MiB', '5.8 PiB'."""
-  if n < GIB / 10:
+  if n < GIB:
     return f"{n / 2**20:.1f} MiB"
   for unit in ("GiB", "TiB", "PiB", "EiB"):
     if n < 1000 * GIB or unit == "EiB":
@@ -149,9 +149,10 @@ def _inner(e) -> list:
   return out
 
 
-def peak_live(jaxpr, size_of) -> float:
+def peak_live(jaxpr, size_of, opaque=lambda eqn: False) -> float:
   """Most bytes of materialised values alive at once while `jaxpr` runs in program order
-  (its arguments not counted): a forward pass's working set."""
+  (its arguments not counted): a forward pass's working set. An `opaque` eqn counts its
+  outputs only, not what runs inside it."""
   g = _Graph(jaxpr)
   last = {}
   for i, e in enumerate(jaxpr.eqns):
@@ -170,7 +171,8 @@ def peak_live(jaxpr, size_of) -> float:
     if not g.kept(e):
       continue
     size = sum(size_of(v.aval) for v in e.outvars if v in last)
-    inner = max((peak_live(j, size_of) for j in _inner(e)), default=0.0)
+    inner = 0.0 if opaque(e) else \
+        max((peak_live(j, size_of, opaque) for j in _inner(e)), default=0.0)
     peak = max(peak, live + inner + size)
     live += size - sum(size_of(a.aval) for a in dies.get(i, ()))
   return peak
@@ -248,6 +250,12 @@ class Model:
     per_device = lambda tree, counts: sum(nbytes(x) / n for x, n in
                                           zip(jax.tree.leaves(tree), jax.tree.leaves(counts)))
     self.param_bytes = per_device(self.params, shards)
+    # Weights sharded over data or fsdp are gathered whole for the matmuls (tensor-parallel
+    # shards stay split): measured on TPU under FSDP, the gathered copies are live at once.
+    split_only = dict(mesh_sizes, **{a: 1 for a in mesh_sizes if a != "tensor"})
+    used = jax.tree.map(lambda s: sharding.shard_count(tuple(s), rules, split_only), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+    self.gathered_bytes = per_device(self.params, used) - self.param_bytes
     tx = optim.make_optimizer(cfg.optim, optim.group_labels(abstract), cfg.train.steps)
     opt = jax.eval_shape(tx.init, self.params)
     self.opt_bytes = per_device(opt, sharding.like_params(opt, shards, self.params, 1))
@@ -332,7 +340,7 @@ class Model:
     t = self.cfg.train
     accum_grads = self.param_bytes if t.grad_accum > 1 else 0  # the running sum beside each's
     return {"parameters": self.param_bytes, "optimizer_state": self.opt_bytes,
-            "gradients": self.param_bytes + accum_grads,
+            "gradients": self.param_bytes + accum_grads, "gathered_parameters": self.gathered_bytes,
             "batch": 2 * 4 * self.rows * t.grad_accum * t.seq_len}
 
   def logits_bytes(self, rows: int, length: int, chunk: int) -> float:
@@ -369,10 +377,11 @@ class Model:
     kept = self.trace("none" if cpu else remat, chunk)
     stored = kept["block"] + kept["other"]
     logits = self.logits_bytes(self.rows, t.seq_len, chunk)
-    # At the loss: every kept activation, the logits and their gradient (chunked: one chunk's,
-    # recomputed). Later, in the blocks' backward: a block's recomputed activations (remat).
+    # At the loss: every kept activation and the loss's (chunked: one chunk's logits, recomputed;
+    # whole: their gradient takes their place). Later, in a block's backward under remat: its
+    # recomputed activations and their gradients.
     loss_peak = kept["loss"] + (logits if 0 < chunk < t.seq_len else 0)
-    recompute = self.trace("none", chunk)["per_block"] if remat != "none" and not cpu else 0
+    recompute = 2 * self.trace("none", chunk)["per_block"] if remat != "none" and not cpu else 0
     attention = self.attention_bytes(self.rows, t.seq_len, train=True)
     work = max(loss_peak, recompute + attention)
     return _estimate("train step", activations=stored, logits_and_loss=work if work == loss_peak
@@ -393,6 +402,9 @@ class Model:
       graphdef = self.traced_model(self.cfg.model.remat)
       closed = jax.make_jaxpr(lambda p, x, y: trainer.loss_fn(
           graphdef, p, x, y, eot, windows, chunk, train=False))(self.params, tokens, tokens)
-      self._traces[("eval", chunk)] = peak_live(closed.jaxpr, self.stored_bytes)
+      flash = self.impl in FLASH_KERNELS  # traced as blocked: its work inside is not theirs
+      self._traces[("eval", chunk)] = peak_live(
+          closed.jaxpr, self.stored_bytes, lambda e: flash and _scope(e) == "kernel")
     return _estimate("eval step", parameters=self.param_bytes, batch=2 * 4 * rows * length,
+                     gathered_parameters=self.gathered_bytes,
                      activations_and_logits=self._traces[("eval", chunk)])

@@ -92,6 +92,15 @@ TOLERANCE = 0.25  # the estimate's measured accuracy: refuse only beyond capacit
 KEYS = ("model.remat", "train.loss_chunk", "train.eval_loss_chunk")
 
 
+class DoesNotFit(UserError):
+  """A program's leanest estimate exceeds the device (the message says by what, and what
+  would fit)."""
+
+  def __init__(self, message: str, estimate):
+    super().__init__(message)
+    self.estimate = estimate
+
+
 @dataclasses.dataclass
 class Plan:
   """What the planner chose and why, with the estimates it chose by."""
@@ -101,6 +110,14 @@ class Plan:
   capacity: int | None
   source: str
   why: str
+  eval_problem: str = ""  # why the eval step cannot fit ("": it can)
+
+  def require(self, *programs) -> None:
+    """UserError if one of `programs` ("train", "eval") cannot fit. The train step is checked
+    when the run is built; the eval step only where it will run (the train CLI, compile), so a
+    run built to train or to look at the model is not refused for its validation rows."""
+    if "eval" in programs and self.eval_problem:
+      raise UserError(self.eval_problem)
 
   def line(self) -> str:
     """The start-up log line."""
@@ -114,14 +131,12 @@ class Plan:
 
 
 def auto_chunk(lengths) -> int:
-  """The loss chunk auto uses: the largest divisor of every row length up to memory.CHUNK
-  (0 when rows are that short already: chunking would not lower anything)."""
+  """The loss chunk auto tries: the largest divisor of every row length up to memory.CHUNK and
+  shorter than the rows (0: rows of one position cannot be cut)."""
   g = 0
   for n in lengths:
     g = math.gcd(g, int(n))
-  if g <= memory.CHUNK:
-    return 0
-  return max(c for c in range(1, memory.CHUNK + 1) if g % c == 0)
+  return max((c for c in range(1, min(memory.CHUNK, g - 1) + 1) if g % c == 0), default=0)
 
 
 def parameter_floor(cfg) -> int:
@@ -160,7 +175,7 @@ class Planner:
           f"{gib(self.capacity)} ({self.source}); use a smaller model (model.num_layers, "
           "model.d_model, model.mlp_dim, model.vocab_size) or more devices")
     model = memory.model_of(cfg, self.backend, self.mesh_sizes)
-    self._attention_first(model)
+    self._attention_first(model, "train")
     t, m = cfg.train, cfg.model
     remats = memory.REMATS if m.remat == "auto" else (m.remat,)
     from nanotext.window_schedule import seq_lens
@@ -176,12 +191,18 @@ class Planner:
     eval_ladder = [(c,) for c in ((0, eval_chunk) if eval_chunk else (0,))] \
         if t.eval_loss_chunk == -1 else [(t.eval_loss_chunk,)]
     eval_ladder = self._preferred(eval_ladder, KEYS[2:], (t.eval_loss_chunk == -1,))
-    (eval_chunk,), evaluation, eval_why = self._choose(
-        eval_ladder, lambda c: model.eval(*c), cfg, model, "eval")
-    if (t.eval_loss_chunk == -1 and eval_chunk) or eval_why.startswith("may"):
+    problem = ""
+    try:
+      self._attention_first(model, "eval")
+      (eval_chunk,), evaluation, eval_why = self._choose(
+          eval_ladder, lambda c: model.eval(*c), cfg, model, "eval")
+    except DoesNotFit as e:  # kept for Plan.require: only a run that evaluates is refused
+      problem, eval_why, evaluation = str(e), "the eval step does not fit", e.estimate
+      (eval_chunk,) = eval_ladder[-1]
+    if (t.eval_loss_chunk == -1 and eval_chunk) or eval_why.startswith(("may", "the eval")):
       why = f"{why}; {eval_why}"  # said only when it changes something
     self.plan = Plan(dict(zip(KEYS, (remat, chunk, eval_chunk))), train, evaluation,
-                     self.capacity, self.source, why)
+                     self.capacity, self.source, why, problem)
     return self.plan.choice
 
   def _preferred(self, ladder: list, keys: tuple, auto: tuple) -> list:
@@ -205,7 +226,7 @@ class Planner:
     if est.total <= self.capacity * (1 + TOLERANCE):
       return choice, est, (f"may not fit: the {program} step is within the estimate's accuracy "
                            "of the device")
-    raise UserError(self._refusal(est, cfg, model, program))
+    raise DoesNotFit(self._refusal(est, cfg, model, program), est)
 
   def _why(self, ladder, choice, tried, program) -> str:
     if len(ladder) == 1:
@@ -218,16 +239,13 @@ class Planner:
       return f"the plain {program} step fits"
     return f"the plain {program} step needs ~{gib(tried[0][1].total)}"
 
-  def _attention_first(self, model) -> None:
+  def _attention_first(self, model, program: str) -> None:
     """Refuse dense attention that cannot fit before anything traces it (its [T, T] masks are
     built on the host while tracing)."""
-    if self.capacity is None:
-      return
-    for program in ("train", "eval"):
-      need = dense_attention(model, program)
-      if need > self.capacity * (1 + TOLERANCE):
-        est = memory.Estimate(f"{program} step", (("attention scores", int(need)),))
-        raise UserError(self._refusal(est, model.cfg, model, program))
+    need = dense_attention(model, program)
+    if self.capacity is not None and need > self.capacity * (1 + TOLERANCE):
+      est = memory.Estimate(f"{program} step", (("attention scores", int(need)),))
+      raise DoesNotFit(self._refusal(est, model.cfg, model, program), est)
 
   def _refusal(self, est, cfg, model, program) -> str:
     tips = advice(cfg, model, program, est, self.capacity)
@@ -239,7 +257,7 @@ def advice(cfg, model, program: str, est, capacity: int) -> str:
   """'try K=V (~X), ... or more devices': single-key changes that lower the dominant term of
   `est`, each re-estimated (those that fit first)."""
   tried = []
-  for text, try_cfg, sizes in changes(cfg, model, program, est.dominant()):
+  for text, try_cfg, sizes in changes(cfg, model, program, est, capacity):
     try:
       other = memory.model_of(try_cfg, model.backend, sizes)
       if dense_attention(other, program) > capacity:
@@ -277,15 +295,20 @@ def _leanest(model, cfg, program):
   return model.train(remat, chunk)
 
 
-def changes(cfg, model, program: str, dominant: str) -> list:
-  """[(override text, changed config or None = same model, mesh sizes)] that lower `dominant`."""
+def changes(cfg, model, program: str, est, capacity: int) -> list:
+  """[(override text, changed config, mesh sizes)] that lower the dominant term of `est`."""
+  import ml_collections
   from nanotext import config
-  t, m, a = cfg.train, cfg.model, cfg.attention
-  sizes = model.mesh_sizes
+  t, m = cfg.train, cfg.model
+  sizes, dominant = model.mesh_sizes, est.dominant()
   out = []
+
   def change(text, **sections):
     new = memory.replace(cfg, **sections)
-    config.validate(config.ml_collections.ConfigDict(new.to_dict()))  # e.g. loss_chunk | seq_len
+    try:  # a change that breaks another rule (a chunk that does not divide the rows) is no advice
+      config.validate(ml_collections.ConfigDict(new.to_dict()))
+    except UserError:
+      return
     out.append((text, new, sizes))
   if program == "train" and dominant in ("activations", "recompute and attention",
                                          "logits and loss"):
@@ -294,17 +317,22 @@ def changes(cfg, model, program: str, dominant: str) -> list:
     if t.loss_chunk == 0 and auto_chunk([t.seq_len]):
       change(f"train.loss_chunk={auto_chunk([t.seq_len])}",
              train={"loss_chunk": auto_chunk([t.seq_len])})
-    for k in (2, 4):
+    # Micro-batches of 1/k the rows: twice, and as many as the per-row terms say would fit.
+    fixed = sum(b for name, b in est.terms if name in ("parameters", "optimizer state",
+                                                        "gradients", "gathered parameters"))
+    room = max(capacity * (1 - HEADROOM) - 2 * fixed, 1.0)  # accumulation adds gradients
+    fit = 2 ** math.ceil(math.log2(max(2.0, (est.total - fixed) / room)))
+    for k in sorted({2, min(fit, model.rows)}):
       if model.rows % k == 0:
         change(f"train.grad_accum={t.grad_accum * k}", train={"grad_accum": t.grad_accum * k})
-  if program == "eval" and dominant == "logits" and t.eval_loss_chunk == 0:
+  if program == "eval" and t.eval_loss_chunk == 0:
     c = auto_chunk([model.eval_len])
     if c:
       change(f"train.eval_loss_chunk={c}", train={"eval_loss_chunk": c})
   if program == "eval" and t.eval_seq_len > t.seq_len:
     change(f"train.eval_seq_len={t.seq_len}", train={"eval_seq_len": t.seq_len})
-  if model.impl in memory.DENSE_KERNELS and dominant in ("attention scores", "activations",
-                                                         "recompute and attention"):
+  if model.impl in memory.DENSE_KERNELS and dominant in (
+      "attention scores", "activations", "recompute and attention", "activations and logits"):
     impl = "splash" if model.backend == "tpu" else "blocked"
     change(f"attention.impl={impl}", attention={"impl": impl})
   if dominant in ("parameters", "optimizer state", "gradients") and sizes.get("data", 1) > 1:

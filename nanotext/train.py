@@ -54,6 +54,7 @@ def run(path: str, overrides, log=print):
   distributed.maybe_initialize(cfg.distributed)
   # A resumed run keeps the remat and loss chunks it chose before, where they still fit.
   run_ = wiring.from_config(cfg, prefer=memory_plan.saved_choice(cfg.output_dir))
+  run_.memory.require("train", "eval")  # every run validates at its end
   cfg = run_.cfg
   bad = config.misaligned_dims(cfg.model)
   if bad:

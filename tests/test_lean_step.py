@@ -15,7 +15,7 @@ SPEEDRUN_TINY = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2",
                  "model.dtype=float32", "train.seq_len=64", "train.batch_size=8",
                  "attention.impl=xla", "attention.window=32", "attention.window_start=16",
                  "attention.window_block=16", "data.source=synthetic", "data.tokenizer=none",
-                 "data.eot_id=0", "model.zero_init_head=false"]
+                 "data.eot_id=0", "model.zero_init_head=false", "train.eval_seq_len=0"]
 
 
 def loss_and_grads(path, overrides):
