@@ -349,8 +349,8 @@ def saved_choice(output_dir: str) -> dict:
       saved = yaml.safe_load(f)
     found = {k: saved[k.split(".")[0]][k.split(".")[1]] for k in KEYS
              if k.split(".")[1] in (saved.get(k.split(".")[0]) or {})}
-  except (OSError, yaml.YAMLError, AttributeError, TypeError):
-    return {}  # no run there, or a damaged file: the run's own checks say so later
+  except (OSError, ValueError, yaml.YAMLError, AttributeError, TypeError):
+    return {}  # no run there, or a damaged file (not UTF-8, not YAML): rundir says so later
   ok = lambda k, v: v in memory.REMATS if k == "model.remat" else \
       type(v) is int and v >= 0  # a resolved choice, not auto
   return {k: v for k, v in found.items() if ok(k, v)}

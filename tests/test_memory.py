@@ -168,6 +168,16 @@ def test_dense_attention_is_refused_before_tracing_its_mask(monkeypatch):
   assert "train.eval_seq_len=512" in str(e.value) and "attention.impl=blocked" in str(e.value)
 
 
+def test_saved_choice_reads_a_runs_resolved_keys_only(tmp_path):
+  (tmp_path / "config.yml").write_text("model:\n  remat: dots\ntrain:\n  loss_chunk: 256\n"
+                                       "  eval_loss_chunk: -1\n")
+  assert memory_plan.saved_choice(str(tmp_path)) == {"model.remat": "dots",
+                                                     "train.loss_chunk": 256}
+  (tmp_path / "config.yml").write_bytes(b"model: [\xff\x00")  # damaged: rundir's to report
+  assert memory_plan.saved_choice(str(tmp_path)) == {}
+  assert memory_plan.saved_choice(str(tmp_path / "none")) == {}
+
+
 def test_auto_chunk_divides_every_row_length():
   assert memory_plan.auto_chunk([49152]) == 256
   assert memory_plan.auto_chunk([1024, 2048]) == 256
