@@ -78,11 +78,13 @@ def select(progs: list, spec: str) -> list:
   return [p for p in progs if p[0] in names]
 
 
-def abstract_batch(run) -> dict:
-  """ShapeDtypeStructs of one global batch, sharded as the data pipeline delivers it."""
+def abstract_batch(run, evaluation: bool = False) -> dict:
+  """ShapeDtypeStructs of one global batch (validation rows are train.eval_seq_len long),
+  sharded as the data pipeline delivers it."""
   import jax
   import jax.numpy as jnp
-  shape = (run.cfg.train.batch_size, run.cfg.train.seq_len)
+  t = run.cfg.train
+  shape = (t.batch_size, (t.eval_seq_len or t.seq_len) if evaluation else t.seq_len)
   spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=run.batch_sharding)
   return {"inputs": spec, "targets": spec}
 
@@ -101,7 +103,7 @@ def compile_program(run, name, program, hbm_bytes: int, min_headroom: float = 0.
   """Compile one program (a window_schedule.Program) for the run's devices; its record (an HBM
   overflow is a record too)."""
   from nanotext import trainer
-  state, batch = run.abstract_state(), abstract_batch(run)
+  state, batch = run.abstract_state(), abstract_batch(run, evaluation=name == "eval")
   if name == "eval":
     jitted = trainer.make_eval_step(run, program.windows, runtime=program.runtime)
     args = (state["params"], eval_batch(run))
@@ -111,6 +113,9 @@ def compile_program(run, name, program, hbm_bytes: int, min_headroom: float = 0.
     args = (state, batch)
   args += trainer.windows_args(run, program)
   rec = {"name": name, "hbm_bytes_per_chip": hbm_bytes}
+  if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
+    plan = run.memory
+    rec["estimate_bytes_per_chip"] = (plan.eval if name == "eval" else plan.train).total
   t0 = time.perf_counter()
   try:
     compiled = jitted.lower(*args).compile()
@@ -180,11 +185,13 @@ def describe(rec) -> str:
                    for k, v in rec["collectives"].items() if v["count"]) or "none"
   ratio = rec["flops_xla_per_chip"] / rec["flops_analytic_per_chip"]
   verdict = "fits" if rec["fits"] else "does NOT fit"
+  est = f" (estimated {_gib(rec['estimate_bytes_per_chip'])})" \
+      if "estimate_bytes_per_chip" in rec else ""
   return "\n".join([
       head,
       f"  memory per chip  args {_gib(rec['argument'])} | outputs {_gib(rec['output'])} "
       f"(aliased {_gib(rec['alias'])}) | temps {_gib(rec['temp'])} | code "
-      f"{_gib(rec['generated_code'])} | total {_gib(rec['total_bytes_per_chip'])} of "
+      f"{_gib(rec['generated_code'])} | total {_gib(rec['total_bytes_per_chip'])}{est} of "
       f"{_gib(rec['hbm_bytes_per_chip'])} HBM, {100 * rec['headroom']:.1f}% headroom: {verdict}",
       f"  FLOPs per chip   analytic {_si(rec['flops_analytic_per_chip'])} | XLA "
       f"{_si(rec['flops_xla_per_chip'])} ({ratio:.2f}x) | bytes accessed "
@@ -193,16 +200,24 @@ def describe(rec) -> str:
       f"  Mosaic kernels   {rec['tpu_custom_calls']} tpu_custom_call(s)"])
 
 
-def helpful_keys(run) -> str:
-  """The config changes that lower per-chip memory, given what the run already does."""
+def helpful_keys(run, programs=("train",)) -> str:
+  """The config changes that lower per-chip memory of the failing `programs`, given what the run
+  already does (remat and micro-batches do nothing for the eval step, a forward pass)."""
+  from nanotext.memory_plan import auto_chunk
   t, m = run.cfg.train, run.cfg.model
   keys = []
-  if m.remat != "full":
-    keys.append("model.remat=" + ("dots or full" if m.remat == "none" else "full"))
-  if not t.loss_chunk or t.loss_chunk >= t.seq_len:
-    keys.append(f"train.loss_chunk={min(256, t.seq_len // 2)}")
-  if t.batch_size % (2 * t.grad_accum) == 0:
-    keys.append(f"train.grad_accum={2 * t.grad_accum} (half the activations per micro-batch)")
+  if any(p != "eval" for p in programs):
+    if m.remat != "full":
+      keys.append("model.remat=" + ("dots or full" if m.remat == "none" else "full"))
+    if not t.loss_chunk and auto_chunk([t.seq_len]):
+      keys.append(f"train.loss_chunk={auto_chunk([t.seq_len])}")
+    if t.batch_size % (2 * t.grad_accum) == 0:
+      keys.append(f"train.grad_accum={2 * t.grad_accum} (half the activations per micro-batch)")
+  if "eval" in programs:
+    length = t.eval_seq_len or t.seq_len
+    if not t.eval_loss_chunk and auto_chunk([length]):
+      keys.append(f"train.eval_loss_chunk={auto_chunk([length])}")
+    keys.append("train.eval_seq_len" if t.eval_seq_len else "train.batch_size")
   if run.mesh.shape["data"] > 1:
     keys.append("mesh.fsdp=-1 mesh.data=1 (shard parameters and optimizer state)")
   return ", ".join(keys) + ", or a larger topology"
@@ -234,7 +249,9 @@ def run_compile(path, overrides, slice_name, which="all", min_headroom=0.10, log
       f"{run.impl}, {run.cfg.train.batch_size} x {run.cfg.train.seq_len} tokens per step, "
       f"grad_accum {run.cfg.train.grad_accum}, remat {run.cfg.model.remat}, loss_chunk "
       f"{run.cfg.train.loss_chunk}")
+  log(run.memory.line())
   chosen = select(programs(run.cfg, run.impl), which)
+  run.memory.require(*{"eval" if name == "eval" else "train" for name, _, _ in chosen})
   recs = []
   for name, program, steps in chosen:
     rec = compile_program(run, name, program, sl.chip.hbm_bytes, min_headroom)
@@ -269,7 +286,8 @@ def main(argv):
         out.write(json.dumps(rec) + "\n")
   ok, line = verdict(recs, sl.name, f.min_headroom)
   if not ok:
-    fail(f"{line}; try {helpful_keys(run)}")
+    bad = [r["name"] for r in recs if not r["fits"]]
+    fail(f"{line}; try {helpful_keys(run, ['eval' if b == 'eval' else 'train' for b in bad])}")
   print(line)
 
 

@@ -31,7 +31,7 @@ NON_NEGATIVE = ("train.eval_every", "checkpoint.every", "model.head_dim", "model
                 "sample.temperature", "model.logit_softcap", "model.attn_scale",
                 "train.eval_seq_len", "optim.head_lr_record", "model.norm_eps",
                 "model.init_std", "model.embed_std", "attention.window",
-                "profile.steps", "train.target_val_loss", "train.loss_chunk", "optim.lr",
+                "profile.steps", "train.target_val_loss", "optim.lr",
                 "optim.muon_lr", "optim.embed_lr", "optim.head_lr", "optim.scalar_lr",
                 "optim.weight_decay", "optim.final_lr_frac", "optim.eps", "optim.head_eps")
 # Counters held in int32 on the device (the step) or in 32-bit grain indices.
@@ -47,7 +47,10 @@ RUN_IDENTITY_IGNORES = ("overwrite", "distributed", "mesh", "data.allow_changed"
                         "train.log_every", "train.eval_every", "train.eval_batches", "checkpoint",
                         "metrics", "sample", "output_dir",
                         "data.workers", "profile", "train.compile_cache_dir",
-                        "train.target_val_loss", "model.remat", "train.loss_chunk")
+                        "train.target_val_loss", "model.remat", "train.loss_chunk",
+                        "train.eval_loss_chunk")
+# Keys whose -1 means "auto": nanotext.memory picks the value from the memory estimate.
+AUTO_CHUNKS = ("train.loss_chunk", "train.eval_loss_chunk")
 
 # Keys nanotext no longer has: a config file that holds one (a run's saved config.yml from an
 # older version) still loads, the key ignored.
@@ -314,9 +317,16 @@ def validate(cfg) -> None:
   for key in INT32:
     if get(cfg, key) >= 2**31:
       raise UserError(f"{key}={get(cfg, key)} is too large (at most {2**31 - 1})")
+  for key in AUTO_CHUNKS:
+    if get(cfg, key) < -1:
+      raise UserError(f"{key}={get(cfg, key)} must be -1 (auto), 0 (whole rows) or positive")
   t, m = cfg.train, cfg.model
   if 0 < t.loss_chunk < t.seq_len and t.seq_len % t.loss_chunk:
     raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide train.seq_len={t.seq_len}")
+  eval_len = t.eval_seq_len or t.seq_len
+  if 0 < t.eval_loss_chunk < eval_len and eval_len % t.eval_loss_chunk:
+    raise UserError(f"train.eval_loss_chunk={t.eval_loss_chunk} does not divide the validation "
+                    f"rows' {eval_len} tokens (train.eval_seq_len, or train.seq_len if 0)")
   if t.batch_size % t.grad_accum:
     raise UserError(f"train.batch_size={t.batch_size} is not divisible by "
                     f"train.grad_accum={t.grad_accum}")
@@ -341,14 +351,17 @@ def misaligned_dims(model_cfg) -> list:
 
 
 def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
-             tokenizer_vocab: int | None = None) -> sections.Section:
+             tokenizer_vocab: int | None = None, memory_plan=None) -> sections.Section:
   """Fill in every derived value (the only place that computes them); returns the typed,
   frozen config (a new object: `cfg` is not changed).
 
   Values that depend on the devices come from the caller (`nanotext.wiring.finalize`), so this
   module imports nothing above it: `mesh_sizes` {mesh.* key: size} with -1 resolved,
   `peak_flops` per device, `data_dir` the default for data.dir, `tokenizer_vocab` the
-  tokenizer's vocabulary size (None: unknown) for model.embed_rows=-1.
+  tokenizer's vocabulary size (None: unknown) for model.embed_rows=-1, and `memory_plan` a
+  function of the typed config with every other value derived that returns {dotted key: value}
+  for model.remat=auto and the -1 loss chunks (nanotext.memory.Planner, from the devices'
+  capacity), raising UserError for a config that cannot fit.
   """
   cfg = ml_collections.ConfigDict(cfg.to_dict())
   m = cfg.model
@@ -369,6 +382,11 @@ def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
   if bad and m.strict_align:
     raise UserError(f"matmul dims not multiples of model.align={m.align}: {', '.join(bad)} "
                     "(or set model.strict_align=false)")
+  if memory_plan is None:
+    return typed(cfg)
+  for key, value in memory_plan(typed(cfg)).items():
+    section, leaf = key.split(".")
+    cfg[section][leaf] = value
   return typed(cfg)
 
 

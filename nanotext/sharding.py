@@ -174,6 +174,15 @@ def extent(logical_name: str, rules, mesh_sizes: dict) -> int:
   return math.prod(mesh_sizes[a] for a in dict(rules).get(logical_name, ()))
 
 
+def shard_count(logical_axes, rules, mesh_sizes: dict) -> int:
+  """How many pieces an array with these logical axes is split into (its size / per device)."""
+  count = 1
+  for entry in logical_to_spec(tuple(logical_axes), rules):
+    for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
+      count *= mesh_sizes[a]
+  return count
+
+
 def check_divisible(dims, rules, mesh_sizes: dict) -> None:
   """Each dimension must divide evenly by the mesh axes its logical name maps to.
 

@@ -60,6 +60,17 @@ class Slice:
     return f"{self.chip.prefix}:{'x'.join(map(str, self.shape))}"
 
 
+# device_kind as libtpu reports it -> generation (the topology descriptions have no memory stats).
+_KINDS = {"tpu v4": "v4", "tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v5p": "v5p", "tpu v5": "v5p",
+          "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
+
+
+def chip_of_kind(device_kind: str):
+  """The Chip of a TPU device_kind ('TPU v6 lite' -> v6e), or None if unknown."""
+  gen = _KINDS.get(device_kind.strip().lower())
+  return CHIPS.get(gen) if gen else None
+
+
 def known() -> list:
   """Every slice name this module knows, generation by generation."""
   out = []

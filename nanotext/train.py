@@ -42,7 +42,7 @@ def enable_compile_cache(path: str) -> None:
 def run(path: str, overrides, log=print):
   """Load, check and train; returns the loop result. Raises UserError on bad input."""
   import jax
-  from nanotext import checkpoint, config, distributed, probes, rundir, wiring
+  from nanotext import checkpoint, config, distributed, memory_plan, probes, rundir, wiring
   from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
   from nanotext.generate import sample_text
   from nanotext.watch import Preemption
@@ -52,7 +52,9 @@ def run(path: str, overrides, log=print):
     enable_compile_cache(cfg.train.compile_cache_dir)
   # Joining the other processes must precede the first backend use (device counts in finalize).
   distributed.maybe_initialize(cfg.distributed)
-  run_ = wiring.from_config(cfg)
+  # A resumed run keeps the remat and loss chunks it chose before, where they still fit.
+  run_ = wiring.from_config(cfg, prefer=memory_plan.saved_choice(cfg.output_dir))
+  run_.memory.require("train", "eval")  # every run validates at its end
   cfg = run_.cfg
   bad = config.misaligned_dims(cfg.model)
   if bad:
@@ -101,6 +103,7 @@ def run(path: str, overrides, log=print):
       multihost_utils.sync_global_devices("nanotext: output_dir ready")
     log(f"model: {run_.num_params:,} parameters | {sharding_summary(run_)} | "
         f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens/step")
+    log(run_.memory.line())
     manager = checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep,
                                       async_save=cfg.checkpoint["async"])
     manager.fingerprint = fingerprint

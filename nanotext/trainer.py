@@ -117,7 +117,7 @@ def make_eval_step(run: Run, windows=None, runtime: bool = False):
   def eval_fn(params, batch, *runtime_windows):
     with sharding.use_rules(run.rules, run.mesh):
       return loss_fn(run.graphdef, params, batch["inputs"], batch["targets"], run.eot_id,
-                     windows, chunk=run.cfg.train.loss_chunk, train=False,
+                     windows, chunk=run.cfg.train.eval_loss_chunk, train=False,
                      runtime_windows=runtime_windows[0] if runtime_windows else None)
   batch_sh = {"inputs": run.batch_sharding, "targets": run.batch_sharding}
   return jax.jit(eval_fn, in_shardings=(run.state_shardings["params"], batch_sh)

@@ -33,6 +33,7 @@ class Run:
   batch_sharding: NamedSharding
   num_params: int
   eot_id: int | None  # set when attention.doc_mask: documents start at this token
+  memory: object = None  # the memory.Plan that checked (and chose) remat and loss chunks
 
   def create_model(self, seed: int | None = None) -> GPT:
     """A GPT of this run's config (parameters initialised from `seed`, default cfg.seed)."""
@@ -70,8 +71,10 @@ class Run:
     """The fixed validation batches (this process's rows, as numpy)."""
     from nanotext.data import pipeline
     t = self.cfg.train
-    return pipeline.make_val_batches(self.cfg.data, num_batches=t.eval_batches,
-                                     **dict(self.data_kwargs(), seq_len=t.eval_seq_len or t.seq_len))
+    return pipeline.make_val_batches(
+        self.cfg.data, num_batches=t.eval_batches,
+        length_key="train.eval_seq_len" if t.eval_seq_len else "train.seq_len",
+        **dict(self.data_kwargs(), seq_len=t.eval_seq_len or t.seq_len))
 
   def abstract_state(self):
     """ShapeDtypeStructs of the train state carrying its target shardings (for restore)."""
@@ -106,27 +109,43 @@ def check(cfg):
   return cfg
 
 
-def prepare(path, overrides=(), *, devices=None) -> Run:
+def prepare(path, overrides=(), *, devices=None, capacity=None) -> Run:
   """Load a config file with `key=value` overrides and build the run on `devices` (all)."""
-  return from_config(load(path, overrides), devices=devices)
+  return from_config(load(path, overrides), devices=devices, capacity=capacity)
 
 
-def from_config(cfg, *, devices=None) -> Run:
-  """Fill in derived values for `devices` (default jax.devices()) and build the run on them."""
+def from_config(cfg, *, devices=None, capacity=None, prefer=None) -> Run:
+  """Fill in derived values for `devices` (default jax.devices()) and build the run on them.
+
+  Before anything is built the memory plan checks that the train and eval programs fit the
+  devices (`capacity` bytes each; None = ask them) and resolves the auto remat / loss chunks,
+  preferring the choices in `prefer` ({key: value}, a resumed run's) where they fit.
+  """
   check(cfg)
   devices = list(jax.devices() if devices is None else devices)
-  cfg = finalize(cfg, devices)
-  return build(cfg, sharding.make_mesh(cfg.mesh, devices))
+  cfg, plan = finalize_plan(cfg, devices, capacity=capacity, prefer=prefer)
+  run = build(cfg, sharding.make_mesh(cfg.mesh, devices))
+  run.memory = plan
+  return run
 
 
-def finalize(cfg, devices):
-  """config.finalize with the values that need devices computed here (mesh, peak FLOP/s)."""
-  from nanotext import metrics
+def finalize(cfg, devices, capacity=None):
+  """config.finalize with the values that need devices computed here (mesh, peak FLOP/s,
+  memory plan)."""
+  return finalize_plan(cfg, devices, capacity=capacity)[0]
+
+
+def finalize_plan(cfg, devices, *, capacity=None, prefer=None) -> tuple:
+  """(finalized config, memory.Plan) for `devices`; UserError if the run cannot fit them."""
+  from nanotext import memory_plan, metrics
   from nanotext.data.prepare import default_dir
   sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, len(devices))))
+  limit, source = memory_plan.capacity(devices) if capacity is None else (capacity, "given")
+  planner = memory_plan.Planner(devices[0].platform, sizes, limit, source, prefer=prefer)
   cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=metrics.default_peak_flops(devices),
-                        data_dir=default_dir(), tokenizer_vocab=tokenizer_vocab(cfg.data))
-  return cfg
+                        data_dir=default_dir(), tokenizer_vocab=tokenizer_vocab(cfg.data),
+                        memory_plan=planner)
+  return cfg, planner.plan
 
 
 def tokenizer_vocab(data_cfg) -> int | None:

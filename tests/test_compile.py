@@ -7,6 +7,7 @@ it. libtpu compiles run one after another in this process and its subprocesses.
 import importlib.util
 import json
 import sys
+import time
 
 import pytest
 
@@ -95,12 +96,30 @@ def test_tpu_compile_uses_mosaic_kernels_and_reports(tmp_path):
 
 @needs_libtpu
 def test_too_big_for_the_chip_exits_2():
-  big = SMALL + ["train.batch_size=4096", "model.vocab_size=32768"]
+  # Whole-row validation logits, at the edge of what the memory estimate can call (within its
+  # accuracy of the chip): compiled, and the compiler's overflow is the verdict.
+  big = SMALL + ["train.batch_size=4096", "model.vocab_size=32768", "train.eval_loss_chunk=0"]
   proc = run_cli("nanotext.compile", BASE, *big, "--topology=v5e-4", "--programs=eval")
   assert proc.returncode == 2, proc.stdout + proc.stderr
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("nanotext: error: eval: needs up to ") and "v5e-4 has 15.75 GiB" in last
-  assert "model.remat" in last and "train.loss_chunk" in last and "train.grad_accum" in last
+  # Only what lowers a forward pass: no remat or micro-batches for the eval step.
+  assert "train.eval_loss_chunk=64" in last and "train.batch_size" in last
+  assert "model.remat" not in last and "train.grad_accum" not in last
+
+
+@needs_libtpu
+def test_a_config_that_cannot_fit_is_refused_before_compiling():
+  """speedrun.yml at 4,096 rows for v6e-8 compiled 19 minutes without a verdict: the memory
+  estimate refuses it before anything compiles, naming the micro-batching that would fit."""
+  start = time.perf_counter()
+  proc = run_cli("nanotext.compile", SPEEDRUN, "train.batch_size=4096", "--topology=v6e-8",
+                 timeout=600)
+  lines = [l for l in proc.stderr.splitlines() if l.startswith("nanotext: error:")]
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+  assert "the train step ~" in lines[0] and "TPU v6 lite HBM" in lines[0], lines[0]
+  assert "train.grad_accum=" in lines[0] and "compiled in" not in proc.stdout
+  assert time.perf_counter() - start < 300  # about 11 s of CPU; the wall clock is the load's
 
 
 @needs_libtpu

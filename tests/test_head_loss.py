@@ -78,3 +78,16 @@ def test_fewer_passes_over_the_logits(fp8):
   plain = count(lambda x, w: unfused(x, w, y, 15.0, scales))
   print(f"[{N}, {V}] arrays written: fused {fused}, autodiff {plain}")
   assert fused < plain
+
+
+@pytest.mark.parametrize("softcap", [0.0, 15.0])
+def test_forward_keeps_one_logits_sized_array(softcap):
+  """The eval forward as a fusing compiler sees it (nanotext.fusion, which the memory plan uses):
+  only the head's output is [N, V]; a no-op rescale of it once made a second float32 copy that
+  the plan counted, refusing eval steps at twice their size."""
+  from nanotext.fusion import peak_live
+  N, D, V = 512, 64, 1024
+  x, w, y = inputs(jnp.float32, N=N, D=D, V=V)
+  closed = jax.make_jaxpr(lambda x, w: head_loss_sum(x, w, y, softcap=softcap))(x, w)
+  peak = peak_live(closed.jaxpr, lambda a: a.size * a.dtype.itemsize)
+  assert N * V * 4 <= peak < 1.1 * N * V * 4

@@ -15,7 +15,7 @@ SPEEDRUN_TINY = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2",
                  "model.dtype=float32", "train.seq_len=64", "train.batch_size=8",
                  "attention.impl=xla", "attention.window=32", "attention.window_start=16",
                  "attention.window_block=16", "data.source=synthetic", "data.tokenizer=none",
-                 "data.eot_id=0", "model.zero_init_head=false"]
+                 "data.eot_id=0", "model.zero_init_head=false", "train.eval_seq_len=0"]
 
 
 def loss_and_grads(path, overrides):
@@ -64,5 +64,5 @@ def test_remat_policies_match_no_remat(policy, speedrun_plain):
 def test_bad_lean_step_keys_are_user_errors():
   with pytest.raises(UserError, match="train.loss_chunk=24 does not divide train.seq_len=32"):
     wiring.load(BASE, TINY + ["train.loss_chunk=24"])
-  with pytest.raises(UserError, match="model.remat='some' is not one of: none, full, dots"):
+  with pytest.raises(UserError, match="model.remat='some' is not one of: none, full, dots, auto"):
     wiring.load(BASE, TINY + ["model.remat=some"])

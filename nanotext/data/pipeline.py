@@ -112,8 +112,10 @@ def make_train_iter(data_cfg, *, seq_len: int, batch_size: int, seed: int,
 
 def make_val_batches(data_cfg, *, seq_len: int, batch_size: int, num_batches: int,
                      process_index: int = 0, process_count: int = 1,
-                     vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> list[dict]:
-  """This process's share of the first validation sequences, in order, as full batches."""
+                     vocab_size: int = DEFAULT_VOCAB, seed: int = 0,
+                     length_key: str = "train.seq_len") -> list[dict]:
+  """This process's share of the first validation sequences, in order, as full batches;
+  `length_key` is the config key that set `seq_len` (named when the data is too short)."""
   source = open_source(data_cfg, "val", seq_len=seq_len, seed=int(seed) % 2**32,
                        vocab_size=vocab_size,
                        group=0 if data_cfg.shuffle else batch_size * process_count)
@@ -125,6 +127,6 @@ def make_val_batches(data_cfg, *, seq_len: int, batch_size: int, num_batches: in
         f"validation data holds {len(source)} sequences of {seq_len + 1} tokens, fewer than "
         f"one global batch of {global_batch} (train.batch_size): add validation data "
         "(data.val_files / data.val_tokens, or data.tfds_val_split) or lower train.batch_size "
-        "or train.seq_len")
+        f"or {length_key}")
   ds = grain.MapDataset.source(source)[:n * global_batch][process_index::process_count]
   return list(ds.batch(batch_size, drop_remainder=True).map(_split_batch))

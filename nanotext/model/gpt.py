@@ -17,7 +17,7 @@ from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_mat
 CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
            "mlp_act": ("gelu", "relu2"), "dtype": ("float32", "bfloat16"),
            "param_dtype": ("float32", "bfloat16"), "embed_dtype": ("", "float32", "bfloat16"),
-           "init_dist": ("normal", "uniform"), "remat": ("none", "full", "dots"),
+           "init_dist": ("normal", "uniform"), "remat": ("none", "full", "dots", "auto"),
            "rope_freqs": ("linspace", "arange")}
 
 
@@ -294,7 +294,7 @@ def remat_block(policy: str, window: int):
   per model.remat; `window` is static (with a runtime window, its bound)."""
   def call(block, x_BTD, x0_BTD, segment_ids_BT, ve_BTD, v1, runtime_window=None):
     return block(x_BTD, x0_BTD, segment_ids_BT, window, ve_BTD, v1, runtime_window)
-  if policy == "none":
+  if policy not in REMAT_POLICIES:  # none; or auto left unresolved (no train step: no backward)
     return call
   return nnx.remat(call, policy=REMAT_POLICIES[policy])
 
@@ -318,7 +318,7 @@ def scan_blocks(blocks: Block, policy: str, windows, x_BTD, x0_BTD, segment_ids_
   def body(x_BTD, layer):
     block = nnx.merge(graphdef, layer)
     return block(x_BTD, x0_BTD, segment_ids_BT, windows[0], runtime_window=runtime_window)[0], None
-  if policy != "none":
+  if policy in REMAT_POLICIES:
     body = jax.checkpoint(body, policy=REMAT_POLICIES[policy], prevent_cse=False)
   with jax.named_scope("blocks"):
     return jax.lax.scan(body, x_BTD, stacked)[0]

@@ -56,7 +56,8 @@ def _matmul(x_ND, w_DV, fp8):
 
 def _capped(z_NV, softcap, fp8):
   """(logits, tanh(z / c)) in float32 from the head output z (tanh None without a soft-cap)."""
-  z = z_NV.astype(jnp.float32) / (fp8[3] if fp8 else 1.0)
+  z = z_NV.astype(jnp.float32)
+  z = z / fp8[3] if fp8 else z  # no op where there is no scale: z stays the head's output
   if not softcap:
     return z, None
   t = jnp.tanh(z / softcap)
@@ -71,7 +72,9 @@ def _forward(x_ND, w_DV, targets_N, softcap, fp8):
   else:
     top_N = jax.lax.stop_gradient(jnp.max(l_NV, axis=-1))
     lse_N = top_N + jnp.log(jnp.sum(jnp.exp(l_NV - top_N[:, None]), axis=-1))
-  picked_N = jnp.take_along_axis(l_NV, targets_N[:, None], axis=-1)[:, 0]
+  # The target's logit capped on its own: the [N, V] logits then have one reader (the exp-sum),
+  # so nothing but z of that size need be kept (XLA fuses; nanotext.memory counts readers).
+  picked_N, _ = _capped(jnp.take_along_axis(z_NV, targets_N[:, None], axis=-1)[:, 0], softcap, fp8)
   like = (jnp.zeros((0,), x_ND.dtype), jnp.zeros((0,), w_DV.dtype))
   return jnp.sum(lse_N - picked_N), (operands, z_NV, lse_N, targets_N, like)
 

@@ -22,7 +22,7 @@ def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True,
   """
   B, T, D = x_BTD.shape
   denominator = B if per_row else B * T
-  if not chunk or chunk >= T:
+  if chunk <= 0 or chunk >= T:  # 0 = whole rows (-1 = auto, unresolved outside a run: whole)
     return model.loss_sum(x_BTD, targets_BT, denominator, train) / denominator
   n = T // chunk
   x_NBCD = sharding.constrain(x_BTD.reshape(B, n, chunk, D).swapaxes(0, 1),

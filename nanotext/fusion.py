@@ -1,0 +1,148 @@
+"""What a fusing compiler (GPU, TPU) materialises of a jaxpr: its kept values, the residuals a
+backward pass saves and the peak of live values in a forward pass (nanotext.memory's activations)."""
+
+import re
+
+
+# Primitives GPU and TPU compilers fuse into their consumers (elementwise math, casts, broadcasts,
+# layout changes): a value made only by these is recomputed where it is used, never kept.
+_FUSIBLE = frozenset("""abs add and atan2 broadcast_in_dim cbrt ceil clamp concatenate
+    convert_element_type copy copy_p cos cosh div dynamic_slice eq erf erf_inv exp exp2 expand_dims
+    expm1 floor ge gt imag integer_pow iota is_finite le log log1p logistic lt max min mul ne neg
+    nextafter not or pad pow real reduce_precision rem reshape round rsqrt select_n shift_left
+    shift_right_arithmetic shift_right_logical sign sin sinh slice sqrt square squeeze
+    stop_gradient sub tan tanh transpose xor""".split())
+_CALLS = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call")
+
+
+def _fusible(eqn) -> bool:
+  name = eqn.primitive.name
+  if name in _FUSIBLE:
+    return True
+  if name in _CALLS:  # jnp helpers (where, pad, clip, relu) are small calls of fusible primitives
+    inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in eqn.params),
+                 None)
+    inner = getattr(inner, "jaxpr", inner)
+    return inner is not None and all(_fusible(e) for e in inner.eqns)
+  return False
+
+
+class _Graph:
+  """A jaxpr seen as a fusing compiler sees it: which values are materialised ("anchors")."""
+
+  def __init__(self, jaxpr):
+    from jax.extend import core
+    self.jaxpr, self.literal = jaxpr, core.Literal
+    self.producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    self.uses = {}
+    for e in jaxpr.eqns:
+      for u in self.vars(e.invars):
+        self.uses[u] = self.uses.get(u, 0) + 1
+    self.memo = {}
+
+  def vars(self, xs):
+    return [x for x in xs if not isinstance(x, self.literal)]
+
+  def kept(self, e) -> bool:
+    """Whether eqn `e`'s outputs are materialised: not fusible, or read by several ops (then
+    computed once and stored, not recomputed in each reader: measured on TPU, the soft-capped
+    float32 logits are kept beside the head's output)."""
+    return not _fusible(e) or any(self.uses.get(v, 0) > 1 for v in e.outvars)
+
+  def anchors(self, v) -> dict:
+    """{materialised var: its eqn} that `v` is computed from through fusible ops."""
+    if isinstance(v, self.literal) or v not in self.producer:
+      return {}  # an argument (parameters, tokens) or a constant: counted elsewhere
+    if v not in self.memo:
+      e = self.producer[v]
+      self.memo[v] = {v: e} if self.kept(e) else \
+          {a: x for u in e.invars for a, x in self.anchors(u).items()}
+    return self.memo[v]
+
+
+def saved_residuals(fn, *args) -> list:
+  """[(aval, producing eqn, fused anchors {var: eqn})] of what the backward pass of `fn(*args)`
+  keeps: JAX's residuals, each with the materialised values it is computed from."""
+  import jax
+  closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
+  g = _Graph(closed.jaxpr)
+  n = len(jax.tree.leaves(shapes[1]))
+  return [(v.aval, g.producer[v], g.anchors(v)) for v in g.vars(g.jaxpr.outvars[-n:])
+          if v in g.producer]
+
+
+def _inner(e) -> list:
+  """The jaxprs an eqn runs (calls, scan and loop bodies, cond branches)."""
+  out = []
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "body_jaxpr", "cond_jaxpr", "branches"):
+    for j in e.params.get(key, ()) if key == "branches" else [e.params.get(key)]:
+      j = getattr(j, "jaxpr", j)
+      if j is not None and hasattr(j, "eqns"):
+        out.append(j)
+  return out
+
+
+def peak_live(jaxpr, size_of, opaque=lambda eqn: False) -> float:
+  """Most bytes of materialised values alive at once while `jaxpr` runs in program order
+  (its arguments not counted): a forward pass's working set. An `opaque` eqn counts its
+  outputs only, not what runs inside it."""
+  g = _Graph(jaxpr)
+  last = {}
+  for i, e in enumerate(jaxpr.eqns):
+    if g.kept(e):
+      for u in e.invars:
+        for a in g.anchors(u):
+          last[a] = i
+  for u in jaxpr.outvars:
+    for a in g.anchors(u):
+      last[a] = len(jaxpr.eqns)
+  dies = {}
+  for a, i in last.items():
+    dies.setdefault(i, []).append(a)
+  live = peak = 0.0
+  for i, e in enumerate(jaxpr.eqns):
+    if not g.kept(e):
+      continue
+    size = sum(size_of(v.aval) for v in e.outvars if v in last)
+    inner = 0.0 if opaque(e) else \
+        max((peak_live(j, size_of, opaque) for j in _inner(e)), default=0.0)
+    peak = max(peak, live + inner + size)
+    live += size - sum(size_of(a.aval) for a in dies.get(i, ()))
+  return peak
+
+
+def kept_bytes(residuals, size_of) -> list:
+  """[(scope, bytes)] a fusing compiler keeps of `residuals`: per group of residuals computed
+  from shared anchors, the cheaper of the residuals themselves and their anchors (a float32
+  score matrix is kept as its bfloat16 probabilities; three elementwise functions of the
+  logits as the logits once)."""
+  parent = {}
+
+  def find(x):
+    while parent.setdefault(x, x) is not x:
+      parent[x] = parent[parent[x]]
+      x = parent[x]
+    return x
+  for i, (_, _, anchors) in enumerate(residuals):
+    for var in anchors:
+      parent[find(var)] = find(("residual", i))
+  groups = {}
+  for i, (aval, eqn, anchors) in enumerate(residuals):
+    g = groups.setdefault(find(("residual", i)), [0.0, {}, eqn])
+    g[0] += size_of(aval)
+    g[1].update(anchors)
+  out = []
+  for own, anchors, eqn in groups.values():
+    through = sum(size_of(v.aval) for v in anchors)
+    out.append((scope(eqn), min(own, through)))
+  return out
+
+
+def scope(eqn) -> str:
+  """'kernel' (inside an attention kernel), 'block' (a transformer block's), 'loss' or 'other',
+  from the eqn's jax.named_scope."""
+  stack = str(eqn.source_info.name_stack)
+  if "attention_kernel" in stack:
+    return "kernel"
+  return "block" if re.search(r"block_\d|blocks", stack) else "loss" if "loss" in stack else \
+      "other"

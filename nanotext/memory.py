@@ -1,0 +1,267 @@
+"""Memory per device of a run's train and eval programs, estimated from the config before anything
+compiles (nanotext.memory_plan compares it with the devices and picks remat and loss chunks).
+
+Parameters, optimizer state, gradients and the batch are exact: the abstract model's and
+optimizer's shapes under mesh.rules. Activations come from the model too, traced abstractly (no
+compilation, no allocation) at one device's rows: the train step's are what the backward pass of
+`trainer.loss_fn` saves under the remat policy and loss chunk; the eval step's, the most that is
+alive at once in its forward pass. A fusing compiler (GPU, TPU) materialises only values made by
+matmuls, reductions, gathers, kernels, and values that several ops read; chains of elementwise
+ops are recomputed where used. The CPU compiler keeps what JAX saves, in float32 for 16-bit math,
+whatever the remat policy (measured: remat changes nothing there). Attention and loss
+temporaries that are not saved are added per kernel and chunk. Accuracy against compiled
+programs: tests/test_memory.py and benchmarks/memory_estimate.py.
+"""
+
+import dataclasses
+import math
+
+from nanotext.fusion import kept_bytes, peak_live, saved_residuals, scope
+
+GIB = 2**30
+REMATS = ("none", "dots", "full")  # cheapest first: what auto tries, in order
+CHUNK = 256  # loss positions at a time when the logits do not fit whole (the speedrun's choice)
+DENSE_KERNELS = ("xla", "einsum", "cpu")  # score every [T, T] query-key pair
+# Flash-style kernels keep only their output and log-sum-exp for the backward pass. Traced as the
+# blocked kernel (plain jnp, quick to trace at any length; the TPU and GPU kernels' tables are
+# not), with the kernel's own residuals replaced by those two.
+FLASH_KERNELS = ("splash", "flash", "flash_gpu", "cudnn")
+
+
+def gib(n: float) -> str:
+  """Bytes for people: '39.2 GiB', '96.0 MiB', '5.8 PiB'."""
+  if n < GIB:
+    return f"{n / 2**20:.1f} MiB"
+  for unit in ("GiB", "TiB", "PiB", "EiB"):
+    if n < 1000 * GIB or unit == "EiB":
+      return f"{n / GIB:.1f} {unit}"
+    n /= 1024
+  return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Bytes per device of one program, term by term."""
+  program: str  # "train step" | "eval step"
+  terms: tuple  # ((name, bytes), ...), largest first
+
+  @property
+  def total(self) -> int:
+    return sum(b for _, b in self.terms)
+
+  def dominant(self) -> str:
+    return self.terms[0][0]
+
+  def describe(self) -> str:
+    parts = ", ".join(f"{name} {gib(b)}" for name, b in self.terms if b >= self.total / 50)
+    return f"{self.program} ~{gib(self.total)} ({parts})"
+
+
+def _estimate(program: str, **terms) -> Estimate:
+  return Estimate(program, tuple(sorted(((k.replace("_", " "), int(v)) for k, v in terms.items()
+                                          if v), key=lambda kv: -kv[1])))
+
+
+def nbytes(x) -> int:
+  return int(math.prod(x.shape)) * x.dtype.itemsize
+
+
+def replace(cfg, **sections):
+  """A typed config with keys replaced: replace(cfg, model={"remat": "dots"})."""
+  return dataclasses.replace(cfg, **{name: dataclasses.replace(cfg[name], **values)
+                                     for name, values in sections.items()})
+
+
+_MODELS: dict = {}
+
+
+def model_of(cfg, backend: str, mesh_sizes: dict) -> "Model":
+  """Model(cfg, backend, mesh_sizes), kept for the next run of the same model and training
+  (tests and benchmarks build many runs that differ only in where they write)."""
+  t = cfg.train
+  shapes = (t.batch_size, t.seq_len, t.grad_accum, t.eval_seq_len, t.seq_len_start,
+            t.seq_len_step, t.loss_reduction)  # what in train decides sizes
+  key = (cfg.model, cfg.attention, shapes, cfg.optim, cfg.mesh.rules, backend,
+         tuple(sorted(mesh_sizes.items())))
+  if key not in _MODELS:
+    if len(_MODELS) >= 16:
+      _MODELS.pop(next(iter(_MODELS)))
+    _MODELS[key] = Model(cfg, backend, mesh_sizes)
+  return _MODELS[key]
+
+
+class Model:
+  """One config's memory terms on a backend and mesh; traces cached per (remat, chunk)."""
+
+  def __init__(self, cfg, backend: str, mesh_sizes: dict):
+    import jax
+    from jax.sharding import PartitionSpec as P
+    from nanotext import optim, sharding, wiring
+    self.cfg, self.backend, self.mesh_sizes = cfg, backend, dict(mesh_sizes)
+    self.graphdef, abstract, self.impl = wiring.abstract_model(cfg, backend)
+    rules = sharding.parse_rules(cfg.mesh.rules)
+    self.params = abstract.to_pure_dict()
+    specs = sharding.param_specs(abstract).to_pure_dict()
+    shards = jax.tree.map(lambda s: sharding.shard_count(tuple(s), rules, mesh_sizes), specs,
+                          is_leaf=lambda x: isinstance(x, P))
+    per_device = lambda tree, counts: sum(nbytes(x) / n for x, n in
+                                          zip(jax.tree.leaves(tree), jax.tree.leaves(counts)))
+    self.param_bytes = per_device(self.params, shards)
+    # Weights sharded over data or fsdp are gathered whole for the matmuls (tensor-parallel
+    # shards stay split): measured on TPU under FSDP, the gathered copies are live at once.
+    split_only = dict(mesh_sizes, **{a: 1 for a in mesh_sizes if a != "tensor"})
+    used = jax.tree.map(lambda s: sharding.shard_count(tuple(s), rules, split_only), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+    self.gathered_bytes = per_device(self.params, used) - self.param_bytes
+    tx = optim.make_optimizer(cfg.optim, optim.group_labels(abstract), cfg.train.steps)
+    opt = jax.eval_shape(tx.init, self.params)
+    self.opt_bytes = per_device(opt, sharding.like_params(opt, shards, self.params, 1))
+    t = cfg.train
+    batch_shards = sharding.shard_count(("batch",), rules, mesh_sizes)
+    self.rows = max(1, t.batch_size // t.grad_accum // batch_shards)  # per micro-batch
+    self.eval_rows = max(1, t.batch_size // batch_shards)
+    self.eval_len = t.eval_seq_len or t.seq_len
+    self.split = {size: sharding.shard_count((name,), rules, mesh_sizes) for name, size in
+                  (("act_heads", cfg.model.num_heads), ("act_mlp", cfg.model.mlp_dim),
+                   ("act_vocab", cfg.model.vocab_size))}
+    self._traces = {}
+
+  def activation_bytes(self, aval) -> float:
+    """Per device: activations are traced at one device's rows; tensor-parallel dims split."""
+    for size, n in self.split.items():
+      if n > 1 and size in aval.shape[1:] and size % n == 0:
+        return nbytes(aval) / n
+    return nbytes(aval)
+
+  def stored_bytes(self, aval) -> float:
+    """What a materialised value costs here: 16-bit math runs in float32 on CPU."""
+    cpu16 = self.backend == "cpu" and aval.dtype.itemsize == 2
+    return self.activation_bytes(aval) * (2 if cpu16 else 1)
+
+  def trace(self, remat: str, chunk: int) -> dict:
+    """{'block', 'loss', 'other': bytes the backward keeps, per device} and 'per_block'."""
+    key = (remat, chunk)
+    if key not in self._traces:
+      self._traces[key] = self._trace(remat, chunk)
+    return self._traces[key]
+
+  def _trace(self, remat: str, chunk: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from nanotext import trainer, window_schedule, wiring
+    cfg = replace(self.cfg, model={"remat": remat})
+    graphdef = self.traced_model(remat)
+    windows = window_schedule.step_windows(cfg, cfg.train.steps)  # the widest: the last stage
+    eot = 0 if cfg.attention.doc_mask else None  # which id does not change any shape
+    per_row = cfg.train.loss_reduction == "row_sum"
+
+    def loss(params, inputs, targets):
+      return trainer.loss_fn(graphdef, params, inputs, targets, eot, windows, chunk,
+                             per_row=per_row)
+    tokens = jax.ShapeDtypeStruct((self.rows, cfg.train.seq_len), jnp.int32)
+    out = {"block": 0.0, "loss": 0.0, "other": 0.0, "kernel": 0.0}
+    residuals = saved_residuals(loss, self.params, tokens, tokens)
+    if self.backend == "cpu":  # kept as JAX saves them; bfloat16 math runs in float32 there
+      for aval, eqn, _ in residuals:
+        out[scope(eqn)] += self.stored_bytes(aval)
+    else:
+      for where, size in kept_bytes(residuals, self.activation_bytes):
+        out[where] += size
+    if self.impl in FLASH_KERNELS:
+      out["kernel"] = self.flash_residuals(self.rows, cfg.train.seq_len)
+    out["block"] += out.pop("kernel")
+    out["per_block"] = out["block"] / self.cfg.model.num_layers
+    return out
+
+  def traced_model(self, remat: str):
+    """The graphdef traced for `remat`: the run's model, a flash-style kernel as blocked."""
+    if self.impl not in FLASH_KERNELS and (remat == self.cfg.model.remat or remat == "none"
+                                           and self.cfg.model.remat == "auto"):
+      return self.graphdef
+    from nanotext import wiring
+    impl = "blocked" if self.impl in FLASH_KERNELS else self.cfg.attention.impl
+    cfg = replace(self.cfg, model={"remat": remat}, attention={"impl": impl})
+    return wiring.abstract_model(cfg, self.backend)[0]
+
+  def flash_residuals(self, rows: int, length: int) -> float:
+    """What a flash-style kernel keeps over all layers: output and float32 log-sum-exp."""
+    import numpy as np
+    m = self.cfg.model
+    heads = m.num_heads / self.split[m.num_heads]
+    layers = m.num_layers - len({i for i in m.no_attention_layers if i < m.num_layers})
+    out = rows * length * heads * m.head_dim * np.dtype(m.dtype).itemsize
+    return layers * (out + rows * heads * length * 4)
+
+  def static(self) -> dict:
+    """Terms that do not depend on remat or chunks: state and a step's batch."""
+    t = self.cfg.train
+    accum_grads = self.param_bytes if t.grad_accum > 1 else 0  # the running sum beside each's
+    return {"parameters": self.param_bytes, "optimizer_state": self.opt_bytes,
+            "gradients": self.param_bytes + accum_grads, "gathered_parameters": self.gathered_bytes,
+            "batch": 2 * 4 * self.rows * t.grad_accum * t.seq_len}
+
+  def logits_bytes(self, rows: int, length: int, chunk: int) -> float:
+    """One float32 [rows, positions, vocab] logits array: whole rows or one chunk of them."""
+    pos = chunk if 0 < chunk < length else length
+    vocab = self.cfg.model.vocab_size
+    return rows * pos * vocab * 4 / self.split[vocab]
+
+  def attention_bytes(self, rows: int, length: int, train: bool) -> float:
+    """Temporaries of one layer's attention kernel beyond its traced residuals."""
+    m, a = self.cfg.model, self.cfg.attention
+    heads = m.num_heads / self.split[m.num_heads]
+    if self.impl in DENSE_KERNELS or self.impl == "cudnn" and a.doc_mask:
+      scores = rows * heads * length * length * 4 * (0.5 if self.impl == "cpu" else 1)
+      if self.impl == "cudnn":  # flash kernel; the document mask is a dense bf16 bias
+        return rows * length * length * 2
+      return scores * (2 if train else 1)  # backward: the scores' and probabilities' gradients
+    if self.impl == "blocked":
+      from nanotext.model.kernels import blocked as ba
+      from nanotext import window_schedule
+      window = max(window_schedule.step_windows(self.cfg, self.cfg.train.steps))
+      block = a.window_block if a.block_windows else ba.BLOCK
+      nb = -(-length // block)
+      per_block = rows * heads * block * ba.key_blocks(length, window, block, a.block_windows) \
+          * block
+      chunk = min(nb, max(1, ba.CHUNK_ELEMENTS // per_block)) * per_block
+      return chunk * 4 * (4 if train else 2)  # scores, probabilities (+ their gradients)
+    return 0.0  # flash-style kernels (splash, flash, cudnn): O(T) statistics, traced
+
+  def train(self, remat: str, chunk: int) -> Estimate:
+    """The train step at its widest stage (final windows, full rows)."""
+    t = self.cfg.train
+    cpu = self.backend == "cpu"  # its compiler undoes remat (measured): every policy as none
+    kept = self.trace("none" if cpu else remat, chunk)
+    stored = kept["block"] + kept["other"]
+    logits = self.logits_bytes(self.rows, t.seq_len, chunk)
+    # At the loss: every kept activation and the loss's (chunked: one chunk's logits, recomputed;
+    # whole: their gradient takes their place). Later, in a block's backward under remat: its
+    # recomputed activations and their gradients.
+    loss_peak = kept["loss"] + (logits if 0 < chunk < t.seq_len else 0)
+    recompute = 2 * self.trace("none", chunk)["per_block"] if remat != "none" and not cpu else 0
+    attention = self.attention_bytes(self.rows, t.seq_len, train=True)
+    work = max(loss_peak, recompute + attention)
+    return _estimate("train step", activations=stored, logits_and_loss=work if work == loss_peak
+                     else 0, recompute_and_attention=0 if work == loss_peak else work,
+                     **self.static())
+
+  def eval(self, chunk: int) -> Estimate:
+    """The eval step: forward only, validation rows of train.eval_seq_len, its working set
+    from the traced program (the attention kernel's scores included)."""
+    import jax
+    import jax.numpy as jnp
+    from nanotext import trainer, window_schedule
+    rows, length = self.eval_rows, self.eval_len
+    if ("eval", chunk) not in self._traces:
+      windows = window_schedule.step_windows(self.cfg, self.cfg.train.steps)
+      eot = 0 if self.cfg.attention.doc_mask else None
+      tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32)
+      graphdef = self.traced_model(self.cfg.model.remat)
+      closed = jax.make_jaxpr(lambda p, x, y: trainer.loss_fn(
+          graphdef, p, x, y, eot, windows, chunk, train=False))(self.params, tokens, tokens)
+      flash = self.impl in FLASH_KERNELS  # traced as blocked: its work inside is not theirs
+      self._traces[("eval", chunk)] = peak_live(
+          closed.jaxpr, self.stored_bytes, lambda e: flash and scope(e) == "kernel")
+    return _estimate("eval step", parameters=self.param_bytes, batch=2 * 4 * rows * length,
+                     gathered_parameters=self.gathered_bytes,
+                     activations_and_logits=self._traces[("eval", chunk)])

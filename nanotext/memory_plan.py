@@ -1,0 +1,356 @@
+"""The memory plan: before anything is built or compiled, check that a run's train and eval
+programs fit its devices (nanotext.memory's estimate against the devices' capacity), resolve
+model.remat=auto and the -1 (auto) loss chunks, and refuse in one line, naming the keys that
+would make it fit, a config that cannot. wiring.finalize_plan hands a Planner to
+config.finalize, the one place derived values are computed.
+"""
+
+import dataclasses
+import math
+import os
+
+from nanotext import memory
+from nanotext.errors import UserError
+from nanotext.memory import gib
+
+
+def host_available() -> tuple:
+  """(bytes this process may still allocate, where that comes from): the least of free RAM
+  (MemAvailable), the cgroup's limit and the address-space limit (`ulimit -v`) left."""
+  found = []
+  try:
+    with open("/proc/meminfo") as f:
+      info = dict(line.split(":", 1) for line in f)
+    found.append((int(info["MemAvailable"].split()[0]) * 1024, "available host RAM"))
+  except (OSError, KeyError, ValueError):
+    try:
+      found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM"))
+    except (ValueError, OSError, AttributeError):
+      pass
+  try:
+    with open("/sys/fs/cgroup/memory.max") as f:
+      limit = f.read().strip()
+    with open("/sys/fs/cgroup/memory.current") as f:
+      used = int(f.read())
+    if limit != "max":
+      found.append((int(limit) - used, "the cgroup's memory limit left"))
+  except (OSError, ValueError):
+    pass
+  import resource
+  soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+  if soft != resource.RLIM_INFINITY:
+    found.append((soft - _vm_size(), f"the address-space limit left (ulimit -v {soft // 1024})"))
+  return min(found) if found else (None, "unknown")
+
+
+def _vm_size() -> int:
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmSize:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError):
+    pass
+  return 0
+
+
+def capacity(devices) -> tuple:
+  """(bytes per device a program may use, or None if unknown; what it is)."""
+  first = devices[0]
+  if first.platform == "cpu":
+    local = sum(d.process_index == first.process_index for d in devices)
+    avail, what = host_available()
+    if avail is None:
+      return None, what
+    return agreed(max(0, avail) // local), f"{what} / {local} CPU device(s)"
+  try:
+    limit = (first.memory_stats() or {}).get("bytes_limit")
+  except Exception:  # noqa: BLE001 -- a TPU topology description has no memory stats
+    limit = None
+  if limit:
+    return agreed(int(limit)), f"{first.device_kind} memory"
+  if first.platform == "tpu":
+    from nanotext import topology
+    chip = topology.chip_of_kind(first.device_kind)
+    if chip is not None:
+      return chip.hbm_bytes, f"{first.device_kind} HBM"
+  return None, "unknown"
+
+
+def agreed(n: int) -> int:
+  """The least of `n` over the processes, so every process makes the same plan."""
+  import jax
+  if jax.process_count() == 1:
+    return n
+  import numpy as np
+  from jax.experimental import multihost_utils
+  return int(np.min(multihost_utils.process_allgather(np.asarray(n, np.int64))))
+
+
+HEADROOM = 0.10  # auto leaves this share of a device free: runtime buffers, fragmentation
+TOLERANCE = 0.25  # the estimate's measured accuracy: refuse only beyond capacity * (1 + this)
+KEYS = ("model.remat", "train.loss_chunk", "train.eval_loss_chunk")
+
+
+class DoesNotFit(UserError):
+  """A program's leanest estimate exceeds the device (the message says by what, and what
+  would fit)."""
+
+  def __init__(self, message: str, estimate):
+    super().__init__(message)
+    self.estimate = estimate
+
+
+@dataclasses.dataclass
+class Plan:
+  """What the planner chose and why, with the estimates it chose by."""
+  choice: dict  # {key: value} for KEYS
+  train: object  # memory.Estimate
+  eval: object
+  capacity: int | None
+  source: str
+  why: str
+  eval_problem: str = ""  # why the eval step cannot fit ("": it can)
+
+  def require(self, *programs) -> None:
+    """UserError if one of `programs` ("train", "eval") cannot fit. The train step is checked
+    when the run is built; the eval step only where it will run (the train CLI, compile), so a
+    run built to train or to look at the model is not refused for its validation rows."""
+    if "eval" in programs and self.eval_problem:
+      raise UserError(self.eval_problem)
+
+  def line(self) -> str:
+    """The start-up log line."""
+    c = self.choice
+    chosen = (f"remat={c['model.remat']}, loss_chunk={c['train.loss_chunk']}, "
+              f"eval_loss_chunk={c['train.eval_loss_chunk']}")
+    of = f" of {gib(self.capacity)} per device ({self.source})" if self.capacity else \
+        " per device (device memory unknown)"
+    return (f"memory plan: {chosen} ({self.train.program} ~{gib(self.train.total)}, "
+            f"{self.eval.program} ~{gib(self.eval.total)}{of}: {self.why})")
+
+
+def auto_chunk(lengths) -> int:
+  """The loss chunk auto tries: the largest divisor of every row length up to memory.CHUNK and
+  shorter than the rows (0: rows of one position cannot be cut)."""
+  g = 0
+  for n in lengths:
+    g = math.gcd(g, int(n))
+  return max((c for c in range(1, min(memory.CHUNK, g - 1) + 1) if g % c == 0), default=0)
+
+
+def parameter_floor(cfg) -> int:
+  """A lower bound on parameter bytes, from the config alone (no model is built): every block's
+  two MLP matrices and the token table. Enough to refuse absurd sizes at once."""
+  import numpy as np
+  m = cfg.model
+  item = lambda name: np.dtype(name).itemsize
+  rows = m.embed_rows if m.embed_rows > 0 else m.vocab_size
+  return (m.num_layers * 2 * m.d_model * m.mlp_dim * item(m.param_dtype)
+          + rows * m.d_model * item(m.embed_dtype or m.param_dtype))
+
+
+class Planner:
+  """config.finalize's memory_plan: {KEYS: values} for a typed config, auto keys resolved.
+
+  Raises UserError when even the leanest choice exceeds `capacity` (bytes per device; None =
+  unknown: nothing is refused, auto takes the plain step) by more than TOLERANCE. `prefer`:
+  {key: value} of a resumed run, kept where it fits.
+  """
+
+  def __init__(self, backend: str, mesh_sizes: dict, capacity, source: str = "",
+               prefer=None):
+    self.backend, self.mesh_sizes = backend, dict(mesh_sizes)
+    self.capacity, self.source = capacity, source or "given"
+    self.prefer = {k: v for k, v in (prefer or {}).items() if k in KEYS}
+    self.plan = None
+
+  def __call__(self, cfg) -> dict:
+    devices = math.prod(self.mesh_sizes.values())
+    floor = 2 * parameter_floor(cfg) / devices  # the parameters and their gradients
+    if self.capacity is not None and floor > self.capacity * (1 + TOLERANCE):
+      raise UserError(
+          f"the model is too large: its parameters and their gradients alone need at least "
+          f"{gib(floor)} per device, sharded over all {devices} device(s), and a device has "
+          f"{gib(self.capacity)} ({self.source}); use a smaller model (model.num_layers, "
+          "model.d_model, model.mlp_dim, model.vocab_size) or more devices")
+    model = memory.model_of(cfg, self.backend, self.mesh_sizes)
+    self._attention_first(model, "train")
+    t, m = cfg.train, cfg.model
+    remats = memory.REMATS if m.remat == "auto" else (m.remat,)
+    from nanotext.window_schedule import seq_lens
+    chunk = auto_chunk(seq_lens(t))
+    chunks = ((0, chunk) if chunk else (0,)) if t.loss_chunk == -1 else (t.loss_chunk,)
+    train_ladder = sorted(((r, c) for r in remats for c in chunks),
+                          key=lambda rc: (remats.index(rc[0]) + bool(rc[1]), bool(rc[1])))
+    train_ladder = self._preferred(train_ladder, KEYS[:2], (m.remat == "auto",
+                                                             t.loss_chunk == -1))
+    (remat, chunk), train, why = self._choose(
+        train_ladder, lambda rc: model.train(*rc), cfg, model, "train")
+    eval_chunk = auto_chunk([model.eval_len])
+    eval_ladder = [(c,) for c in ((0, eval_chunk) if eval_chunk else (0,))] \
+        if t.eval_loss_chunk == -1 else [(t.eval_loss_chunk,)]
+    eval_ladder = self._preferred(eval_ladder, KEYS[2:], (t.eval_loss_chunk == -1,))
+    problem = ""
+    try:
+      self._attention_first(model, "eval")
+      (eval_chunk,), evaluation, eval_why = self._choose(
+          eval_ladder, lambda c: model.eval(*c), cfg, model, "eval")
+    except DoesNotFit as e:  # kept for Plan.require: only a run that evaluates is refused
+      problem, eval_why, evaluation = str(e), "the eval step does not fit", e.estimate
+      (eval_chunk,) = eval_ladder[-1]
+    if (t.eval_loss_chunk == -1 and eval_chunk) or eval_why.startswith(("may", "the eval")):
+      why = f"{why}; {eval_why}"  # said only when it changes something
+    self.plan = Plan(dict(zip(KEYS, (remat, chunk, eval_chunk))), train, evaluation,
+                     self.capacity, self.source, why, problem)
+    return self.plan.choice
+
+  def _preferred(self, ladder: list, keys: tuple, auto: tuple) -> list:
+    """`ladder` with the resumed run's choice first (for the keys left to auto)."""
+    want = tuple(self.prefer.get(k, c) if a else c for k, a, c in zip(keys, auto, ladder[0]))
+    if any(self.prefer.get(k) is None for k, a in zip(keys, auto) if a):
+      return ladder
+    return [want] + [c for c in ladder if c != want]
+
+  def _choose(self, ladder, estimate, cfg, model, program) -> tuple:
+    """(choice, its estimate, why): the first choice in `ladder` that fits with headroom."""
+    tried = []
+    for choice in ladder:
+      est = estimate(choice)
+      if self.capacity is None:
+        return choice, est, "device memory unknown: nothing held back"
+      if est.total <= self.capacity * (1 - HEADROOM):
+        return choice, est, self._why(ladder, choice, tried, program)
+      tried.append((choice, est))
+    choice, est = min(tried, key=lambda ce: ce[1].total)
+    if est.total <= self.capacity * (1 + TOLERANCE):
+      return choice, est, (f"may not fit: the {program} step is within the estimate's accuracy "
+                           "of the device")
+    raise DoesNotFit(self._refusal(est, cfg, model, program), est)
+
+  def _why(self, ladder, choice, tried, program) -> str:
+    if len(ladder) == 1:
+      return "it fits as configured"
+    keys = ("model.remat", "train.loss_chunk") if program == "train" else \
+        ("train.eval_loss_chunk",)
+    if self.prefer and tuple(self.prefer.get(k) for k in keys) == choice:
+      return "kept from the run's config.yml"
+    if not tried:
+      return f"the plain {program} step fits"
+    return f"the plain {program} step needs ~{gib(tried[0][1].total)}"
+
+  def _attention_first(self, model, program: str) -> None:
+    """Refuse dense attention that cannot fit before anything traces it (its [T, T] masks are
+    built on the host while tracing)."""
+    need = dense_attention(model, program)
+    if self.capacity is not None and need > self.capacity * (1 + TOLERANCE):
+      est = memory.Estimate(f"{program} step", (("attention scores", int(need)),))
+      raise DoesNotFit(self._refusal(est, model.cfg, model, program), est)
+
+  def _refusal(self, est, cfg, model, program) -> str:
+    tips = advice(cfg, model, program, est, self.capacity)
+    return (f"the {est.describe()} does not fit a device's {gib(self.capacity)} "
+            f"({self.source}); {tips}")
+
+
+def advice(cfg, model, program: str, est, capacity: int) -> str:
+  """'try K=V (~X), ... or more devices': single-key changes that lower the dominant term of
+  `est`, each re-estimated (those that fit first)."""
+  tried = []
+  for text, try_cfg, sizes in changes(cfg, model, program, est, capacity):
+    try:
+      other = memory.model_of(try_cfg, model.backend, sizes)
+      if dense_attention(other, program) > capacity:
+        continue  # still cannot fit, and tracing it would build its [T, T] masks
+      total = _leanest(other, try_cfg, program).total
+    except UserError:
+      continue  # the change breaks another rule (divisibility): not advice
+    if total < est.total:
+      tried.append((total > capacity, total, f"{text} (~{gib(total)})"))
+  tips = [t for _, _, t in sorted(tried)[:3]]
+  if est.dominant() in ("parameters", "optimizer state", "gradients"):
+    tips.append("a smaller model (model.num_layers, model.d_model)")
+  return "try " + ", ".join(tips + ["or more devices"]) if tips else "use more devices"
+
+
+def dense_attention(model, program: str) -> float:
+  """One layer's dense attention scores (0 for other kernels): known before any trace."""
+  if model.impl not in memory.DENSE_KERNELS:
+    return 0.0
+  if program == "train":
+    return model.attention_bytes(model.rows, model.cfg.train.seq_len, train=True)
+  return model.attention_bytes(model.eval_rows, model.eval_len, train=False)
+
+
+def _leanest(model, cfg, program):
+  """The smallest estimate of `program` over the choices auto (or the config) allows."""
+  t, m = cfg.train, cfg.model
+  if program == "eval":
+    chunks = {0, auto_chunk([model.eval_len])} if t.eval_loss_chunk == -1 else \
+        {t.eval_loss_chunk}
+    return min((model.eval(c) for c in chunks), key=lambda e: e.total)
+  from nanotext.window_schedule import seq_lens
+  remat = "full" if m.remat == "auto" else m.remat
+  chunk = auto_chunk(seq_lens(t)) if t.loss_chunk == -1 else t.loss_chunk
+  return model.train(remat, chunk)
+
+
+def changes(cfg, model, program: str, est, capacity: int) -> list:
+  """[(override text, changed config, mesh sizes)] that lower the dominant term of `est`."""
+  import ml_collections
+  from nanotext import config
+  t, m = cfg.train, cfg.model
+  sizes, dominant = model.mesh_sizes, est.dominant()
+  out = []
+
+  def change(text, **sections):
+    new = memory.replace(cfg, **sections)
+    try:  # a change that breaks another rule (a chunk that does not divide the rows) is no advice
+      config.validate(ml_collections.ConfigDict(new.to_dict()))
+    except UserError:
+      return
+    out.append((text, new, sizes))
+  if program == "train" and dominant in ("activations", "recompute and attention",
+                                         "logits and loss"):
+    if m.remat in ("none", "dots") and model.backend != "cpu":  # CPU: remat changes nothing
+      change("model.remat=full", model={"remat": "full"})
+    if t.loss_chunk == 0 and auto_chunk([t.seq_len]):
+      change(f"train.loss_chunk={auto_chunk([t.seq_len])}",
+             train={"loss_chunk": auto_chunk([t.seq_len])})
+    # Micro-batches of 1/k the rows: twice, and as many as the per-row terms say would fit.
+    fixed = sum(b for name, b in est.terms if name in ("parameters", "optimizer state",
+                                                        "gradients", "gathered parameters"))
+    room = max(capacity * (1 - HEADROOM) - 2 * fixed, 1.0)  # accumulation adds gradients
+    fit = 2 ** math.ceil(math.log2(max(2.0, (est.total - fixed) / room)))
+    for k in sorted({2, min(fit, model.rows)}):
+      if model.rows % k == 0:
+        change(f"train.grad_accum={t.grad_accum * k}", train={"grad_accum": t.grad_accum * k})
+  if program == "eval" and t.eval_loss_chunk == 0:
+    c = auto_chunk([model.eval_len])
+    if c:
+      change(f"train.eval_loss_chunk={c}", train={"eval_loss_chunk": c})
+  if program == "eval" and t.eval_seq_len > t.seq_len:
+    change(f"train.eval_seq_len={t.seq_len}", train={"eval_seq_len": t.seq_len})
+  if model.impl in memory.DENSE_KERNELS and dominant in (
+      "attention scores", "activations", "recompute and attention", "activations and logits"):
+    impl = "splash" if model.backend == "tpu" else "blocked"
+    change(f"attention.impl={impl}", attention={"impl": impl})
+  if dominant in ("parameters", "optimizer state", "gradients") and sizes.get("data", 1) > 1:
+    out.append(("mesh.data=1 mesh.fsdp=-1", cfg,
+                dict(sizes, data=1, fsdp=sizes["fsdp"] * sizes["data"])))
+  return out
+
+
+def saved_choice(output_dir: str) -> dict:
+  """{key: value} of KEYS in output_dir/config.yml (a run being resumed), {} if none."""
+  import yaml
+  try:
+    with open(os.path.join(output_dir, "config.yml"), encoding="utf-8") as f:
+      saved = yaml.safe_load(f)
+    found = {k: saved[k.split(".")[0]][k.split(".")[1]] for k in KEYS
+             if k.split(".")[1] in (saved.get(k.split(".")[0]) or {})}
+  except (OSError, ValueError, yaml.YAMLError, AttributeError, TypeError):
+    return {}  # no run there, or a damaged file (not UTF-8, not YAML): rundir says so later
+  ok = lambda k, v: v in memory.REMATS if k == "model.remat" else \
+      type(v) is int and v >= 0  # a resolved choice, not auto
+  return {k: v for k, v in found.items() if ok(k, v)}
