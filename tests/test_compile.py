@@ -4,7 +4,6 @@ Tests that compile need libtpu (`pip install -e '.[tpu]'`, as CI does) and are s
 it. libtpu compiles run one after another in this process and its subprocesses.
 """
 
-import importlib.util
 import json
 import sys
 
@@ -15,8 +14,6 @@ from nanotext import compile as nt_compile
 from nanotext import topology
 from nanotext.errors import UserError
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="libtpu is not installed (pip install -e '.[tpu]')")
 # Splash needs seq_len a multiple of 128; one layer keeps each TPU compile to seconds.
 SMALL = ["model.num_layers=1", "model.d_model=128", "model.num_heads=2", "model.head_dim=64",
          "model.vocab_size=512", "train.batch_size=16", "train.seq_len=128", "train.steps=4",
@@ -65,7 +62,7 @@ def test_unknown_topology_exits_2():
   assert "Traceback" not in proc.stderr
 
 
-@needs_libtpu
+@pytest.mark.tpu
 def test_fsdp_shards_parameters_an_eighth_of_dp():
   """Per-chip argument bytes of the eval program (params + batch) for DP=8 and FSDP=8."""
   def args_bytes(mesh):
@@ -77,7 +74,7 @@ def test_fsdp_shards_parameters_an_eighth_of_dp():
   assert 0.11 < fsdp / dp < 0.14, (fsdp, dp)  # 1/8, plus the few replicated gains and biases
 
 
-@needs_libtpu
+@pytest.mark.tpu
 def test_tpu_compile_uses_mosaic_kernels_and_reports(tmp_path):
   out = tmp_path / "fit.jsonl"
   proc = run_cli("nanotext.compile", BASE, *SMALL, "--topology=v5p-16",
@@ -93,7 +90,7 @@ def test_tpu_compile_uses_mosaic_kernels_and_reports(tmp_path):
   assert 0.5 < recs[0]["flops_xla_per_chip"] / recs[0]["flops_analytic_per_chip"] < 2
 
 
-@needs_libtpu
+@pytest.mark.tpu
 def test_too_big_for_the_chip_exits_2():
   big = SMALL + ["train.batch_size=4096", "model.vocab_size=32768"]
   proc = run_cli("nanotext.compile", BASE, *big, "--topology=v5e-4", "--programs=eval")
@@ -103,7 +100,7 @@ def test_too_big_for_the_chip_exits_2():
   assert "model.remat" in last and "train.loss_chunk" in last and "train.grad_accum" in last
 
 
-@needs_libtpu
+@pytest.mark.tpu
 def test_a_mesh_that_splits_a_torus_axis():
   """fsdp 8 x tensor 2 on a 4x4 v6e-16: no physical axis is 8 long, so mesh axes split them."""
   from nanotext import sharding

@@ -8,16 +8,18 @@ block mask (long window W blocks, short W // 2, document-causal inside) as a den
 
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
 from flax import nnx
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, extra
 from nanotext import train
 from nanotext.convert.common import load_run
 from nanotext.convert.torch_export import export_torch
 from nanotext.model import GPT
 from nanotext.window_schedule import layer_windows
+
+torch = extra("torch")
+F = torch.nn.functional
+pytestmark = pytest.mark.torch
 
 RECORD_CFG = f"{REPO}/configs/speedrun_record.yml"
 # The record's module fixes 12 layers and 128-wide heads; everything else small.
