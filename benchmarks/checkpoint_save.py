@@ -18,8 +18,13 @@ from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed saves per mode (the median is reported).")
-_DIR = flags.DEFINE_string("dir", "", "Where to write the checkpoints; '' = a temporary folder.")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The script's flags, defined only when it runs: tests import benchmarks into one registry."""
+  flags.DEFINE_integer("repeats", 3, "Timed saves per mode (the median is reported).")
+  flags.DEFINE_string("dir", "", "Where to write the checkpoints; '' = a temporary folder.")
 
 
 def time_saves(state, config_dict, out: str, *, async_save: bool, repeats: int) -> dict:
@@ -46,12 +51,12 @@ def main(argv) -> None:
   setup = wiring.prepare(path, list(overrides) + ["data.source=synthetic", "data.tokenizer=none"])
   cfg, state = setup.cfg, jax.block_until_ready(setup.init_state())
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  root = _DIR.value or tempfile.mkdtemp(prefix="ckpt_bench_")
+  root = FLAGS.dir or tempfile.mkdtemp(prefix="ckpt_bench_")
   results = {}
   for name, async_save in (("async", True), ("sync", False)):
     out = os.path.join(root, name)
     results[name] = time_saves(state, cfg.to_dict(), out, async_save=async_save,
-                               repeats=_REPEATS.value)
+                               repeats=FLAGS.repeats)
     shutil.rmtree(out, ignore_errors=True)
   fmt = lambda xs: f"{statistics.median(xs):.2f} s ({', '.join(f'{x:.2f}' for x in xs)})"
   print(f"| config | {path} {' '.join(overrides)} |")
@@ -65,4 +70,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

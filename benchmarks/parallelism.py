@@ -32,17 +32,23 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanotext.hlo import COLLECTIVES, collectives  # noqa: E402 -- after the sys.path line
 
-_LAYOUTS = flags.DEFINE_string("layouts", "", "Comma list like dp8,fsdp8,fsdp4xtp2; "
-                               "empty = the defaults for this device count.")
-_STEPS = flags.DEFINE_integer("steps", 5, "Steps whose losses are recorded (also the warmup).")
-_TIMED = flags.DEFINE_integer("timed_steps", 3, "Steps per timed window.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed windows (the median is reported).")
-_OUT = flags.DEFINE_string("out", "benchmarks/parallelism_base", "Output prefix (.md, .png).")
-_TOPOLOGY = flags.DEFINE_string(
-    "topology", "", "Compile each layout for this TPU slice (e.g. v6e-8) through nanotext.compile "
-    "instead of running it here: memory, collectives, FLOPs and a roofline estimate, no timing.")
-_PROGRAMS = flags.DEFINE_string("programs", "last", "With --topology: which programs to "
-                                "compile per layout (nanotext.compile --programs).")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The script's flags, defined only when it runs: tests import benchmarks into one registry."""
+  flags.DEFINE_string("layouts", "", "Comma list like dp8,fsdp8,fsdp4xtp2; "
+                      "empty = the defaults for this device count.")
+  flags.DEFINE_integer("steps", 5, "Steps whose losses are recorded (also the warmup).")
+  flags.DEFINE_integer("timed_steps", 3, "Steps per timed window.")
+  flags.DEFINE_integer("repeats", 3, "Timed windows (the median is reported).")
+  flags.DEFINE_string("out", "benchmarks/parallelism_base", "Output prefix (.md, .png).")
+  flags.DEFINE_string(
+      "topology", "", "Compile each layout for this TPU slice (e.g. v6e-8) through "
+      "nanotext.compile instead of running it here: memory, collectives, FLOPs and a roofline "
+      "estimate, no timing.")
+  flags.DEFINE_string("programs", "last", "With --topology: which programs to "
+                      "compile per layout (nanotext.compile --programs).")
 
 AXES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor"}
 _SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
@@ -394,7 +400,7 @@ def plot(rows, path: str) -> None:
 
 
 def main(argv):
-  if _TOPOLOGY.value:  # only compiles: never open this host's accelerators
+  if FLAGS.topology:  # only compiles: never open this host's accelerators
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   from nanotext.errors import UserError, fail
@@ -402,26 +408,26 @@ def main(argv):
     fail("usage: python benchmarks/parallelism.py CONFIG [key=value ...] [--layouts L] "
          "[--steps K] [--out PREFIX]")
   try:
-    if _STEPS.value < 1 or _TIMED.value < 1 or _REPEATS.value < 1:
+    if FLAGS.steps < 1 or FLAGS.timed_steps < 1 or FLAGS.repeats < 1:
       raise UserError("--steps, --timed_steps and --repeats must be at least 1")
     log = lambda s: print(s, file=sys.stderr, flush=True)
-    if _TOPOLOGY.value:
+    if FLAGS.topology:
       from nanotext import topology
-      chips = topology.parse(_TOPOLOGY.value).num_chips
+      chips = topology.parse(FLAGS.topology).num_chips
       command = " ".join(["python", *sys.argv])
       def write(rows):
-        with open(_OUT.value + ".md", "w") as f:
-          f.write(topology_report(rows, command, _TOPOLOGY.value))
-      rows = measure_topology(argv[1], argv[2:], _TOPOLOGY.value,
-                              parse_layouts(_LAYOUTS.value, chips), _PROGRAMS.value, log=log,
+        with open(FLAGS.out + ".md", "w") as f:
+          f.write(topology_report(rows, command, FLAGS.topology))
+      rows = measure_topology(argv[1], argv[2:], FLAGS.topology,
+                              parse_layouts(FLAGS.layouts, chips), FLAGS.programs, log=log,
                               on_row=write)
     else:
-      layouts = parse_layouts(_LAYOUTS.value, jax.device_count())
-      rows = measure(argv[1], argv[2:], layouts, steps=_STEPS.value, timed_steps=_TIMED.value,
-                     repeats=_REPEATS.value, log=log)
+      layouts = parse_layouts(FLAGS.layouts, jax.device_count())
+      rows = measure(argv[1], argv[2:], layouts, steps=FLAGS.steps,
+                     timed_steps=FLAGS.timed_steps, repeats=FLAGS.repeats, log=log)
   except UserError as e:
     fail(str(e))
-  if _TOPOLOGY.value:
+  if FLAGS.topology:
     print(topology_table(rows))
     return
   print(table(rows))
@@ -429,11 +435,12 @@ def main(argv):
     command = " ".join(["python", *sys.argv])
     xla = os.environ.get("XLA_FLAGS")
     command = f"XLA_FLAGS={xla} {command}" if xla else command
-    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    with open(_OUT.value + ".md", "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    with open(FLAGS.out + ".md", "w") as f:
       f.write(report(rows, command))
-    plot(rows, _OUT.value + ".png")
+    plot(rows, FLAGS.out + ".png")
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

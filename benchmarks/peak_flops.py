@@ -9,8 +9,13 @@ import time
 
 from absl import app, flags
 
-_DTYPE = flags.DEFINE_string("dtype", "float32", "float32 or bfloat16")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per size.")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The script's flags, defined only when it runs: tests import benchmarks into one registry."""
+  flags.DEFINE_string("dtype", "float32", "float32 or bfloat16")
+  flags.DEFINE_integer("repeats", 5, "Timed repeats per size.")
 
 
 def matmul_flops(n: int, dtype, repeats: int) -> float:
@@ -37,17 +42,18 @@ def main(argv):
   del argv
   import jax
   import jax.numpy as jnp
-  dtype = jnp.dtype(_DTYPE.value)
+  dtype = jnp.dtype(FLAGS.dtype)
   print(f"| backend | {jax.default_backend()} ({jax.devices()[0].device_kind}) |")
   print("| matmul size | GFLOP/s |")
   print("| --- | --- |")
   best = 0.0
   for n in (512, 1024, 2048):
-    f = matmul_flops(n, dtype, _REPEATS.value)
+    f = matmul_flops(n, dtype, FLAGS.repeats)
     best = max(best, f)
     print(f"| {n} x {n} x {n} {dtype.name} | {f / 1e9:,.1f} |")
   print(f"| best | {best / 1e9:,.1f} |")
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

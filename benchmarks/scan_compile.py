@@ -19,9 +19,16 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_DEPTHS = flags.DEFINE_list("depths", ["4", "12", "48"], "model.num_layers values to time.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed compilations per depth and way (median).")
-_TIMEOUT = flags.DEFINE_float("timeout", 300, "Seconds one measurement may take (then stopped).")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The script's flags, defined only when it runs: tests import benchmarks into one registry."""
+  flags.DEFINE_list("depths", ["4", "12", "48"], "model.num_layers values to time.")
+  flags.DEFINE_integer("repeats", 3, "Timed compilations per depth and way (median).")
+  flags.DEFINE_float("timeout", 300, "Seconds one measurement may take (then stopped).")
+
+
 TINY_WIDTH = ["model.d_model=128", "model.num_heads=2", "model.head_dim=64",
               "model.vocab_size=512", "model.align=0", "train.batch_size=8", "train.seq_len=128",
               "data.source=synthetic", "data.tokenizer=none", "data.eot_id=0"]
@@ -63,28 +70,28 @@ def main(argv):
   from nanotext.errors import UserError, fail
   path = argv[1] if len(argv) > 1 else "configs/base.yml"
   extra = TINY_WIDTH + argv[2:]
-  depths = [int(d) for d in _DEPTHS.value]
+  depths = [int(d) for d in FLAGS.depths]
   times = {(d, s): [] for d in depths for s in (False, True)}
   try:
-    for _ in range(_REPEATS.value):
+    for _ in range(FLAGS.repeats):
       for d in depths:
         for scan in (False, True):
           if None in times[(d, scan)]:
             continue  # timed out once: not again
           t = measure(path, extra + [f"model.num_layers={d}",
-                                     f"model.scan_layers={str(scan).lower()}"], _TIMEOUT.value)
+                                     f"model.scan_layers={str(scan).lower()}"], FLAGS.timeout)
           times[(d, scan)].append(t)
           print(f"layers={d} scan={scan}: {t}", file=sys.stderr, flush=True)
   except UserError as e:
     fail(str(e))
-  print(f"Train-step compile time, medians of {_REPEATS.value} fresh processes (lower = trace + "
-        f"lower; compile = XLA; > {_TIMEOUT.value:.0f} s: stopped):\n")
+  print(f"Train-step compile time, medians of {FLAGS.repeats} fresh processes (lower = trace + "
+        f"lower; compile = XLA; > {FLAGS.timeout:.0f} s: stopped):\n")
   print("| layers | unrolled: lower + compile (s) | scanned: lower + compile (s) "
         "| unrolled / scanned |")
   print("| --- | --- | --- | --- |")
   for d in depths:
     u, s = cell(times[(d, False)]), cell(times[(d, True)])
-    ratio = "?" if s[1] is None else f"> {_TIMEOUT.value / s[1]:.0f}x" if u[1] is None \
+    ratio = "?" if s[1] is None else f"> {FLAGS.timeout / s[1]:.0f}x" if u[1] is None \
         else f"{u[1] / s[1]:.1f}x"
     print(f"| {d} | {u[0]} | {s[0]} | {ratio} |")
 
@@ -92,10 +99,11 @@ def main(argv):
 def cell(runs) -> tuple:
   """(text, total seconds or None when a run timed out) of one table cell."""
   if None in runs:
-    return f"> {_TIMEOUT.value:.0f} (stopped)", None
+    return f"> {FLAGS.timeout:.0f} (stopped)", None
   lower, comp = (statistics.median(t[k] for t in runs) for k in (0, 1))
   return f"{lower:.2f} + {comp:.2f} = {lower + comp:.2f}", lower + comp
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -6,10 +6,13 @@ flags: `--config=CONFIG --set=train.steps=50 --set=model.num_layers=2`.
 
 import contextlib
 import os
+import time
 
 from absl import app, flags, logging
 
 from nanotext.errors import ResourceError, UserError, fail, parse_flags, quiet_background_errors
+
+_STARTED = time.perf_counter()  # the start-up line's clock: from the entry point's import
 
 _CONFIG = flags.DEFINE_string("config", None, "Config YAML (instead of the first argument).")
 _SET = flags.DEFINE_multi_string("set", [], "A key=value override; repeatable.")
@@ -39,19 +42,28 @@ def enable_compile_cache(path: str) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def run(path: str, overrides, log=print):
-  """Load, check and train; returns the loop result. Raises UserError on bad input."""
+def run(path: str, overrides, log=print, started: float | None = None):
+  """Load, check and train; returns the loop result. Raises UserError on bad input.
+
+  `started` (a time.perf_counter()) is where the start-up line's clock starts; default now.
+  """
+  started = time.perf_counter() if started is None else started
   import jax
   from nanotext import checkpoint, config, distributed, memory_plan, probes, rundir, wiring
   from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
   from nanotext.generate import sample_text
-  from nanotext.watch import Preemption
+  from nanotext.watch import Preemption, StartupClock
 
+  clock = StartupClock(started)
+  clock.lap("imports")
   cfg = wiring.load(path, overrides)
   if cfg.train.compile_cache_dir:  # before the first compilation of this process
     enable_compile_cache(cfg.train.compile_cache_dir)
+  clock.lap("config")
   # Joining the other processes must precede the first backend use (device counts in finalize).
   distributed.maybe_initialize(cfg.distributed)
+  jax.devices()  # starts the backend: its own phase on the start-up line
+  clock.lap("backend")
   # A resumed run keeps the remat and loss chunks it chose before, where they still fit.
   run_ = wiring.from_config(cfg, prefer=memory_plan.saved_choice(cfg.output_dir))
   run_.memory.require("train", "eval")  # every run validates at its end
@@ -70,9 +82,11 @@ def run(path: str, overrides, log=print):
                     f"{jax.process_count()} processes; each loads an equal share")
   # Everything above and the data below is only read: a mistake found here changes nothing.
   out = rundir.check_output_dir_path(cfg.output_dir)
+  clock.lap("config")
   check_sample(cfg)
   train_iter, val_local = run_.train_iter(), run_.val_batches()
   fingerprint = rundir.fingerprint(cfg.data)
+  clock.lap("data")
   is_main = jax.process_index() == 0
   start, lock, replace = rundir.StartUp(out), rundir.Lock(out), False
 
@@ -109,8 +123,9 @@ def run(path: str, overrides, log=print):
     manager.fingerprint = fingerprint
     if replace and is_main:  # the new run has a checkpoint: the old one can go
       manager.on_confirmed = lambda step: rundir.commit(out)
+    clock.lap("output_dir")
     try:
-      result = _train(run_, cfg, manager, train_iter, val_local, preemption, log)
+      result = _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock)
     except BaseException:
       checkpoint.close(manager)  # waits for earlier saves without hiding this error
       if is_main and not preemption.training:  # failed before its first step: put it all back
@@ -162,12 +177,13 @@ def state_bytes(run_) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run_.abstract_state()))
 
 
-def _train(run_, cfg, manager, train_iter, val_local, preemption, log):
+def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
   """Initial state, then the loop, then the wait for the last save (the run's end)."""
   import jax
   from nanotext import checkpoint, config, metrics, trainer, wiring
   from nanotext.data.tokenizer import val_bytes_per_token
   start = wiring.initial_state(run_, manager, log)
+  clock.lap("state")
   skipped = 0
   if start.data is not None:
     train_iter.set_state(start.data["iterator"])
@@ -176,12 +192,13 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log):
   if is_main:
     config.save(cfg, os.path.join(cfg.output_dir, "config.yml"))
   writer = metrics.Writer(cfg.output_dir, tensorboard=cfg.metrics.tensorboard, enabled=is_main)
+  clock.lap("output_dir")
   val = [trainer.global_batch(run_, b) for b in val_local]
   try:
     result = trainer.train(run_, start.state, train_iter, val, writer=writer, manager=manager,
                            start_step=start.step, config_dict=cfg.to_dict(), log=log,
                            skipped_steps=skipped, preemption=preemption,
-                           bytes_per_token=val_bytes_per_token(cfg.data, val_local))
+                           bytes_per_token=val_bytes_per_token(cfg.data, val_local), clock=clock)
     checkpoint.wait(manager)  # the run is not over until its last save is on disk
   finally:
     writer.close()
@@ -207,7 +224,8 @@ def main(argv) -> None:
   quiet_background_errors()
   try:
     path, overrides = parse_args(argv[1:])
-    run(path, overrides, log=lambda s: print(s, flush=True) if _is_main() else None)
+    run(path, overrides, log=lambda s: print(s, flush=True) if _is_main() else None,
+        started=_STARTED)
   except UserError as e:
     fail(str(e))
   except (NonFiniteError, ResourceError) as e:  # a failed checkpoint write is a ResourceError

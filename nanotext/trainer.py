@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nanotext import checkpoint, metrics, sharding
 from nanotext.wiring import Run, new_state
-from nanotext.watch import CompileCounter, Monitor, Preemption, Profiler
+from nanotext.watch import CompileCounter, Monitor, Preemption, Profiler, StartupClock
 from nanotext.model.kernels.dispatch import takes_runtime_window
 from nanotext.model.kernels.masks import segment_ids_from_tokens
 from nanotext.model.loss import cross_entropy
@@ -160,51 +160,65 @@ class Programs:
 
 def compile_programs(run: Run, kind: str, stage_plan: dict, args, log=print) -> Programs:
   """AOT-compile each distinct program of `stage_plan` ({stage: Program}) for `args`, logging a
-  line per program (name, seconds) as it finishes; `kind` is train or eval.
+  line per program (name, seconds) as it finishes; `kind` is train or eval."""
+  return compile_all(run, [(kind, stage_plan, args)], log)[0]
 
-  Tracing runs one after another; XLA compilations run in a thread pool, since they are
-  independent and release the GIL (many schedule stages on a many-core host).
+
+def compile_all(run: Run, jobs, log=print) -> list:
+  """compile_programs for each (kind, stage_plan, args) of `jobs`, one Programs per job.
+
+  Tracing runs one after another (the sharding rules in force while tracing are global); XLA
+  compilations of every job run together in a thread pool, since they are independent and
+  release the GIL (the train and eval programs on 2 cores, many schedule stages on many).
   """
-  make = make_train_step if kind == "train" else make_eval_step
-  programs = list(dict.fromkeys(stage_plan.values()))
-  n_layers, replicated = run.cfg.model.num_layers, NamedSharding(run.mesh, P())
-  lowered, seconds = {}, {}
-  for p in programs:
-    t0 = time.perf_counter()
-    static = (p.windows, p.seq_len) if kind == "train" else (p.windows,)
-    lowered[p] = make(run, *static, runtime=p.runtime).lower(*args, *windows_args(run, p))
-    seconds[p] = time.perf_counter() - t0
+  lowered, seconds, todo = {}, {}, []
+  for kind, stage_plan, args in jobs:
+    make = make_train_step if kind == "train" else make_eval_step
+    for p in dict.fromkeys(stage_plan.values()):
+      t0 = time.perf_counter()
+      static = (p.windows, p.seq_len) if kind == "train" else (p.windows,)
+      lowered[kind, p] = make(run, *static, runtime=p.runtime).lower(*args, *windows_args(run, p))
+      seconds[kind, p] = time.perf_counter() - t0
+      todo.append((kind, p))
 
-  def compile_one(p):
+  def compile_one(key):
     t0 = time.perf_counter()
-    return lowered[p].compile(), time.perf_counter() - t0
+    return lowered[key].compile(), time.perf_counter() - t0
 
-  with_len = len({p.seq_len for p in programs}) > 1
-  execs = {}
-  workers = max(1, min(len(programs), os.cpu_count() or 1))
+  with_len = {kind: len({p.seq_len for k, p in todo if k == kind}) > 1 for kind, _, _ in jobs}
+  execs = {kind: {} for kind, _, _ in jobs}
+  workers = max(1, min(len(todo), os.cpu_count() or 1))
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    futures = {pool.submit(compile_one, p): p for p in programs}
+    futures = {pool.submit(compile_one, key): key for key in todo}
     for future in concurrent.futures.as_completed(futures):
-      p = futures[future]
-      execs[p], secs = future.result()
-      log(f"compiled {kind} ({p.describe(with_len)}) in {seconds[p] + secs:.1f} s")
-  # Each stage's windows on the devices once, before the loop (no transfer per step).
-  windows = {w: jax.make_array_from_callback((n_layers,), replicated,
-                                             lambda i, w=w: np.asarray(w, np.int32)[i])
-             for (w, _), p in stage_plan.items() if p.runtime}
-  return Programs(stage_plan, execs, windows)
+      kind, p = futures[future]
+      execs[kind][p], secs = future.result()
+      log(f"compiled {kind} ({p.describe(with_len[kind])}) in {seconds[kind, p] + secs:.1f} s")
+  n_layers, replicated = run.cfg.model.num_layers, NamedSharding(run.mesh, P())
+  out = []
+  for kind, stage_plan, _ in jobs:
+    # Each stage's windows on the devices once, before the loop (no transfer per step).
+    windows = {w: jax.make_array_from_callback((n_layers,), replicated,
+                                               lambda i, w=w: np.asarray(w, np.int32)[i])
+               for (w, _), p in stage_plan.items() if p.runtime}
+    out.append(Programs(stage_plan, execs[kind], windows))
+  return out
 
 
 def compile_train_steps(run: Run, state, batch, steps, log=print) -> Programs:
   """The train programs that 0-based `steps` need, compiled: one per stage (windows, row length),
   or one per row length with a kernel that takes the windows at run time; called as
   `programs(window_schedule.step_stage(cfg, step), state, batch)`."""
+  return compile_programs(run, "train", train_plan(run, steps), (state, batch), log)
+
+
+def train_plan(run: Run, steps) -> dict:
+  """{stage: Program} of the train programs that 0-based `steps` need."""
   if isinstance(steps, range) and steps.step == 1:
     needed = stages(run.cfg, steps.start, steps.stop)
   else:
     needed = list(dict.fromkeys(step_stage(run.cfg, s) for s in steps))  # in order of use
-  stage_plan = plan(needed, takes_runtime_window(run.impl))
-  return compile_programs(run, "train", stage_plan, (state, batch), log)
+  return plan(needed, takes_runtime_window(run.impl))
 
 
 @dataclasses.dataclass
@@ -222,27 +236,32 @@ class LoopResult:
 def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_step: int,
           config_dict: dict, log=print, skipped_steps: int = 0,
           preemption: Preemption | None = None,
-          bytes_per_token: float | None = None) -> LoopResult:
+          bytes_per_token: float | None = None, clock: StartupClock | None = None) -> LoopResult:
   """Run steps start_step..train.steps: log one step late, evaluate, checkpoint, and stop
   cleanly (save, then return) on SIGTERM/SIGINT (`preemption`: a caller's, covering more).
-  `bytes_per_token` (of the validation targets) adds bits per byte to every eval."""
+  `bytes_per_token` (of the validation targets) adds bits per byte to every eval; `clock`
+  (the caller's start-up phases) gets the compile phase, and its line is logged before step 1."""
   cfg = run.cfg
   t_cfg = cfg.train
   counter = CompileCounter()
 
-  # Compile ahead of time so that compile time is reported apart and the loop cannot retrace.
-  t0 = time.perf_counter()
   first = global_batch(run, next(train_iter))
   data_state = train_iter.get_state()  # batches consumed through the step about to run
+  if clock is not None:
+    clock.lap("data")
+  # Compile ahead of time so that compile time is reported apart and the loop cannot retrace.
+  t0 = time.perf_counter()
   # Every program the schedule needs is compiled here (one for all window stages where the kernel
   # takes the windows at run time), so a window change in the loop only switches inputs or
   # executables.
-  train_execs = compile_train_steps(run, state, first, range(start_step, t_cfg.steps), log)
+  jobs = [("train", train_plan(run, range(start_step, t_cfg.steps)), (state, first))]
   at_start = t_cfg.eval_at_start and start_step == 0 and bool(val_batches)
   evals = eval_points(t_cfg, start_step)
-  eval_execs = compile_programs(
-      run, "eval", eval_plan(cfg, evals, takes_runtime_window(run.impl)),
-      (state["params"], val_batches[0]), log) if val_batches else {}
+  if val_batches:
+    jobs.append(("eval", eval_plan(cfg, evals, takes_runtime_window(run.impl)),
+                 (state["params"], val_batches[0])))
+  train_execs, *rest = compile_all(run, jobs, log)
+  eval_execs = rest[0] if rest else {}
   eval_exec = bool(eval_execs) or None
   compile_s = time.perf_counter() - t0
   programs = len(train_execs) + len(eval_execs)
@@ -251,6 +270,9 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
       f" and {n_eval} eval step programs"
   log(f"compiled {len(train_execs)} train step program(s){evals_said} ({programs} in all) in "
       f"{compile_s:.1f} s")
+  if clock is not None:
+    clock.lap("compile")
+    log(clock.line({"compile": f"{programs} programs"}))
 
   def evaluate(params, done):
     stage = (eval_windows(cfg, done), t_cfg.eval_seq_len or t_cfg.seq_len)

@@ -1,8 +1,13 @@
 """Test setup: 8 fake CPU devices (set before jax is imported) and shared helpers."""
 
+import atexit
+import importlib
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
@@ -10,6 +15,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The float32 agreement tests (1e-5 tolerances) assume full float32 matmuls: the CPU's default,
 # not a GPU's (TF32-like there: 1.4e-3 apart). JAX_PLATFORMS=cuda pytest runs them as written.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# One persistent compilation cache for the session, shared with the CLI runs the tests start:
+# many tests train the same tiny model, and each new process or jit object would compile its
+# programs again. A fresh folder per session (removed at exit): no stale entries across versions.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE = tempfile.mkdtemp(prefix="nanotext-tests-jax-cache-")
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import pytest  # noqa: E402
 
@@ -48,12 +62,43 @@ def tiny():
   return list(TINY)
 
 
+# Markers of tests that need an optional package: marker -> (module, the install that brings it).
+# `pip install -e .` (the main job's install) has none of them; `.[test,tpu]` (CI's) has them all.
+EXTRAS = {
+    "tpu": ("libtpu", "pip install -e '.[tpu]'"),
+    "torch": ("torch", "pip install -e '.[test]'"),
+    "transformers": ("transformers", "pip install -e '.[test]'"),
+    "tfds": ("tensorflow_datasets", "pip install -e '.[tfds]'"),
+    "plots": ("matplotlib", "pip install -e '.[plots]'"),
+}
+
+
+def _missing(marker: str) -> str:
+  """The skip reason of a test marked `marker` when its package is missing, else ""."""
+  module, install = EXTRAS[marker]
+  if importlib.util.find_spec(module) is not None:
+    return ""
+  return f"needs {module} ({install})"
+
+
+def extra(marker: str):
+  """The module of an extra, imported for a test file that needs it throughout (or the whole
+  file skipped, with the reason, when it is missing); the file also sets `pytestmark`."""
+  reason = _missing(marker)
+  if reason:
+    pytest.skip(reason, allow_module_level=True)
+  return importlib.import_module(EXTRAS[marker][0])
+
+
 def pytest_collection_modifyitems(config, items):
-  """`gpu`-marked tests run only where jax has a GPU backend (JAX_PLATFORMS=cuda pytest -m gpu)."""
+  """Skip, with a reason, a test whose extra is missing (see EXTRAS), and `gpu`-marked tests
+  where jax has no GPU backend (JAX_PLATFORMS=cuda pytest -m gpu runs them)."""
   import jax
-  if jax.default_backend() == "gpu":
-    return
-  skip = pytest.mark.skip(reason="needs a GPU: run with JAX_PLATFORMS=cuda")
+  on_gpu = jax.default_backend() == "gpu"
+  reasons = {m: _missing(m) for m in EXTRAS}
   for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    if "gpu" in item.keywords and not on_gpu:
+      item.add_marker(pytest.mark.skip(reason="needs a GPU: run with JAX_PLATFORMS=cuda"))
+    for marker, reason in reasons.items():
+      if reason and item.get_closest_marker(marker) is not None:
+        item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,7 +1,6 @@
 """The flash (Pallas, interpreted on CPU) and einsum kernels agree with xla forward and backward,
 refuse what they cannot express, and einsum trains to xla's losses."""
 
-import importlib.util
 import json
 import os
 
@@ -94,7 +93,7 @@ def test_einsum_trains_to_xla_losses(tmp_path):
   np.testing.assert_allclose(losses["einsum"], losses["xla"], rtol=1e-5)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+@pytest.mark.tpu
 def test_flash_compiles_to_mosaic_for_a_tpu():
   """Built for a TPU mesh from this CPU host, flash is Mosaic (forward, dK/dV and dQ kernels)."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -65,6 +65,7 @@ def test_steps_to_reach_interpolates():
   assert convergence.steps_to_reach(curve, 2.9) is None
 
 
+@pytest.mark.plots
 def test_convergence_report_and_plot(tmp_path):
   curves = {"baseline (AdamW GPT-2)": [(10, 6.0), (20, 5.0), (40, 4.0)],
             "speedrun recipe": [(10, 5.0), (20, 3.9), (40, 3.5)]}

@@ -4,7 +4,6 @@ Tests that compile need libtpu (`pip install -e '.[tpu]'`, as CI does) and are s
 it. libtpu compiles run one after another in this process and its subprocesses.
 """
 
-import importlib.util
 import json
 import sys
 import time
@@ -16,8 +15,6 @@ from nanotext import compile as nt_compile
 from nanotext import topology
 from nanotext.errors import UserError
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="libtpu is not installed (pip install -e '.[tpu]')")
 # Splash needs seq_len a multiple of 128; one layer keeps each TPU compile to seconds.
 SMALL = ["model.num_layers=1", "model.d_model=128", "model.num_heads=2", "model.head_dim=64",
          "model.vocab_size=512", "train.batch_size=16", "train.seq_len=128", "train.steps=4",
@@ -66,7 +63,7 @@ def test_unknown_topology_exits_2():
   assert "Traceback" not in proc.stderr
 
 
-@needs_libtpu
+@pytest.mark.tpu
 def test_fsdp_shards_parameters_an_eighth_of_dp():
   """Per-chip argument bytes of the eval program (params + batch) for DP=8 and FSDP=8."""
   def args_bytes(mesh):
@@ -78,7 +75,7 @@ def test_fsdp_shards_parameters_an_eighth_of_dp():
   assert 0.11 < fsdp / dp < 0.14, (fsdp, dp)  # 1/8, plus the few replicated gains and biases
 
 
-@needs_libtpu
+@pytest.mark.tpu
 def test_tpu_compile_uses_mosaic_kernels_and_reports(tmp_path):
   out = tmp_path / "fit.jsonl"
   proc = run_cli("nanotext.compile", BASE, *SMALL, "--topology=v5p-16",
@@ -94,7 +91,7 @@ def test_tpu_compile_uses_mosaic_kernels_and_reports(tmp_path):
   assert 0.5 < recs[0]["flops_xla_per_chip"] / recs[0]["flops_analytic_per_chip"] < 2
 
 
-@needs_libtpu
+@pytest.mark.tpu
 def test_too_big_for_the_chip_exits_2():
   # Whole-row validation logits, at the edge of what the memory estimate can call (within its
   # accuracy of the chip): compiled, and the compiler's overflow is the verdict.
@@ -122,7 +119,7 @@ def test_a_config_that_cannot_fit_is_refused_before_compiling():
   assert time.perf_counter() - start < 300  # about 11 s of CPU; the wall clock is the load's
 
 
-@needs_libtpu
+@pytest.mark.tpu
 def test_a_mesh_that_splits_a_torus_axis():
   """fsdp 8 x tensor 2 on a 4x4 v6e-16: no physical axis is 8 long, so mesh axes split them."""
   from nanotext import sharding

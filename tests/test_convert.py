@@ -4,21 +4,21 @@ and refusals; all on tiny models built here (no downloads)."""
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
+from safetensors.numpy import load_file
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-safetensors_numpy = pytest.importorskip("safetensors.numpy")
+from conftest import BASE, SPEEDRUN, TINY, extra, run_cli
+from nanotext import config, train, wiring
+from nanotext.convert import from_hf, load_params, params_only, to_hf
+from nanotext.convert.common import load_run
+from nanotext.errors import UserError
 
-import jax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from conftest import BASE, SPEEDRUN, TINY, run_cli  # noqa: E402
-from nanotext import config, train, wiring  # noqa: E402
-from nanotext.convert import from_hf, load_params, params_only, to_hf  # noqa: E402
-from nanotext.convert.common import load_run  # noqa: E402
-from nanotext.errors import UserError  # noqa: E402
+torch = extra("torch")  # the whole file: skipped, with the reason, without torch or transformers
+transformers = extra("transformers")
+pytestmark = [pytest.mark.torch, pytest.mark.transformers]
 
 # Both sides compute in float32 with different matmul blocking and reduction orders; over two
 # blocks that moves logits of magnitude ~1-5 by ~1e-6..1e-5. 1e-4 is well above that noise and
@@ -91,8 +91,8 @@ def test_from_hf_logits_match(hf_dir, converted):
 
 def test_from_hf_then_to_hf_is_lossless(hf_dir, converted, tmp_path):
   to_hf(converted, str(tmp_path / "back"), step=0, log=quiet)
-  before = safetensors_numpy.load_file(os.path.join(hf_dir[0], "model.safetensors"))
-  after = safetensors_numpy.load_file(str(tmp_path / "back" / "model.safetensors"))
+  before = load_file(os.path.join(hf_dir[0], "model.safetensors"))
+  after = load_file(str(tmp_path / "back" / "model.safetensors"))
   assert sorted(before) == sorted(after)
   for k in before:
     np.testing.assert_array_equal(before[k], after[k], err_msg=k)

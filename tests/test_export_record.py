@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, extra
 from nanotext import train
 from nanotext.convert.common import load_run
 from nanotext.convert.torch_export import export_torch
 from nanotext.model import GPT
 from nanotext.window_schedule import layer_windows
 
-torch = pytest.importorskip("torch")
+torch = extra("torch")
+pytestmark = pytest.mark.torch
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from record_torch import RecordGPT  # noqa: E402
 

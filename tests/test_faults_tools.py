@@ -235,6 +235,7 @@ def test_a_file_size_limit_while_converting_is_one_line_status_1(reference, tmp_
 
 # --- plot -------------------------------------------------------------------------------------
 
+@pytest.mark.plots
 def test_plot_skips_lines_that_are_not_metrics_and_needs_no_config(reference, tmp_path):
   run = copy_of(reference, tmp_path)
   with open(os.path.join(run, "metrics.jsonl"), "ab") as f:
@@ -249,6 +250,7 @@ def test_plot_skips_lines_that_are_not_metrics_and_needs_no_config(reference, tm
   assert out.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.plots
 def test_plot_refuses_an_out_it_cannot_write_before_reading(reference, tmp_path):
   run = reference[0]
   assert_one_error_line(cli("nanotext.plot", run, f"--out={tmp_path / 'x.xyz'}"), 2,

@@ -6,13 +6,14 @@ import os
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import BASE, TINY, extra, one_line_error, run_cli
+from nanotext import train
+from nanotext.convert import to_hf
+from nanotext.data.tokenizer import get_tokenizer
 
-from conftest import BASE, TINY, one_line_error, run_cli  # noqa: E402
-from nanotext import train  # noqa: E402
-from nanotext.convert import to_hf  # noqa: E402
-from nanotext.data.tokenizer import get_tokenizer  # noqa: E402
+torch = extra("torch")  # the whole file: skipped, with the reason, without torch or transformers
+transformers = extra("transformers")
+pytestmark = [pytest.mark.torch, pytest.mark.transformers]
 
 # A tiny classic GPT-2 on the embedded corpus with the shipped tokenizer (vocab 8192).
 CORPUS = [o for o in TINY if not o.startswith(("data.", "model.vocab_size"))] + [

@@ -7,8 +7,6 @@ import pytest
 
 from conftest import one_line_error, run_cli
 
-pytest.importorskip("matplotlib")
-
 
 def fake_run(path, *, tokens=(8, 64), final=5.0, bpb=True):
   """A run directory holding what the trainer writes: config.yml and metrics.jsonl."""
@@ -26,6 +24,7 @@ def fake_run(path, *, tokens=(8, 64), final=5.0, bpb=True):
   return str(path)
 
 
+@pytest.mark.plots
 def test_plots_several_runs(tmp_path):
   a = fake_run(tmp_path / "muon", final=4.8)
   b = fake_run(tmp_path / "adamw", final=5.3, tokens=(16, 256), bpb=False)
@@ -44,6 +43,7 @@ def test_help_exits_0():
   assert proc.returncode == 0 and "usage: python -m nanotext.plot" in proc.stdout
 
 
+@pytest.mark.plots
 def test_refusals(tmp_path):
   run = fake_run(tmp_path / "run")
   one_line_error(run_cli("nanotext.plot", run), "--out")

@@ -283,11 +283,12 @@ def test_eval_windows_are_the_records():
       assert window_schedule.step_windows(cfg, step) == want, step
 
 
+@pytest.mark.torch
 def test_rotary_angles_at_validation_length():
   """The record's rotary table (built in float32 by torch: linspace, pow, positions times
   frequencies) at all 262,144 validation positions: nanotext's frequencies are the same float32
   numbers, so the angles are too; cos and sin of angles up to 2.6e5 rad within float32 rounding."""
-  torch = pytest.importorskip("torch")
+  import torch
   K, T = 128, 4 * 64 * 1024
   freq_rec = ((1 / 1024) ** torch.linspace(0, 1, steps=K // 4, dtype=torch.float32)).numpy()
   freq = rope_frequencies(K, 1024.0, True).astype(np.float32)

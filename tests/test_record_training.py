@@ -26,9 +26,10 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, extra
 
-torch = pytest.importorskip("torch", reason="the record reference is written in PyTorch")
+torch = extra("torch")  # the record reference is written in PyTorch
+pytestmark = pytest.mark.torch
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import learning_check as lc  # noqa: E402
 import record_torch as rt  # noqa: E402

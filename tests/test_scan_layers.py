@@ -122,9 +122,11 @@ def test_cli_refusal_is_one_line(tmp_path):
   one_line_error(proc, "model.scan_layers=true", "model.unet_skips")
 
 
+@pytest.mark.torch
+@pytest.mark.transformers
 def test_hf_round_trip_through_a_scanned_run(tmp_path):
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
+  import torch
+  import transformers
   from safetensors.numpy import load_file
   from nanotext.convert import from_hf, to_hf
   from nanotext.convert.common import load_run
