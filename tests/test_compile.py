@@ -105,7 +105,7 @@ def test_too_big_for_the_chip_exits_2():
   assert "model.remat" not in last and "train.grad_accum" not in last
 
 
-@needs_libtpu
+@pytest.mark.tpu
 def test_a_config_that_cannot_fit_is_refused_before_compiling():
   """speedrun.yml at 4,096 rows for v6e-8 compiled 19 minutes without a verdict: the memory
   estimate refuses it before anything compiles, naming the micro-batching that would fit."""
