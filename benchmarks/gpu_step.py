@@ -36,6 +36,7 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
   from nanotext import metrics, trainer, window_schedule, wiring
 
   run = wiring.prepare(path, list(overrides) + ["data.source=synthetic"])
+  run.memory.require("train")  # one line, before anything traces, where the step cannot fit
   cfg = run.cfg
   state = run.init_state()
   batch = trainer.global_batch(run, next(run.train_iter()))

@@ -12,9 +12,6 @@ import time
 
 from absl import app, flags
 
-_TOPOLOGY = flags.DEFINE_string("topology", "", "Compile for this TPU slice instead of the CPU.")
-_CASES = flags.DEFINE_string("cases", "small", "small (CPU, seconds), mid or full (TPU sizes).")
-_ONLY = flags.DEFINE_string("only", "", "Comma list of case names to run.")
 
 SMALL = ["model.num_layers=4", "model.d_model=128", "model.num_heads=2", "model.head_dim=64",
          "model.mlp_dim=512", "model.vocab_size=1024", "model.align=0", "train.seq_len=512",
@@ -72,21 +69,29 @@ def compiled_bytes(run, program: str):
   return rec["total_bytes_per_chip"], rec["compile_s"]
 
 
+def define_flags():
+  """The script's flags (defined only when run as a script: tests import it by path)."""
+  flags.DEFINE_string("topology", "", "Compile for this TPU slice instead of the CPU.")
+  flags.DEFINE_string("cases", "small", "small (CPU, seconds), mid or full (TPU sizes).")
+  flags.DEFINE_string("only", "", "Comma list of case names to run.")
+
+
 def main(argv):
   del argv
   import jax
+  f = flags.FLAGS
   from nanotext import topology, wiring
   devices = jax.devices()
   where = f"{jax.devices()[0].platform} ({len(devices)} devices)"
-  if _TOPOLOGY.value:
-    devices = topology.devices(topology.parse(_TOPOLOGY.value))
-    where = f"{_TOPOLOGY.value} ({devices[0].device_kind}, compiled with libtpu, not run)"
-  only = {n.strip() for n in _ONLY.value.split(",") if n.strip()}
+  if f.topology:
+    devices = topology.devices(topology.parse(f.topology))
+    where = f"{f.topology} ({devices[0].device_kind}, compiled with libtpu, not run)"
+  only = {n.strip() for n in f.only.split(",") if n.strip()}
   print(f"Estimate vs compiled, bytes per device, {where}:\n")
   print("| case | program | estimate | compiled | estimate / compiled | compile |")
   print("| --- | --- | --- | --- | --- | --- |")
   from nanotext.memory import gib
-  for name, path, overrides, n in CASES[_CASES.value]:
+  for name, path, overrides, n in CASES[f.cases]:
     if (only and name not in only) or n > len(devices):
       continue
     run = wiring.prepare(path, overrides + ["data.source=synthetic", "data.tokenizer=none",
@@ -105,4 +110,5 @@ def main(argv):
 
 if __name__ == "__main__":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  define_flags()
   app.run(main)

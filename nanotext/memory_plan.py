@@ -111,11 +111,14 @@ class Plan:
   source: str
   why: str
   eval_problem: str = ""  # why the eval step cannot fit ("": it can)
+  train_problem: str = ""  # why the train step cannot fit ("": it can)
 
   def require(self, *programs) -> None:
-    """UserError if one of `programs` ("train", "eval") cannot fit. The train step is checked
-    when the run is built; the eval step only where it will run (the train CLI, compile), so a
-    run built to train or to look at the model is not refused for its validation rows."""
+    """UserError if one of `programs` ("train", "eval") cannot fit. Checked where the programs
+    will run (the train CLI, compile), before anything is traced: a run built only to look at
+    the model (its shapes, an export, a test at the shipped config) is not refused."""
+    if "train" in programs and self.train_problem:
+      raise UserError(self.train_problem)
     if "eval" in programs and self.eval_problem:
       raise UserError(self.eval_problem)
 
@@ -185,8 +188,13 @@ class Planner:
                           key=lambda rc: (remats.index(rc[0]) + bool(rc[1]), bool(rc[1])))
     train_ladder = self._preferred(train_ladder, KEYS[:2], (m.remat == "auto",
                                                              t.loss_chunk == -1))
-    (remat, chunk), train, why = self._choose(
-        train_ladder, lambda rc: model.train(*rc), cfg, model, "train")
+    train_problem = ""
+    try:
+      (remat, chunk), train, why = self._choose(
+          train_ladder, lambda rc: model.train(*rc), cfg, model, "train")
+    except DoesNotFit as e:  # kept for Plan.require, as the eval step's below
+      train_problem, why, train = str(e), "the train step does not fit", e.estimate
+      remat, chunk = train_ladder[-1]
     eval_chunk = auto_chunk([model.eval_len])
     eval_ladder = [(c,) for c in ((0, eval_chunk) if eval_chunk else (0,))] \
         if t.eval_loss_chunk == -1 else [(t.eval_loss_chunk,)]
@@ -202,7 +210,7 @@ class Planner:
     if (t.eval_loss_chunk == -1 and eval_chunk) or eval_why.startswith(("may", "the eval")):
       why = f"{why}; {eval_why}"  # said only when it changes something
     self.plan = Plan(dict(zip(KEYS, (remat, chunk, eval_chunk))), train, evaluation,
-                     self.capacity, self.source, why, problem)
+                     self.capacity, self.source, why, problem, train_problem)
     return self.plan.choice
 
   def _preferred(self, ladder: list, keys: tuple, auto: tuple) -> list:

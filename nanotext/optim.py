@@ -57,17 +57,20 @@ def lr_factor(optim_cfg, total_steps: int, xp=jnp):
   The cooldown is the last cooldown_frac of the run's progress, as the record's get_lr
   (train_gpt.py 587b45fb): final + (1 - final) * min(1, (1 - step / total) / cooldown_frac),
   here (total - step) / (cooldown_frac * total) (the same float32 values as before when that
-  product is whole). Rounding the product to whole steps, as before, moved the cooldown's rates
-  whenever it is fractional (at 12 steps 0.82 for the record's 0.85 at step 8).
+  product is whole). Rounding the product to whole steps moves the cooldown's rates whenever it
+  is fractional (at 12 steps 0.82 for the record's 0.85 at step 8), but is the JAX port's
+  schedule (int(N * 0.4) warmdown steps): optim.cooldown_whole_steps.
   `xp` is jnp inside optax, or numpy for host-side logging (no device work, no compilation).
   """
   warmup = optim_cfg.warmup_steps
-  frac = optim_cfg.cooldown_frac
+  span = optim_cfg.cooldown_frac * total_steps  # cooldown steps, fractional as the record's
+  if optim_cfg.cooldown_whole_steps:
+    span = int(span)
   final = optim_cfg.final_lr_frac
   def factor(step):
     step = xp.asarray(step, xp.float32)
     up = xp.minimum(1.0, (step + 1) / warmup) if warmup else 1.0
-    frac_left = xp.clip((total_steps - step) / (frac * total_steps), 0.0, 1.0) if frac else 1.0
+    frac_left = xp.clip((total_steps - step) / span, 0.0, 1.0) if span else 1.0
     down = final + (1 - final) * frac_left
     return up * down
   return factor

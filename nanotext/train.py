@@ -37,6 +37,10 @@ def enable_compile_cache(path: str) -> None:
   step programs, and a restart should compile none of them again.
   """
   import jax
+  from jax.experimental.compilation_cache import compilation_cache
+  # JAX opens its cache at the first compilation and keeps that folder: a run started in a
+  # process that compiled before (a notebook, tests) would otherwise cache elsewhere or nowhere.
+  compilation_cache.reset_cache()
   jax.config.update("jax_compilation_cache_dir", os.path.abspath(os.path.expanduser(path)))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

@@ -63,6 +63,21 @@ def test_cooldown_is_the_records_fraction_of_progress():
                                rtol=1e-6)
 
 
+
+def test_cooldown_whole_steps_is_the_ports_schedule():
+  # modded-nanogpt-jax train.py a9d3e04: W = int(N * 0.4) warmdown steps, lr (N - it) / W * 0.9
+  # + 0.1 from it = N - W on (the port's config sets the key; the record's is a fraction).
+  def get_lr(it, n):
+    w = int(n * 0.4)
+    return 1.0 if it < n - w else (n - it) / w * 0.9 + 0.1
+  cfg = optim_cfg(BASE, "optim.warmup_steps=0", "optim.cooldown_frac=0.4",
+                  "optim.final_lr_frac=0.1", "optim.cooldown_whole_steps=true")
+  for n in (8, 12, 1770):
+    f = optim.lr_factor(cfg, n, xp=np)
+    np.testing.assert_allclose([f(s) for s in range(n)], [get_lr(s, n) for s in range(n)],
+                               rtol=1e-6)
+  assert optim.lr_factor(cfg, 12, xp=np)(8) != pytest.approx(0.85)  # the fraction's value
+
 def test_muon_momentum_warmup():
   m = optim.muon_momentum(optim_cfg())
   np.testing.assert_allclose([m(0), m(150), m(300), m(1000)], [0.85, 0.90, 0.95, 0.95],
