@@ -296,12 +296,11 @@ def _cheap_hash(path: str, size: int, chunk: int = 1 << 16) -> str:
 
 
 def fingerprint(data_cfg) -> list:
-  """[[name, size, hash]] of the training shards (bin and shakespeare sources; [] otherwise)."""
-  if data_cfg.source not in ("bin", "shakespeare"):
-    return []
-  from nanotext.data import pipeline
+  """[[name, size, hash]] of the training files its source names ([] for one without files)."""
+  from nanotext.data import registry
+  files = registry.get(data_cfg.source).files
   out = []
-  for path in pipeline._shard_files(data_cfg, "train"):  # pylint: disable=protected-access
+  for path in files(data_cfg, "train") if files else []:
     try:
       size = os.path.getsize(path)
       out.append([os.path.basename(path), size, _cheap_hash(path, size)])

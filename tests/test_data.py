@@ -329,6 +329,58 @@ def test_bad_data_config(tmp_path):
                     batch_size=2, seed=0)
 
 
+# --- the source registry -----------------------------------------------------------------------
+
+
+class _NpySource:
+  """Windows of seq_len + 1 tokens over one .npy file of ids."""
+
+  def __init__(self, path, seq_len):
+    self._ids, self._seq_len = np.load(path), seq_len
+
+  def __len__(self):
+    return (len(self._ids) - 1) // self._seq_len
+
+  def __getitem__(self, i):
+    return self._ids[i * self._seq_len:(i + 1) * self._seq_len + 1].astype(np.int32)
+
+
+def test_a_registered_source_is_checked_opened_and_fingerprinted(tmp_path, monkeypatch):
+  """A source added from outside pipeline.py and rundir.py: its keys are checked, its files
+  fingerprinted for resume, its splits opened and its text flag honoured, all via the registry."""
+  from nanotext import rundir
+  from nanotext.data import pipeline, registry
+  from nanotext.data.tokenizer import val_bytes_per_token
+  np.save(tmp_path / "train.npy", np.arange(200))
+  np.save(tmp_path / "val.npy", np.arange(500, 600))
+
+  def check(d):
+    if not d.dir:
+      raise UserError("data.source=npy needs data.dir")
+
+  monkeypatch.setitem(registry.SOURCES, "npy", registry.Source(
+      "npy", lambda d, split, *, seq_len, **_: _NpySource(f"{d.dir}/{split}.npy", seq_len),
+      check=check, files=lambda d, split: [f"{d.dir}/{split}.npy"], text=False))
+
+  with pytest.raises(UserError, match="needs data.dir"):
+    pipeline.check_config(data_cfg(source="npy", dir=""))
+  cfg = data_cfg(source="npy", dir=str(tmp_path), tokenizer="shakespeare")
+  pipeline.check_config(cfg)
+  first = rundir.fingerprint(cfg)
+  assert [name for name, _, _ in first] == ["train.npy"]
+  np.save(tmp_path / "train.npy", np.arange(1, 201))
+  assert "train.npy' changed" in rundir.fingerprint_change(first, rundir.fingerprint(cfg))
+
+  cfg.shuffle = False
+  batch = next(make_train_iter(cfg, seq_len=10, batch_size=2, seed=0))
+  np.testing.assert_array_equal(batch["inputs"][0], np.arange(1, 11))
+  val = make_val_batches(cfg, seq_len=10, batch_size=2, num_batches=1)
+  np.testing.assert_array_equal(val[0]["targets"][1], np.arange(511, 521))
+  assert val_bytes_per_token(cfg, val) is None  # text=False: no bits per byte
+  with pytest.raises(UserError, match="npy"):  # the choices named in errors include it
+    pipeline.check_config(data_cfg(source="parquet"))
+
+
 # --- synthetic ---------------------------------------------------------------------------------
 
 

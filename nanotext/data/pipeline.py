@@ -3,12 +3,10 @@
 import grain
 import numpy as np
 
-from nanotext.data import binfile
-from nanotext.data.sources import PackedDocSource, ShardSource, SyntheticSource
-from nanotext.data.tokenizer import resolve_eot_id
+from nanotext.data import registry
+from nanotext.data.sources import SyntheticSource
 from nanotext.errors import UserError
 
-SOURCES = ("shakespeare", "bin", "tfds", "synthetic")
 DEFAULT_VOCAB = 8192
 # Elements are whole batches, so a short prefetch queue keeps memory small and still hides I/O.
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
@@ -18,59 +16,17 @@ def check_config(d) -> None:
   """The data section: source and tokenizer choices, and the keys each source needs."""
   from nanotext import config
   from nanotext.data.tokenizer import NAMES
-  config.check_choices("data", d, {"source": SOURCES, "tokenizer": NAMES})
-  if d.source == "bin" and not d.train_files:
-    raise UserError("data.source=bin needs data.train_files (a glob of .bin shards)")
-  if d.source == "tfds" and not d.tfds_name:
-    raise UserError("data.source=tfds needs data.tfds_name")
-
-
-def _tfds_source(data_cfg, split: str, seq_len: int, max_tokens: int) -> PackedDocSource:
-  """Documents of a prepared array_record TFDS split, packed into windows."""
-  if not data_cfg.tfds_name:
-    raise UserError("data.source is 'tfds' but data.tfds_name is empty")
-  try:
-    import tensorflow_datasets as tfds
-  except ImportError:  # an extra since the main install left it out (it pulls pyarrow)
-    raise UserError("data.source=tfds needs tensorflow-datasets: pip install -e '.[tfds]'") \
-        from None
-  try:
-    docs = tfds.data_source(data_cfg.tfds_name, split=split, data_dir=data_cfg.tfds_dir or None,
-                            download=False)
-  except Exception as e:  # TFDS raises many types; all mean "not there in usable form".
-    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise UserError(
-        f"cannot open TFDS data set '{data_cfg.tfds_name}' split '{split}' in "
-        f"'{data_cfg.tfds_dir or '~/tensorflow_datasets'}' ({first_line}); it must be prepared "
-        "in array_record format: check data.tfds_name, data.tfds_dir and the split keys") from None
-  if len(docs) and data_cfg.tfds_field not in docs[0]:
-    raise UserError(f"TFDS data set '{data_cfg.tfds_name}' has no feature "
-                    f"'{data_cfg.tfds_field}' (it has {sorted(docs[0])}): set data.tfds_field")
-  return PackedDocSource(docs, data_cfg.tfds_field, seq_len, resolve_eot_id(data_cfg), max_tokens)
-
-
-def _shard_files(data_cfg, split: str) -> list[str]:
-  """The shard paths of a split for the `bin` and `shakespeare` sources."""
-  if data_cfg.source == "shakespeare":
-    from nanotext.data.prepare import prepare_shakespeare
-    return binfile.find_shards(prepare_shakespeare(data_cfg.dir or None)[f"{split}_files"],
-                               key="data.dir")
-  return binfile.find_shards(data_cfg[f"{split}_files"], key=f"data.{split}_files")
+  config.check_choices("data", d, {"source": registry.names(), "tokenizer": NAMES})
+  registry.get(d.source).check(d)
 
 
 def open_source(data_cfg, split: str, *, seq_len: int, seed: int = 0,
                 vocab_size: int = DEFAULT_VOCAB, group: int = 0):
   """The random-access window source for split 'train' or 'val' (`group`: see ShardSource)."""
   max_tokens = data_cfg.val_tokens if split == "val" else 0
-  if data_cfg.source in ("bin", "shakespeare"):
-    return ShardSource(_shard_files(data_cfg, split), seq_len, max_tokens, group,
-                       vocab_size)
-  if data_cfg.source == "tfds":
-    tfds_split = data_cfg.tfds_train_split if split == "train" else data_cfg.tfds_val_split
-    return _tfds_source(data_cfg, tfds_split, seq_len, max_tokens)
-  if data_cfg.source == "synthetic":
-    return SyntheticSource(vocab_size, seq_len, seed, stream=0 if split == "train" else 1)
-  raise UserError(f"unknown data.source '{data_cfg.source}': use one of {', '.join(SOURCES)}")
+  return registry.get(data_cfg.source).open(data_cfg, split, seq_len=seq_len, seed=seed,
+                                            vocab_size=vocab_size, group=group,
+                                            max_tokens=max_tokens)
 
 
 def _split_batch(batch: np.ndarray) -> dict:

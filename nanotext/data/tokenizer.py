@@ -112,7 +112,8 @@ def bytes_per_token(tokenizer, batches) -> float | None:
 
 def val_bytes_per_token(data_cfg, batches) -> float | None:
   """bytes_per_token of data.tokenizer over validation batches; None when it cannot tell."""
-  if data_cfg.tokenizer == "none" or data_cfg.source == "synthetic":  # random ids are no text
+  from nanotext.data import registry
+  if data_cfg.tokenizer == "none" or not registry.get(data_cfg.source).text:
     return None
   try:
     return bytes_per_token(get_tokenizer(data_cfg.tokenizer), batches)
