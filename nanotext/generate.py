@@ -73,7 +73,7 @@ def in_model_order(abstract_params, params, where: str):
   Saved trees key list items by strings, so a restore without a target returns layers in
   string order ('0', '1', '10', '11', '2', ...): merged by position, 11 or more layers would be
   permuted. Shapes are checked; dtypes stay as saved (a params-only folder may be bfloat16)."""
-  from nanotext.convert.common import fill, flatten
+  from nanotext.trees import fill, flatten
   return fill(abstract_params, flatten(params), f"checkpoint '{where}'", cast=False)
 
 
