@@ -159,6 +159,24 @@ def from_config(cfg, *, devices=None, capacity=None, prefer=None, checked=False)
   return run
 
 
+def for_sampling(cfg, devices, *, checked=False) -> tuple:
+  """(finalized config, graphdef, abstract params) of `cfg`'s model run forward on devices[0]
+  alone (generate): the checks and derived values of `from_config`, without a training mesh,
+  optimizer or memory plan (sampling holds the parameters only, so a model trained on many
+  devices still samples on one)."""
+  from nanotext import metrics
+  from nanotext.data.prepare import default_dir
+  if not checked:
+    check(cfg)
+  check_placement(cfg)
+  devices = list(devices)[:1]
+  cfg = config.finalize(cfg, mesh_sizes={a: 1 for a in sharding.MESH_AXES},
+                        peak_flops=metrics.default_peak_flops(devices), data_dir=default_dir(),
+                        tokenizer_vocab=tokenizer_vocab(cfg.data))
+  graphdef, abstract, _ = abstract_model(cfg, devices[0].platform)
+  return cfg, graphdef, abstract.to_pure_dict()
+
+
 def finalize(cfg, devices, capacity=None):
   """config.finalize with the values that need devices computed here (mesh, peak FLOP/s,
   memory plan)."""
