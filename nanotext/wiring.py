@@ -150,11 +150,11 @@ def from_config(cfg, *, devices=None, capacity=None, prefer=None, checked=False)
   """
   if not checked:
     check(cfg)
-  check_placement(cfg)
   devices = list(jax.devices() if devices is None else devices)
   cfg, plan = finalize_plan(cfg, devices, capacity=capacity, prefer=prefer)
   warn_misaligned(cfg)
   run = build(cfg, sharding.make_mesh(cfg.mesh, devices))
+  check_placement(cfg)  # after the mesh and memory errors, in the order train reported them
   run.memory = plan
   return run
 
