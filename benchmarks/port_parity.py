@@ -60,7 +60,7 @@ with mesh:
   for bx, by in batches:
     params, opt_state, m = step(config, params, pre, opt_state, optimizer, bx, by)
     losses.append(float(m["loss"]))
-from nanotext.convert.common import flatten
+from nanotext.trees import flatten
 np.savez(out, losses=np.array(losses), **{"param." + k: v for k, v in flatten(init).items()})
 '''
 
@@ -94,7 +94,7 @@ def nanotext_losses(params_flat: dict, shard: str, overrides=OVERRIDES) -> np.nd
   """nanotext's per-step losses from the port's initial params on the shard."""
   import jax
   from nanotext import trainer, wiring
-  from nanotext.convert.common import fill
+  from nanotext.trees import fill
   from nanotext.convert.mnjax import params_from_port
   from nanotext.window_schedule import step_stage
   ov = list(overrides) + [f"data.train_files={shard}", f"data.val_files={shard}"]

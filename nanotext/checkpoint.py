@@ -22,6 +22,7 @@ from etils import epath
 
 from nanotext.errors import ResourceError, UserError
 from nanotext.integrity import Damaged, checksums, name_of, record_beside, verify, verify_named
+from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
 
 
 class CheckpointError(ResourceError):
@@ -301,7 +302,6 @@ def _verify_params(params, saved_meta, integrity, where: str) -> None:
 
 def _stacked(tree) -> bool:
   """Whether a params tree holds model.scan_layers blocks (stacked on a leading layers axis)."""
-  from nanotext.convert.common import flatten, is_stacked
   return is_stacked(flatten(tree))
 
 
@@ -309,7 +309,6 @@ def _load_other_layout(ckptr, item: str, whole_state: bool, saved, abstract_para
                        integrity=None):
   """Params saved with the other model.scan_layers setting, read on one device, stacked or
   unstacked, then checked name by name and shape by shape and placed like `abstract_params`."""
-  from nanotext.convert.common import fill, flatten, is_stacked, stack_blocks, unstack_blocks
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
   args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=device, global_shape=a.shape,

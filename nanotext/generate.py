@@ -73,15 +73,17 @@ def in_model_order(abstract_params, params, where: str):
   Saved trees key list items by strings, so a restore without a target returns layers in
   string order ('0', '1', '10', '11', '2', ...): merged by position, 11 or more layers would be
   permuted. Shapes are checked; dtypes stay as saved (a params-only folder may be bfloat16)."""
-  from nanotext.convert.common import fill, flatten
+  from nanotext.trees import fill, flatten
   return fill(abstract_params, flatten(params), f"checkpoint '{where}'", cast=False)
 
 
-def restore(out: str, cfg, step: int = -1) -> tuple:
+def restore(out: str, cfg, step: int = -1, *, checked: bool = False) -> tuple:
   """(step, graphdef, params) of a run's newest (or given) checkpoint, or of a params-only
-  folder, on one local device in the model's own tree."""
+  folder, on one local device in the model's own tree. The model is built from `cfg` (as
+  config.load reads it; `checked`: wiring.check already ran) by wiring, as training builds it."""
   import jax
   from nanotext import checkpoint, wiring
+  _, graphdef, abstract_params = wiring.for_sampling(cfg, jax.local_devices(), checked=checked)
   if os.path.isdir(os.path.join(out, "params")):  # a params-only folder (nanotext.convert)
     from nanotext.convert import load_params
     if step >= 0:
@@ -89,12 +91,11 @@ def restore(out: str, cfg, step: int = -1) -> tuple:
     step, params = load_params(out)
   else:
     step, params = checkpoint.latest_params(out, step)
-  graphdef, abstract, _ = wiring.abstract_model(cfg, jax.default_backend())
-  return step, graphdef, in_model_order(abstract.to_pure_dict(), params, f"{out} step {step}")
+  return step, graphdef, in_model_order(abstract_params, params, f"{out} step {step}")
 
 
 def main(argv) -> None:
-  from nanotext import config, rundir
+  from nanotext import config, rundir, wiring
   from nanotext.data.tokenizer import get_tokenizer
 
   args = dict(config.parse_override(a) for a in argv)
@@ -114,10 +115,10 @@ def main(argv) -> None:
     raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, or leave it out "
                     "for the newest")
   overrides = [f"sample.{k}={v}" for k, v in args.items()]
-  cfg = config.load(cfg_path, overrides)
+  cfg = wiring.load(cfg_path, overrides)  # checked as train checks it
   tokenizer = get_tokenizer(cfg.data.tokenizer)
   encode_prompt(tokenizer, cfg.sample.prompt)  # before the checkpoint is read
-  step, graphdef, params = restore(out, cfg, step)
+  step, graphdef, params = restore(out, cfg, step, checked=True)
   print(f"[step {step}] {cfg.sample.prompt}", end="", flush=True)
   print(sample_text(graphdef, params, cfg, tokenizer, cfg.sample.prompt))
 

@@ -148,7 +148,7 @@ class Model:
   def _trace(self, remat: str, chunk: int) -> dict:
     import jax
     import jax.numpy as jnp
-    from nanotext import trainer, window_schedule, wiring
+    from nanotext import trainer, window_schedule
     cfg = replace(self.cfg, model={"remat": remat})
     graphdef = self.traced_model(remat)
     windows = window_schedule.step_windows(cfg, cfg.train.steps)  # the widest: the last stage

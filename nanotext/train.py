@@ -53,7 +53,7 @@ def run(path: str, overrides, log=print, started: float | None = None):
   """
   started = time.perf_counter() if started is None else started
   import jax
-  from nanotext import checkpoint, config, distributed, memory_plan, probes, rundir, wiring
+  from nanotext import checkpoint, distributed, memory_plan, probes, rundir, wiring
   from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
   from nanotext.generate import sample_text
   from nanotext.watch import Preemption, StartupClock
@@ -69,21 +69,10 @@ def run(path: str, overrides, log=print, started: float | None = None):
   jax.devices()  # starts the backend: its own phase on the start-up line
   clock.lap("backend")
   # A resumed run keeps the remat and loss chunks it chose before, where they still fit.
-  run_ = wiring.from_config(cfg, prefer=memory_plan.saved_choice(cfg.output_dir))
+  # Checks, derived values and the vocabulary / process-count rules all happen in wiring.
+  run_ = wiring.from_config(cfg, prefer=memory_plan.saved_choice(cfg.output_dir), checked=True)
   run_.memory.require("train", "eval")  # every run validates at its end
   cfg = run_.cfg
-  bad = config.misaligned_dims(cfg.model)
-  if bad:
-    logging.warning("matmul dims not multiples of model.align=%d: %s", cfg.model.align,
-                    ", ".join(bad))
-  vocab = known_vocab_size(cfg.data.tokenizer)
-  if vocab is not None and vocab > cfg.model.vocab_size:
-    raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                    f"'{cfg.data.tokenizer}' tokenizer's vocabulary ({vocab}); "
-                    f"set model.vocab_size>={vocab}")
-  if cfg.train.batch_size % jax.process_count():
-    raise UserError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
-                    f"{jax.process_count()} processes; each loads an equal share")
   # Everything above and the data below is only read: a mistake found here changes nothing.
   out = rundir.check_output_dir_path(cfg.output_dir)
   clock.lap("config")

@@ -8,6 +8,7 @@ checkpoint.load_params_from (`initial_state`). Nothing is allocated until a stat
 
 import dataclasses
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -109,24 +110,71 @@ def check(cfg):
   return cfg
 
 
+def check_placement(cfg) -> None:
+  """The rules that need more than the config's text: the tokenizer's vocabulary fits
+  model.vocab_size, and every process loads an equal share of the batch (after
+  distributed.maybe_initialize, which must precede the first backend use)."""
+  vocab = tokenizer_vocab(cfg.data)
+  if vocab is not None and vocab > cfg.model.vocab_size:
+    raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                    f"'{cfg.data.tokenizer}' tokenizer's vocabulary ({vocab}); "
+                    f"set model.vocab_size>={vocab}")
+  if cfg.train.batch_size % jax.process_count():
+    raise UserError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
+                    f"{jax.process_count()} processes; each loads an equal share")
+
+
+def warn_misaligned(cfg) -> None:
+  """One warning line for matmul dims off model.align (model.strict_align=true refuses them in
+  config.finalize)."""
+  bad = config.misaligned_dims(cfg.model)
+  if bad:
+    logging.warning("matmul dims not multiples of model.align=%d: %s", cfg.model.align,
+                    ", ".join(bad))
+
+
 def prepare(path, overrides=(), *, devices=None, capacity=None) -> Run:
   """Load a config file with `key=value` overrides and build the run on `devices` (all)."""
-  return from_config(load(path, overrides), devices=devices, capacity=capacity)
+  return from_config(config.load(path, overrides), devices=devices, capacity=capacity)
 
 
-def from_config(cfg, *, devices=None, capacity=None, prefer=None) -> Run:
-  """Fill in derived values for `devices` (default jax.devices()) and build the run on them.
+def from_config(cfg, *, devices=None, capacity=None, prefer=None, checked=False) -> Run:
+  """Check `cfg`, fill in derived values for `devices` (default jax.devices()) and build the
+  run on them: the one path from a loaded config to a run (train, compile, convert, generate,
+  the benchmarks).
 
-  Before anything is built the memory plan checks that the train and eval programs fit the
-  devices (`capacity` bytes each; None = ask them) and resolves the auto remat / loss chunks,
+  `checked`: the caller already ran `check` (`load` does), so it is not run twice. Before
+  anything is built the memory plan checks that the train and eval programs fit the devices
+  (`capacity` bytes each; None = ask them) and resolves the auto remat / loss chunks,
   preferring the choices in `prefer` ({key: value}, a resumed run's) where they fit.
   """
-  check(cfg)
+  if not checked:
+    check(cfg)
   devices = list(jax.devices() if devices is None else devices)
   cfg, plan = finalize_plan(cfg, devices, capacity=capacity, prefer=prefer)
+  warn_misaligned(cfg)
   run = build(cfg, sharding.make_mesh(cfg.mesh, devices))
+  check_placement(cfg)  # after the mesh and memory errors, in the order train reported them
   run.memory = plan
   return run
+
+
+def for_sampling(cfg, devices, *, checked=False) -> tuple:
+  """(finalized config, graphdef, abstract params) of `cfg`'s model run forward on devices[0]
+  alone (generate): the checks and derived values of `from_config`, without a training mesh,
+  optimizer or memory plan (sampling holds the parameters only, so a model trained on many
+  devices still samples on one)."""
+  from nanotext import metrics
+  from nanotext.data.prepare import default_dir
+  if not checked:
+    check(cfg)
+  check_placement(cfg)
+  devices = list(devices)[:1]
+  cfg = config.finalize(cfg, mesh_sizes={a: 1 for a in sharding.MESH_AXES},
+                        peak_flops=metrics.default_peak_flops(devices), data_dir=default_dir(),
+                        tokenizer_vocab=tokenizer_vocab(cfg.data))
+  graphdef, abstract, _ = abstract_model(cfg, devices[0].platform)
+  return cfg, graphdef, abstract.to_pure_dict()
 
 
 def finalize(cfg, devices, capacity=None):

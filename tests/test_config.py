@@ -8,7 +8,7 @@ import jax
 import pytest
 import yaml
 
-from conftest import BASE, SPEEDRUN
+from conftest import BASE, SPEEDRUN, TINY
 from nanotext import config, wiring
 from nanotext.errors import UserError
 
@@ -243,6 +243,26 @@ def test_finalize_strict_align():
   cfg = finalize("model.d_model=100", "model.strict_align=false", num_devices=4)
   assert "model.d_model=100" in config.misaligned_dims(cfg.model)
   assert config.misaligned_dims(finalize().model) == []
+
+
+
+def test_from_config_checks_vocab_and_processes(monkeypatch):
+  """The checks train.py made after wiring now guard every wiring.prepare / from_config user
+  (compile, convert, generate, the benchmarks) with the same words."""
+  with pytest.raises(UserError, match=r"model\.vocab_size=512 is smaller than the "
+                                      r"'shakespeare' tokenizer's vocabulary \(8192\)"):
+    wiring.prepare(BASE, ["data.tokenizer=shakespeare", "model.vocab_size=512"])
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  with pytest.raises(UserError, match="train.batch_size=8 is not divisible by the 3 processes"):
+    wiring.check_placement(load("train.batch_size=8"))  # what from_config runs after build
+
+
+def test_prepare_checks_once(monkeypatch):
+  calls = []
+  check = wiring.check
+  monkeypatch.setattr(wiring, "check", lambda cfg: calls.append(1) or check(cfg))
+  wiring.prepare(BASE, TINY, devices=jax.devices()[:1])
+  assert len(calls) == 1
 
 
 # Round trip and run identity.

@@ -118,3 +118,17 @@ def test_empty_prompt_is_a_user_error():
   """A prompt that encodes to nothing is refused before any compile."""
   with pytest.raises(UserError, match="no tokens"):
     sample(prompt=[])
+
+
+def test_for_sampling_rebuilds_the_saved_run_on_one_device(tmp_path):
+  """generate's path: a run's saved config (finalized for 8 devices) checked and finalized by
+  wiring for one device gives the trained model's parameter shapes."""
+  import os
+  from nanotext import config
+  run = wiring.prepare(BASE, TINY)
+  path = os.path.join(tmp_path, "config.yml")
+  config.save(run.cfg, path)
+  cfg, _, abstract = wiring.for_sampling(wiring.load(path), jax.devices(), checked=True)
+  assert cfg.mesh.fsdp == 1 and run.cfg.mesh.fsdp == 8
+  shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
+  assert shapes(abstract) == shapes(run.abstract_state()["params"])

@@ -23,7 +23,6 @@ T and d, a small vocabulary where the vocabulary does not matter, one block wher
 | rotary angles | 262,144 positions | test_rotary_angles_at_validation_length |
 """
 
-import functools
 from types import SimpleNamespace
 
 import jax

@@ -32,8 +32,22 @@ HF's gelu_new (tanh form) is jax.nn.gelu's default (approximate=True); LayerNorm
 both sides. The speedrun mapping is in nanotext.convert.torch_export and docs/convert.md.
 """
 
-from nanotext.convert.hf import from_hf, to_hf
+from nanotext.convert.hf import read_hf, to_hf, write_run
 from nanotext.convert.params import load_params, params_only
 from nanotext.convert.torch_export import export_torch
+
+
+
+def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bool = False,
+            log=print) -> str:
+  """Convert a HF GPT-2 directory into a nanotext run directory holding a step-0 checkpoint.
+
+  Here rather than in `convert.hf`: building the run needs `wiring`, a layer above the format
+  mapping, and only this front module (like train and generate) reaches up to it.
+  """
+  from nanotext import wiring
+  cfg, flat = read_hf(hf, out, overrides, config_path=config_path, force=force)
+  return write_run(wiring.from_config(cfg), flat, hf, out, force=force, log=log)
+
 
 __all__ = ["from_hf", "to_hf", "params_only", "load_params", "export_torch"]

@@ -7,9 +7,9 @@ import shutil
 import tempfile
 
 import jax
-import numpy as np
 
 from nanotext.errors import ResourceError, UserError, os_error
+from nanotext.trees import stack_blocks, unstack_blocks
 
 
 def load_run(run: str, step: int = -1):
@@ -27,54 +27,6 @@ def load_run(run: str, step: int = -1):
   return cfg, step, jax.device_get(params)
 
 
-def path_name(path) -> str:
-  """'blocks.0.attn.q.kernel' for a pytree key path (dict keys may be ints or strings)."""
-  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def flatten(params) -> dict:
-  """Parameter tree -> {dotted name: array}."""
-  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  return {path_name(p): v for p, v in leaves}
-
-
-def is_stacked(flat: dict) -> bool:
-  """Whether flat names hold model.scan_layers blocks ('blocks.mlp.fc.kernel' [L, ...]) rather
-  than one layer each ('blocks.0.mlp.fc.kernel')."""
-  return any(n.startswith("blocks.") and not n.split(".")[1].isdigit() for n in flat)
-
-
-def unstack_blocks(flat: dict) -> dict:
-  """Stacked 'blocks.*' arrays [L, ...] as one 'blocks.{i}.*' array per layer."""
-  out = {}
-  for name, value in flat.items():
-    if name.startswith("blocks."):
-      out.update({f"blocks.{i}.{name[7:]}": value[i] for i in range(value.shape[0])})
-    else:
-      out[name] = value
-  return out
-
-
-def stack_blocks(flat: dict, num_layers: int | None = None) -> dict:
-  """Inverse of `unstack_blocks`; every name needs layers 0 .. num_layers - 1 (by default as
-  many as the deepest one has)."""
-  out, layers = {}, {}
-  for name, value in flat.items():
-    if name.startswith("blocks."):
-      i, rest = name[7:].split(".", 1)
-      layers.setdefault(rest, {})[int(i)] = value
-    else:
-      out[name] = value
-  n = num_layers if num_layers is not None else \
-      max((max(b) + 1 for b in layers.values()), default=0)
-  for rest, by_layer in layers.items():
-    if sorted(by_layer) != list(range(n)):
-      raise UserError(f"blocks.*.{rest}: layers {sorted(by_layer)} cannot stack into "
-                      f"model.num_layers={n} (model.scan_layers=true)")
-    out[f"blocks.{rest}"] = np.stack([np.asarray(by_layer[i]) for i in range(n)])
-  return out
-
-
 def per_layer(cfg, flat: dict) -> dict:
   """Flat params of a model.scan_layers run under the unrolled model's names (one layer each);
   other runs' params unchanged."""
@@ -84,31 +36,6 @@ def per_layer(cfg, flat: dict) -> dict:
 def stacked(cfg, flat: dict) -> dict:
   """Inverse of `per_layer`: unrolled 'blocks.{i}.*' names stacked for a model.scan_layers run."""
   return stack_blocks(flat, cfg.model.num_layers) if cfg.model.scan_layers else flat
-
-
-def fill(template, flat: dict, what: str, cast: bool = True):
-  """A tree shaped like `template` (ShapeDtypeStructs with shardings) holding `flat`'s arrays,
-  cast to the template's dtypes unless `cast` is false.
-
-  Every template leaf must have a value of its shape and every value must be used, so a mapping
-  that drifts from the model fails loudly instead of training on half-initialised weights.
-  """
-  flat = dict(flat)
-  def one(path, sds):
-    name = path_name(path)
-    if name not in flat:
-      raise UserError(f"{what} has no value for nanotext parameter '{name}' {tuple(sds.shape)}")
-    value = np.asarray(flat.pop(name))
-    if value.shape != tuple(sds.shape):
-      raise UserError(f"{what}: '{name}' has shape {value.shape}, the nanotext model expects "
-                      f"{tuple(sds.shape)}")
-    return jax.device_put(value.astype(sds.dtype) if cast else value,
-                          getattr(sds, "sharding", None))
-  out = jax.tree_util.tree_map_with_path(one, template)
-  if flat:
-    raise UserError(f"{what}: parameters with no place in the nanotext model: "
-                    f"{', '.join(sorted(flat)[:5])}")
-  return out
 
 
 def require(cfg, wanted: dict, why: str) -> None:

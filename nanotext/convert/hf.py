@@ -9,10 +9,11 @@ import os
 
 import numpy as np
 
-from nanotext.convert.common import (check_out, fill, flatten, load_run, per_layer, require,
-                                     stacked, staged_dir)
+from nanotext.convert.common import (check_out, load_run, per_layer, require, stacked,
+                                     staged_dir)
 from nanotext.convert.hf_tokenizer import generation_config, special_ids, write_tokenizer
 from nanotext.errors import UserError
+from nanotext.trees import fill, flatten
 
 LN_EPS = 1e-5  # nanotext's LayerNorm epsilon (layers.Norm); GPT-2's layer_norm_epsilon too
 # HF activations equal to jax.nn.gelu's default (approximate=True, the tanh form).
@@ -137,11 +138,14 @@ def hf_overrides(c: dict) -> dict:
   return derived
 
 
-def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bool = False,
-            log=print) -> str:
-  """Convert a HF GPT-2 directory into a nanotext run directory holding a step-0 checkpoint."""
-  from nanotext import checkpoint, config, wiring
+def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bool = False):
+  """(config, flat params) of a HF GPT-2 directory, the first half of `nanotext.convert.from_hf`:
+  --out checked, the HF config mapped onto nanotext keys and the tensors onto nanotext names.
 
+  The caller builds the run from the config (wiring, a layer above this module) and hands it to
+  `write_run`.
+  """
+  from nanotext import config
   from nanotext.rundir import check_no_glob
   check_no_glob(os.path.abspath(out), "--out")  # orbax writes its checkpoint there
   if os.path.isfile(hf):
@@ -164,7 +168,14 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
     if key.startswith(("model.", "attention.")) and config.get(cfg, key) != want:
       raise UserError(f"{key}={config.get(cfg, key)!r} conflicts with the Hugging Face "
                       f"checkpoint, which needs {want!r}")
-  run = wiring.from_config(cfg)
+  return cfg, flat
+
+
+def write_run(run, flat: dict, hf: str, out: str, *, force: bool = False, log=print) -> str:
+  """Write `run` (built by wiring from `read_hf`'s config) holding `flat` as a step-0 run
+  directory at `out`."""
+  from nanotext import checkpoint, config
+  out_abs = os.path.abspath(out)
   cfg = run.cfg
   params = fill(run.abstract_state()["params"], stacked(cfg, flat), "the Hugging Face checkpoint")
   state = run.state_from_params(params)

@@ -25,7 +25,7 @@ def flip_rope_halves(c_qkv, num_heads: int, head_dim: int):
 
 def params_from_port(flat: dict, model_cfg) -> dict:
   """{nanotext parameter name: array} (a GPT with fused_qkv, value_residual, attn_scale_learned)
-  from the port's parameters as `convert.common.flatten` names them; `convert.common.fill`
+  from the port's parameters as `trees.flatten` names them; `trees.fill`
   places them into a run's parameter tree, checking every name and shape."""
   m = model_cfg
   if not (m.fused_qkv and m.value_residual and m.attn_scale_learned and m.unet_skips):

@@ -27,9 +27,9 @@ import os
 
 import numpy as np
 
-from nanotext.convert.common import (check_out, flatten, load_run, per_layer, require,
-                                     staged_file)
+from nanotext.convert.common import check_out, load_run, per_layer, require, staged_file
 from nanotext.errors import UserError
+from nanotext.trees import flatten
 
 # What the record's `GPT` (train_gpt.py 587b45fb) hard-codes: another value would load into its
 # module (or not) and compute a different function.
