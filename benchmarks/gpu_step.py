@@ -81,7 +81,7 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
           "to_first_step_s": to_first_step, "step_s": step_s, "step_s_all": times,
           "schedule_step_s": schedule_s, "tokens_per_s": tokens / step_s,
           "mfu": flops / step_s / peak, "peak_flops": peak, "peak_bytes": peak_bytes(final_exec),
-          "kernels": kernels}
+          "kernels": kernels, "traced": bool(trace_steps)}
 
 
 def peak_bytes(compiled) -> int:
@@ -159,6 +159,10 @@ def table(r: dict) -> str:
            ("peak memory (device 0)", gib(r["peak_bytes"]))]
   rows += [(f"kernel: `{name[:60]}`", f"{ms:.2f} ms/step ({100 * share:.1f}%)")
            for name, ms, share in r["kernels"]]
+  if r.get("traced") and not r["kernels"]:
+    # XLA's CPU runtime does not always name its ops in the trace (seen: 8 host devices, a
+    # program compiled earlier in the process); GPU and TPU traces have device streams.
+    rows.append(("kernels", "none named in the profiler trace"))
   return "\n".join(["| what | value |", "| --- | --- |"] + [f"| {a} | {b} |" for a, b in rows])
 
 

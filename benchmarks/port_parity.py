@@ -97,7 +97,9 @@ def nanotext_losses(params_flat: dict, shard: str, overrides=OVERRIDES) -> np.nd
   from nanotext.trees import fill
   from nanotext.convert.mnjax import params_from_port
   from nanotext.window_schedule import step_stage
-  ov = list(overrides) + [f"data.train_files={shard}", f"data.val_files={shard}"]
+  # The shard holds the port's raw ids below its small vocabulary: no tokenizer's text.
+  ov = list(overrides) + [f"data.train_files={shard}", f"data.val_files={shard}",
+                          "data.tokenizer=none"]
   run = wiring.prepare(CONFIG, ov, devices=jax.devices()[:1])
   params = fill(run.abstract_state()["params"], params_from_port(params_flat, run.cfg.model),
                 "modded-nanogpt-jax weights")

@@ -66,11 +66,13 @@ class Run:
   def train_iter(self):
     """The checkpointable grain iterator of this process's training rows."""
     from nanotext.data import pipeline
+    check_vocab(self.cfg)
     return pipeline.make_train_iter(self.cfg.data, seed=self.cfg.seed, **self.data_kwargs())
 
   def val_batches(self) -> list:
     """The fixed validation batches (this process's rows, as numpy)."""
     from nanotext.data import pipeline
+    check_vocab(self.cfg)
     t = self.cfg.train
     return pipeline.make_val_batches(
         self.cfg.data, num_batches=t.eval_batches,
@@ -111,17 +113,24 @@ def check(cfg):
 
 
 def check_placement(cfg) -> None:
-  """The rules that need more than the config's text: the tokenizer's vocabulary fits
-  model.vocab_size, and every process loads an equal share of the batch (after
-  distributed.maybe_initialize, which must precede the first backend use)."""
-  vocab = tokenizer_vocab(cfg.data)
+  """Every process loads an equal share of the batch (after distributed.maybe_initialize, which
+  must precede the first backend use)."""
+  if cfg.train.batch_size % jax.process_count():
+    raise UserError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
+                    f"{jax.process_count()} processes; each loads an equal share")
+
+
+def check_vocab(cfg) -> None:
+  """The tokenizer's vocabulary fits model.vocab_size where the data are its text (synthetic
+  ids are drawn below the tables' rows). Checked where tokens are read (Run.train_iter,
+  Run.val_batches: train and every benchmark on data), so a run built only to look at the
+  model or compile it is not refused for a tokenizer it never uses."""
+  from nanotext.data import registry
+  vocab = tokenizer_vocab(cfg.data) if registry.get(cfg.data.source).text else None
   if vocab is not None and vocab > cfg.model.vocab_size:
     raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
                     f"'{cfg.data.tokenizer}' tokenizer's vocabulary ({vocab}); "
                     f"set model.vocab_size>={vocab}")
-  if cfg.train.batch_size % jax.process_count():
-    raise UserError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
-                    f"{jax.process_count()} processes; each loads an equal share")
 
 
 def warn_misaligned(cfg) -> None:

@@ -246,12 +246,19 @@ def test_finalize_strict_align():
 
 
 
-def test_from_config_checks_vocab_and_processes(monkeypatch):
-  """The checks train.py made after wiring now guard every wiring.prepare / from_config user
-  (compile, convert, generate, the benchmarks) with the same words."""
-  with pytest.raises(UserError, match=r"model\.vocab_size=512 is smaller than the "
-                                      r"'shakespeare' tokenizer's vocabulary \(8192\)"):
-    wiring.prepare(BASE, ["data.tokenizer=shakespeare", "model.vocab_size=512"])
+def test_wiring_checks_vocab_where_tokens_are_read_and_processes(monkeypatch):
+  """The checks train.py made after wiring are wiring's, with the same words: the tokenizer's
+  vocabulary where tokens are read (train and every benchmark on data), the process count for
+  every wiring.prepare / from_config user (compile, convert, generate, the benchmarks)."""
+  run = wiring.prepare(BASE, TINY + ["data.tokenizer=shakespeare", "model.vocab_size=512",
+                                     "data.source=shakespeare"], devices=jax.devices()[:1])
+  for read in (run.train_iter, run.val_batches):
+    with pytest.raises(UserError, match=r"model\.vocab_size=512 is smaller than the "
+                                        r"'shakespeare' tokenizer's vocabulary \(8192\)"):
+      read()
+  synthetic = wiring.prepare(BASE, TINY + ["data.tokenizer=shakespeare", "model.vocab_size=512",
+                                           "data.source=synthetic"], devices=jax.devices()[:1])
+  assert len(synthetic.val_batches()) >= 1  # ids drawn below the tables' rows: no tokenizer
   monkeypatch.setattr(jax, "process_count", lambda: 3)
   with pytest.raises(UserError, match="train.batch_size=8 is not divisible by the 3 processes"):
     wiring.check_placement(load("train.batch_size=8"))  # what from_config runs after build

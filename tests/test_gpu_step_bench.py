@@ -27,9 +27,12 @@ def test_measure_reports_every_figure():
   assert len(r["compiled"]) == 1 and "runtime" in r["compiled"][0]  # one program, all windows
   assert r["to_first_step_s"] > 0
   assert r["peak_bytes"] > 0 and r["tokens_per_s"] == pytest.approx(8 * 512 / r["step_s"])
-  assert r["kernels"] and all(ms >= 0 and "::" not in name for name, ms, _ in r["kernels"])
+  # The CPU runtime names its ops in a trace only sometimes (none in a full test session, all
+  # when run alone); the table says which. kernel_table's reading is tested on events below.
+  assert r["traced"] and all(ms >= 0 and "::" not in name for name, ms, _ in r["kernels"])
   text = gpu_step.table(r)
-  assert "step at the final windows" in text and "kernel:" in text
+  assert "step at the final windows" in text
+  assert ("kernel:" in text) == bool(r["kernels"]) != ("none named" in text)
 
 
 def test_kernel_table_reads_device_streams_when_there_are_any():
