@@ -41,6 +41,24 @@ TINY = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.he
         "checkpoint.every=0"]
 
 
+def mesh_sizes(**sizes) -> dict:
+  """Every mesh axis (sharding.MESH_AXES) at size 1 but the named ones: tests name only the axes
+  they use, so adding a mesh axis changes none of them."""
+  from nanotext import sharding
+  unknown = set(sizes) - set(sharding.MESH_AXES)
+  assert not unknown, f"not mesh axes: {unknown}"
+  return {a: sizes.get(a, 1) for a in sharding.MESH_AXES}
+
+
+def mesh(devices=None, **sizes):
+  """sharding.make_mesh over the first prod(sizes) devices (or `devices`), axes as mesh_sizes."""
+  import math
+  import jax
+  from nanotext import sharding
+  n = math.prod(sizes.values())
+  return sharding.make_mesh(mesh_sizes(**sizes), jax.devices()[:n] if devices is None else devices)
+
+
 def run_cli(*args, env=None, timeout=300):
   """Run `python -m ARGS...` from the repo root; returns the CompletedProcess."""
   full_env = dict(os.environ, **(env or {}))

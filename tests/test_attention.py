@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import mesh as conftest_mesh
+
 from nanotext.errors import UserError
 from nanotext.model.kernels import cudnn, splash
 from nanotext.model.kernels.dispatch import dot_product_attention, resolve_impl
@@ -163,10 +165,9 @@ def test_auto_resolution():
 def test_pallas_kernels_under_a_mesh_are_sharded(impl, window, tol):
   """With sharding rules active, splash and flash run per device (shard_map) on batch/head
   shards (flash has no windows)."""
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
   from nanotext import sharding
-  mesh = jax.make_mesh((1, 2, 2), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                       devices=jax.devices()[:4])
+  mesh = conftest_mesh(fsdp=2, tensor=2)
   rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["act_heads", "tensor"]])
   q, k, v, g, seg = inputs(128, seed=3)
   x_sh = NamedSharding(mesh, P("fsdp", None, "tensor", None))

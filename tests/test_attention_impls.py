@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, TINY
+from conftest import mesh as conftest_mesh
 from test_attention import (MASKS, SCALE, forward_and_grads, inputs, kernel, max_errors,
                             reference)
 from nanotext.errors import UserError
@@ -96,10 +97,9 @@ def test_einsum_trains_to_xla_losses(tmp_path):
 @pytest.mark.tpu
 def test_flash_compiles_to_mosaic_for_a_tpu():
   """Built for a TPU mesh from this CPU host, flash is Mosaic (forward, dK/dV and dQ kernels)."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
   from nanotext import sharding, topology
-  mesh = Mesh(np.array(topology.devices(topology.parse("v5e-1"))).reshape(1, 1, 1),
-              sharding.MESH_AXES)
+  mesh = conftest_mesh(topology.devices(topology.parse("v5e-1")))
   x = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
   seg = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=NamedSharding(mesh, P()))
   def loss(q, k, v, seg):

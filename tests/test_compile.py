@@ -127,5 +127,5 @@ def test_a_mesh_that_splits_a_torus_axis():
   devices = topology.devices(topology.parse("v6e-16"))
   cfg = load(BASE, ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=2"])
   mesh = sharding.make_mesh(cfg.mesh, devices)
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 2}
+  assert {a: n for a, n in mesh.shape.items() if n > 1} == {"fsdp": 8, "tensor": 2}
   assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import mesh as conftest_mesh
+
 from nanotext.errors import UserError
 from nanotext.model.kernels import flash_gpu
 from nanotext.model.kernels.block_tables import document_bounds, key_tiles, query_tiles
@@ -153,10 +155,9 @@ def test_dispatch_default_tiles_and_static_window():
 
 
 def test_under_a_mesh_runs_per_device():
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
   from nanotext import sharding
-  mesh = jax.make_mesh((1, 2, 2), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                       devices=jax.devices()[:4])
+  mesh = conftest_mesh(fsdp=2, tensor=2)
   rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["act_heads", "tensor"]])
   T = 256
   q, k, v, g = inputs(T, jnp.float32, seed=3)

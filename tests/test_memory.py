@@ -7,7 +7,7 @@ import time
 import jax
 import pytest
 
-from conftest import BASE, SPEEDRUN, TINY, one_line_error, run_cli
+from conftest import BASE, SPEEDRUN, TINY, mesh_sizes, one_line_error, run_cli
 from nanotext import compile as nt_compile
 from nanotext import config, memory, memory_plan, sharding, trainer, wiring
 from nanotext.errors import UserError
@@ -79,9 +79,9 @@ def test_exact_terms_follow_the_shardings():
   """Parameters and optimizer state per device: all of them on 1 device, an eighth under FSDP
   over 8 (the few replicated gains aside), as the abstract model's specs say."""
   one = memory.Model(wiring.prepare(BASE, TINY, devices=jax.devices()[:1]).cfg, "cpu",
-                     {"data": 1, "fsdp": 1, "tensor": 1})
+                     mesh_sizes())
   cfg8 = wiring.prepare(BASE, TINY, devices=jax.devices()[:8]).cfg
-  fsdp = memory.Model(cfg8, "cpu", {"data": 1, "fsdp": 8, "tensor": 1})
+  fsdp = memory.Model(cfg8, "cpu", mesh_sizes(fsdp=8))
   params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one.params))
   assert one.param_bytes == params
   assert 1 / 8 < fsdp.param_bytes / one.param_bytes < 1 / 7
