@@ -23,6 +23,8 @@ from etils import epath
 from nanotext.errors import ResourceError, UserError
 from nanotext.integrity import Damaged, checksums, name_of, record_beside, verify, verify_named
 from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
+from nanotext import probes
+from nanotext.rundir import check_no_glob, is_step_name
 
 
 class CheckpointError(ResourceError):
@@ -103,7 +105,6 @@ def checkpoint_dir(output_dir: str) -> str:
 def make_manager(output_dir: str, *, keep: int, create: bool = True,
                  async_save: bool = True) -> Manager:
   """A manager that keeps the newest `keep` steps; saves are atomic, async unless told not."""
-  from nanotext.rundir import check_no_glob
   check_no_glob(checkpoint_dir(output_dir), "the checkpoint folder")
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=create, enable_async_checkpointing=async_save,
@@ -117,7 +118,6 @@ def make_manager(output_dir: str, *, keep: int, create: bool = True,
 def save(manager: Manager, step: int, state, data_state: dict, config_dict: dict) -> None:
   """Start saving a step; async saves return once the arrays are copied off the devices."""
   wait(manager)  # surfaces a failed earlier write before starting the next
-  from nanotext import probes
   try:  # orbax would wait 300 s for a step directory it failed to create, then raise
     probes.writable_dir(str(manager.directory), "the checkpoint folder")
   except (UserError, ResourceError) as e:
@@ -224,7 +224,6 @@ def abstract_with_shardings(tree, shardings):
 def find_params_item(path: str) -> tuple:
   """(item dir, whether it holds the whole train state) of a run dir, its checkpoints/ dir, a
   step dir (the newest step where there are several) or a params-only folder (convert)."""
-  from nanotext.rundir import check_no_glob, is_step_name
   check_no_glob(os.path.abspath(path), "checkpoint.load_params_from")
   if not os.path.isdir(path):
     raise UserError(f"checkpoint.load_params_from='{path}' is not a directory")

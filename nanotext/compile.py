@@ -16,6 +16,10 @@ import time
 
 from absl import app, flags
 
+from nanotext import window_schedule as ws, metrics, topology
+from nanotext.errors import UserError, fail
+from nanotext.hlo import collectives
+
 
 def define_flags():
   """The CLI's flags (defined only when run as a program, so importers keep their own)."""
@@ -39,7 +43,6 @@ def programs(cfg, impl: str = "") -> list:
   programs in order of first use (one per stage (per-layer windows, row length), or one per row
   length where attention kernel `impl` takes the windows at run time), then the program of the
   final evaluation (steps None)."""
-  from nanotext import window_schedule as ws
   from nanotext.model.kernels.dispatch import takes_runtime_window
   runtime = bool(impl) and takes_runtime_window(impl)
   steps = {}
@@ -64,7 +67,6 @@ def programs(cfg, impl: str = "") -> list:
 
 def select(progs: list, spec: str) -> list:
   """The programs `spec` names (all | first,last,eval | names); UserError on unknown names."""
-  from nanotext.errors import UserError
   words = [w.strip() for w in spec.split(",") if w.strip()]
   if not words or "all" in words:
     return progs
@@ -137,7 +139,6 @@ def compile_program(run, name, program, hbm_bytes: int, min_headroom: float = 0.
 
 def measure(compiled) -> dict:
   """Per-chip memory, XLA's FLOPs and bytes accessed, collectives and Mosaic kernels."""
-  from nanotext.hlo import collectives
   mem = compiled.memory_analysis()
   rec = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in
          ("argument", "output", "alias", "temp", "generated_code")}
@@ -158,7 +159,6 @@ def measure(compiled) -> dict:
 def analytic_flops(run, program, *, train: bool) -> float:
   """Model FLOPs per chip of one step (6N + attention per token; forward only for eval) at the
   program's windows (with runtime windows, their bounds: its largest step)."""
-  from nanotext import metrics
   cfg = run.cfg
   tokens = cfg.train.batch_size * (cfg.train.seq_len if train else program.seq_len)
   per_token = metrics.flops_per_token(cfg.model, program.seq_len, program.windows)
@@ -265,14 +265,12 @@ def run_compile(path, overrides, slice_name, which="all", min_headroom=0.10, log
 
 
 def main(argv):
-  from nanotext.errors import UserError, fail
   f = flags.FLAGS
   if len(argv) < 2:
     fail("usage: python -m nanotext.compile CONFIG [key=value ...] --topology=NAME "
          "[--programs=all] [--json=FILE] [--min_headroom=0.1]")
   try:
     if not f.topology:
-      from nanotext import topology
       raise UserError(f"--topology is required; known: {', '.join(topology.known())}")
     if not 0 <= f.min_headroom < 1:
       raise UserError(f"--min_headroom={f.min_headroom} must be in [0, 1)")

@@ -4,6 +4,10 @@ input, 1 for a missing resource, 130 for Ctrl-C."""
 import errno
 import os
 import sys
+import logging as pylogging
+import threading
+
+from absl import flags, logging
 
 
 class UserError(Exception):
@@ -58,7 +62,6 @@ def run_cli(main, argv=None) -> None:
 
 def parse_flags(argv):
   """absl `flags_parser` for app.run: a bad flag is one error line and exit 2, not usage text."""
-  from absl import flags
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
@@ -72,9 +75,6 @@ def quiet_background_errors() -> None:
   that outlive orbax's event loop print 'Event loop is closed' tracebacks; the run itself
   reports the failure (CheckpointError), so the tracebacks go and the log lines stay one line.
   """
-  import logging as pylogging
-  import threading
-  from absl import logging
 
   class NoTraceback(pylogging.Filter):
     def filter(self, record):
@@ -94,7 +94,6 @@ def quiet_background_errors() -> None:
 def drop_storage_error_logs() -> None:
   """Drop orbax's own error logs (a failed write is logged by each of its threads, with
   tracebacks): the tools report the failure in their one line."""
-  import logging as pylogging
 
   class DropErrors(pylogging.Filter):
     def filter(self, record):

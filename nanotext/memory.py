@@ -16,7 +16,10 @@ programs: tests/test_memory.py and benchmarks/memory_estimate.py.
 import dataclasses
 import math
 
+import numpy as np
+
 from nanotext.fusion import kept_bytes, peak_live, saved_residuals, scope
+from nanotext import window_schedule
 
 GIB = 2**30
 REMATS = ("none", "dots", "full")  # cheapest first: what auto tries, in order
@@ -185,7 +188,6 @@ class Model:
 
   def flash_residuals(self, rows: int, length: int) -> float:
     """What a flash-style kernel keeps over all layers: output and float32 log-sum-exp."""
-    import numpy as np
     m = self.cfg.model
     heads = m.num_heads / self.split[m.num_heads]
     layers = m.num_layers - len({i for i in m.no_attention_layers if i < m.num_layers})
@@ -217,7 +219,6 @@ class Model:
       return scores * (2 if train else 1)  # backward: the scores' and probabilities' gradients
     if self.impl == "blocked":
       from nanotext.model.kernels import blocked as ba
-      from nanotext import window_schedule
       window = max(window_schedule.step_windows(self.cfg, self.cfg.train.steps))
       block = a.window_block if a.block_windows else ba.BLOCK
       nb = -(-length // block)

@@ -8,10 +8,16 @@ config.finalize, the one place derived values are computed.
 import dataclasses
 import math
 import os
+import resource
 
-from nanotext import memory
+import ml_collections
+import numpy as np
+import yaml
+
+from nanotext import config, memory, topology
 from nanotext.errors import UserError
 from nanotext.memory import gib
+from nanotext.window_schedule import seq_lens
 
 
 def host_available() -> tuple:
@@ -36,7 +42,6 @@ def host_available() -> tuple:
       found.append((int(limit) - used, "the cgroup's memory limit left"))
   except (OSError, ValueError):
     pass
-  import resource
   soft = resource.getrlimit(resource.RLIMIT_AS)[0]
   if soft != resource.RLIM_INFINITY:
     found.append((soft - _vm_size(), f"the address-space limit left (ulimit -v {soft // 1024})"))
@@ -70,7 +75,6 @@ def capacity(devices) -> tuple:
   if limit:
     return agreed(int(limit)), f"{first.device_kind} memory"
   if first.platform == "tpu":
-    from nanotext import topology
     chip = topology.chip_of_kind(first.device_kind)
     if chip is not None:
       return chip.hbm_bytes, f"{first.device_kind} HBM"
@@ -82,7 +86,6 @@ def agreed(n: int) -> int:
   import jax
   if jax.process_count() == 1:
     return n
-  import numpy as np
   from jax.experimental import multihost_utils
   return int(np.min(multihost_utils.process_allgather(np.asarray(n, np.int64))))
 
@@ -145,7 +148,6 @@ def auto_chunk(lengths) -> int:
 def parameter_floor(cfg) -> int:
   """A lower bound on parameter bytes, from the config alone (no model is built): every block's
   two MLP matrices and the token table. Enough to refuse absurd sizes at once."""
-  import numpy as np
   m = cfg.model
   item = lambda name: np.dtype(name).itemsize
   rows = m.embed_rows if m.embed_rows > 0 else m.vocab_size
@@ -181,7 +183,6 @@ class Planner:
     self._attention_first(model, "train")
     t, m = cfg.train, cfg.model
     remats = memory.REMATS if m.remat == "auto" else (m.remat,)
-    from nanotext.window_schedule import seq_lens
     chunk = auto_chunk(seq_lens(t))
     chunks = ((0, chunk) if chunk else (0,)) if t.loss_chunk == -1 else (t.loss_chunk,)
     train_ladder = sorted(((r, c) for r in remats for c in chunks),
@@ -297,7 +298,6 @@ def _leanest(model, cfg, program):
     chunks = {0, auto_chunk([model.eval_len])} if t.eval_loss_chunk == -1 else \
         {t.eval_loss_chunk}
     return min((model.eval(c) for c in chunks), key=lambda e: e.total)
-  from nanotext.window_schedule import seq_lens
   remat = "full" if m.remat == "auto" else m.remat
   chunk = auto_chunk(seq_lens(t)) if t.loss_chunk == -1 else t.loss_chunk
   return model.train(remat, chunk)
@@ -305,8 +305,6 @@ def _leanest(model, cfg, program):
 
 def changes(cfg, model, program: str, est, capacity: int) -> list:
   """[(override text, changed config, mesh sizes)] that lower the dominant term of `est`."""
-  import ml_collections
-  from nanotext import config
   t, m = cfg.train, cfg.model
   sizes, dominant = model.mesh_sizes, est.dominant()
   out = []
@@ -351,7 +349,6 @@ def changes(cfg, model, program: str, est, capacity: int) -> list:
 
 def saved_choice(output_dir: str) -> dict:
   """{key: value} of KEYS in output_dir/config.yml (a run being resumed), {} if none."""
-  import yaml
   try:
     with open(os.path.join(output_dir, "config.yml"), encoding="utf-8") as f:
       saved = yaml.safe_load(f)

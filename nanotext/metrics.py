@@ -4,6 +4,8 @@ import json
 import math
 import os
 
+from nanotext.errors import os_error
+
 # Dense bf16 peak FLOP/s per device, from vendor spec sheets; MFU is quoted against these.
 _PEAK_BY_KIND = (
     ("h200", 989e12), ("h100", 989e12), ("a100", 312e12), ("l4", 121e12),
@@ -94,7 +96,6 @@ class Writer:
     try:
       self._jsonl.write(json.dumps(row) + "\n")
     except OSError as e:  # a disk that filled up mid-run: one line (exit 1), checkpoints intact
-      from nanotext.errors import os_error
       raise os_error(e, f"cannot write '{self._jsonl.name}'") from None
     if self._tb is not None:
       for k, v in row.items():

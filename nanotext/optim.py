@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from nanotext import config, sharding
 from nanotext.errors import UserError
@@ -45,7 +46,6 @@ def check_config(o) -> None:
 
 def group_labels(state):
   """Tree of optimizer groups (each parameter's `role`, set where it is made) of an nnx State."""
-  from flax import nnx
   labels = jax.tree.map(lambda v: v.get_metadata()["role"], state,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
   return labels.to_pure_dict() if hasattr(labels, "to_pure_dict") else labels

@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 from nanotext.errors import UserError, os_error, run_cli
+from nanotext import probes
 
 USAGE = "usage: python -m nanotext.plot RUN_DIR [RUN_DIR ...] --out=FILE.png [--title=TEXT]"
 
@@ -180,7 +181,6 @@ def check_out(out: str) -> None:
   """Refuse an --out matplotlib cannot write (its format) or this user cannot (its folder),
   before any run is read."""
   from matplotlib.figure import Figure
-  from nanotext import probes
   kinds = Figure().canvas.get_supported_filetypes()
   if image_format(out) not in kinds:
     raise UserError(f"--out '{out}': '.{image_format(out)}' is not an image format matplotlib "

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.experimental import mesh_utils
 
 from nanotext.errors import UserError
 
@@ -97,7 +98,6 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   except NotImplementedError:
     # A TPU torus whose physical axes do not factor into this shape (fsdp 8 x tensor 2 on a 4x4
     # v6e-16): let a mesh axis span part of a physical one, still in torus order.
-    from jax.experimental import mesh_utils
     grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 

@@ -11,6 +11,8 @@ import time
 from absl import app, flags, logging
 
 from nanotext.errors import ResourceError, UserError, fail, parse_flags, quiet_background_errors
+from nanotext.generate import sample_text, encode_prompt
+from nanotext.xla_flags import maybe_set_cpu_flags
 
 _STARTED = time.perf_counter()  # the start-up line's clock: from the entry point's import
 
@@ -55,7 +57,6 @@ def run(path: str, overrides, log=print, started: float | None = None):
   import jax
   from nanotext import checkpoint, distributed, memory_plan, probes, rundir, wiring
   from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
-  from nanotext.generate import sample_text
   from nanotext.watch import Preemption, StartupClock
 
   clock = StartupClock(started)
@@ -154,7 +155,6 @@ def run(path: str, overrides, log=print, started: float | None = None):
 def check_sample(cfg) -> None:
   """The end-of-run sample's prompt, checked before training rather than after it."""
   from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
-  from nanotext.generate import encode_prompt
   if not cfg.sample.max_new_tokens or known_vocab_size(cfg.data.tokenizer) is None:
     return
   try:
@@ -207,7 +207,6 @@ def sharding_summary(run_) -> str:
 
 
 def main(argv) -> None:
-  from nanotext.xla_flags import maybe_set_cpu_flags
   cpu_flags = maybe_set_cpu_flags()  # before JAX starts a backend, which reads XLA_FLAGS once
   if cpu_flags:
     print(f"XLA_FLAGS={cpu_flags} (CPU defaults; set XLA_FLAGS to choose your own)", flush=True)

@@ -8,6 +8,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from nanotext import config, metrics, optim
 from nanotext import window_schedule
@@ -189,7 +190,6 @@ class Preemption:
       return self.received is not None
     if step % self.log_every:  # a host collective only on logging steps, not every step
       return False
-    from jax.experimental import multihost_utils
     flags = multihost_utils.process_allgather(np.int32(self.received is not None))
     self.received = self.received or ("SIGTERM" if np.any(flags) else None)
     return self.received is not None

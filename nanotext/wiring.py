@@ -13,11 +13,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.experimental import multihost_utils
 
-from nanotext import config, optim, sharding
+from nanotext import (checkpoint, config, memory_plan, metrics, optim, rundir, sharding, watch,
+                      window_schedule)
 from nanotext.errors import UserError
-from nanotext.model import GPT, count_params, gpt
+from nanotext.model import attention, count_params, GPT, gpt
 from nanotext.model.kernels.dispatch import resolve_impl
+from nanotext.data import pipeline, registry
+from nanotext.data.prepare import default_dir
+from nanotext.data.tokenizer import known_vocab_size, resolve_eot_id
 
 
 @dataclasses.dataclass
@@ -65,13 +70,11 @@ class Run:
 
   def train_iter(self):
     """The checkpointable grain iterator of this process's training rows."""
-    from nanotext.data import pipeline
     check_vocab(self.cfg)
     return pipeline.make_train_iter(self.cfg.data, seed=self.cfg.seed, **self.data_kwargs())
 
   def val_batches(self) -> list:
     """The fixed validation batches (this process's rows, as numpy)."""
-    from nanotext.data import pipeline
     check_vocab(self.cfg)
     t = self.cfg.train
     return pipeline.make_val_batches(
@@ -99,9 +102,6 @@ def load(path, overrides=()):
 
 def check(cfg):
   """Each module checks its own section: choices and the rules between its keys."""
-  from nanotext import watch, window_schedule
-  from nanotext.data import pipeline
-  from nanotext.model import attention, gpt
   gpt.check_config(cfg.model, cfg.attention)
   attention.check_config(cfg.attention)
   optim.check_config(cfg.optim)
@@ -125,7 +125,6 @@ def check_vocab(cfg) -> None:
   ids are drawn below the tables' rows). Checked where tokens are read (Run.train_iter,
   Run.val_batches: train and every benchmark on data), so a run built only to look at the
   model or compile it is not refused for a tokenizer it never uses."""
-  from nanotext.data import registry
   vocab = tokenizer_vocab(cfg.data) if registry.get(cfg.data.source).text else None
   if vocab is not None and vocab > cfg.model.vocab_size:
     raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
@@ -173,8 +172,6 @@ def for_sampling(cfg, devices, *, checked=False) -> tuple:
   alone (generate): the checks and derived values of `from_config`, without a training mesh,
   optimizer or memory plan (sampling holds the parameters only, so a model trained on many
   devices still samples on one)."""
-  from nanotext import metrics
-  from nanotext.data.prepare import default_dir
   if not checked:
     check(cfg)
   check_placement(cfg)
@@ -194,8 +191,6 @@ def finalize(cfg, devices, capacity=None):
 
 def finalize_plan(cfg, devices, *, capacity=None, prefer=None) -> tuple:
   """(finalized config, memory.Plan) for `devices`; UserError if the run cannot fit them."""
-  from nanotext import memory_plan, metrics
-  from nanotext.data.prepare import default_dir
   sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, len(devices))))
   limit, source = memory_plan.capacity(devices) if capacity is None else (capacity, "given")
   planner = memory_plan.Planner(devices[0].platform, sizes, limit, source, prefer=prefer)
@@ -207,7 +202,6 @@ def finalize_plan(cfg, devices, *, capacity=None, prefer=None) -> tuple:
 
 def tokenizer_vocab(data_cfg) -> int | None:
   """The tokenizer's vocabulary size (None for data.tokenizer=none)."""
-  from nanotext.data.tokenizer import known_vocab_size
   return None if data_cfg.tokenizer == "none" else known_vocab_size(data_cfg.tokenizer)
 
 
@@ -252,7 +246,6 @@ def abstract_model(cfg, backend: str):
 
 def doc_mask_eot(cfg) -> int:
   """The end-of-text id that separates documents for attention.doc_mask."""
-  from nanotext.data.tokenizer import resolve_eot_id
   eot = resolve_eot_id(cfg.data)
   if eot is None:
     raise UserError("attention.doc_mask=true needs an end-of-text id: set data.eot_id or a "
@@ -272,7 +265,6 @@ class Start:
 def initial_state(run: Run, manager, log=print) -> Start:
   """Resume from the newest intact checkpoint in output_dir, else load
   checkpoint.load_params_from, else initialise a fresh state."""
-  from nanotext import checkpoint
   cfg = run.cfg
   if manager is not None and manager.all_steps():
     step, state, data, integrity = newest_intact(run, manager, log)
@@ -297,7 +289,6 @@ def newest_intact(run: Run, manager, log) -> tuple:
   never deleted), so later saves of those step numbers can be written; when no step is intact
   nothing is moved and the first step's reason is the error.
   """
-  from nanotext import checkpoint, rundir
   damaged = []
   for step in sorted(manager.all_steps(), reverse=True):
     try:
@@ -311,7 +302,6 @@ def newest_intact(run: Run, manager, log) -> tuple:
           f"to {where})")
     if damaged:
       if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("nanotext: damaged steps moved")
       manager.reload()
     return step, state, data, integrity
@@ -322,7 +312,6 @@ def newest_intact(run: Run, manager, log) -> tuple:
 
 def check_data_unchanged(cfg, integrity, step: int, fingerprint) -> None:
   """Refuse to resume on training shards that differ from those the step was trained on."""
-  from nanotext import rundir
   saved = (integrity or {}).get("data")
   if saved is None or fingerprint is None or cfg.data.allow_changed:  # unknown: e.g. converted
     return

@@ -5,6 +5,7 @@ import sys
 from absl import flags, logging
 
 from nanotext.errors import UserError, run_cli
+from nanotext import convert
 
 USAGE = ("usage: python -m nanotext.convert "
          "from-hf --hf=DIR --out=DIR [--config=YML] [key=value ...]"
@@ -83,7 +84,6 @@ def main(argv) -> None:
     raise UserError(f"{command} takes no arguments besides flags, got {positional[0]!r}; {USAGE}")
   if not logging.get_verbosity() < logging.INFO:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  from nanotext import convert
   f = fv
   if command == "from-hf":
     convert.from_hf(f.hf, f.out, positional, config_path=f.config, force=f.force)

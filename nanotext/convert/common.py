@@ -10,6 +10,7 @@ import jax
 
 from nanotext.errors import ResourceError, UserError, os_error
 from nanotext.trees import stack_blocks, unstack_blocks
+from nanotext import probes, rundir
 
 
 def load_run(run: str, step: int = -1):
@@ -124,7 +125,6 @@ def _make_parent(out: str, parent: str) -> None:
 def check_out(out: str, *, force: bool, protect=(), folder: bool = True) -> None:
   """Every check of --out that staged_dir / staged_file make, plus a write probe of its folder,
   made before the conversion reads a checkpoint (minutes, for a large one)."""
-  from nanotext import probes, rundir
   if rundir.kernel_fs(out):
     raise UserError(f"--out '{out}' lies in a kernel file system ({rundir.kernel_fs(out)}): "
                     "choose a path on disk")

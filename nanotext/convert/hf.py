@@ -6,6 +6,7 @@ are; only the merged c_attn [d, 3d] splits into q | k | v (head-major within eac
 
 import json
 import os
+import dataclasses
 
 import numpy as np
 
@@ -14,6 +15,7 @@ from nanotext.convert.common import (check_out, load_run, per_layer, require, st
 from nanotext.convert.hf_tokenizer import generation_config, special_ids, write_tokenizer
 from nanotext.errors import UserError
 from nanotext.trees import fill, flatten
+from nanotext.rundir import check_no_glob
 
 LN_EPS = 1e-5  # nanotext's LayerNorm epsilon (layers.Norm); GPT-2's layer_norm_epsilon too
 # HF activations equal to jax.nn.gelu's default (approximate=True, the tanh form).
@@ -146,7 +148,6 @@ def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   `write_run`.
   """
   from nanotext import config
-  from nanotext.rundir import check_no_glob
   check_no_glob(os.path.abspath(out), "--out")  # orbax writes its checkpoint there
   if os.path.isfile(hf):
     raise UserError(f"--hf '{hf}' is a file; give the Hugging Face model directory holding it")
@@ -199,7 +200,6 @@ def _fresh_iterator_state(cfg) -> dict:
   The state of an unread grain pipeline holds indices only, so when the run's data is not on
   this machine the same pipeline over synthetic tokens gives the identical state.
   """
-  import dataclasses
   from nanotext.data import pipeline
   kw = dict(seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, seed=cfg.seed,
             vocab_size=cfg.model.vocab_size)

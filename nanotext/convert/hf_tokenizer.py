@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 
-from nanotext.data.tokenizer import EOT, GPT2_EOT, shipped_path
+from nanotext.data.tokenizer import EOT, get_tokenizer, GPT2_EOT, shipped_path
 
 
 def special_ids(tokenizer: str) -> dict:
@@ -17,7 +17,6 @@ def special_ids(tokenizer: str) -> dict:
   if tokenizer == "gpt2":
     eot = GPT2_EOT
   elif tokenizer == "shakespeare":
-    from nanotext.data.tokenizer import get_tokenizer
     eot = get_tokenizer("shakespeare").eot_id
   else:
     eot = None

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from nanotext.convert.common import check_out, load_run, staged_dir
 from nanotext.errors import UserError
+from nanotext.rundir import check_no_glob
 
 DTYPES = ("float32", "bfloat16")
 
@@ -23,7 +24,6 @@ def params_only(run: str, out: str, *, step: int = -1, dtype: str = "", force: b
                 log=print) -> str:
   """Write the params of `run`'s checkpoint (cast to `dtype` if given) as a params-only folder."""
   import orbax.checkpoint as ocp
-  from nanotext.rundir import check_no_glob
   if dtype and dtype not in DTYPES:
     raise UserError(f"--dtype={dtype} is not one of {', '.join(DTYPES)}")
   check_no_glob(os.path.abspath(out), "--out")  # orbax writes params/ there

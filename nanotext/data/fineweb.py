@@ -9,6 +9,8 @@ import shutil
 import sys
 import time
 
+from absl import flags
+
 from nanotext.data import binfile
 from nanotext.errors import UserError
 
@@ -174,7 +176,6 @@ def download(train_shards: int, out_dir: str | None = None, fetch=None, log=_log
 
 def main(argv) -> None:
   """CLI: download the shards and print a per-split token summary."""
-  from absl import flags
   if len(argv) > 1:
     raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
   info = download(flags.FLAGS.train_shards, flags.FLAGS.out or None)

@@ -2,10 +2,13 @@
 
 import grain
 import numpy as np
+from absl import flags
 
 from nanotext.data import registry
 from nanotext.data.sources import SyntheticSource
 from nanotext.errors import UserError
+from nanotext import config
+from nanotext.data.tokenizer import NAMES
 
 DEFAULT_VOCAB = 8192
 # Elements are whole batches, so a short prefetch queue keeps memory small and still hides I/O.
@@ -14,8 +17,6 @@ READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
 
 def check_config(d) -> None:
   """The data section: source and tokenizer choices, and the keys each source needs."""
-  from nanotext import config
-  from nanotext.data.tokenizer import NAMES
   config.check_choices("data", d, {"source": registry.names(), "tokenizer": NAMES})
   registry.get(d.source).check(d)
 
@@ -59,7 +60,6 @@ def make_train_iter(data_cfg, *, seq_len: int, batch_size: int, seed: int,
   ds = ds.batch(batch_size, drop_remainder=True).map(_split_batch)
   it_ds = ds.to_iter_dataset(READ_OPTIONS)
   if data_cfg.workers > 0:
-    from absl import flags
     if not flags.FLAGS.is_parsed():  # grain workers read absl flags; library callers never parse.
       flags.FLAGS.mark_as_parsed()
     it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.workers))

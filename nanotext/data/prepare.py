@@ -6,12 +6,14 @@ import json
 import os
 
 import numpy as np
+from absl import flags
 
 from nanotext.data import binfile
 from nanotext.data.corpus import load_corpus
 from nanotext.data.fileio import atomic_write
 from nanotext.data.tokenizer import get_tokenizer, shipped_path
 from nanotext.errors import UserError, os_error
+from nanotext import probes
 
 # Two whole plays (a tragedy and a comedy, ~4.6% of the text) held out by name, so the split
 # never depends on tokenizer, ordering or a random seed.
@@ -80,7 +82,6 @@ def prepare_shakespeare(out_dir: str | None = None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
   except OSError as e:
     raise UserError(f"cannot create '{out_dir}' ({e}): set data.dir") from None
-  from nanotext import probes
   probes.writable_dir(out_dir, "the prepared-data folder (data.dir)")
   tok = get_tokenizer("shakespeare")
   corpus = load_corpus()
@@ -114,7 +115,6 @@ def prepare_shakespeare(out_dir: str | None = None) -> dict:
 
 def main(argv) -> None:
   """CLI: prepare the shards and print their token counts and unigram entropy."""
-  from absl import flags
   if len(argv) > 1:
     raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
   info = prepare_shakespeare(flags.FLAGS.out or None)

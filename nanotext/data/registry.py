@@ -11,6 +11,8 @@ from typing import Callable
 from nanotext.data import binfile
 from nanotext.data.sources import PackedDocSource, ShardSource, SyntheticSource
 from nanotext.errors import UserError
+from nanotext.data.prepare import prepare_shakespeare
+from nanotext.data.tokenizer import resolve_eot_id
 
 
 def _no_check(data_cfg) -> None:
@@ -55,7 +57,6 @@ def get(name: str) -> Source:
 
 def _shakespeare_files(data_cfg, split: str) -> list[str]:
   """The embedded corpus's shards, tokenized into data.dir on first use."""
-  from nanotext.data.prepare import prepare_shakespeare
   return binfile.find_shards(prepare_shakespeare(data_cfg.dir or None)[f"{split}_files"],
                              key="data.dir")
 
@@ -86,7 +87,6 @@ def _check_tfds(data_cfg) -> None:
 def _open_tfds(data_cfg, split, *, seq_len, seed, vocab_size, group, max_tokens):
   """Documents of a prepared array_record TFDS split, packed into windows."""
   del seed, vocab_size, group
-  from nanotext.data.tokenizer import resolve_eot_id
   tfds_split = data_cfg.tfds_train_split if split == "train" else data_cfg.tfds_val_split
   if not data_cfg.tfds_name:
     raise UserError("data.source is 'tfds' but data.tfds_name is empty")

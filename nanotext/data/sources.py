@@ -3,6 +3,7 @@
 import numpy as np
 
 from nanotext.data import binfile
+from nanotext.errors import UserError
 
 
 def _windows(num_tokens: int, seq_len: int) -> int:
@@ -63,7 +64,6 @@ class ShardSource:
     # An id past the embedding table would only show up later as a NaN loss; a max is cheap.
     if self._vocab is not None and window.size and window.max() >= self._vocab:
       at = offset + int(np.argmax(window >= self._vocab))
-      from nanotext.errors import UserError
       raise UserError(f"shard '{self._files[k]}' holds token id {int(window.max())} (at token "
                       f"{at}), not below the {self._vocab} rows of the embedding tables "
                       "(model.embed_rows, at most model.vocab_size): the shard was made with "

@@ -3,7 +3,12 @@
 import importlib.resources
 from typing import Protocol
 
+from absl import flags
+import numpy as np
+from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+
 from nanotext.errors import UserError
+from nanotext.data.corpus import load_corpus
 
 EOT = "<|endoftext|>"
 SHAKESPEARE_VOCAB = 8192
@@ -47,7 +52,6 @@ class HFTokenizer:
 
   def token_bytes(self):
     """UTF-8 bytes each id stands for (0 for special tokens such as <|endoftext|>)."""
-    import numpy as np
     out = np.zeros(self.vocab_size, np.int64)
     special = set(self._tok.get_added_tokens_decoder())
     byte_level = type(self._tok.decoder).__name__ == "ByteLevel"
@@ -76,7 +80,6 @@ class TiktokenTokenizer:
 
   def token_bytes(self):
     """Bytes each id stands for (0 for <|endoftext|>)."""
-    import numpy as np
     special = set(self._enc.special_tokens_set)
     return np.array([0 if self._enc.decode_single_token_bytes(i).decode("latin-1") in special
                      else len(self._enc.decode_single_token_bytes(i))
@@ -103,7 +106,6 @@ def bytes_per_token(tokenizer, batches) -> float | None:
   table = getattr(tokenizer, "token_bytes", None)
   if table is None or not batches:
     return None
-  import numpy as np
   lengths = table()
   targets = np.concatenate([np.asarray(b["targets"]).ravel() for b in batches])
   total = int(lengths[np.clip(targets, 0, len(lengths) - 1)].sum())
@@ -123,7 +125,6 @@ def val_bytes_per_token(data_cfg, batches) -> float | None:
 
 def train_tokenizer(texts, vocab_size: int = SHAKESPEARE_VOCAB):
   """Train a GPT-2-style byte-level BPE on `texts`; returns a `tokenizers.Tokenizer`."""
-  from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
   tok = HFTok(models.BPE())
   # GPT-2 regex split + byte mapping: every string is encodable and decodes back exactly.
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -138,7 +139,6 @@ def train_tokenizer(texts, vocab_size: int = SHAKESPEARE_VOCAB):
 def get_tokenizer(name: str) -> Tokenizer:
   """The tokenizer called `name` (one of NAMES)."""
   if name == "shakespeare":
-    from tokenizers import Tokenizer as HFTok
     path = shipped_path()
     if not path.is_file():
       raise UserError(
@@ -188,8 +188,6 @@ def known_vocab_size(name: str) -> int | None:
 
 def main(argv) -> None:
   """CLI: --train regenerates the shipped Shakespeare tokenizer.json."""
-  from absl import flags
-  from nanotext.data.corpus import load_corpus
   if len(argv) > 1:
     raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
   if not flags.FLAGS.train:
