@@ -199,7 +199,7 @@ def _undash(argv: list[str], names) -> list[str]:
 
 
 if __name__ == "__main__":
-  from absl import app, flags
+  from absl import app
   from nanotext.errors import run_cli
   flags.DEFINE_integer("train_shards", DEFAULT_TRAIN_SHARDS,
                        f"training shards to download, 1..{MAX_TRAIN_SHARDS} (100M tokens, "

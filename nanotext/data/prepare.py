@@ -126,7 +126,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app, flags
+  from absl import app
   from nanotext.errors import run_cli
   flags.DEFINE_string("out", "", "output folder; '' = $NANOTEXT_CACHE/shakespeare or "
                       "~/.cache/nanotext/shakespeare")

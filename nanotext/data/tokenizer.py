@@ -199,7 +199,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app, flags
+  from absl import app
   from nanotext.errors import run_cli
   flags.DEFINE_bool("train", False, "train the Shakespeare BPE on the embedded corpus")
   flags.DEFINE_integer("vocab_size", SHAKESPEARE_VOCAB, "vocabulary size including <|endoftext|>")
