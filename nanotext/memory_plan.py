@@ -87,7 +87,10 @@ def agreed(n: int) -> int:
   if jax.process_count() == 1:
     return n
   from jax.experimental import multihost_utils
-  return int(np.min(multihost_utils.process_allgather(np.asarray(n, np.int64))))
+  # In MiB: jax without x64 carries the gathered value as int32, and bytes past 2 GiB wrapped
+  # negative (a 2-process CPU run was told its devices had -777 MiB and refused).
+  mib = multihost_utils.process_allgather(np.asarray(n >> 20, np.int32))
+  return int(np.min(mib)) << 20
 
 
 HEADROOM = 0.10  # auto leaves this share of a device free: runtime buffers, fragmentation

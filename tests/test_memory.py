@@ -5,6 +5,7 @@ configs that cannot fit."""
 import time
 
 import jax
+import numpy as np
 import pytest
 
 from conftest import BASE, SPEEDRUN, TINY, mesh_sizes, one_line_error, run_cli
@@ -249,3 +250,14 @@ def test_cli_logs_the_plan_and_saves_its_choice(tmp_path, tiny):
   saved = yaml.safe_load((out / "config.yml").read_text())
   assert (saved["model"]["remat"], saved["train"]["loss_chunk"],
           saved["train"]["eval_loss_chunk"]) == ("none", 0, 0)
+
+
+def test_processes_agree_on_capacities_past_2_gib(monkeypatch):
+  """The least capacity over processes survives jax's int32 gather (no x64): 5 GiB per device
+  once wrapped to a negative number and refused a 2-process run."""
+  import jax.numpy as jnp
+  from jax.experimental import multihost_utils
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda x: np.stack([np.asarray(jnp.asarray(x))] * 2))
+  assert memory_plan.agreed(5 * GIB + 123) == 5 * GIB
