@@ -3,10 +3,12 @@
 
 Compiles every program a run would compile (the train programs: one per attention-window stage, or
 one for all stages with a kernel that takes the windows at run time; and the eval program) for a
-TPU slice, on any machine with libtpu installed, and prints per program
-the per-chip memory against the chip's HBM, analytic and XLA FLOPs, bytes accessed and the
-collectives with their bytes, then one verdict line. Exit 0 if every program fits with the
-headroom asked for, 2 (one line naming the bytes and the keys that help) otherwise.
+TPU slice (libtpu) or a GPU host (the jax CUDA plugin), on any machine, and prints per program the
+memory per device against what the device lets a program use, analytic and XLA FLOPs, the
+collectives, the kernel inventory (launches by kind, passes over logits-sized arrays) and a
+roofline estimate of the step, then one verdict line. Exit 0 if every program fits with the
+headroom asked for; 2 (one line naming the bytes and the keys that help) if one does not; 1 if
+one fails to compile.
 """
 
 import json
@@ -16,14 +18,15 @@ import time
 
 from absl import app, flags
 
-from nanotext import window_schedule as ws, metrics, topology
+from nanotext import hlo, window_schedule as ws, metrics, topology
 from nanotext.errors import UserError, fail
 from nanotext.hlo import collectives
 
 
 def define_flags():
   """The CLI's flags (defined only when run as a program, so importers keep their own)."""
-  flags.DEFINE_string("topology", "", "TPU slice to compile for, e.g. v6e-8, v5p-16.")
+  flags.DEFINE_string("topology", "", "What to compile for: a TPU slice (v6e-8, v5p-16) or GPUs "
+                      "on one host (h100, h100-8, h200, a100-80gb, b200).")
   flags.DEFINE_string("programs", "all", "Which programs: all, or a comma list of first, last "
                       "(train window stages), eval, or program names as printed (train@1792).")
   flags.DEFINE_string("json", "", "Write one JSON record per program to this file.")
@@ -101,44 +104,64 @@ def eval_batch(run) -> dict:
   return {"inputs": spec, "targets": spec}
 
 
-def compile_program(run, name, program, hbm_bytes: int, min_headroom: float = 0.0) -> dict:
-  """Compile one program (a window_schedule.Program) for the run's devices; its record (an HBM
-  overflow is a record too)."""
-  from nanotext import trainer
-  state, batch = run.abstract_state(), abstract_batch(run, evaluation=name == "eval")
+def compile_program(run, name, program, memory_bytes: int, min_headroom: float = 0.0,
+                    peaks=None) -> dict:
+  """Compile one program (a window_schedule.Program) for the run's devices; its record. An HBM
+  overflow is a record too, and so is a failure at any stage (`error`, `stage`: trace, lowering
+  or XLA)."""
+  from nanotext import gpus, trainer
+  state = run.abstract_state()
+  rec = {"name": name, "hbm_bytes_per_chip": memory_bytes}
+  if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
+    plan = run.memory
+    rec["estimate_bytes_per_chip"] = (plan.eval if name == "eval" else plan.train).total
   if name == "eval":
     jitted = trainer.make_eval_step(run, program.windows, runtime=program.runtime)
     args = (state["params"], eval_batch(run))
   else:
     jitted = trainer.make_train_step(run, program.windows, program.seq_len,
                                      runtime=program.runtime)
-    args = (state, batch)
+    args = (state, abstract_batch(run))
   args += trainer.windows_args(run, program)
-  rec = {"name": name, "hbm_bytes_per_chip": hbm_bytes}
-  if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
-    plan = run.memory
-    rec["estimate_bytes_per_chip"] = (plan.eval if name == "eval" else plan.train).total
+  options = gpus.COMPILER_OPTIONS if run.backend == "gpu" else None
   t0 = time.perf_counter()
+  stage = "trace"
   try:
-    compiled = jitted.lower(*args).compile()
-  except Exception as e:  # noqa: BLE001 -- an overflow is a result; anything else is re-raised
+    traced = jitted.trace(*args)
+    stage = "lowering"
+    lowered = traced.lower()
+    stage = "XLA"
+    compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+  except UserError:
+    raise
+  except Exception as e:  # noqa: BLE001 -- an overflow or a failure is this program's result
+    rec["compile_s"] = time.perf_counter() - t0
     m = _OOM_RE.search(str(e))
-    if "RESOURCE_EXHAUSTED" not in str(e) or not m:
-      raise
-    rec.update(compile_s=time.perf_counter() - t0, fits=False, overflow=True,
-               total_bytes_per_chip=int(float(m.group(1)) * _UNITS[m.group(2)]),
-               hbm_bytes_per_chip=int(float(m.group(3)) * _UNITS[m.group(4)]))
+    if "RESOURCE_EXHAUSTED" in str(e) and m:
+      rec.update(fits=False, overflow=True,
+                 total_bytes_per_chip=int(float(m.group(1)) * _UNITS[m.group(2)]),
+                 hbm_bytes_per_chip=int(float(m.group(3)) * _UNITS[m.group(4)]))
+    else:
+      rec.update(fits=False, error=_first_line(e), stage=stage)
     return rec
   rec["compile_s"] = time.perf_counter() - t0
-  rec.update(measure(compiled))
-  rec["headroom"] = 1.0 - rec["total_bytes_per_chip"] / hbm_bytes
+  train = name != "eval"
+  rec.update(measure(compiled, peaks, *logits_size(run, train),
+                     attention_flops(run, program, train)))
+  rec["headroom"] = 1.0 - rec["total_bytes_per_chip"] / memory_bytes
   rec["fits"] = rec["headroom"] >= min_headroom
-  rec["flops_analytic_per_chip"] = analytic_flops(run, program, train=name != "eval")
+  rec["flops_analytic_per_chip"] = analytic_flops(run, program, train=train)
   return rec
 
 
-def measure(compiled) -> dict:
-  """Per-chip memory, XLA's FLOPs and bytes accessed, collectives and Mosaic kernels."""
+def _first_line(e: Exception) -> str:
+  lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+  return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_flops=0.0) -> dict:
+  """Per-chip memory, XLA's FLOPs and bytes accessed, collectives, Mosaic kernels, and with
+  `peaks` (hlo.Peaks) the kernel inventory and roofline estimate of hlo.inventory."""
   mem = compiled.memory_analysis()
   rec = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in
          ("argument", "output", "alias", "temp", "generated_code")}
@@ -153,7 +176,37 @@ def measure(compiled) -> dict:
   text = compiled.as_text()
   rec["collectives"] = collectives(text)
   rec["tpu_custom_calls"] = text.count('custom_call_target="tpu_custom_call"')
+  if peaks is not None:
+    rec["kernels"] = hlo.inventory(text, peaks, logits_elements=logits,
+                                   logits_bytes=logits_bytes, vocab=vocab,
+                                   custom_flops=custom_flops)
   return rec
+
+
+def logits_size(run, train: bool) -> tuple:
+  """(elements of the logits one head kernel works on, bytes of one device's whole bf16
+  [tokens, vocab] logits, vocab per device) in the train or eval program."""
+  from nanotext import sharding
+  from nanotext.model.head_loss import slices
+  t, m = run.cfg.train, run.cfg.model
+  length = t.seq_len if train else (t.eval_seq_len or t.seq_len)
+  rows = t.batch_size // (t.grad_accum if train else 1)
+  split = sharding.shard_count(("batch",), run.rules, dict(run.mesh.shape))
+  vocab = m.vocab_size // sharding.shard_count(("act_vocab",), run.rules, dict(run.mesh.shape))
+  chunk = t.loss_chunk if train else t.eval_loss_chunk
+  tokens = max(1, rows // split) * (chunk if 0 < chunk < length else length)
+  return (tokens * vocab // slices(tokens, vocab), max(1, rows // split) * length * vocab * 2,
+          vocab)
+
+
+def attention_flops(run, program, train: bool) -> float:
+  """Analytic attention FLOPs per device of one step of `program` (forward, x3 for training):
+  what the custom attention kernels compute, which their HLO does not show."""
+  cfg = run.cfg
+  length = program.seq_len if train else (cfg.train.eval_seq_len or cfg.train.seq_len)
+  tokens = cfg.train.batch_size * (cfg.train.seq_len if train else length)
+  per_token = metrics.attention_flops_per_token(cfg.model, length, program.windows)
+  return per_token * tokens * (3 if train else 1) / run.mesh.size
 
 
 def analytic_flops(run, program, *, train: bool) -> float:
@@ -176,28 +229,50 @@ def _si(x) -> str:
 def describe(rec) -> str:
   """The lines printed for one program."""
   steps = rec.get("steps")
-  head = f"{rec['name']}" + (f" (steps {steps[0]}-{steps[1]})" if steps else "") + \
-      f": compiled in {rec['compile_s']:.1f} s"
+  head = f"{rec['name']}" + (f" (steps {steps[0]}-{steps[1]})" if steps else "")
+  if rec.get("error"):
+    return f"{head}: FAILED at the {rec['stage']} stage after {rec['compile_s']:.1f} s: " \
+        f"{rec['error']}"
+  head += f": compiled in {rec['compile_s']:.1f} s"
+  est = f" (planned {_gib(rec['estimate_bytes_per_chip'])})" \
+      if "estimate_bytes_per_chip" in rec else ""
   if rec.get("overflow"):
-    return (f"{head}\n  memory per chip  needs {_gib(rec['total_bytes_per_chip'])} of "
-            f"{_gib(rec['hbm_bytes_per_chip'])} HBM: does NOT fit (the compiler refused it)")
+    return (f"{head}\n  memory per device  needs {_gib(rec['total_bytes_per_chip'])}{est} of "
+            f"{_gib(rec['hbm_bytes_per_chip'])}: does NOT fit (the compiler refused it)")
   col = " | ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
                    for k, v in rec["collectives"].items() if v["count"]) or "none"
   ratio = rec["flops_xla_per_chip"] / rec["flops_analytic_per_chip"]
   verdict = "fits" if rec["fits"] else "does NOT fit"
-  est = f" (estimated {_gib(rec['estimate_bytes_per_chip'])})" \
-      if "estimate_bytes_per_chip" in rec else ""
-  return "\n".join([
+  lines = [
       head,
-      f"  memory per chip  args {_gib(rec['argument'])} | outputs {_gib(rec['output'])} "
+      f"  memory per device  args {_gib(rec['argument'])} | outputs {_gib(rec['output'])} "
       f"(aliased {_gib(rec['alias'])}) | temps {_gib(rec['temp'])} | code "
       f"{_gib(rec['generated_code'])} | total {_gib(rec['total_bytes_per_chip'])}{est} of "
-      f"{_gib(rec['hbm_bytes_per_chip'])} HBM, {100 * rec['headroom']:.1f}% headroom: {verdict}",
-      f"  FLOPs per chip   analytic {_si(rec['flops_analytic_per_chip'])} | XLA "
+      f"{_gib(rec['hbm_bytes_per_chip'])}, {100 * rec['headroom']:.1f}% headroom: {verdict}",
+      f"  FLOPs per device   analytic {_si(rec['flops_analytic_per_chip'])} | XLA "
       f"{_si(rec['flops_xla_per_chip'])} ({ratio:.2f}x) | bytes accessed "
       f"{_si(rec['bytes_accessed_per_chip'])}",
-      f"  collectives      {col}",
-      f"  Mosaic kernels   {rec['tpu_custom_calls']} tpu_custom_call(s)"])
+      f"  collectives        {col}"]
+  if "kernels" in rec:
+    lines += kernel_lines(rec["kernels"])
+  return "\n".join(lines)
+
+
+def kernel_lines(inv: dict) -> list:
+  """The kernel inventory and the roofline estimate of hlo.inventory, as printed."""
+  g = inv["gemm_calls"]
+  parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
+  slow = ", ".join(f"{name} {1e3 * sec:.2f}" for name, _, sec in inv["slowest"][:4])
+  return [
+      f"  kernels per step   {inv['launches']} launches: GEMMs {g['bf16']} bf16, {g['f32']} "
+      f"f32, {g['fp8']} FP8 | custom (Pallas/Mosaic) {inv['custom_kernels']} | cuDNN "
+      f"{inv['cudnn_calls']} | fusions {inv['fusions']} | scatters {inv['scatters']} | "
+      f"collectives {inv['collective_launches']} | copies {inv['copies']}",
+      f"  logits             {inv['logits_passes']:.1f} passes over the bf16 logits by "
+      f"{inv['logits_kernels']} kernels, besides {inv['logits_gemms']} GEMMs",
+      f"  step estimate      {1e3 * inv['estimate_s']:.1f} ms, a roofline lower bound, not a "
+      f"measured time ({parts} ms); slowest: {slow} ms",
+      f"  not priced         {hlo.UNPRICED}"]
 
 
 def helpful_keys(run, programs=("train",)) -> str:
@@ -223,45 +298,46 @@ def helpful_keys(run, programs=("train",)) -> str:
   return ", ".join(keys) + ", or a larger topology"
 
 
-def verdict(recs, slice_name, min_headroom) -> tuple:
-  """(ok, line): the summary line; `ok` is False if any program does not fit."""
+def verdict(recs, target_name, min_headroom) -> tuple:
+  """(ok, line): the summary line; `ok` is False if any program does not fit or failed."""
+  failed = [r["name"] for r in recs if r.get("error")]
+  if failed:
+    return False, (f"{', '.join(failed)} failed to compile for {target_name} (the lines above "
+                   "say at which stage)")
   worst = max(recs, key=lambda r: r["total_bytes_per_chip"])
   hbm = worst["hbm_bytes_per_chip"]
   if all(r["fits"] for r in recs):
-    return True, (f"verdict: fits {slice_name}: {len(recs)} program(s), largest {worst['name']} "
-                  f"at {_gib(worst['total_bytes_per_chip'])} of {_gib(hbm)} per chip "
+    return True, (f"verdict: fits {target_name}: {len(recs)} program(s), largest {worst['name']} "
+                  f"at {_gib(worst['total_bytes_per_chip'])} of {_gib(hbm)} per device "
                   f"({100 * (1 - worst['total_bytes_per_chip'] / hbm):.1f}% headroom, "
                   f">= {100 * min_headroom:.0f}% asked)")
   bad = [r["name"] for r in recs if not r["fits"]]
-  return False, (f"{', '.join(bad)}: needs up to {_gib(worst['total_bytes_per_chip'])} per chip "
-                 f"but {slice_name} has {_gib(hbm)} of HBM and {100 * min_headroom:.0f}% is "
-                 f"kept free")
+  return False, (f"{', '.join(bad)}: needs up to {_gib(worst['total_bytes_per_chip'])} per device "
+                 f"but {target_name} has {_gib(hbm)} and {100 * min_headroom:.0f}% is kept free")
 
 
-def run_compile(path, overrides, slice_name, which="all", min_headroom=0.10, log=print):
-  """Build the run for the slice and compile the selected programs; (run, slice, records)."""
-  from nanotext import sharding, topology, wiring
-  sl = topology.parse(slice_name)
-  devices = topology.devices(sl)
+def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, log=print):
+  """Build the run for the target and compile the selected programs; (run, target, records)."""
+  from nanotext import sharding, wiring
+  target = topology.parse(target_name)
+  devices = topology.devices(target)
   run = wiring.prepare(path, overrides, devices=devices)
-  log(f"compiling {path} for {sl.name} ({len(devices)} x {devices[0].device_kind}, "
-      f"{_gib(sl.chip.hbm_bytes)} HBM each): mesh {sharding.describe(run.mesh)}, attention "
-      f"{run.impl}, {run.cfg.train.batch_size} x {run.cfg.train.seq_len} tokens per step, "
-      f"grad_accum {run.cfg.train.grad_accum}, remat {run.cfg.model.remat}, loss_chunk "
-      f"{run.cfg.train.loss_chunk}")
+  log(f"compiling {path} for {target.name} ({len(devices)} x {devices[0].device_kind}, "
+      f"{_gib(target.memory_bytes)} each: {target.memory_what}): mesh "
+      f"{sharding.describe(run.mesh)}, attention {run.impl}, {run.cfg.train.batch_size} x "
+      f"{run.cfg.train.seq_len} tokens per step, grad_accum {run.cfg.train.grad_accum}, remat "
+      f"{run.cfg.model.remat}, loss_chunk {run.cfg.train.loss_chunk}")
   log(run.memory.line())
   chosen = select(programs(run.cfg, run.impl), which)
   run.memory.require(*{"eval" if name == "eval" else "train" for name, _, _ in chosen})
   recs = []
   for name, program, steps in chosen:
-    rec = compile_program(run, name, program, sl.chip.hbm_bytes, min_headroom)
-    rec["steps"] = steps
-    rec["windows"] = list(program.windows)
-    rec["runtime_windows"] = program.runtime
-    rec["seq_len"] = program.seq_len
+    rec = compile_program(run, name, program, target.memory_bytes, min_headroom, target.peaks)
+    rec.update(steps=steps, windows=list(program.windows), runtime_windows=program.runtime,
+               seq_len=program.seq_len, target=target.name)
     recs.append(rec)
     log(describe(rec))
-  return run, sl, recs
+  return run, target, recs
 
 
 def main(argv):
@@ -274,15 +350,17 @@ def main(argv):
       raise UserError(f"--topology is required; known: {', '.join(topology.known())}")
     if not 0 <= f.min_headroom < 1:
       raise UserError(f"--min_headroom={f.min_headroom} must be in [0, 1)")
-    run, sl, recs = run_compile(argv[1], argv[2:], f.topology, f.programs,
-                                f.min_headroom, log=lambda s: print(s, flush=True))
+    run, target, recs = run_compile(argv[1], argv[2:], f.topology, f.programs,
+                                    f.min_headroom, log=lambda s: print(s, flush=True))
   except UserError as e:
     fail(str(e))
   if f.json:
     with open(f.json, "w") as out:
       for rec in recs:
         out.write(json.dumps(rec) + "\n")
-  ok, line = verdict(recs, sl.name, f.min_headroom)
+  ok, line = verdict(recs, target.name, f.min_headroom)
+  if any(r.get("error") for r in recs):
+    fail(line, 1)
   if not ok:
     bad = [r["name"] for r in recs if not r["fits"]]
     fail(f"{line}; try {helpful_keys(run, ['eval' if b == 'eval' else 'train' for b in bad])}")

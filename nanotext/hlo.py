@@ -1,5 +1,15 @@
-"""What a compiled program's HLO text says: collectives by kind, with their bytes."""
+"""What a compiled program's optimized HLO says: its kernels, collectives and a roofline estimate.
 
+`inventory(text, ...)` walks the program as a device runs it (the entry computation, and the
+bodies of loops times their trip counts) and sorts each launch into a kind: GEMM calls (cuBLAS,
+FP8 among them; on TPU the convolution fusions), custom kernels (Pallas as Triton on GPU,
+Mosaic on TPU), cuDNN calls, fusions, scatters, collectives, copies. Each launch is priced at
+max(FLOPs / peak, bytes / bandwidth): a lower bound that cannot see launch gaps, atomics,
+kernels running below peak or FLOPs inside custom kernels (the caller prices those analytically).
+"""
+
+import dataclasses
+import json
 import math
 import re
 
@@ -10,6 +20,14 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u1
 _SHAPE_RE = re.compile(r"\b([a-z]+[0-9][a-z0-9]*|pred)\[([0-9,]*)\]")
 _OP_RE = re.compile(r"=\s*([^=]*?)\s(" + "|".join(COLLECTIVES) + r")(-start|-done)?\(")
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
+_INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_HEAD_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+# Instructions that launch nothing: bookkeeping, control flow (their bodies are walked) and the
+# second half of an async pair.
+_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call",
+         "conditional", "after-all", "add-dependency", "opt-barrier", "partition-id",
+         "replica-id", "copy-done", "send-done", "recv-done", "async-done", "async-update",
+         "domain", "iota"} | {c + "-done" for c in COLLECTIVES}
 
 
 def shape_bytes(text: str) -> int:
@@ -17,8 +35,18 @@ def shape_bytes(text: str) -> int:
   total = 0
   for dtype, dims in _SHAPE_RE.findall(text):
     n = math.prod(int(d) for d in dims.split(",") if d)
-    total += n * _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+    total += n * _dtype_bytes(dtype)
   return int(total)
+
+
+def _dtype_bytes(dtype: str) -> float:
+  return _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+
+
+def shapes(text: str) -> list:
+  """[(dtype, dims)] of every array in an HLO type string."""
+  return [(dtype, tuple(int(d) for d in dims.split(",") if d))
+          for dtype, dims in _SHAPE_RE.findall(text)]
 
 
 def collectives(hlo_text: str) -> dict:
@@ -38,3 +66,336 @@ def collectives(hlo_text: str) -> dict:
     if suffix != "-start":
       out[op]["bytes"] += shape_bytes(result)
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+  """One HLO instruction: its result type, opcode, operand names and the attribute text."""
+  name: str
+  type: str
+  opcode: str
+  operands: tuple
+  attrs: str
+  args: str = ""  # the text inside the parentheses (a parameter's number)
+  root: bool = False
+
+  def attr(self, key: str) -> str:
+    """The value of `key=...` (a computation name or a bare word), '' if absent."""
+    m = re.search(r"\b" + re.escape(key) + r"=%?([\w.\-$]+)", self.attrs)
+    return m.group(1) if m else ""
+
+  def config(self) -> dict:
+    """The backend_config JSON ({} where there is none or it is not JSON)."""
+    i = self.attrs.find("backend_config={")
+    if i < 0:
+      return {}
+    text = _balanced(self.attrs, i + len("backend_config="), "{", "}")
+    try:
+      return json.loads(text)
+    except ValueError:
+      return {}
+
+
+def _balanced(text: str, start: int, open_: str, close: str) -> str:
+  """text[start:] up to and including the bracket that closes the one at `start`."""
+  depth = 0
+  for i in range(start, len(text)):
+    if text[i] == open_:
+      depth += 1
+    elif text[i] == close:
+      depth -= 1
+      if depth == 0:
+        return text[start:i + 1]
+  return text[start:]
+
+
+def _instr(line: str):
+  m = _INSTR_RE.match(_COMMENT_RE.sub("", line))
+  if not m:
+    return None
+  name, rest = m.group(2), m.group(3)
+  if rest.startswith("("):
+    type_ = _balanced(rest, 0, "(", ")")
+  else:
+    type_ = rest.split(" ", 1)[0]
+  rest = rest[len(type_):].lstrip()
+  op = re.match(r"([\w\-]+)\(", rest)
+  if not op:
+    return None
+  args = _balanced(rest, len(op.group(1)), "(", ")")
+  operands = tuple(re.findall(r"%([\w.\-]+)", args))
+  return Instr(name, type_, op.group(1), operands, rest[len(op.group(1)) + len(args):],
+               args[1:-1], bool(m.group(1)))
+
+
+def parse(text: str) -> tuple:
+  """({computation name: [Instr]}, entry name) of an HLO module's text."""
+  comps, entry, current = {}, "", None
+  for line in text.splitlines():
+    if current is None:
+      m = _HEAD_RE.match(line)
+      if m:
+        current = comps.setdefault(m.group(2), [])
+        entry = m.group(2) if m.group(1) else entry
+      continue
+    if line.startswith("}"):
+      current = None
+      continue
+    ins = _instr(line)
+    if ins is not None:
+      current.append(ins)
+  return comps, entry
+
+
+@dataclasses.dataclass(frozen=True)
+class Peaks:
+  """What the roofline prices with: FLOP/s by math kind and memory bytes/s of one device."""
+  bf16: float
+  bandwidth: float
+  fp8: float = 0.0  # 0: as bf16
+  f32: float = 0.0  # 0: as bf16 (a TPU's default precision); a GPU's TF32 rate
+
+  def flops_per_s(self, kind: str) -> float:
+    return {"fp8": self.fp8, "f32": self.f32}.get(kind) or self.bf16
+
+
+@dataclasses.dataclass
+class Kernel:
+  """One launch (per step: `count` of them where a loop repeats it)."""
+  name: str
+  kind: str  # gemm, gemm-fp8, custom, cudnn, fusion, scatter, collective, copy, other
+  flops: float
+  bytes: float
+  largest: int  # elements of its largest operand or result
+  dims: frozenset = frozenset()  # every dimension size of the arrays it touches whole
+  count: int = 1
+  math: str = "bf16"  # the peak its FLOPs run at: bf16, fp8, f32
+
+  def seconds(self, peaks: Peaks) -> float:
+    return self.count * max(self.flops / peaks.flops_per_s(self.math), self.bytes / peaks.bandwidth)
+
+
+def kernels(text: str) -> list:
+  """[Kernel] of every launch of one step of a compiled program, in program order."""
+  comps, entry = parse(text)
+  out = []
+
+  def walk(name: str, times: int) -> None:
+    instrs = comps.get(name, [])
+    types = {i.name: i.type for i in instrs}
+    for ins in instrs:
+      if ins.opcode == "while":
+        trips = int(ins.config().get("known_trip_count", {}).get("n", 1) or 1)
+        walk(ins.attr("body"), times * trips)
+        walk(ins.attr("condition"), times * (trips + 1))
+        continue
+      if ins.opcode == "call":
+        walk(ins.attr("to_apply"), times)
+        continue
+      if ins.opcode == "conditional":
+        branches = re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1]
+                              .split("}")[0]) if "branch_computations" in ins.attrs else \
+            [ins.attr("true_computation"), ins.attr("false_computation")]
+        for b in branches[:1]:  # one branch runs; the first stands for all
+          walk(b, times)
+        continue
+      if ins.opcode in _FREE:
+        continue
+      k = _kernel(ins, types, comps)
+      k.count = times
+      out.append(k)
+  walk(entry, 1)
+  return out
+
+
+def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
+  operand_types = [types.get(o, "") for o in ins.operands]
+  called = comps.get(ins.attr("calls"), [])
+  cublas = ins.opcode == "custom-call" and "cublas" in custom_call_target(ins)
+  # A cuBLAS result comes with a workspace buffer: not data the kernel touches.
+  results = _first(ins.type) if cublas else ins.type
+  if ins.opcode == "fusion":
+    moved, touched = _fusion_bytes(ins, operand_types, called)
+  else:
+    touched = [results] + operand_types
+    moved = sum(shape_bytes(t) for t in touched)
+  arrays = [d for t in touched for _, d in shapes(t)]
+  largest = max((math.prod(d) for d in arrays), default=0)
+  dims = frozenset(n for d in arrays for n in d)
+  kind, flops, math_kind = "other", 0.0, "bf16"
+  if ins.opcode == "custom-call":
+    target = custom_call_target(ins)
+    if cublas:
+      flops = _gemm_flops(ins, operand_types)
+      math_kind = "fp8" if "f8" in target else _math(operand_types[:2])
+      kind = "gemm-fp8" if math_kind == "fp8" else "gemm"
+    elif target.startswith("__cudnn"):
+      kind = "cudnn"
+    else:
+      kind = "custom"  # Pallas (Triton on GPU, Mosaic on TPU) and other opaque kernels
+  elif ins.opcode == "fusion":
+    ops = {i.opcode for i in called}
+    if "scatter" in ops:
+      kind = "scatter"
+    elif ops & {"dot", "convolution"}:
+      kind, flops = "gemm", sum(_dot_flops(i, {j.name: j.type for j in called}) for i in called
+                                if i.opcode in ("dot", "convolution"))
+      math_kind = _math([{j.name: j.type for j in called}.get(o, "")
+                         for i in called if i.opcode in ("dot", "convolution")
+                         for o in i.operands[:2]])
+    else:
+      kind = "fusion"
+  elif ins.opcode in ("dot", "convolution"):
+    kind, flops = "gemm", _dot_flops(ins, types)
+    math_kind = _math(operand_types[:2])
+  elif ins.opcode == "scatter":
+    kind = "scatter"
+  elif any(ins.opcode.startswith(c) for c in COLLECTIVES):
+    kind = "collective"
+  elif ins.opcode in ("copy", "copy-start"):
+    kind = "copy"
+  return Kernel(ins.name, kind, flops, moved, largest, dims, math=math_kind)
+
+
+def custom_call_target(ins: Instr) -> str:
+  m = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+  return m.group(1) if m else ""
+
+
+def _first(type_: str) -> str:
+  """A type's first array as a type string (a cuBLAS result without its workspace)."""
+  m = _SHAPE_RE.search(type_)
+  return m.group(0) if m else ""
+
+
+def _math(operand_types) -> str:
+  dtypes = {d for t in operand_types for d, _ in shapes(t)}
+  if any(d.startswith("f8") for d in dtypes):
+    return "fp8"
+  return "f32" if dtypes and dtypes <= {"f32", "f64"} else "bf16"
+
+
+def _gemm_flops(ins: Instr, operand_types) -> float:
+  """2 * output elements * contracted size of a cuBLAS call (its backend config says which)."""
+  dims = ins.config().get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+  lhs = shapes(operand_types[0])[0][1] if operand_types and shapes(operand_types[0]) else ()
+  k = math.prod(lhs[int(i)] for i in dims.get("lhs_contracting_dimensions", []) if int(i) < len(lhs))
+  out = shapes(ins.type)[0][1] if shapes(ins.type) else ()
+  return 2.0 * math.prod(out) * k
+
+
+def _dot_flops(ins: Instr, types: dict) -> float:
+  """2 * output elements * contracted size of a dot (convolution: as a dot over its kernel's
+  input-feature and spatial dims)."""
+  out = shapes(ins.type)
+  if not out or not ins.operands:
+    return 0.0
+  lhs = shapes(types.get(ins.operands[0], ""))
+  if not lhs:
+    return 0.0
+  if ins.opcode == "dot":
+    m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+    idx = [int(i) for i in m.group(1).split(",") if i] if m else []
+    k = math.prod(lhs[0][1][i] for i in idx if i < len(lhs[0][1]))
+  else:  # convolution: contracted = kernel elements / output features
+    rhs = shapes(types.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
+    m = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
+    if not rhs or not m:
+      return 0.0
+    o = m.group(1).find("o")
+    k = math.prod(rhs[0][1]) / max(1, rhs[0][1][o] if 0 <= o < len(rhs[0][1]) else 1)
+  return 2.0 * math.prod(out[0][1]) * k
+
+
+def _fusion_bytes(ins: Instr, operand_types, called) -> tuple:
+  """(bytes a fusion moves, the types it touches whole): its result and what it reads of each
+  operand (an operand only sliced or gathered from inside, maybe after a convert, counts what is
+  picked; a buffer updated in place counts the update twice, not the buffer)."""
+  params = {i.name: int(i.args) for i in called if i.opcode == "parameter"}
+  users = {}
+  for i in called:
+    for o in i.operands:
+      users.setdefault(o, []).append(i)
+  root = next((i for i in called if i.root), called[-1] if called else None)
+  in_place = {root.operands[0]} if root is not None and root.opcode == "dynamic-update-slice" \
+      else set()
+  read, touched = 0.0, []
+  for pname, index in params.items():
+    if pname in in_place:
+      continue
+    picked = _picked(pname, users)
+    if picked is None:
+      touched.append(operand_types[index] if index < len(operand_types) else "")
+      read += shape_bytes(touched[-1])
+    else:
+      read += picked
+  if in_place and len(root.operands) > 1:
+    update = {i.name: i.type for i in called}.get(root.operands[1], "")
+    written, touched = 2 * shape_bytes(update), touched + [update]
+  else:
+    written, touched = shape_bytes(ins.type), touched + [ins.type]
+  return read + written, touched
+
+
+_VIEWS = ("convert", "bitcast", "reshape", "copy", "bitcast-convert")
+
+
+def _picked(name: str, users: dict):
+  """Bytes read of value `name` when every use only slices or gathers from it (through views);
+  None when some use reads it whole."""
+  total = 0.0
+  for u in users.get(name, []) or [None]:
+    if u is None:
+      return None
+    if u.opcode in ("slice", "dynamic-slice", "gather") and u.operands[0] == name:
+      total += shape_bytes(u.type)
+    elif u.opcode in _VIEWS:
+      sub = _picked(u.name, users)
+      if sub is None:
+        return None
+      total += sub
+    else:
+      return None
+  return total
+
+UNPRICED = ("launch gaps between kernels, atomics (scatter-adds), kernels running below peak, "
+            "and the FLOPs inside custom kernels beyond the analytic attention count")
+
+
+def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes: float = 0.0,
+              vocab: int = 0, custom_flops: float = 0.0, top: int = 8) -> dict:
+  """Launches by kind and a roofline estimate of one step of a compiled program.
+
+  `logits_elements`: the size of the [tokens, vocab] logits one head kernel works on (a slice
+  of the tokens, model/head_loss.py); kernels with an operand or result at least half that size
+  touch the logits, and their bytes over `logits_bytes` (one read of the whole bf16 logits) say
+  how many passes over the logits the step makes besides its GEMMs. `custom_flops`: the
+  analytic FLOPs of the custom kernels (attention), which their HLO does not show; they are
+  priced as a whole at the bf16 peak, or at their bytes where that is slower.
+  """
+  ks = kernels(text)
+  count = lambda *kinds: sum(k.count for k in ks if k.kind in kinds)
+  gemms = {m: sum(k.count for k in ks if k.kind.startswith("gemm") and k.math == m)
+           for m in ("bf16", "f32", "fp8")}
+  custom = [k for k in ks if k.kind in ("custom", "cudnn")]
+  custom_s = max(sum(k.count * k.bytes for k in custom) / peaks.bandwidth,
+                 custom_flops / peaks.bf16) if custom else 0.0
+  big = [k for k in ks if logits_elements and k.largest * 2 >= logits_elements
+         and (not vocab or vocab in k.dims)]
+  parts = {"gemm": sum(k.seconds(peaks) for k in ks if k.kind.startswith("gemm")),
+           "custom": custom_s,
+           "logits passes": sum(k.seconds(peaks) for k in big if not k.kind.startswith("gemm")),
+           "other": sum(k.seconds(peaks) for k in ks if k.kind not in ("custom", "cudnn")
+                        and not k.kind.startswith("gemm") and k not in big)}
+  slow = sorted((k for k in ks if k.kind not in ("custom", "cudnn")),
+                key=lambda k: -k.seconds(peaks))[:top]
+  return {"launches": sum(k.count for k in ks), "gemm_calls": gemms,
+          "custom_kernels": count("custom"), "cudnn_calls": count("cudnn"),
+          "fusions": count("fusion"), "scatters": count("scatter"), "copies": count("copy"),
+          "collective_launches": count("collective"), "other": count("other"),
+          "logits_kernels": sum(k.count for k in big if not k.kind.startswith("gemm")),
+          "logits_gemms": sum(k.count for k in big if k.kind.startswith("gemm")),
+          "logits_passes": sum(k.count * k.bytes for k in big if not k.kind.startswith("gemm"))
+                           / logits_bytes if logits_bytes else 0.0,
+          "estimate_s": sum(parts.values()), "estimate_parts_s": parts,
+          "slowest": [(k.name, k.kind, k.seconds(peaks)) for k in slow]}

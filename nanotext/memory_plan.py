@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 import yaml
 
-from nanotext import config, memory, topology
+from nanotext import config, gpus, memory, topology
 from nanotext.errors import UserError
 from nanotext.memory import gib
 from nanotext.window_schedule import seq_lens
@@ -78,6 +78,10 @@ def capacity(devices) -> tuple:
     chip = topology.chip_of_kind(first.device_kind)
     if chip is not None:
       return chip.hbm_bytes, f"{first.device_kind} HBM"
+  if first.platform == "gpu":  # a description to compile for (nanotext.gpus): no memory stats
+    gpu = gpus.of_kind(first.device_kind)
+    if gpu is not None:
+      return int(gpus.pool_fraction() * gpu.memory_bytes), f"{first.device_kind}, JAX's pool"
   return None, "unknown"
 
 

@@ -33,8 +33,6 @@ def flops_per_token(model_cfg, seq_len: int, window=0) -> float:
   """Training FLOPs per token: 6 * matmul params plus causal attention (forward + backward).
 
   Matmul params are the blocks' linear weights and the lm head (embedding lookups are free).
-  Attention scores and the weighted sum cost 2 * 2 * ctx * H * K per token forward, where ctx is
-  the average number of keys a query sees (about T / 2 when causal, at most the window).
   `window` is one window for every layer or a sequence of per-layer windows (0 = causal).
   """
   m = model_cfg
@@ -43,12 +41,21 @@ def flops_per_token(model_cfg, seq_len: int, window=0) -> float:
   no_attn = {i for i in m.no_attention_layers if i < m.num_layers}
   matmul_params = ((m.num_layers - len(no_attn)) * 4 * m.d_model * hk
                    + m.num_layers * 2 * m.d_model * m.mlp_dim + m.d_model * m.vocab_size)
+  return 6 * matmul_params + 3 * attention_flops_per_token(m, seq_len, window)
+
+
+def attention_flops_per_token(model_cfg, seq_len: int, window=0) -> float:
+  """Forward attention FLOPs per token over all layers: scores and the weighted sum cost
+  2 * 2 * ctx * H * K, where ctx is the average number of keys a query sees (about T / 2 when
+  causal, at most the window)."""
+  m = model_cfg
+  hk = m.num_heads * m.head_dim
+  no_attn = {i for i in m.no_attention_layers if i < m.num_layers}
   t = seq_len
   def ctx(w):
     return (t + 1) / 2 if not w or w >= t else w - (w - 1) * w / (2 * t)
   windows = list(window) if isinstance(window, (list, tuple)) else [window] * m.num_layers
-  attn = sum(4 * ctx(w) * hk for i, w in enumerate(windows) if i not in no_attn)
-  return 6 * matmul_params + 3 * attn
+  return sum(4 * ctx(w) * hk for i, w in enumerate(windows) if i not in no_attn)
 
 
 def val_row(val_loss: float, bytes_per_token: float | None) -> dict:

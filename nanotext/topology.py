@@ -1,8 +1,9 @@
-"""TPU slices you can compile for without owning one: names, chips, and published peaks.
+"""Targets you can compile for without owning them: TPU slices here, GPU hosts in gpus.py.
 
-A name is written as users rent it: `v6e-8`, `v5e-16` (chips), `v4-8`, `v5p-16` (TensorCores: two
-per chip, one megacore device). `devices(name)` loads libtpu and returns the slice's device
-descriptions, enough to build a mesh and compile for it; nothing runs.
+A TPU name is written as users rent it: `v6e-8`, `v5e-16` (chips), `v4-8`, `v5p-16` (TensorCores:
+two per chip, one megacore device); a GPU name is the GPU and a count, `h100`, `h100-8`.
+`parse(name)` gives the target, `devices(target)` its device descriptions (libtpu, or the jax CUDA
+plugin), enough to build a mesh and compile for it; nothing runs.
 """
 
 import dataclasses
@@ -11,7 +12,9 @@ import glob
 import os
 import re
 
+from nanotext import gpus
 from nanotext.errors import UserError
+from nanotext.hlo import Peaks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,19 @@ class Slice:
   name: str  # as the user wrote it, e.g. v6e-8
   chip: Chip
   shape: tuple  # chips along each torus axis
+  platform = "tpu"
+
+  @property
+  def memory_bytes(self) -> int:
+    return self.chip.hbm_bytes
+
+  @property
+  def memory_what(self) -> str:
+    return "HBM"
+
+  @property
+  def peaks(self) -> Peaks:
+    return Peaks(bf16=self.chip.peak_flops, bandwidth=self.chip.hbm_bw)
 
   @property
   def num_chips(self) -> int:
@@ -72,22 +88,25 @@ def chip_of_kind(device_kind: str):
 
 
 def known() -> list:
-  """Every slice name this module knows, generation by generation."""
+  """Every target name this module knows: TPU slices generation by generation, then GPUs."""
   out = []
   for gen, chip in CHIPS.items():
     shapes = _SHAPES_3D if chip.dims == 3 else _SHAPES_2D
     out += [f"{gen}-{n * chip.cores_per_chip}" for n in shapes]
-  return out
+  return out + gpus.known()
 
 
-def parse(name: str) -> Slice:
-  """'v6e-8' -> Slice; UserError listing the known names otherwise."""
+def parse(name: str):
+  """'v6e-8' -> Slice, 'h100-8' -> gpus.GpuHost; UserError listing the known names otherwise."""
+  host = gpus.parse(name)
+  if host is not None:
+    return host
   m = re.fullmatch(r"(v4|v5e|v5p|v6e)-([0-9]+)", name.strip().lower())
   chip = CHIPS.get(m.group(1)) if m else None
   shapes = (_SHAPES_3D if chip.dims == 3 else _SHAPES_2D) if chip else {}
   cores = int(m.group(2)) if m else 0
   if chip is None or cores % chip.cores_per_chip or cores // chip.cores_per_chip not in shapes:
-    raise UserError(f"unknown TPU topology '{name}'; known: {', '.join(known())}")
+    raise UserError(f"unknown topology '{name}'; known: {', '.join(known())}")
   return Slice(name.strip().lower(), chip, shapes[cores // chip.cores_per_chip])
 
 
@@ -96,8 +115,10 @@ def host_has_tpu() -> bool:
   return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-def devices(sl: Slice) -> list:
-  """The slice's TPU device descriptions from libtpu (compile-only; no chip is touched)."""
+def devices(sl) -> list:
+  """The target's device descriptions (compile-only: no chip is touched)."""
+  if sl.platform == "gpu":
+    return gpus.devices(sl)
   if not host_has_tpu():
     # libtpu's lockfile guards real chips; a host without any has nothing to guard, and without
     # this a CPU-only JAX process in the same environment (which loads libtpu too) would block us.

@@ -88,13 +88,18 @@ EXTRAS = {
     "transformers": ("transformers", "pip install -e '.[test]'"),
     "tfds": ("tensorflow_datasets", "pip install -e '.[tfds]'"),
     "plots": ("matplotlib", "pip install -e '.[plots]'"),
+    "gpu_compile": ("jax_plugins.xla_cuda13", "pip install -e '.[gpu-compile]'"),
 }
 
 
 def _missing(marker: str) -> str:
   """The skip reason of a test marked `marker` when its package is missing, else ""."""
   module, install = EXTRAS[marker]
-  if importlib.util.find_spec(module) is not None:
+  try:
+    found = importlib.util.find_spec(module) is not None
+  except ImportError:  # a dotted name whose package is missing
+    found = False
+  if found:
     return ""
   return f"needs {module} ({install})"
 

@@ -27,7 +27,7 @@ def test_topology_names():
   assert topology.parse("v4-8").num_chips == 4
   assert topology.parse("V5E-16").shape == (4, 4)
   for bad in ("v6e-7", "v7-8", "tpu", "v5p-3"):
-    with pytest.raises(UserError, match="unknown TPU topology.*known: v4-8, "):
+    with pytest.raises(UserError, match="unknown topology.*known: v4-8, "):
       topology.parse(bad)
 
 
@@ -59,7 +59,7 @@ def test_without_libtpu_says_how_to_install(monkeypatch):
 def test_unknown_topology_exits_2():
   proc = run_cli("nanotext.compile", BASE, *SMALL, "--topology=v6e-9")
   assert proc.returncode == 2, proc.stderr
-  assert "nanotext: error: unknown TPU topology 'v6e-9'; known:" in proc.stderr
+  assert "nanotext: error: unknown topology 'v6e-9'; known:" in proc.stderr
   assert "Traceback" not in proc.stderr
 
 

@@ -1,0 +1,124 @@
+"""Compiling for an H100 on a CPU machine (nanotext.compile --topology=h100): what the GPU program
+must be, checked where no GPU is (CI). Needs the gpu-compile extra (the jax CUDA plugin); its
+tests are skipped without it. ../shared/GPU.md says how this was found to work.
+"""
+
+import json
+import sys
+
+import pytest
+
+from conftest import BASE, REPO, SPEEDRUN, run_cli
+from nanotext import compile as nt_compile
+from nanotext import gpus, topology
+from nanotext.errors import UserError
+
+RECORD = f"{REPO}/configs/speedrun_record.yml"
+# The record's features (document masks, block windows on a schedule, value embeddings, U-net
+# skips, the FP8 head) at a size that compiles in seconds.
+SMALL = ["model.num_layers=4", "model.d_model=256", "model.num_heads=2", "model.head_dim=128",
+         "model.mlp_dim=512", "model.vocab_size=1024", "model.embed_rows=1000", "model.align=0",
+         "train.batch_size=1", "train.seq_len=2048", "train.eval_seq_len=4096", "train.steps=20",
+         "attention.window=512", "data.source=synthetic", "data.tokenizer=none", "data.eot_id=0"]
+
+
+def compiled(path, overrides, which="last,eval", target="h100") -> dict:
+  """{program name: record} of nanotext.compile for `target`."""
+  _, _, recs = nt_compile.run_compile(path, overrides, target, which, log=lambda s: None)
+  return {r["name"].split("@")[0]: r for r in recs}
+
+
+def test_gpu_targets():
+  h = topology.parse("h100-8")
+  assert h.platform == "gpu" and h.num_chips == 8 and h.gpu.capability == (9, 0)
+  assert topology.parse("H100").count == 1 and topology.parse("a100-80gb").gpu.sms == 108
+  text = gpus.GPUS["h100"].target_config()
+  for field in ("core_count: 132", "cuda_compute_capability { major: 9 minor: 0 }",
+                'device_description_str: "NVIDIA H100 80GB HBM3"', "runtime_version"):
+    assert field in text
+  for bad in ("h100-3", "h100-16"):
+    with pytest.raises(UserError, match="one host holds"):
+      topology.parse(bad)
+  with pytest.raises(UserError, match="unknown topology 'v100'.*h100-8"):
+    topology.parse("v100")
+
+
+def test_usable_memory_is_jaxs_pool(monkeypatch):
+  total = gpus.GPUS["h100"].memory_bytes
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  assert topology.parse("h100").memory_bytes == int(0.75 * total)  # 59.4 GiB, as measured
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
+  assert topology.parse("h100").memory_bytes == int(0.9 * total)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "lots")
+  with pytest.raises(UserError, match="XLA_PYTHON_CLIENT_MEM_FRACTION"):
+    topology.parse("h100").memory_bytes
+
+
+def test_without_the_plugin_says_how_to_install(monkeypatch):
+  monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda13", None)  # import now fails
+  with pytest.raises(UserError, match=r"pip install -e '\.\[gpu-compile\]'"):
+    topology.devices(topology.parse("h100"))
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("impl,fp8", [("flash_gpu", True), ("blocked", False), ("xla", True)])
+def test_every_kernel_path_compiles_for_an_h100(impl, fp8):
+  recs = compiled(SPEEDRUN, SMALL + [f"attention.impl={impl}", f"model.fp8_head={fp8}".lower()])
+  train, evaluation = recs["train"], recs["eval"]
+  for r in (train, evaluation):
+    assert "error" not in r and r["fits"], r
+  inv = train["kernels"]
+  assert inv["gemm_calls"]["fp8"] == (3 if fp8 else 0)  # the head's forward and two backward
+  # The token and value tables' backward: one scatter (the blocked kernel gathers key strips,
+  # and their gradient scatters too).
+  assert inv["scatters"] == 1 if impl != "blocked" else inv["scatters"] > 1
+  assert (inv["custom_kernels"] > 0) == (impl == "flash_gpu")  # Pallas as Triton, not XLA loops
+  assert evaluation["kernels"]["gemm_calls"]["fp8"] == 0  # evaluation: the bf16 head
+  assert 0 < inv["estimate_s"] and train["runtime_windows"]  # one program for every stage
+
+
+@pytest.mark.gpu_compile
+def test_cudnn_compiles_or_says_why_in_one_line():
+  """cuDNN attention needs cuDNN's own wheel even to trace: without it, one line, no traceback."""
+  try:
+    recs = compiled(SPEEDRUN, SMALL + ["attention.impl=cudnn", "attention.block_windows=false",
+                                       "attention.doc_mask=false"], "eval")
+  except UserError as e:
+    assert "cudnn" in str(e).lower() and "\n" not in str(e)
+  else:
+    assert "error" not in recs["eval"], recs["eval"]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+def test_the_record_program_on_an_h100():
+  """speedrun_record.yml at the record's per-GPU work (one 49,152-token row) for one H100: it
+  compiles, fits with room, and its kernels are what the design says. The ceilings are today's
+  program with a little room; a change that breaks one changed the GPU program: look at
+  `python -m nanotext.compile configs/speedrun_record.yml train.batch_size=1 --topology=h100`."""
+  recs = compiled(RECORD, ["train.batch_size=1"])
+  train, evaluation = recs["train"], recs["eval"]
+  for r in (train, evaluation):
+    assert "error" not in r and r["headroom"] >= 0.10, r
+    # The memory plan within 15% of what the compiler allocates.
+    assert 0.85 <= r["estimate_bytes_per_chip"] / r["total_bytes_per_chip"] <= 1.15, r
+  inv = train["kernels"]
+  slices = inv["gemm_calls"]["fp8"] // 3
+  assert slices > 1 and inv["gemm_calls"]["fp8"] == 3 * slices  # the FP8 head, in slices
+  assert inv["gemm_calls"]["f32"] == 0 and inv["scatters"] == 1
+  assert inv["launches"] <= 1250
+  assert inv["logits_passes"] <= 5.5  # f32 GEMM output read, z written, z read, dz written
+  assert inv["estimate_s"] <= 0.085
+  assert evaluation["kernels"]["logits_passes"] <= 1.5
+
+
+@pytest.mark.gpu_compile
+def test_cli_reports_kernels_and_writes_json(tmp_path):
+  out = tmp_path / "h100.jsonl"
+  proc = run_cli("nanotext.compile", SPEEDRUN, *SMALL, "--topology=h100", "--programs=eval",
+                 f"--json={out}")
+  assert proc.returncode == 0, proc.stderr
+  assert "verdict: fits h100" in proc.stdout and "a roofline lower bound" in proc.stdout
+  assert "not priced" in proc.stdout
+  rec = json.loads(out.read_text())
+  assert rec["name"] == "eval" and rec["kernels"]["launches"] > 0 and rec["target"] == "h100"

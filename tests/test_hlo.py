@@ -1,0 +1,126 @@
+"""Reading compiled programs (nanotext.hlo): parsing, kernel kinds, bytes, loops, the estimate.
+
+Hand-written HLO in the form XLA prints after optimization, so these run without any compiler
+plugin; test_gpu_compile.py checks the same on programs XLA's GPU compiler made.
+"""
+
+import pytest
+
+from nanotext import hlo
+
+PROGRAM = """HloModule jit_step, is_scheduled=true
+
+%fused_gather (param_0: f32[1024,4096], param_1: s32[1024]) -> f32[1024] {
+  %param_0 = f32[1024,4096]{1,0} parameter(0)
+  %param_1 = s32[1024]{0} parameter(1)
+  %convert.1 = bf16[1024,4096]{1,0} convert(%param_0)
+  %gather.1 = bf16[1024]{0} gather(%convert.1, %param_1), offset_dims={}
+  ROOT %convert.2 = f32[1024]{0} convert(%gather.1)
+}
+
+%fused_exp (param_0.1: f32[1024,4096]) -> f32[1024,4096] {
+  %param_0.1 = f32[1024,4096]{1,0} parameter(0)
+  ROOT %exp.1 = f32[1024,4096]{1,0} exponential(%param_0.1)
+}
+
+%fused_scatter (p0: f32[4096,64], p1: s32[1024], p2: f32[1024,64]) -> f32[4096,64] {
+  %p0 = f32[4096,64]{1,0} parameter(0)
+  %p1 = s32[1024]{0} parameter(1)
+  %p2 = f32[1024,64]{1,0} parameter(2)
+  ROOT %scatter.1 = f32[4096,64]{1,0} scatter(%p0, %p1, %p2), to_apply=%add
+}
+
+%body (arg: (s32[], bf16[1024,64])) -> (s32[], bf16[1024,64]) {
+  %arg = (s32[], bf16[1024,64]{1,0}) parameter(0)
+  %gte = bf16[1024,64]{1,0} get-tuple-element(%arg), index=1
+  %w = bf16[64,64]{1,0} constant({...})
+  %cublas-gemm.9 = (bf16[1024,64]{1,0}, s8[4194304]{0}) custom-call(%gte, %w), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  ROOT %t = (s32[], bf16[1024,64]{1,0}) tuple(%gte, %gte)
+}
+
+%cond (arg.1: (s32[], bf16[1024,64])) -> pred[] {
+  %arg.1 = (s32[], bf16[1024,64]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: f8e4m3fn[1024,64], w: f8e4m3fn[4096,64], y: s32[1024], h: bf16[1024,64]) -> f32[] {
+  %x = f8e4m3fn[1024,64]{1,0} parameter(0)
+  %w = f8e4m3fn[4096,64]{1,0} parameter(1)
+  %y = s32[1024]{0} parameter(2)
+  %h = bf16[1024,64]{1,0} parameter(3)
+  %cublas-gemm.3 = (f32[1024,4096]{1,0}, s8[33554432]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul$f8", backend_config={"operation_queue_id":"0","gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %gte.1 = f32[1024,4096]{1,0} get-tuple-element(%cublas-gemm.3), index=0
+  %picked = f32[1024]{0} fusion(%gte.1, %y), kind=kLoop, calls=%fused_gather
+  %exp = f32[1024,4096]{1,0} fusion(%gte.1), kind=kLoop, calls=%fused_exp
+  %table = f32[4096,64]{1,0} constant({...})
+  %g = f32[1024,64]{1,0} constant({...})
+  %scat = f32[4096,64]{1,0} fusion(%table, %y, %g), kind=kInput, calls=%fused_scatter
+  %flash = (bf16[1024,64]{1,0}) custom-call(%h, %h, %h), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="x" /*comment*/}
+  %init = (s32[], bf16[1024,64]{1,0}) tuple(%y, %h)
+  %loop = (s32[], bf16[1024,64]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+  %ar = f32[4096,64]{1,0} all-reduce-start(%scat), to_apply=%add
+  %ard = f32[4096,64]{1,0} all-reduce-done(%ar)
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+PEAKS = hlo.Peaks(bf16=1e15, fp8=2e15, f32=5e14, bandwidth=1e12)
+
+
+def by_name():
+  return {k.name: k for k in hlo.kernels(PROGRAM)}
+
+
+def test_parse_finds_computations_entry_and_operands():
+  comps, entry = hlo.parse(PROGRAM)
+  assert entry == "main" and {"fused_gather", "body", "cond", "main"} <= set(comps)
+  gemm = next(i for i in comps["main"] if i.name == "cublas-gemm.3")
+  assert gemm.opcode == "custom-call" and gemm.operands == ("x", "w")
+  assert gemm.type.startswith("(f32[1024,4096]")
+  assert next(i for i in comps["fused_gather"] if i.root).name == "convert.2"
+
+
+def test_kernel_kinds_and_what_launches():
+  k = by_name()
+  assert set(k) == {"cublas-gemm.3", "picked", "exp", "scat", "flash", "cublas-gemm.9", "ar"}
+  assert k["cublas-gemm.3"].kind == "gemm-fp8" and k["cublas-gemm.3"].math == "fp8"
+  assert k["scat"].kind == "scatter" and k["flash"].kind == "custom"
+  assert k["ar"].kind == "collective" and k["exp"].kind == "fusion"
+
+
+def test_gemm_flops_and_bytes_leave_out_the_workspace():
+  g = by_name()["cublas-gemm.3"]
+  assert g.flops == 2 * 1024 * 4096 * 64
+  assert g.bytes == 1024 * 64 + 4096 * 64 + 1024 * 4096 * 4  # FP8 operands, f32 result
+
+
+def test_a_loop_body_counts_once_per_trip():
+  assert by_name()["cublas-gemm.9"].count == 12
+
+
+def test_a_gather_through_a_convert_reads_what_it_picks():
+  k = by_name()
+  assert k["picked"].bytes == 1024 * 2 + 1024 * 4 + 1024 * 4  # gathered bf16, indices, result
+  assert k["exp"].bytes == 2 * 1024 * 4096 * 4  # a whole read and a whole write
+
+
+def test_inventory_counts_and_prices():
+  inv = hlo.inventory(PROGRAM, PEAKS, logits_elements=1024 * 4096, logits_bytes=1024 * 4096 * 2,
+                      custom_flops=1e9)
+  assert inv["launches"] == 6 + 12
+  assert inv["gemm_calls"] == {"bf16": 12, "f32": 0, "fp8": 1}
+  assert inv["scatters"] == 1 and inv["custom_kernels"] == 1 and inv["collective_launches"] == 1
+  # exp reads and writes the logits; `picked` only gathers from them; the GEMM writes them.
+  assert inv["logits_kernels"] == 1 and inv["logits_gemms"] == 1
+  assert inv["logits_passes"] == 4  # f32 read and write: twice bf16's bytes each
+  assert inv["estimate_parts_s"]["logits passes"] == pytest.approx(
+      2 * 1024 * 4096 * 4 / PEAKS.bandwidth)
+  # The custom kernel at its analytic FLOPs, which outweigh its bytes (4 bf16 [1024, 64] arrays).
+  assert 4 * 1024 * 64 * 2 / PEAKS.bandwidth < 1e9 / PEAKS.bf16
+  assert inv["estimate_parts_s"]["custom"] == pytest.approx(1e9 / PEAKS.bf16)
+  assert inv["estimate_s"] == pytest.approx(sum(inv["estimate_parts_s"].values()))
+
+
+def test_collectives_count_an_async_pair_once():
+  c = hlo.collectives(PROGRAM)
+  assert c["all-reduce"] == {"count": 1, "bytes": 4096 * 64 * 4}
