@@ -20,11 +20,26 @@ tests/test_record_training.py).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
+from nanotext.model.kernels.per_device import platform
 from nanotext.model.layers import E4M3, E5M2, _dequantize, _dot32, _quantize
+
+# The head works through the tokens in slices whose float32 logits stay under this size: the
+# FP8 GEMM writes float32 (cuBLASLt's FP8 output here), so whole logits at one 49,152-token row
+# and 50,304 head rows were a 9.2 GiB transient beside the kept head output, and the allocator's
+# packing around it cost as much again (tests/test_gpu_compile.py; benchmarks/RESULTS.md).
+SLICE_BYTES = 2**30
+
+
+def slices(tokens: int, vocab: int) -> int:
+  """How many equal slices of `tokens` the head takes one after another: the fewest whose
+  float32 [slice, vocab] logits fit SLICE_BYTES (one for every row the CPU configs run)."""
+  want = math.ceil(tokens * vocab * 4 / SLICE_BYTES)
+  return next(k for k in range(max(1, want), tokens + 1) if tokens % k == 0)
 
 
 def head_loss_sum(x_ND, w_DV, targets_N, *, softcap: float = 0.0, fp8=None, fp8_scale=1.0):
@@ -35,23 +50,33 @@ def head_loss_sum(x_ND, w_DV, targets_N, *, softcap: float = 0.0, fp8=None, fp8_
   logits.
   """
   fp8 = None if fp8 is None else (*fp8, float(fp8_scale))
-  return _fused(x_ND, w_DV, targets_N, float(softcap), fp8)
+  k = slices(x_ND.shape[0], w_DV.shape[1])
+  return _fused(x_ND, w_DV, targets_N, float(softcap), fp8, k)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(x_ND, w_DV, targets_N, softcap, fp8):
-  return _forward(x_ND, w_DV, targets_N, softcap, fp8)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(x_ND, w_DV, targets_N, softcap, fp8, k):
+  return _forward(x_ND, w_DV, targets_N, softcap, fp8, k)[0]
 
 
-def _matmul(x_ND, w_DV, fp8):
-  """(z [N, V] in x's dtype, the operands as the backward pass needs them)."""
-  dt = x_ND.dtype
+def _operands(x_ND, w_DV, fp8):
+  """The matmul's operands as the forward and backward passes use them (FP8 codes, or x's
+  dtype)."""
   if fp8 is None:
-    a, b = x_ND, w_DV.astype(dt)
-    return jnp.dot(a, b, preferred_element_type=dt), (a, b)
+    return x_ND, w_DV.astype(x_ND.dtype)
   x_s, w_s, _, r = fp8
-  x8, w8 = _quantize(x_ND, x_s, E4M3), _quantize(w_DV * r, w_s * r, E4M3)
-  return _dot32(_dequantize(x8, x_s), _dequantize(w8, w_s * r)).astype(dt), (x8, w8)
+  return _quantize(x_ND, x_s, E4M3), _quantize(w_DV * r, w_s * r, E4M3)
+
+
+def _product(a_ND, b_DV, fp8, dt):
+  """z [N, V] in the model dtype `dt` from the operands of _operands."""
+  if fp8 is None:
+    return jnp.dot(a_ND, b_DV, preferred_element_type=dt)
+  x_s, w_s, _, r = fp8
+  z = _dot32(_dequantize(a_ND, x_s), _dequantize(b_DV, w_s * r))
+  if dt == jnp.bfloat16:  # rounded as the record's out_dtype: kept even where XLA may skip a
+    z = jax.lax.reduce_precision(z, exponent_bits=8, mantissa_bits=7)  # f32->bf16->f32 trip
+  return z.astype(dt)
 
 
 def _capped(z_NV, softcap, fp8):
@@ -64,41 +89,68 @@ def _capped(z_NV, softcap, fp8):
   return softcap * t, t
 
 
-def _forward(x_ND, w_DV, targets_N, softcap, fp8):
-  z_NV, operands = _matmul(x_ND, w_DV, fp8)
-  l_NV, _ = _capped(z_NV, softcap, fp8)
-  if softcap:  # |l| <= c: exp cannot overflow, one reduction gives the log-sum-exp
-    lse_N = jnp.log(jnp.sum(jnp.exp(l_NV), axis=-1))
-  else:
-    top_N = jax.lax.stop_gradient(jnp.max(l_NV, axis=-1))
-    lse_N = top_N + jnp.log(jnp.sum(jnp.exp(l_NV - top_N[:, None]), axis=-1))
-  # The target's logit capped on its own: the [N, V] logits then have one reader (the exp-sum),
-  # so nothing but z of that size need be kept (XLA fuses; nanotext.memory counts readers).
-  picked_N, _ = _capped(jnp.take_along_axis(z_NV, targets_N[:, None], axis=-1)[:, 0], softcap, fp8)
+def _forward(x_ND, w_DV, targets_N, softcap, fp8, k):
+  m = x_ND.shape[0] // k
+  parts = [_operands(x_ND[i * m:(i + 1) * m], w_DV, fp8) for i in range(k)]
+  a, b = [p[0] for p in parts], parts[0][1]
+  zs, lses, total = [], [], jnp.zeros([], jnp.float32)
+  for i in range(k):  # one slice's float32 logits at a time
+    if i:  # ordered: slice i's matmul waits for slice i - 1's sum (else XLA may run them all first)
+      total, a[i] = jax.lax.optimization_barrier((total, a[i]))
+    z_MV = _product(a[i], b, fp8, x_ND.dtype)
+    l_MV, _ = _capped(z_MV, softcap, fp8)
+    if softcap:  # |l| <= c: exp cannot overflow, one reduction gives the log-sum-exp
+      lse_M = jnp.log(jnp.sum(jnp.exp(l_MV), axis=-1))
+    else:
+      top_M = jax.lax.stop_gradient(jnp.max(l_MV, axis=-1))
+      lse_M = top_M + jnp.log(jnp.sum(jnp.exp(l_MV - top_M[:, None]), axis=-1))
+    # The target's logit capped on its own: the [M, V] logits then have one reader (the
+    # exp-sum), so nothing but z of that size need be kept (XLA fuses; nanotext.memory counts
+    # readers).
+    y_M = targets_N[i * m:(i + 1) * m]
+    picked_M, _ = _capped(jnp.take_along_axis(z_MV, y_M[:, None], axis=-1)[:, 0], softcap, fp8)
+    total = total + jnp.sum(lse_M - picked_M)
+    zs.append(z_MV)
+    lses.append(lse_M)
   like = (jnp.zeros((0,), x_ND.dtype), jnp.zeros((0,), w_DV.dtype))
-  return jnp.sum(lse_N - picked_N), (operands, z_NV, lse_N, targets_N, like)
+  return total, ((tuple(a), b), tuple(zs), tuple(lses), targets_N, like)
 
 
-def _fused_fwd(x_ND, w_DV, targets_N, softcap, fp8):
-  return _forward(x_ND, w_DV, targets_N, softcap, fp8)
+def _fused_fwd(x_ND, w_DV, targets_N, softcap, fp8, k):
+  return _forward(x_ND, w_DV, targets_N, softcap, fp8, k)
 
 
-def _fused_bwd(softcap, fp8, res, g):
-  (a, b), z_NV, lse_N, targets_N, (x_like, w_like) = res
-  l_NV, t_NV = _capped(z_NV, softcap, fp8)
-  hit_NV = jnp.arange(l_NV.shape[-1])[None, :] == targets_N[:, None]
-  dl_NV = g * (jnp.exp(l_NV - lse_N[:, None]) - hit_NV)
-  # (1 - t)(1 + t), not 1 - t^2: exact where the cap saturates (|t| near 1), as autodiff's tanh
-  dz_NV = dl_NV * ((1 - t_NV) * (1 + t_NV)) if softcap else dl_NV
-  if fp8 is None:
-    dz = dz_NV.astype(x_like.dtype)  # as autodiff rounds the gradient of z (x's dtype)
-    dx = jnp.dot(dz, b.T, preferred_element_type=x_like.dtype)
-    dw = jnp.dot(a.T, dz, preferred_element_type=x_like.dtype)
-  else:
-    x_s, w_s, grad_s, r = fp8  # z = z' r: its gradient is dz' / r, the weights' r dW_r
-    g_NV = _dequantize(_quantize((dz_NV / r).astype(x_like.dtype), grad_s / r, E5M2), grad_s / r)
-    dx = _dot32(g_NV, _dequantize(b, w_s * r).T)
-    dw = _dot32(_dequantize(a, x_s).T, g_NV) * r
+def _fused_bwd(softcap, fp8, k, res, g):
+  (a, b), zs, lses, targets_N, (x_like, w_like) = res
+  m = a[0].shape[0]
+  # On GPU and TPU a barrier keeps XLA from merging the soft-cap below with the forward's and
+  # keeping float32 logits for it: the backward reads the head output z, half their size. The
+  # CPU compiler keeps z either way; there the barrier would only move float rounding.
+  barrier = jax.lax.optimization_barrier if platform() != "cpu" else lambda z: z
+  dxs, dw = [], 0.0
+  for i, (z_MV, lse_M) in enumerate(zip(zs, lses)):
+    if i:  # ordered, as the forward's slices
+      dw, z_MV = jax.lax.optimization_barrier((dw, z_MV))
+    else:
+      z_MV = barrier(z_MV)
+    l_MV, t_MV = _capped(z_MV, softcap, fp8)
+    y_M = targets_N[i * m:(i + 1) * m]
+    hit_MV = jnp.arange(l_MV.shape[-1])[None, :] == y_M[:, None]
+    dl_MV = g * (jnp.exp(l_MV - lse_M[:, None]) - hit_MV)
+    # (1 - t)(1 + t), not 1 - t^2: exact where the cap saturates (|t| near 1), as autodiff's tanh
+    dz_MV = dl_MV * ((1 - t_MV) * (1 + t_MV)) if softcap else dl_MV
+    a_M = a[i]
+    if fp8 is None:
+      dz = dz_MV.astype(x_like.dtype)  # as autodiff rounds the gradient of z (x's dtype)
+      dxs.append(jnp.dot(dz, b.T, preferred_element_type=x_like.dtype))
+      dw = dw + jnp.dot(a_M.T, dz, preferred_element_type=jnp.float32)
+    else:
+      x_s, w_s, grad_s, r = fp8  # z = z' r: its gradient is dz' / r, the weights' r dW_r
+      g_MV = _dequantize(_quantize((dz_MV / r).astype(x_like.dtype), grad_s / r, E5M2),
+                         grad_s / r)
+      dxs.append(_dot32(g_MV, _dequantize(b, w_s * r).T).astype(x_like.dtype))
+      dw = dw + _dot32(_dequantize(a_M, x_s).T, g_MV) * r
+  dx = dxs[0] if k == 1 else jnp.concatenate(dxs)
   return dx.astype(x_like.dtype), dw.astype(w_like.dtype), None
 
 
