@@ -111,7 +111,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
   or XLA)."""
   from nanotext import gpus, trainer
   state = run.abstract_state()
-  rec = {"name": name, "hbm_bytes_per_chip": memory_bytes}
+  rec = {"name": name, "hbm_bytes_per_chip": memory_bytes, "platform": run.backend}
   if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
     plan = run.memory
     rec["estimate_bytes_per_chip"] = (plan.eval if name == "eval" else plan.train).total
@@ -254,17 +254,19 @@ def describe(rec) -> str:
       f"{_si(rec['bytes_accessed_per_chip'])}",
       f"  collectives        {col}"]
   if "kernels" in rec:
-    lines += kernel_lines(rec["kernels"])
+    lines += kernel_lines(rec["kernels"], rec.get("platform", "gpu"))
   return "\n".join(lines)
 
 
-def kernel_lines(inv: dict) -> list:
-  """The kernel inventory and the roofline estimate of hlo.inventory, as printed."""
+def kernel_lines(inv: dict, platform: str) -> list:
+  """The kernel inventory and the roofline estimate of hlo.inventory, as printed (a TPU runs
+  ops, not launches: its count includes scalar loop bookkeeping and DMA starts)."""
   g = inv["gemm_calls"]
   parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
   slow = ", ".join(f"{name} {1e3 * sec:.2f}" for name, _, sec in inv["slowest"][:4])
   return [
-      f"  kernels per step   {inv['launches']} launches: GEMMs {g['bf16']} bf16, {g['f32']} "
+      f"  kernels per step   {inv['launches']} {'launches' if platform == 'gpu' else 'ops'}: "
+      f"GEMMs {g['bf16']} bf16, {g['f32']} "
       f"f32, {g['fp8']} FP8 | custom (Pallas/Mosaic) {inv['custom_kernels']} | cuDNN "
       f"{inv['cudnn_calls']} | fusions {inv['fusions']} | scatters {inv['scatters']} | "
       f"collectives {inv['collective_launches']} | copies {inv['copies']}",

@@ -20,7 +20,8 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u1
 _SHAPE_RE = re.compile(r"\b([a-z]+[0-9][a-z0-9]*|pred)\[([0-9,]*)\]")
 _OP_RE = re.compile(r"=\s*([^=]*?)\s(" + "|".join(COLLECTIVES) + r")(-start|-done)?\(")
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
-_INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", re.S)
+_INSTR_START = re.compile(r"^\s+(ROOT\s+)?%?[\w.\-]+\s*=\s")
 _HEAD_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 # Instructions that launch nothing: bookkeeping, control flow (their bodies are walked) and the
 # second half of an async pair.
@@ -129,8 +130,16 @@ def _instr(line: str):
 
 
 def parse(text: str) -> tuple:
-  """({computation name: [Instr]}, entry name) of an HLO module's text."""
-  comps, entry, current = {}, "", None
+  """({computation name: [Instr]}, entry name) of an HLO module's text (an instruction may span
+  lines: TPU kernels carry multi-line configs)."""
+  comps, entry, current, lines = {}, "", None, []
+
+  def flush():
+    if lines:
+      ins = _instr(" ".join(lines))
+      if ins is not None:
+        current.append(ins)
+      lines.clear()
   for line in text.splitlines():
     if current is None:
       m = _HEAD_RE.match(line)
@@ -138,12 +147,14 @@ def parse(text: str) -> tuple:
         current = comps.setdefault(m.group(2), [])
         entry = m.group(2) if m.group(1) else entry
       continue
-    if line.startswith("}"):
+    if line.strip() == "}":
+      flush()
       current = None
-      continue
-    ins = _instr(line)
-    if ins is not None:
-      current.append(ins)
+    elif _INSTR_START.match(line):
+      flush()
+      lines.append(line)
+    elif lines:
+      lines.append(line.strip())
   return comps, entry
 
 
