@@ -42,6 +42,16 @@ def slices(tokens: int, vocab: int) -> int:
   return next(k for k in range(max(1, want), tokens + 1) if tokens % k == 0)
 
 
+def working_bytes(tokens: int, vocab: int, itemsize: int, fp8: bool) -> int:
+  """What the head's training step holds at once beside the head output z it keeps for the
+  backward pass: one slice's float32 FP8 GEMM output in the forward pass, or in the backward
+  pass one slice's output gradient as its two GEMMs read it (FP8: e5m2 in both layouts, else
+  the model dtype). nanotext.memory adds it to the kept activations."""
+  m = tokens // slices(tokens, vocab)
+  forward = m * vocab * 4 if fp8 else 0  # without FP8 the GEMM writes z itself, which is kept
+  return max(forward, m * vocab * (2 if fp8 else itemsize))
+
+
 def head_loss_sum(x_ND, w_DV, targets_N, *, softcap: float = 0.0, fp8=None, fp8_scale=1.0):
   """Sum over N tokens of cross-entropy(softcap(x @ w), target) in float32.
 
@@ -56,7 +66,16 @@ def head_loss_sum(x_ND, w_DV, targets_N, *, softcap: float = 0.0, fp8=None, fp8_
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _fused(x_ND, w_DV, targets_N, softcap, fp8, k):
-  return _forward(x_ND, w_DV, targets_N, softcap, fp8, k)[0]
+  """The loss alone (evaluation): the slices as a loop, one compiled body whatever their number
+  (unrolled, 64 slices of a 262,144-token validation row kept a TPU compiling for minutes)."""
+  if k == 1:
+    return _forward(x_ND, w_DV, targets_N, softcap, fp8, k)[0]
+  a, b = _operands(x_ND, w_DV, fp8)
+
+  def body(total, xs):
+    return total + _slice_loss(xs[0], b, xs[1], softcap, fp8, x_ND.dtype)[0], None
+  sliced = (a.reshape(k, -1, a.shape[-1]), targets_N.reshape(k, -1))
+  return jax.lax.scan(body, jnp.zeros([], jnp.float32), sliced)[0]
 
 
 def _operands(x_ND, w_DV, fp8):
@@ -89,7 +108,23 @@ def _capped(z_NV, softcap, fp8):
   return softcap * t, t
 
 
+def _slice_loss(a_MD, b_DV, y_M, softcap, fp8, dt):
+  """(summed loss, z, log-sum-exp) of one slice of tokens."""
+  z_MV = _product(a_MD, b_DV, fp8, dt)
+  l_MV, _ = _capped(z_MV, softcap, fp8)
+  if softcap:  # |l| <= c: exp cannot overflow, one reduction gives the log-sum-exp
+    lse_M = jnp.log(jnp.sum(jnp.exp(l_MV), axis=-1))
+  else:
+    top_M = jax.lax.stop_gradient(jnp.max(l_MV, axis=-1))
+    lse_M = top_M + jnp.log(jnp.sum(jnp.exp(l_MV - top_M[:, None]), axis=-1))
+  # The target's logit capped on its own: the [M, V] logits then have one reader (the exp-sum),
+  # so nothing but z of that size need be kept (XLA fuses; nanotext.memory counts readers).
+  picked_M, _ = _capped(jnp.take_along_axis(z_MV, y_M[:, None], axis=-1)[:, 0], softcap, fp8)
+  return jnp.sum(lse_M - picked_M), z_MV, lse_M
+
+
 def _forward(x_ND, w_DV, targets_N, softcap, fp8, k):
+  """The loss and the backward pass's residuals, the k slices unrolled one after another."""
   m = x_ND.shape[0] // k
   parts = [_operands(x_ND[i * m:(i + 1) * m], w_DV, fp8) for i in range(k)]
   a, b = [p[0] for p in parts], parts[0][1]
@@ -97,19 +132,9 @@ def _forward(x_ND, w_DV, targets_N, softcap, fp8, k):
   for i in range(k):  # one slice's float32 logits at a time
     if i:  # ordered: slice i's matmul waits for slice i - 1's sum (else XLA may run them all first)
       total, a[i] = jax.lax.optimization_barrier((total, a[i]))
-    z_MV = _product(a[i], b, fp8, x_ND.dtype)
-    l_MV, _ = _capped(z_MV, softcap, fp8)
-    if softcap:  # |l| <= c: exp cannot overflow, one reduction gives the log-sum-exp
-      lse_M = jnp.log(jnp.sum(jnp.exp(l_MV), axis=-1))
-    else:
-      top_M = jax.lax.stop_gradient(jnp.max(l_MV, axis=-1))
-      lse_M = top_M + jnp.log(jnp.sum(jnp.exp(l_MV - top_M[:, None]), axis=-1))
-    # The target's logit capped on its own: the [M, V] logits then have one reader (the
-    # exp-sum), so nothing but z of that size need be kept (XLA fuses; nanotext.memory counts
-    # readers).
-    y_M = targets_N[i * m:(i + 1) * m]
-    picked_M, _ = _capped(jnp.take_along_axis(z_MV, y_M[:, None], axis=-1)[:, 0], softcap, fp8)
-    total = total + jnp.sum(lse_M - picked_M)
+    loss, z_MV, lse_M = _slice_loss(a[i], b, targets_N[i * m:(i + 1) * m], softcap, fp8,
+                                    x_ND.dtype)
+    total = total + loss
     zs.append(z_MV)
     lses.append(lse_M)
   like = (jnp.zeros((0,), x_ND.dtype), jnp.zeros((0,), w_DV.dtype))
