@@ -10,9 +10,14 @@ _FUSIBLE = frozenset("""abs add and atan2 broadcast_in_dim cbrt ceil clamp conca
     convert_element_type copy copy_p cos cosh div dynamic_slice eq erf erf_inv exp exp2 expand_dims
     expm1 floor ge gt imag integer_pow iota is_finite le log log1p logistic lt max min mul ne neg
     nextafter not or pad pow real reduce_precision rem reshape round rsqrt select_n shift_left
-    shift_right_arithmetic shift_right_logical sign sin sinh slice sqrt square squeeze
+    shift_right_arithmetic shift_right_logical sign sin sinh slice split sqrt square squeeze
     stop_gradient sub tan tanh transpose xor""".split())
 _CALLS = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call")
+# Fusible ops so cheap that the compiler repeats them in each reader rather than store their
+# result, however many read it (a float32 copy of a bfloat16 value is kept as the bfloat16; the
+# halves rotary embeddings split q and k into are read from q and k).
+_CHEAP = frozenset("""convert_element_type broadcast_in_dim reshape squeeze expand_dims copy
+    copy_p slice split""".split())
 
 
 def _fusible(eqn) -> bool:
@@ -47,7 +52,9 @@ class _Graph:
     """Whether eqn `e`'s outputs are materialised: not fusible, or read by several ops (then
     computed once and stored, not recomputed in each reader: measured on TPU, the soft-capped
     float32 logits are kept beside the head's output)."""
-    return not _fusible(e) or any(self.uses.get(v, 0) > 1 for v in e.outvars)
+    if not _fusible(e):
+      return True
+    return e.primitive.name not in _CHEAP and any(self.uses.get(v, 0) > 1 for v in e.outvars)
 
   def anchors(self, v) -> dict:
     """{materialised var: its eqn} that `v` is computed from through fusible ops."""

@@ -20,6 +20,7 @@ import numpy as np
 
 from nanotext.fusion import kept_bytes, peak_live, saved_residuals, scope
 from nanotext import window_schedule
+from nanotext.model import head_loss
 
 GIB = 2**30
 REMATS = ("none", "dots", "full")  # cheapest first: what auto tries, in order
@@ -200,13 +201,27 @@ class Model:
     accum_grads = self.param_bytes if t.grad_accum > 1 else 0  # the running sum beside each's
     return {"parameters": self.param_bytes, "optimizer_state": self.opt_bytes,
             "gradients": self.param_bytes + accum_grads, "gathered_parameters": self.gathered_bytes,
-            "batch": 2 * 4 * self.rows * t.grad_accum * t.seq_len}
+            "batch": 2 * 4 * self.rows * t.grad_accum * t.seq_len,
+            "gemm_workspace": self.workspace_bytes()}
 
-  def logits_bytes(self, rows: int, length: int, chunk: int) -> float:
-    """One float32 [rows, positions, vocab] logits array: whole rows or one chunk of them."""
-    pos = chunk if 0 < chunk < length else length
-    vocab = self.cfg.model.vocab_size
-    return rows * pos * vocab * 4 / self.split[vocab]
+  def workspace_bytes(self) -> int:
+    """XLA gives each cuBLAS call on a GPU a 32 MiB workspace (the small programs measured
+    held one beside their peak; tests/test_gpu_compile.py)."""
+    return 32 * 2**20 if self.backend == "gpu" else 0
+
+  def head_bytes(self, rows: int, length: int, chunk: int) -> float:
+    """The head's working set in a train step beside what the backward keeps: with loss chunks
+    one chunk's head output, recomputed, and on GPU and TPU the head's own slices
+    (model/head_loss.py; the CPU compiler's float32 copies are what its kept values count)."""
+    m = self.cfg.model
+    chunked = 0 < chunk < length
+    tokens = rows * (chunk if chunked else length)
+    vocab = m.vocab_size // self.split[m.vocab_size]
+    if self.backend == "cpu":
+      return tokens * vocab * 4 if chunked else 0  # the chunk's float32 logits
+    item = np.dtype(m.dtype).itemsize
+    return tokens * vocab * item * chunked + head_loss.working_bytes(tokens, vocab, item,
+                                                                     m.fp8_head)
 
   def attention_bytes(self, rows: int, length: int, train: bool) -> float:
     """Temporaries of one layer's attention kernel beyond its traced residuals."""
@@ -234,11 +249,9 @@ class Model:
     cpu = self.backend == "cpu"  # its compiler undoes remat (measured): every policy as none
     kept = self.trace("none" if cpu else remat, chunk)
     stored = kept["block"] + kept["other"]
-    logits = self.logits_bytes(self.rows, t.seq_len, chunk)
-    # At the loss: every kept activation and the loss's (chunked: one chunk's logits, recomputed;
-    # whole: their gradient takes their place). Later, in a block's backward under remat: its
-    # recomputed activations and their gradients.
-    loss_peak = kept["loss"] + (logits if 0 < chunk < t.seq_len else 0)
+    # At the loss: every kept activation, the loss's and the head's working set. Later, in a
+    # block's backward under remat: its recomputed activations and their gradients.
+    loss_peak = kept["loss"] + self.head_bytes(self.rows, t.seq_len, chunk)
     recompute = 2 * self.trace("none", chunk)["per_block"] if remat != "none" and not cpu else 0
     attention = self.attention_bytes(self.rows, t.seq_len, train=True)
     work = max(loss_peak, recompute + attention)
@@ -265,4 +278,5 @@ class Model:
           closed.jaxpr, self.stored_bytes, lambda e: flash and scope(e) == "kernel")
     return _estimate("eval step", parameters=self.param_bytes, batch=2 * 4 * rows * length,
                      gathered_parameters=self.gathered_bytes,
+                     gemm_workspace=self.workspace_bytes(),
                      activations_and_logits=self._traces[("eval", chunk)])
