@@ -174,7 +174,7 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
   """Initial state, then the loop, then the wait for the last save (the run's end)."""
   import jax
   from nanotext import checkpoint, config, metrics, trainer, wiring
-  from nanotext.data.tokenizer import val_bytes_per_token
+  from nanotext.data.pipeline import val_bytes_per_token
   start = wiring.initial_state(run_, manager, log)
   clock.lap("state")
   skipped = 0

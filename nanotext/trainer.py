@@ -10,34 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nanotext import checkpoint, metrics, sharding
 from nanotext.wiring import Run, new_state
 from nanotext.watch import CompileCounter, Monitor, Preemption, Profiler, StartupClock
 from nanotext.model.kernels.dispatch import takes_runtime_window
-from nanotext.model.kernels.masks import segment_ids_from_tokens
-from nanotext.model.loss import cross_entropy
+from nanotext.model.loss import loss_fn
 from nanotext.window_schedule import (eval_plan, eval_points, eval_windows, plan, stages,
                                       step_stage, step_windows)
-
-
-def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, chunk=0,
-            train=True, per_row=False, runtime_windows=None):
-  """Next-token cross-entropy (the mean; with `per_row`, each row's sum averaged over rows);
-  with `eot_id`, attention stays within documents.
-
-  `windows`: per-layer sliding windows (static ints) of one schedule stage; None = the final ones.
-  `runtime_windows`: int32 [layers], the windows applied (`windows` then their static bounds).
-  `chunk`: train.loss_chunk (0 = the whole sequence's logits at once). `train=False`: evaluation
-  (no FP8 head).
-  """
-  segments_BT = None if eot_id is None else segment_ids_from_tokens(inputs_BT, eot_id)
-  model = nnx.merge(graphdef, params)
-  x_BTD = model.hidden(inputs_BT, segments_BT, windows, runtime_windows)
-  with jax.named_scope("loss"):
-    return cross_entropy(model, x_BTD, targets_BT, chunk, train, per_row)
 
 
 def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = False):

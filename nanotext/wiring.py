@@ -19,7 +19,6 @@ from nanotext import (checkpoint, config, memory_plan, metrics, optim, rundir, s
                       window_schedule)
 from nanotext.errors import UserError
 from nanotext.model import attention, count_params, GPT, gpt
-from nanotext.model.kernels.dispatch import resolve_impl
 from nanotext.data import pipeline, registry
 from nanotext.data.prepare import default_dir
 from nanotext.data.tokenizer import known_vocab_size, resolve_eot_id
@@ -179,7 +178,7 @@ def for_sampling(cfg, devices, *, checked=False) -> tuple:
   cfg = config.finalize(cfg, mesh_sizes={a: 1 for a in sharding.MESH_AXES},
                         peak_flops=metrics.default_peak_flops(devices), data_dir=default_dir(),
                         tokenizer_vocab=tokenizer_vocab(cfg.data))
-  graphdef, abstract, _ = abstract_model(cfg, devices[0].platform)
+  graphdef, abstract, _ = gpt.abstract_model(cfg, devices[0].platform)
   return cfg, graphdef, abstract.to_pure_dict()
 
 
@@ -210,7 +209,7 @@ def build(cfg, mesh) -> Run:
   backend = mesh.devices.flat[0].platform
   rules = sharding.parse_rules(cfg.mesh.rules)
   eot_id = doc_mask_eot(cfg) if cfg.attention.doc_mask else None
-  graphdef, abstract, impl = abstract_model(cfg, backend)
+  graphdef, abstract, impl = gpt.abstract_model(cfg, backend)
   check_divisible(cfg, abstract, rules)
   specs = sharding.param_specs(abstract).to_pure_dict()
   tx = optim.make_optimizer(cfg.optim, optim.group_labels(abstract), cfg.train.steps)
@@ -231,17 +230,6 @@ def check_divisible(cfg, abstract, rules) -> None:
   dims += sharding.param_dims(abstract, sizes, gpt.table_sizes(cfg.model))
   mesh_sizes = {a: cfg.mesh[a] for a in sharding.MESH_AXES}
   sharding.check_divisible(dims, rules, mesh_sizes)
-
-
-def abstract_model(cfg, backend: str):
-  """(graphdef, abstract parameter State, attention kernel) of cfg's model on `backend`."""
-  impl = resolve_impl(cfg.attention.impl, backend, head_dim=cfg.model.head_dim,
-                      seq_len=cfg.train.seq_len, window=cfg.attention.window,
-                      block_windows=cfg.attention.block_windows,
-                      doc_mask=cfg.attention.doc_mask)
-  graphdef, abstract = nnx.split(nnx.eval_shape(
-      lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(cfg.seed))))  # no arrays
-  return graphdef, abstract, impl
 
 
 def doc_mask_eot(cfg) -> int:

@@ -350,7 +350,7 @@ def test_a_registered_source_is_checked_opened_and_fingerprinted(tmp_path, monke
   fingerprinted for resume, its splits opened and its text flag honoured, all via the registry."""
   from nanotext import rundir
   from nanotext.data import pipeline, registry
-  from nanotext.data.tokenizer import val_bytes_per_token
+  from nanotext.data.pipeline import val_bytes_per_token
   np.save(tmp_path / "train.npy", np.arange(200))
   np.save(tmp_path / "val.npy", np.arange(500, 600))
 

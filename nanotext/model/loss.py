@@ -1,9 +1,29 @@
-"""Next-token cross-entropy, whole or in sequence chunks that never hold [B, T, V] logits at once."""
+"""Next-token cross-entropy of a model, whole or in sequence chunks that never hold [B, T, V]
+logits at once: `loss_fn` (what the train and eval steps and the memory estimate trace)."""
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from nanotext import sharding
+from nanotext.model.kernels.masks import segment_ids_from_tokens
+
+
+def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, chunk=0,
+            train=True, per_row=False, runtime_windows=None):
+  """Next-token cross-entropy (the mean; with `per_row`, each row's sum averaged over rows);
+  with `eot_id`, attention stays within documents.
+
+  `windows`: per-layer sliding windows (static ints) of one schedule stage; None = the final ones.
+  `runtime_windows`: int32 [layers], the windows applied (`windows` then their static bounds).
+  `chunk`: train.loss_chunk (0 = the whole sequence's logits at once). `train=False`: evaluation
+  (no FP8 head).
+  """
+  segments_BT = None if eot_id is None else segment_ids_from_tokens(inputs_BT, eot_id)
+  model = nnx.merge(graphdef, params)
+  x_BTD = model.hidden(inputs_BT, segments_BT, windows, runtime_windows)
+  with jax.named_scope("loss"):
+    return cross_entropy(model, x_BTD, targets_BT, chunk, train, per_row)
 
 
 def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True,
