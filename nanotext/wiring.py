@@ -20,6 +20,7 @@ from nanotext import (checkpoint, config, memory_plan, metrics, optim, rundir, s
 from nanotext.errors import UserError
 from nanotext.model import attention, count_params, GPT, gpt
 from nanotext.data import pipeline, registry
+from nanotext.data.fingerprint import fingerprint_change
 from nanotext.data.prepare import default_dir
 from nanotext.data.tokenizer import known_vocab_size, resolve_eot_id
 
@@ -303,7 +304,7 @@ def check_data_unchanged(cfg, integrity, step: int, fingerprint) -> None:
   saved = (integrity or {}).get("data")
   if saved is None or fingerprint is None or cfg.data.allow_changed:  # unknown: e.g. converted
     return
-  change = rundir.fingerprint_change(saved, fingerprint)
+  change = fingerprint_change(saved, fingerprint)
   if change:
     raise UserError(f"the training data changed since the checkpoint of step {step} ({change}): "
                     "a resume would not see the batches it would have seen. Restore the data, or "

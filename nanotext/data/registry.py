@@ -1,7 +1,7 @@
 """The data sources by name: each says in one place how to check its keys, which files to
 fingerprint on resume, whether its tokens are text, and how to open a split.
 
-`pipeline` (config checks, opening) and `rundir.fingerprint` (resume checks) read this table, so
+`pipeline` (config checks, opening) and `fingerprint` (resume checks) read this table, so
 a new source is one `register(Source(...))` beside its class.
 """
 
