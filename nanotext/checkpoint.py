@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import re
-import time
 
 from absl import logging
 import jax
@@ -37,7 +36,6 @@ class ProcessJsonHandler(ocp.CheckpointHandler):
   def save(self, directory: epath.Path, args: "ProcessJsonSave") -> None:
     name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
     (directory / name).write_text(json.dumps(args.item))
-    _test_pause(directory)
 
   def restore(self, directory: epath.Path, args: "ProcessJsonRestore" = None) -> dict:
     del args
@@ -57,26 +55,6 @@ class ProcessJsonHandler(ocp.CheckpointHandler):
 
   def close(self) -> None:
     pass
-
-
-# Testing hook (tests/test_faults.py): "STEP:MARKER" makes the save of STEP write MARKER and wait
-# (up to a minute, or until MARKER.go exists) while the step is still under its temporary name,
-# so a test's signal lands inside a save without polling for it.
-PAUSE_ENV = "NANOTEXT_TEST_PAUSE_IN_SAVE"
-
-
-def _test_pause(directory) -> None:
-  spec = os.environ.get(PAUSE_ENV)
-  if not spec:
-    return
-  step, marker = spec.split(":", 1)
-  if not os.path.basename(os.path.dirname(str(directory))).startswith(f"{step}."):
-    return
-  with open(marker, "w") as f:
-    f.write(str(os.getpid()))
-  deadline = time.time() + 60
-  while not os.path.exists(marker + ".go") and time.time() < deadline:
-    time.sleep(0.05)
 
 
 @ocp.args.register_with_handler(ProcessJsonHandler, for_save=True)
