@@ -47,6 +47,18 @@ def is_step_name(name: str) -> bool:
   return name.isascii() and name.isdigit()
 
 
+def check_run_dir(path: str, what: str, holds: str = "config.yml",
+                  kind: str = "a run's output_dir") -> None:
+  """UserError unless `path` (the value of `what`) is a folder holding the file `holds`: the one
+  check of the tools that read a run directory (convert, generate, plot; the HF folder alike)."""
+  if os.path.isfile(path):
+    raise UserError(f"{what} '{path}' is a file; give {kind}")
+  if not os.path.isdir(path):
+    raise UserError(f"{what} '{path}' does not exist")
+  if not os.path.isfile(os.path.join(path, holds)):
+    raise UserError(f"{what} '{path}' holds no {holds}: is it {kind}?")
+
+
 def check_output_dir_path(out: str) -> str:
   """The absolute output_dir, refused (UserError) when it cannot hold a run."""
   if not out or not out.strip():
