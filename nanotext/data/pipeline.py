@@ -5,7 +5,6 @@ import numpy as np
 from absl import flags
 
 from nanotext.data import registry
-from nanotext.data.sources import SyntheticSource
 from nanotext.errors import UserError
 from nanotext import config
 from nanotext.data.tokenizer import NAMES, bytes_per_token, get_tokenizer
@@ -52,7 +51,7 @@ def make_train_iter(data_cfg, *, seq_len: int, batch_size: int, seed: int,
     raise UserError(f"training data holds no sequence of {seq_len + 1} tokens "
                     f"({source!r}): add data or lower train.seq_len")
   ds = grain.MapDataset.source(source)
-  if data_cfg.shuffle and not isinstance(source, SyntheticSource):  # Synthetic: already random.
+  if data_cfg.shuffle and not registry.get(data_cfg.source).shuffled:
     ds = ds.shuffle(seed=seed)  # Followed by repeat: a fresh permutation every epoch.
   ds = ds.repeat(None)
   # Every process sees the same global order and keeps its own stride of it: disjoint data.
