@@ -137,7 +137,7 @@ def state_bytes(run_) -> int:
 def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
   """Initial state, then the loop, then the wait for the last save (the run's end)."""
   import jax
-  from nanotext import checkpoint, config, metrics, trainer, wiring
+  from nanotext import checkpoint, config, loop, metrics, trainer, wiring
   from nanotext.data.pipeline import val_bytes_per_token
   start = wiring.initial_state(run_, manager, log)
   clock.lap("state")
@@ -152,10 +152,10 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
   clock.lap("output_dir")
   val = [trainer.global_batch(run_, b) for b in val_local]
   try:
-    result = trainer.train(run_, start.state, train_iter, val, writer=writer, manager=manager,
-                           start_step=start.step, config_dict=cfg.to_dict(), log=log,
-                           skipped_steps=skipped, preemption=preemption,
-                           bytes_per_token=val_bytes_per_token(cfg.data, val_local), clock=clock)
+    result = loop.train(run_, start.state, train_iter, val, writer=writer, manager=manager,
+                        start_step=start.step, config_dict=cfg.to_dict(), log=log,
+                        skipped_steps=skipped, preemption=preemption,
+                        bytes_per_token=val_bytes_per_token(cfg.data, val_local), clock=clock)
     checkpoint.wait(manager)  # the run is not over until its last save is on disk
   finally:
     writer.close()
