@@ -17,7 +17,7 @@ from pathlib import Path
 import ml_collections
 import yaml
 
-from nanotext import sections
+from nanotext import config_file, sections
 from nanotext.errors import UserError
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
@@ -57,86 +57,7 @@ AUTO_CHUNKS = ("train.loss_chunk", "train.eval_loss_chunk")
 RETIRED = ("train.debug_nan_step",)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-  """A SafeLoader that refuses a key given twice in one mapping (YAML's default: last wins)."""
-
-  def construct_mapping(self, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-      key = self.construct_object(key_node, deep=deep)
-      if key in seen:
-        raise yaml.constructor.ConstructorError(
-            None, None, f"duplicate key '{key}'", key_node.start_mark)
-      seen.add(key)
-    return super().construct_mapping(node, deep)
-
-
-# A config is a few kilobytes; these bounds keep a hostile file (a YAML alias bomb, a huge file)
-# to one line instead of minutes of work and a MemoryError.
-MAX_YAML_BYTES = 1 << 20
-MAX_YAML_VALUES = 100_000
-MAX_BASE_DEPTH = 32
-
-
-def _read_yaml(path: Path) -> dict:
-  if not path.exists():
-    raise UserError(f"config file '{path}' does not exist")
-  if not path.is_file():
-    raise UserError(f"config path '{path}' is not a file")
-  try:
-    if path.stat().st_size > MAX_YAML_BYTES:
-      raise UserError(f"config file '{path}' is {path.stat().st_size:,} bytes, more than a config "
-                      f"can be ({MAX_YAML_BYTES:,})")
-    with open(path, encoding="utf-8") as f:
-      data = _load_bounded(f.read(MAX_YAML_BYTES + 1), f"config file '{path}'") or {}
-  except UnicodeDecodeError as e:
-    raise UserError(f"config file '{path}' is not UTF-8 text (byte {e.start})") from None
-  except OSError as e:
-    raise UserError(f"cannot read config file '{path}': {e.strerror}") from None
-  except yaml.constructor.ConstructorError as e:
-    line = e.problem_mark.line + 1 if e.problem_mark else "?"
-    if (e.problem or "").startswith("duplicate key"):
-      raise UserError(f"config file '{path}' has a {e.problem} (line {line}); each key may "
-                      "appear once per section") from None
-    raise UserError(f"config file '{path}' line {line}: {e.problem} (a config holds plain "
-                    "values only: no !!python or other tags)") from None
-  except yaml.YAMLError as e:
-    line = getattr(getattr(e, "problem_mark", None), "line", None)
-    where = f" (line {line + 1})" if line is not None else ""
-    raise UserError(f"config file '{path}' is not valid YAML{where}") from None
-  if not isinstance(data, dict):
-    raise UserError(f"config file '{path}' must hold a mapping of keys, not {type(data).__name__}")
-  return data
-
-
-def read_file(path) -> dict:
-  """A YAML mapping from a file, with the bounds of a config file (a run's saved config.yml)."""
-  return _read_yaml(Path(path))
-
-
-def _load_bounded(text: str, what: str):
-  """yaml.load with _UniqueKeyLoader, refusing a document whose values, aliases expanded,
-  number more than MAX_YAML_VALUES (counted on the node graph before anything is built);
-  `what` names the text in that error."""
-  loader = _UniqueKeyLoader(text)
-  try:
-    node = loader.get_single_node()
-    if node is None:
-      return None
-    count, todo = 0, [node]
-    while todo:  # aliases are shared nodes: each visit is one value of the expanded document
-      n = todo.pop()
-      count += 1
-      if count > MAX_YAML_VALUES:
-        raise UserError(f"{what} expands to more than {MAX_YAML_VALUES:,} values (YAML "
-                        "aliases nested in one another?); a config holds a few hundred")
-      if isinstance(n, yaml.SequenceNode):
-        todo.extend(n.value)
-      elif isinstance(n, yaml.MappingNode):
-        todo.extend(v for kv in n.value for v in kv)
-    return loader.construct_document(node)
-  finally:
-    loader.dispose()
+MAX_BASE_DEPTH = 32  # a chain of base: files deeper than this is refused
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -151,7 +72,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def _schema() -> dict:
-  return _flatten(_read_yaml(SCHEMA_PATH))
+  return _flatten(config_file.read(SCHEMA_PATH))
 
 
 def _unknown_key(key: str, known) -> UserError:
@@ -215,7 +136,7 @@ def coerce(key: str, value, default):
   if kind is list:
     if isinstance(value, str):
       try:
-        value = _load_bounded(value, f"the value of {key}")
+        value = config_file.parse(value, f"the value of {key}")
       except yaml.YAMLError:
         raise bad("a YAML list") from None
     if isinstance(value, list):
@@ -235,7 +156,7 @@ def _file_chain(path: Path) -> list:
       raise UserError(f"config file '{seen[0]}' has a chain of 'base:' files more than "
                       f"{MAX_BASE_DEPTH} deep")
     seen.append(path)
-    flat = _flatten(_read_yaml(path))
+    flat = _flatten(config_file.read(path))
     parent = flat.pop("base", "") or ""
     if not isinstance(parent, str):
       raise UserError(f"config key 'base' in '{path}' must be a file path")
@@ -394,7 +315,7 @@ def typed(cfg, schema: dict | None = None) -> sections.Section:
   """The frozen typed object of a config (ConfigDict or nested dict); fields from `schema`
   (default configs/base.yml), so adding a key to base.yml adds it here."""
   values = cfg if isinstance(cfg, dict) else cfg.to_dict()
-  return sections.build(_read_yaml(SCHEMA_PATH) if schema is None else schema, values)
+  return sections.build(config_file.read(SCHEMA_PATH) if schema is None else schema, values)
 
 
 def to_yaml(cfg) -> str:

@@ -74,9 +74,9 @@ def _metrics_row(raw: bytes):
 
 def _tokens_per_step(run_dir: str) -> int | None:
   """train.batch_size * train.seq_len from the run's config.yml; None if unreadable."""
-  from nanotext import config
+  from nanotext import config_file
   try:
-    t = config.read_file(os.path.join(run_dir, "config.yml"))["train"]
+    t = config_file.read(os.path.join(run_dir, "config.yml"))["train"]
     return int(t["batch_size"]) * int(t["seq_len"])
   except (UserError, KeyError, TypeError, ValueError, OverflowError):
     return None

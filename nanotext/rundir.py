@@ -82,12 +82,12 @@ def check_output_dir_path(out: str) -> str:
 def check_run(cfg, out: str) -> bool:
   """Refuse an output_dir that holds a different run unless overwrite=true, or a run already
   past train.steps; True when the previous run is to be replaced (set aside, then deleted)."""
-  from nanotext import config
+  from nanotext import config, config_file
   path = os.path.join(out, "config.yml")
   if not os.path.lexists(path):
     return False
   try:
-    old = config.read_file(path)
+    old = config_file.read(path)
   except UserError as e:
     if cfg.overwrite:
       return True
