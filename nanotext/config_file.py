@@ -1,6 +1,9 @@
 """A config file read safely: UTF-8 text, one YAML mapping of plain values (no tags), no key given
-twice, and bounds that keep a hostile file (an alias bomb, a huge file) to one line."""
+twice, and bounds that keep a hostile file (an alias bomb, a huge file) to one line; and the
+schema's rules, read from the `# [rule ...]` opening a key's comment (`rules`)."""
 
+import functools
+import re
 from pathlib import Path
 
 import yaml
@@ -85,3 +88,29 @@ def parse(text: str, what: str):
     return loader.construct_document(node)
   finally:
     loader.dispose()
+
+
+_KEY_LINE = re.compile(r"(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<rest>.*)")
+_RULES = re.compile(r"\[(?P<rules>[^\]]*)\]")
+
+
+@functools.lru_cache(maxsize=None)
+def rules(path) -> dict:
+  """{dotted key or section: (rule, ...)} of a schema file, from the `# [rule ...]` opening a
+  key's comment (the file's own lines: YAML drops comments). Keys nest by indentation."""
+  out, parents = {}, []
+  for line in Path(path).read_text(encoding="utf-8").splitlines():
+    m = _KEY_LINE.fullmatch(line)
+    if not m:
+      continue
+    indent = len(m["indent"])
+    while parents and parents[-1][0] >= indent:
+      parents.pop()
+    key = ".".join([k for _, k in parents] + [m["key"]])
+    value, _, comment = m["rest"].partition(" #")
+    if not value.strip():  # a section, or a list on the lines below
+      parents.append((indent, m["key"]))
+    found = _RULES.match(comment.lstrip())
+    if found:
+      out[key] = tuple(found["rules"].split())
+  return out

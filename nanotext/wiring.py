@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 from nanotext import (checkpoint, config, memory_plan, metrics, optim, rundir, sharding, watch,
                       window_schedule)
 from nanotext.errors import UserError
-from nanotext.model import attention, count_params, GPT, gpt
+from nanotext.model import attention, count_params, GPT, gpt, loss
 from nanotext.data import pipeline, registry
 from nanotext.data.fingerprint import fingerprint_change
 from nanotext.data.prepare import default_dir
@@ -104,6 +104,7 @@ def check(cfg):
   """Each module checks its own section: choices and the rules between its keys."""
   gpt.check_config(cfg.model, cfg.attention)
   attention.check_config(cfg.attention)
+  loss.check_config(cfg.train)
   optim.check_config(cfg.optim)
   pipeline.check_config(cfg.data)
   watch.check_config(cfg.train)

@@ -39,8 +39,6 @@ def check_config(m, attn_cfg=None) -> None:
   if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
     raise UserError(f"model.no_attention_layers={layers!r} must be a list of 0-based layer "
                     "indices (non-negative integers)")
-  if m.value_embeds < 0:
-    raise UserError(f"model.value_embeds={m.value_embeds} must not be negative")
   head_dim = m.head_dim or m.d_model // m.num_heads
   if m.value_embeds and m.num_heads * head_dim != m.d_model:
     raise UserError(f"model.value_embeds={m.value_embeds} adds [vocab, d_model] tables to v, so it "

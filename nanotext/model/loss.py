@@ -6,7 +6,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nanotext import sharding
+from nanotext.errors import UserError
 from nanotext.model.kernels.masks import segment_ids_from_tokens
+
+
+def check_config(t) -> None:
+  """The train section's loss chunks divide the rows they cut (train.loss_chunk the training
+  rows, train.eval_loss_chunk the validation rows)."""
+  if 0 < t.loss_chunk < t.seq_len and t.seq_len % t.loss_chunk:
+    raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide train.seq_len={t.seq_len}")
+  eval_len = t.eval_seq_len or t.seq_len
+  if 0 < t.eval_loss_chunk < eval_len and eval_len % t.eval_loss_chunk:
+    raise UserError(f"train.eval_loss_chunk={t.eval_loss_chunk} does not divide the validation "
+                    f"rows' {eval_len} tokens (train.eval_seq_len, or train.seq_len if 0)")
 
 
 def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, chunk=0,
