@@ -104,7 +104,8 @@ def eval_batch(run) -> dict:
 def compile_program(run, name, program, hbm_bytes: int, min_headroom: float = 0.0) -> dict:
   """Compile one program (a window_schedule.Program) for the run's devices; its record (an HBM
   overflow is a record too)."""
-  from nanotext import programs, trainer
+  from nanotext import trainer
+  from nanotext.programs import windows_args
   state, batch = run.abstract_state(), abstract_batch(run, evaluation=name == "eval")
   if name == "eval":
     jitted = trainer.make_eval_step(run, program.windows, runtime=program.runtime)
@@ -113,7 +114,7 @@ def compile_program(run, name, program, hbm_bytes: int, min_headroom: float = 0.
     jitted = trainer.make_train_step(run, program.windows, program.seq_len,
                                      runtime=program.runtime)
     args = (state, batch)
-  args += programs.windows_args(run, program)
+  args += windows_args(run, program)
   rec = {"name": name, "hbm_bytes_per_chip": hbm_bytes}
   if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
     plan = run.memory
