@@ -34,6 +34,7 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
   """Compile and time a config's train step(s) on synthetic data; see the module docstring."""
   import jax
   from nanotext import metrics, trainer, window_schedule, wiring
+  from nanotext.programs import compile_train_steps
 
   run = wiring.prepare(path, list(overrides) + ["data.source=synthetic"])
   run.memory.require("train")  # one line, before anything traces, where the step cannot fit
@@ -43,8 +44,8 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
   n = cfg.train.steps
   final = window_schedule.step_stage(cfg, n - 1)
   lines = []  # the trainer's own line per compiled program: name and seconds
-  programs = trainer.compile_train_steps(run, state, batch, range(n) if schedule else [n - 1],
-                                         log=lines.append)
+  programs = compile_train_steps(run, state, batch, range(n) if schedule else [n - 1],
+                                log=lines.append)
   first_stage = window_schedule.step_stage(cfg, 0) if schedule else final
   state, m = programs(first_stage, state, batch)
   jax.block_until_ready(m)

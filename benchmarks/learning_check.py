@@ -47,10 +47,10 @@ def rows_of(run, steps: int) -> list:
 
 def compile_nanotext(run, state, batches, log=None):
   """The trainer's Programs for steps 0..len(batches)-1 (called with window_schedule.step_stage)."""
-  from nanotext import trainer
+  from nanotext import programs, trainer
   t0 = time.perf_counter()
-  execs = trainer.compile_train_steps(run, state, trainer.global_batch(run, batches[0]),
-                                      range(len(batches)))
+  execs = programs.compile_train_steps(run, state, trainer.global_batch(run, batches[0]),
+                                       range(len(batches)))
   if log:
     log(f"nanotext: {len(execs)} program(s) compiled in {time.perf_counter() - t0:.1f} s")
   return execs

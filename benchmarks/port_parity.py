@@ -94,6 +94,7 @@ def nanotext_losses(params_flat: dict, shard: str, overrides=OVERRIDES) -> np.nd
   """nanotext's per-step losses from the port's initial params on the shard."""
   import jax
   from nanotext import trainer, wiring
+  from nanotext.programs import compile_train_steps
   from nanotext.trees import fill
   from nanotext.convert.mnjax import params_from_port
   from nanotext.window_schedule import step_stage
@@ -106,8 +107,8 @@ def nanotext_losses(params_flat: dict, shard: str, overrides=OVERRIDES) -> np.nd
   state = run.state_from_params(params)
   it = run.train_iter()
   batches = [trainer.global_batch(run, next(it)) for _ in range(run.cfg.train.steps)]
-  programs = trainer.compile_train_steps(run, state, batches[0], range(run.cfg.train.steps),
-                                        log=lambda line: None)
+  programs = compile_train_steps(run, state, batches[0], range(run.cfg.train.steps),
+                                log=lambda line: None)
   losses = []
   for s, batch in enumerate(batches):
     state, m = programs(step_stage(run.cfg, s), state, batch)

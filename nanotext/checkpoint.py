@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import re
-import time
 
 from absl import logging
 import jax
@@ -37,7 +36,6 @@ class ProcessJsonHandler(ocp.CheckpointHandler):
   def save(self, directory: epath.Path, args: "ProcessJsonSave") -> None:
     name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
     (directory / name).write_text(json.dumps(args.item))
-    _test_pause(directory)
 
   def restore(self, directory: epath.Path, args: "ProcessJsonRestore" = None) -> dict:
     del args
@@ -59,26 +57,6 @@ class ProcessJsonHandler(ocp.CheckpointHandler):
     pass
 
 
-# Testing hook (tests/test_faults.py): "STEP:MARKER" makes the save of STEP write MARKER and wait
-# (up to a minute, or until MARKER.go exists) while the step is still under its temporary name,
-# so a test's signal lands inside a save without polling for it.
-PAUSE_ENV = "NANOTEXT_TEST_PAUSE_IN_SAVE"
-
-
-def _test_pause(directory) -> None:
-  spec = os.environ.get(PAUSE_ENV)
-  if not spec:
-    return
-  step, marker = spec.split(":", 1)
-  if not os.path.basename(os.path.dirname(str(directory))).startswith(f"{step}."):
-    return
-  with open(marker, "w") as f:
-    f.write(str(os.getpid()))
-  deadline = time.time() + 60
-  while not os.path.exists(marker + ".go") and time.time() < deadline:
-    time.sleep(0.05)
-
-
 @ocp.args.register_with_handler(ProcessJsonHandler, for_save=True)
 @dataclasses.dataclass
 class ProcessJsonSave(ocp.args.CheckpointArgs):
@@ -92,19 +70,35 @@ class ProcessJsonRestore(ocp.args.CheckpointArgs):
 
 
 class Manager(ocp.CheckpointManager):
-  """A CheckpointManager that remembers its last requested step, to prove it reached disk."""
-  requested = None
-  fingerprint = None  # the training data's fingerprint, saved with every step; None = unknown
-  on_confirmed = None  # called with a step once it is known to be complete on disk
+  """A CheckpointManager that remembers its last requested step, to prove it reached disk.
+
+  `fingerprint`: the training data's, saved with every step (None = unknown); `on_confirmed`:
+  called with each step once it is known to be complete on disk. As a context manager it is
+  closed on the way out; under a failing run's own error a late write error is only logged.
+  """
+
+  def __init__(self, directory, *, fingerprint=None, on_confirmed=None, **kwargs):
+    super().__init__(directory, **kwargs)
+    self.fingerprint, self.on_confirmed, self.requested = fingerprint, on_confirmed, None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, exc_type, *exc):
+    if exc_type is None:
+      self.close()
+    else:
+      close(self)
 
 
 def checkpoint_dir(output_dir: str) -> str:
   return os.path.join(os.path.abspath(output_dir), "checkpoints")
 
 
-def make_manager(output_dir: str, *, keep: int, create: bool = True,
-                 async_save: bool = True) -> Manager:
-  """A manager that keeps the newest `keep` steps; saves are atomic, async unless told not."""
+def make_manager(output_dir: str, *, keep: int, create: bool = True, async_save: bool = True,
+                 fingerprint: list | None = None, on_confirmed=None) -> Manager:
+  """A manager that keeps the newest `keep` steps; saves are atomic, async unless told not.
+  `fingerprint` and `on_confirmed`: see Manager."""
   check_no_glob(checkpoint_dir(output_dir), "the checkpoint folder")
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=create, enable_async_checkpointing=async_save,
@@ -112,7 +106,8 @@ def make_manager(output_dir: str, *, keep: int, create: bool = True,
       cleanup_tmp_directories=create)
   handlers = {"state": ocp.StandardCheckpointHandler(), "data": ProcessJsonHandler(),
               "config": ocp.JsonCheckpointHandler(), "integrity": ocp.JsonCheckpointHandler()}
-  return Manager(checkpoint_dir(output_dir), options=options, item_handlers=handlers)
+  return Manager(checkpoint_dir(output_dir), options=options, item_handlers=handlers,
+                 fingerprint=fingerprint, on_confirmed=on_confirmed)
 
 
 def save(manager: Manager, step: int, state, data_state: dict, config_dict: dict) -> None:

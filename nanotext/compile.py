@@ -110,6 +110,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
   overflow is a record too, and so is a failure at any stage (`error`, `stage`: trace, lowering
   or XLA)."""
   from nanotext import gpus, trainer
+  from nanotext.programs import windows_args
   state = run.abstract_state()
   rec = {"name": name, "hbm_bytes_per_chip": memory_bytes, "platform": run.backend}
   if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
@@ -122,7 +123,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
     jitted = trainer.make_train_step(run, program.windows, program.seq_len,
                                      runtime=program.runtime)
     args = (state, abstract_batch(run))
-  args += trainer.windows_args(run, program)
+  args += windows_args(run, program)
   options = gpus.COMPILER_OPTIONS if run.backend == "gpu" else None
   t0 = time.perf_counter()
   stage = "trace"

@@ -12,131 +12,21 @@ there alone).
 import difflib
 import math
 import os
+import re
 from pathlib import Path
 
 import ml_collections
 import yaml
 
-from nanotext import sections
+from nanotext import config_file, sections
 from nanotext.errors import UserError
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 
-POSITIVE = ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
-            "train.log_every", "train.eval_batches", "model.vocab_size", "model.num_layers",
-            "model.d_model", "model.num_heads")
-NON_NEGATIVE = ("train.eval_every", "checkpoint.every", "model.head_dim", "model.mlp_dim",
-                "model.max_seq_len", "model.align", "optim.warmup_steps", "optim.grad_clip",
-                "data.workers", "data.val_tokens", "sample.max_new_tokens", "sample.top_k",
-                "sample.temperature", "model.logit_softcap", "model.attn_scale",
-                "train.eval_seq_len", "optim.head_lr_record", "model.norm_eps",
-                "model.init_std", "model.embed_std", "attention.window",
-                "profile.steps", "train.target_val_loss", "optim.lr",
-                "optim.muon_lr", "optim.embed_lr", "optim.head_lr", "optim.scalar_lr",
-                "optim.weight_decay", "optim.final_lr_frac", "optim.eps", "optim.head_eps")
-# Counters held in int32 on the device (the step) or in 32-bit grain indices.
-INT32 = ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
-         "train.log_every", "train.eval_every", "train.eval_batches", "checkpoint.every",
-         "checkpoint.keep", "optim.warmup_steps", "optim.muon_momentum_warmup",
-         "model.vocab_size", "model.num_layers", "model.d_model", "model.num_heads",
-         "model.head_dim", "model.mlp_dim", "model.max_seq_len", "sample.max_new_tokens",
-         "profile.start_step", "profile.steps")
-# Keys a continued or resumed run may change without becoming "a different run".
-# A mesh (or device count) change is a resume: restore reshards, the data position carries over.
-RUN_IDENTITY_IGNORES = ("overwrite", "distributed", "mesh", "data.allow_changed", "train.steps",
-                        "train.log_every", "train.eval_every", "train.eval_batches", "checkpoint",
-                        "metrics", "sample", "output_dir",
-                        "data.workers", "profile", "train.compile_cache_dir",
-                        "train.target_val_loss", "model.remat", "train.loss_chunk",
-                        "train.eval_loss_chunk")
-# Keys whose -1 means "auto": nanotext.memory picks the value from the memory estimate.
-AUTO_CHUNKS = ("train.loss_chunk", "train.eval_loss_chunk")
-
 # Keys nanotext no longer has: a config file that holds one (a run's saved config.yml from an
 # older version) still loads, the key ignored.
 RETIRED = ("train.debug_nan_step",)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-  """A SafeLoader that refuses a key given twice in one mapping (YAML's default: last wins)."""
-
-  def construct_mapping(self, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-      key = self.construct_object(key_node, deep=deep)
-      if key in seen:
-        raise yaml.constructor.ConstructorError(
-            None, None, f"duplicate key '{key}'", key_node.start_mark)
-      seen.add(key)
-    return super().construct_mapping(node, deep)
-
-
-# A config is a few kilobytes; these bounds keep a hostile file (a YAML alias bomb, a huge file)
-# to one line instead of minutes of work and a MemoryError.
-MAX_YAML_BYTES = 1 << 20
-MAX_YAML_VALUES = 100_000
-MAX_BASE_DEPTH = 32
-
-
-def _read_yaml(path: Path) -> dict:
-  if not path.exists():
-    raise UserError(f"config file '{path}' does not exist")
-  if not path.is_file():
-    raise UserError(f"config path '{path}' is not a file")
-  try:
-    if path.stat().st_size > MAX_YAML_BYTES:
-      raise UserError(f"config file '{path}' is {path.stat().st_size:,} bytes, more than a config "
-                      f"can be ({MAX_YAML_BYTES:,})")
-    with open(path, encoding="utf-8") as f:
-      data = _load_bounded(f.read(MAX_YAML_BYTES + 1), f"config file '{path}'") or {}
-  except UnicodeDecodeError as e:
-    raise UserError(f"config file '{path}' is not UTF-8 text (byte {e.start})") from None
-  except OSError as e:
-    raise UserError(f"cannot read config file '{path}': {e.strerror}") from None
-  except yaml.constructor.ConstructorError as e:
-    line = e.problem_mark.line + 1 if e.problem_mark else "?"
-    if (e.problem or "").startswith("duplicate key"):
-      raise UserError(f"config file '{path}' has a {e.problem} (line {line}); each key may "
-                      "appear once per section") from None
-    raise UserError(f"config file '{path}' line {line}: {e.problem} (a config holds plain "
-                    "values only: no !!python or other tags)") from None
-  except yaml.YAMLError as e:
-    line = getattr(getattr(e, "problem_mark", None), "line", None)
-    where = f" (line {line + 1})" if line is not None else ""
-    raise UserError(f"config file '{path}' is not valid YAML{where}") from None
-  if not isinstance(data, dict):
-    raise UserError(f"config file '{path}' must hold a mapping of keys, not {type(data).__name__}")
-  return data
-
-
-def read_file(path) -> dict:
-  """A YAML mapping from a file, with the bounds of a config file (a run's saved config.yml)."""
-  return _read_yaml(Path(path))
-
-
-def _load_bounded(text: str, what: str):
-  """yaml.load with _UniqueKeyLoader, refusing a document whose values, aliases expanded,
-  number more than MAX_YAML_VALUES (counted on the node graph before anything is built);
-  `what` names the text in that error."""
-  loader = _UniqueKeyLoader(text)
-  try:
-    node = loader.get_single_node()
-    if node is None:
-      return None
-    count, todo = 0, [node]
-    while todo:  # aliases are shared nodes: each visit is one value of the expanded document
-      n = todo.pop()
-      count += 1
-      if count > MAX_YAML_VALUES:
-        raise UserError(f"{what} expands to more than {MAX_YAML_VALUES:,} values (YAML "
-                        "aliases nested in one another?); a config holds a few hundred")
-      if isinstance(n, yaml.SequenceNode):
-        todo.extend(n.value)
-      elif isinstance(n, yaml.MappingNode):
-        todo.extend(v for kv in n.value for v in kv)
-    return loader.construct_document(node)
-  finally:
-    loader.dispose()
+MAX_BASE_DEPTH = 32  # a chain of base: files deeper than this is refused
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -151,7 +41,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def _schema() -> dict:
-  return _flatten(_read_yaml(SCHEMA_PATH))
+  return _flatten(config_file.read(SCHEMA_PATH))
 
 
 def _unknown_key(key: str, known) -> UserError:
@@ -215,7 +105,7 @@ def coerce(key: str, value, default):
   if kind is list:
     if isinstance(value, str):
       try:
-        value = _load_bounded(value, f"the value of {key}")
+        value = config_file.parse(value, f"the value of {key}")
       except yaml.YAMLError:
         raise bad("a YAML list") from None
     if isinstance(value, list):
@@ -235,7 +125,7 @@ def _file_chain(path: Path) -> list:
       raise UserError(f"config file '{seen[0]}' has a chain of 'base:' files more than "
                       f"{MAX_BASE_DEPTH} deep")
     seen.append(path)
-    flat = _flatten(_read_yaml(path))
+    flat = _flatten(config_file.read(path))
     parent = flat.pop("base", "") or ""
     if not isinstance(parent, str):
       raise UserError(f"config key 'base' in '{path}' must be a file path")
@@ -305,38 +195,49 @@ def get(cfg, key: str):
   return sections.plain(node)
 
 
+def key_rules() -> dict:
+  """{dotted key or section: (rule, ...)}: the rules stated beside each key in the schema
+  (`# [>0 int32 resume-ok]` opening its comment in configs/base.yml)."""
+  return config_file.rules(str(SCHEMA_PATH))
+
+
+_BOUND = re.compile(r">(?P<equal>=?)(?P<low>-?\d+)")
+_BOUND_WORDS = {(">", 0): "must be positive", (">=", 0): "must not be negative"}
+
+
+def check_rule(key: str, value, rule: str) -> None:
+  """UserError when `value` of `key` breaks one of its rules (see configs/base.yml's header)."""
+  if rule == "resume-ok":
+    return
+  if isinstance(value, dict):
+    raise ValueError(f"{SCHEMA_PATH}: rule '{rule}' of section '{key}' (a bound needs a number)")
+  if rule == "int32":
+    if value >= 2**31:
+      raise UserError(f"{key}={value} is too large (at most {2**31 - 1})")
+    return
+  bound = _BOUND.fullmatch(rule)
+  if not bound:
+    raise ValueError(f"{SCHEMA_PATH}: unknown rule '{rule}' of {key}")
+  low, op = int(bound["low"]), ">" + bound["equal"]
+  if value < low or value == low and op == ">":
+    words = f"must be {'at least' if op == '>=' else 'more than'} {low}"
+    raise UserError(f"{key}={value} {_BOUND_WORDS.get((op, low), words)}")
+
+
 def validate(cfg) -> None:
-  """Checks of values and of keys across sections; each section's own choices and rules are
-  checked by the module that owns them (nanotext.wiring.check calls those)."""
-  for key in POSITIVE:
-    if get(cfg, key) <= 0:
-      raise UserError(f"{key}={get(cfg, key)} must be positive")
-  for key in NON_NEGATIVE:
-    if get(cfg, key) < 0:
-      raise UserError(f"{key}={get(cfg, key)} must not be negative")
-  for key in INT32:
-    if get(cfg, key) >= 2**31:
-      raise UserError(f"{key}={get(cfg, key)} is too large (at most {2**31 - 1})")
-  for key in AUTO_CHUNKS:
-    if get(cfg, key) < -1:
-      raise UserError(f"{key}={get(cfg, key)} must be -1 (auto), 0 (whole rows) or positive")
+  """Each key's own rules (beside it in base.yml), then rules between keys; each section's
+  choices and rules are checked by the module that owns them (nanotext.wiring.check calls
+  those)."""
+  for key, rules in key_rules().items():
+    for rule in rules:
+      check_rule(key, get(cfg, key), rule)
   t, m = cfg.train, cfg.model
-  if 0 < t.loss_chunk < t.seq_len and t.seq_len % t.loss_chunk:
-    raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide train.seq_len={t.seq_len}")
-  eval_len = t.eval_seq_len or t.seq_len
-  if 0 < t.eval_loss_chunk < eval_len and eval_len % t.eval_loss_chunk:
-    raise UserError(f"train.eval_loss_chunk={t.eval_loss_chunk} does not divide the validation "
-                    f"rows' {eval_len} tokens (train.eval_seq_len, or train.seq_len if 0)")
   if t.batch_size % t.grad_accum:
     raise UserError(f"train.batch_size={t.batch_size} is not divisible by "
                     f"train.grad_accum={t.grad_accum}")
   if m.max_seq_len and m.max_seq_len < t.seq_len:
     raise UserError(f"model.max_seq_len={m.max_seq_len} is shorter than train.seq_len="
                     f"{t.seq_len}")
-  if cfg.profile.start_step < -1:
-    raise UserError(f"profile.start_step={cfg.profile.start_step} must be a step >= 0 or -1 (off)")
-  if cfg.checkpoint.keep < 1:
-    raise UserError(f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
 
 
 def misaligned_dims(model_cfg) -> list:
@@ -394,7 +295,7 @@ def typed(cfg, schema: dict | None = None) -> sections.Section:
   """The frozen typed object of a config (ConfigDict or nested dict); fields from `schema`
   (default configs/base.yml), so adding a key to base.yml adds it here."""
   values = cfg if isinstance(cfg, dict) else cfg.to_dict()
-  return sections.build(_read_yaml(SCHEMA_PATH) if schema is None else schema, values)
+  return sections.build(config_file.read(SCHEMA_PATH) if schema is None else schema, values)
 
 
 def to_yaml(cfg) -> str:
@@ -416,7 +317,8 @@ def run_identity_diff(old: dict, new: dict) -> list:
   A key only one side has was added to (or removed from) nanotext between the two: not a change
   of the run (a resume takes the key's value from here on)."""
   a, b = _flatten(old), _flatten(new)
+  free = [k for k, rules in key_rules().items() if "resume-ok" in rules]
   def ignored(k):
-    return any(k == p or k.startswith(p + ".") for p in RUN_IDENTITY_IGNORES)
+    return any(k == p or k.startswith(p + ".") for p in free)
   return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) & set(b))
           if not ignored(k) and a.get(k) != b.get(k)]

@@ -107,9 +107,8 @@ def main(argv) -> None:
     raise UserError(f"output_dir is required; {USAGE}")
   out = args.pop("output_dir")
   rundir.check_no_glob(os.path.abspath(out), "output_dir")
+  rundir.check_run_dir(out, "output_dir")
   cfg_path = os.path.join(out, "config.yml")
-  if not os.path.isfile(cfg_path):
-    raise UserError(f"output_dir '{out}' holds no config.yml (is it a nanotext run directory?)")
   step = int(config.coerce("step", args.pop("step", "-1"), 0))
   if step < -1:
     raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, or leave it out "

@@ -4,7 +4,7 @@ compiles (nanotext.memory_plan compares it with the devices and picks remat and 
 Parameters, optimizer state, gradients and the batch are exact: the abstract model's and
 optimizer's shapes under mesh.rules. Activations come from the model too, traced abstractly (no
 compilation, no allocation) at one device's rows: the train step's are what the backward pass of
-`trainer.loss_fn` saves under the remat policy and loss chunk; the eval step's, the most that is
+`model.loss.loss_fn` saves under the remat policy and loss chunk; the eval step's, the most that is
 alive at once in its forward pass. A fusing compiler (GPU, TPU) materialises only values made by
 matmuls, reductions, gathers, kernels, and values that several ops read; chains of elementwise
 ops are recomputed where used. The CPU compiler keeps what JAX saves, in float32 for 16-bit math,
@@ -100,9 +100,10 @@ class Model:
   def __init__(self, cfg, backend: str, mesh_sizes: dict):
     import jax
     from jax.sharding import PartitionSpec as P
-    from nanotext import optim, sharding, wiring
+    from nanotext import optim, sharding
+    from nanotext.model.gpt import abstract_model
     self.cfg, self.backend, self.mesh_sizes = cfg, backend, dict(mesh_sizes)
-    self.graphdef, abstract, self.impl = wiring.abstract_model(cfg, backend)
+    self.graphdef, abstract, self.impl = abstract_model(cfg, backend)
     rules = sharding.parse_rules(cfg.mesh.rules)
     self.params = abstract.to_pure_dict()
     specs = sharding.param_specs(abstract).to_pure_dict()
@@ -152,7 +153,8 @@ class Model:
   def _trace(self, remat: str, chunk: int) -> dict:
     import jax
     import jax.numpy as jnp
-    from nanotext import trainer, window_schedule
+    from nanotext import window_schedule
+    from nanotext.model.loss import loss_fn
     cfg = replace(self.cfg, model={"remat": remat})
     graphdef = self.traced_model(remat)
     windows = window_schedule.step_windows(cfg, cfg.train.steps)  # the widest: the last stage
@@ -160,8 +162,7 @@ class Model:
     per_row = cfg.train.loss_reduction == "row_sum"
 
     def loss(params, inputs, targets):
-      return trainer.loss_fn(graphdef, params, inputs, targets, eot, windows, chunk,
-                             per_row=per_row)
+      return loss_fn(graphdef, params, inputs, targets, eot, windows, chunk, per_row=per_row)
     tokens = jax.ShapeDtypeStruct((self.rows, cfg.train.seq_len), jnp.int32)
     out = {"block": 0.0, "loss": 0.0, "other": 0.0, "kernel": 0.0}
     residuals = saved_residuals(loss, self.params, tokens, tokens)
@@ -182,10 +183,10 @@ class Model:
     if self.impl not in FLASH_KERNELS and (remat == self.cfg.model.remat or remat == "none"
                                            and self.cfg.model.remat == "auto"):
       return self.graphdef
-    from nanotext import wiring
+    from nanotext.model.gpt import abstract_model
     impl = "blocked" if self.impl in FLASH_KERNELS else self.cfg.attention.impl
     cfg = replace(self.cfg, model={"remat": remat}, attention={"impl": impl})
-    return wiring.abstract_model(cfg, self.backend)[0]
+    return abstract_model(cfg, self.backend)[0]
 
   def flash_residuals(self, rows: int, length: int) -> float:
     """What a flash-style kernel keeps over all layers: output and float32 log-sum-exp."""
@@ -264,14 +265,15 @@ class Model:
     from the traced program (the attention kernel's scores included)."""
     import jax
     import jax.numpy as jnp
-    from nanotext import trainer, window_schedule
+    from nanotext import window_schedule
+    from nanotext.model.loss import loss_fn
     rows, length = self.eval_rows, self.eval_len
     if ("eval", chunk) not in self._traces:
       windows = window_schedule.step_windows(self.cfg, self.cfg.train.steps)
       eot = 0 if self.cfg.attention.doc_mask else None
       tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32)
       graphdef = self.traced_model(self.cfg.model.remat)
-      closed = jax.make_jaxpr(lambda p, x, y: trainer.loss_fn(
+      closed = jax.make_jaxpr(lambda p, x, y: loss_fn(
           graphdef, p, x, y, eot, windows, chunk, train=False))(self.params, tokens, tokens)
       flash = self.impl in FLASH_KERNELS  # traced as blocked: its work inside is not theirs
       self._traces[("eval", chunk)] = peak_live(

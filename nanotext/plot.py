@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 from nanotext.errors import UserError, os_error, run_cli
-from nanotext import probes
+from nanotext import probes, rundir
 
 USAGE = "usage: python -m nanotext.plot RUN_DIR [RUN_DIR ...] --out=FILE.png [--title=TEXT]"
 
@@ -24,13 +24,8 @@ def read_run(run_dir: str) -> dict:
 
   A line that is not a metrics row (not UTF-8, not JSON, a step that is not a finite integer,
   a loss that is not a number; a run still writing its last line) is skipped and counted."""
+  rundir.check_run_dir(run_dir, "run directory", holds="metrics.jsonl")
   path = os.path.join(run_dir, "metrics.jsonl")
-  if os.path.isfile(run_dir):
-    raise UserError(f"'{run_dir}' is a file, not a run directory (give the output_dir of a run)")
-  if not os.path.isdir(run_dir):
-    raise UserError(f"run directory '{run_dir}' does not exist")
-  if not os.path.isfile(path):
-    raise UserError(f"'{run_dir}' holds no metrics.jsonl (is it the output_dir of a run?)")
   train, val, skipped = {}, {}, []
   try:
     with open(path, "rb") as f:
@@ -79,9 +74,9 @@ def _metrics_row(raw: bytes):
 
 def _tokens_per_step(run_dir: str) -> int | None:
   """train.batch_size * train.seq_len from the run's config.yml; None if unreadable."""
-  from nanotext import config
+  from nanotext import config_file
   try:
-    t = config.read_file(os.path.join(run_dir, "config.yml"))["train"]
+    t = config_file.read(os.path.join(run_dir, "config.yml"))["train"]
     return int(t["batch_size"]) * int(t["seq_len"])
   except (UserError, KeyError, TypeError, ValueError, OverflowError):
     return None

@@ -1,30 +1,20 @@
-"""The run directory as a safe place: one run at a time, overwrite as a transaction, quarantine.
+"""The run directory's facts and moves: which paths can hold a run, whether it holds this run,
+the overwrite transaction, and quarantine. `session.Session` puts them in order for one run.
 
 - `check_run`: the same run resumes (another mesh or device count included); a different one
   needs overwrite=true; a run already past train.steps is refused.
-- `Lock`: `output_dir/.lock` names the pid and host of the run that holds it; a second run is
-  refused, a lock left by a killed run (its pid gone, or reused by a younger process) is taken over.
 - Overwrite: the previous run's files are moved into `output_dir/.overwritten/` and deleted only
   once the new run has a checkpoint on disk (`commit`); until then any failure, or a kill followed
   by the next start, moves them back (`roll_back` / `recover`).
 - Damaged checkpoint steps are moved to `output_dir/damaged/`, never deleted.
-- `fingerprint`: names, sizes and a cheap hash of the training shards, saved with each step, so a
-  resume on data that changed is noticed.
-- `StartUp`: what a run's start changed in output_dir, put back when it is stopped before its
-  first step (there is nothing to save then).
 """
 
-import datetime
-import json
 import os
 import shutil
-import socket
 import time
-import zlib
 
-from nanotext.errors import UserError, os_error
+from nanotext.errors import UserError
 
-LOCK = ".lock"
 ASIDE = ".overwritten"  # the previous run while an overwrite is not yet committed
 COMMITTED = "COMMITTED"  # written into ASIDE once the new run has a checkpoint: delete ASIDE
 DAMAGED = "damaged"
@@ -57,6 +47,18 @@ def is_step_name(name: str) -> bool:
   return name.isascii() and name.isdigit()
 
 
+def check_run_dir(path: str, what: str, holds: str = "config.yml",
+                  kind: str = "a run's output_dir") -> None:
+  """UserError unless `path` (the value of `what`) is a folder holding the file `holds`: the one
+  check of the tools that read a run directory (convert, generate, plot; the HF folder alike)."""
+  if os.path.isfile(path):
+    raise UserError(f"{what} '{path}' is a file; give {kind}")
+  if not os.path.isdir(path):
+    raise UserError(f"{what} '{path}' does not exist")
+  if not os.path.isfile(os.path.join(path, holds)):
+    raise UserError(f"{what} '{path}' holds no {holds}: is it {kind}?")
+
+
 def check_output_dir_path(out: str) -> str:
   """The absolute output_dir, refused (UserError) when it cannot hold a run."""
   if not out or not out.strip():
@@ -77,127 +79,15 @@ def check_output_dir_path(out: str) -> str:
   return path
 
 
-def _start_time(pid: int):
-  """The kernel's start time of `pid` (to tell a reused pid from the lock holder), or None."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return int(f.read().rsplit(")", 1)[1].split()[19])
-  except (OSError, ValueError, IndexError):
-    return None
-
-
-def _alive(holder: dict) -> bool:
-  """Whether the run that wrote a lock may still be running (another host: assume it is)."""
-  if holder.get("host") != socket.gethostname():
-    return True
-  pid = holder.get("pid")
-  if not isinstance(pid, int):
-    return False
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # another user's process
-    return True
-  started = holder.get("start_time")
-  return started is None or _start_time(pid) in (None, started)
-
-
-class Lock:
-  """Exclusive use of output_dir for the life of a run (process 0 of a multi-process run)."""
-
-  def __init__(self, out: str):
-    self.out, self.path, self.held = out, os.path.join(out, LOCK), False
-
-  def __enter__(self):
-    self.acquire()
-    return self
-
-  def __exit__(self, *exc):
-    self.release()
-
-  def acquire(self) -> None:
-    try:
-      os.makedirs(self.out, exist_ok=True)
-    except OSError as e:
-      raise UserError(f"cannot create output_dir '{self.out}': {e.strerror}") from None
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "start_time": _start_time(os.getpid()),
-          "since": datetime.datetime.now().isoformat(timespec="seconds")}
-    for _ in range(3):
-      try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-      except FileExistsError:
-        self._take_over_if_stale()
-        continue
-      except IsADirectoryError:
-        raise UserError(f"'{self.path}' is a directory, not a nanotext lock: move it out of "
-                        "output_dir") from None
-      except OSError as e:
-        raise os_error(e, f"cannot write to output_dir '{self.out}'") from None
-      try:
-        with os.fdopen(fd, "w") as f:
-          f.write(json.dumps(me))
-      except OSError as e:  # a full disk: the empty lock must not outlive this run
-        os.remove(self.path)
-        raise os_error(e, f"cannot write '{self.path}'") from None
-      self.held = True
-      return
-    raise UserError(f"output_dir '{self.out}' is being locked by another run right now")
-
-  def _take_over_if_stale(self) -> None:
-    if os.path.isdir(self.path) and not os.path.islink(self.path):
-      raise UserError(f"'{self.path}' is a directory, not a nanotext lock: move it out of "
-                      "output_dir")
-    try:
-      with open(self.path, encoding="utf-8", errors="replace") as f:
-        text = f.read(4096)
-      age = time.time() - os.path.getmtime(self.path)
-    except FileNotFoundError:
-      return  # released meanwhile: try again
-    except OSError as e:
-      raise os_error(e, f"cannot read the lock '{self.path}'") from None
-    try:
-      holder = json.loads(text)
-    except ValueError:
-      holder = None
-    holder = holder if isinstance(holder, dict) else None
-    if holder is None and age < 10:  # being written this instant by another run
-      holder = {"host": "?", "pid": "?", "since": "just now"}
-    if holder is not None and _alive(holder):
-      raise UserError(f"output_dir '{self.out}' is in use by another run (pid {holder.get('pid')}"
-                      f" on {holder.get('host')}, since {holder.get('since')}); wait for it to "
-                      f"end or choose another output_dir (if that run is gone, delete "
-                      f"'{self.path}')")
-    # A killed run's lock: move it out of the way; of two runs racing here only one rename wins.
-    try:
-      os.rename(self.path, f"{self.path}.stale-{os.getpid()}")
-      os.remove(f"{self.path}.stale-{os.getpid()}")
-    except FileNotFoundError:
-      pass
-    except OSError as e:
-      raise os_error(e, f"cannot take over the stale lock '{self.path}'") from None
-
-  def release(self) -> None:
-    if not self.held:
-      return
-    self.held = False
-    try:
-      with open(self.path) as f:
-        if json.loads(f.read()).get("pid") == os.getpid():
-          os.remove(self.path)
-    except (OSError, ValueError, AttributeError):
-      pass
-
-
 def check_run(cfg, out: str) -> bool:
   """Refuse an output_dir that holds a different run unless overwrite=true, or a run already
   past train.steps; True when the previous run is to be replaced (set aside, then deleted)."""
-  from nanotext import config
+  from nanotext import config, config_file
   path = os.path.join(out, "config.yml")
   if not os.path.lexists(path):
     return False
   try:
-    old = config.read_file(path)
+    old = config_file.read(path)
   except UserError as e:
     if cfg.overwrite:
       return True
@@ -283,128 +173,3 @@ def quarantine(out: str, step: int) -> str:
   os.makedirs(os.path.dirname(dst), exist_ok=True)
   os.replace(src, dst)
   return dst
-
-
-def _cheap_hash(path: str, size: int, chunk: int = 1 << 16) -> str:
-  """crc32 of a file's first and last 64 KiB: catches replaced shards without reading them all."""
-  with open(path, "rb") as f:
-    crc = zlib.crc32(f.read(chunk))
-    if size > chunk:
-      f.seek(max(chunk, size - chunk))
-      crc = zlib.crc32(f.read(chunk), crc)
-  return f"{crc:08x}"
-
-
-def fingerprint(data_cfg) -> list:
-  """[[name, size, hash]] of the training files its source names ([] for one without files)."""
-  from nanotext.data import registry
-  files = registry.get(data_cfg.source).files
-  out = []
-  for path in files(data_cfg, "train") if files else []:
-    try:
-      size = os.path.getsize(path)
-      out.append([os.path.basename(path), size, _cheap_hash(path, size)])
-    except OSError as e:
-      raise UserError(f"cannot read training shard '{path}': {e.strerror}") from None
-  return out
-
-
-def fingerprint_change(old: list, new: list) -> str:
-  """'' when equal, else what changed between two fingerprints, in a few words."""
-  a, b = {n: (s, h) for n, s, h in old}, {n: (s, h) for n, s, h in new}
-  for name in sorted(set(a) | set(b)):
-    if name not in b:
-      return f"shard '{name}' is gone"
-    if name not in a:
-      return f"shard '{name}' is new"
-    if a[name] != b[name]:
-      return f"shard '{name}' changed (size {a[name][0]} -> {b[name][0]} bytes)" \
-          if a[name][0] != b[name][0] else f"shard '{name}' changed (same size, other contents)"
-  return ""
-
-
-class StartUp:
-  """What a run's start changes in output_dir, put back by `undo` when it is stopped before its
-  first step: the directory itself, checkpoints/ and tb/ when new, config.yml (bytes and time),
-  metrics.jsonl (length and time); with an overwrite, the previous run moved back.
-
-  Taken before the lock. Repairs made meanwhile stay made: a damaged step moved to damaged/,
-  an interrupted earlier overwrite finished or rolled back, leftovers of a killed save removed.
-  """
-
-  KEEP = "keep"  # a file that could not be read: left alone
-
-  def __init__(self, out: str):
-    self.out, self.existed = out, os.path.isdir(out)
-    self.had = {n: os.path.lexists(os.path.join(out, n)) for n in ("checkpoints", "tb")}
-    self.config = self._read(os.path.join(out, "config.yml"), whole=True)
-    self.metrics = self._read(os.path.join(out, "metrics.jsonl"), whole=False)
-    self.tb_files = set(self._files(os.path.join(out, "tb")))
-
-  @staticmethod
-  def _read(path: str, whole: bool):
-    """(bytes or size, mtime_ns) of a file; None when absent, KEEP when it cannot be read."""
-    if not os.path.lexists(path):
-      return None
-    try:
-      st = os.stat(path)
-      if whole:
-        if st.st_size > 1 << 20:  # not a config this run could have written: leave it be
-          return StartUp.KEEP
-        with open(path, "rb") as f:
-          return f.read(), st.st_mtime_ns
-      return st.st_size, st.st_mtime_ns
-    except OSError:
-      return StartUp.KEEP
-
-  @staticmethod
-  def _files(root: str) -> list:
-    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
-
-  def undo(self, set_aside: bool) -> None:
-    """Put output_dir back as it was (best effort: every step is tried, none raises)."""
-    out = self.out
-    steps = [lambda: roll_back(out)] if set_aside else [
-        lambda: self._put_back(os.path.join(out, "config.yml"), self.config, whole=True),
-        lambda: self._put_back(os.path.join(out, "metrics.jsonl"), self.metrics, whole=False),
-        self._undo_tb]
-    if not self.had["checkpoints"]:
-      steps.append(lambda: os.rmdir(os.path.join(out, "checkpoints")))  # only when still empty
-    for step in steps:
-      try:
-        step()
-      except OSError:
-        pass
-
-  def _put_back(self, path: str, saved, whole: bool) -> None:
-    if saved == self.KEEP:
-      return
-    if saved is None:
-      if os.path.lexists(path):
-        os.remove(path)
-      return
-    content, mtime = saved
-    if whole:
-      if self._read(path, whole=True) != saved:
-        with open(path + ".restore", "wb") as f:
-          f.write(content)
-        os.replace(path + ".restore", path)
-    elif os.path.getsize(path) != content:
-      os.truncate(path, content)
-    os.utime(path, ns=(mtime, mtime))
-
-  def _undo_tb(self) -> None:
-    tb = os.path.join(self.out, "tb")
-    for f in self._files(tb):
-      if f not in self.tb_files:
-        os.remove(f)
-    if not self.had["tb"] and os.path.isdir(tb):
-      shutil.rmtree(tb)
-
-  def remove_if_new(self) -> None:
-    """Remove output_dir again if this run created it and it is empty (after the lock went)."""
-    if not self.existed:
-      try:
-        os.rmdir(self.out)
-      except OSError:
-        pass

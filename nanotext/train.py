@@ -4,7 +4,6 @@ Thin on purpose: config -> mesh -> state -> data -> loop. Overrides can also be 
 flags: `--config=CONFIG --set=train.steps=50 --set=model.num_layers=2`.
 """
 
-import contextlib
 import os
 import time
 
@@ -53,10 +52,10 @@ def run(path: str, overrides, log=print, started: float | None = None):
 
   `started` (a time.perf_counter()) is where the start-up line's clock starts; default now.
   """
-  started = time.perf_counter() if started is None else started
   import jax
-  from nanotext import checkpoint, distributed, memory_plan, probes, rundir, wiring
-  from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
+  from nanotext import checkpoint, distributed, memory_plan, wiring
+  from nanotext.data.fingerprint import fingerprint
+  from nanotext.session import Session
   from nanotext.watch import Preemption, StartupClock
 
   clock = StartupClock(started)
@@ -74,82 +73,47 @@ def run(path: str, overrides, log=print, started: float | None = None):
   run_ = wiring.from_config(cfg, prefer=memory_plan.saved_choice(cfg.output_dir), checked=True)
   run_.memory.require("train", "eval")  # every run validates at its end
   cfg = run_.cfg
-  # Everything above and the data below is only read: a mistake found here changes nothing.
-  out = rundir.check_output_dir_path(cfg.output_dir)
+  # Everything up to `session.open` is only read: a mistake found there changes nothing.
+  session = Session(cfg, log)
   clock.lap("config")
   check_sample(cfg)
   train_iter, val_local = run_.train_iter(), run_.val_batches()
-  fingerprint = rundir.fingerprint(cfg.data)
+  data_fingerprint = fingerprint(cfg.data)
   clock.lap("data")
-  is_main = jax.process_index() == 0
-  start, lock, replace = rundir.StartUp(out), rundir.Lock(out), False
-
-  def stopped_early(signame: str) -> str:  # in the signal handler, before the first step
-    if lock.held:
-      start.undo(replace)
-      lock.release()
-      start.remove_if_new()
-    return (f"stopped by {signame} before the first step: nothing to save, output_dir "
-            f"'{cfg.output_dir}' is as it was")
-
   # Signals: before the first step they stop the run at once (output_dir put back); from then
   # on they only set a flag, and the loop saves and stops (the final save included).
-  with Preemption(cfg.train.log_every, on_early_stop=stopped_early) as preemption, \
-      contextlib.ExitStack() as stack:
-    with preemption.deferred():  # output_dir changes as a whole before a signal acts
-      if is_main:
-        stack.callback(start.remove_if_new)  # after the lock goes: a new dir left empty goes
-        stack.enter_context(lock)
-        rundir.recover(out, log)
-      replace = rundir.check_run(cfg, out)
-      if replace and is_main:
-        rundir.set_aside(out)
-      if is_main:  # every write the run will make, tried before it compiles
-        probes.run_outputs(cfg, out, state_bytes(run_))
-    if jax.process_count() > 1:  # nobody reads output_dir while process 0 changes it
-      from jax.experimental import multihost_utils
-      multihost_utils.sync_global_devices("nanotext: output_dir ready")
+  with Preemption(cfg.train.log_every, on_early_stop=session.stop_early) as preemption, \
+      session.open(preemption, state_bytes(run_)), \
+      checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep,
+                              async_save=cfg.checkpoint["async"], fingerprint=data_fingerprint,
+                              on_confirmed=session.confirmed) as manager:
     log(f"model: {run_.num_params:,} parameters | {sharding_summary(run_)} | "
         f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens/step")
     log(run_.memory.line())
-    manager = checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep,
-                                      async_save=cfg.checkpoint["async"])
-    manager.fingerprint = fingerprint
-    if replace and is_main:  # the new run has a checkpoint: the old one can go
-      manager.on_confirmed = lambda step: rundir.commit(out)
     clock.lap("output_dir")
-    try:
-      result = _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock)
-    except BaseException:
-      checkpoint.close(manager)  # waits for earlier saves without hiding this error
-      if is_main and not preemption.training:  # failed before its first step: put it all back
-        start.undo(replace)
-      elif is_main and replace and not rundir.has_checkpoint(out):
-        rundir.roll_back(out)
-      else:
-        replace = False
-      if replace:
-        log(f"restored the previous run in {out}")
-      raise
-    manager.close()
-  if result.preempted or preemption.received:
-    return result
+    result = _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock)
+  if not (result.preempted or preemption.received):
+    report(run_, cfg, result, log)
+  return result
+
+
+def report(run_, cfg, result, log) -> None:
+  """After a run that went to its end: whether it reached train.target_val_loss, a sample."""
+  from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
   target = cfg.train.target_val_loss
   if target:
     reached = result.val_loss <= target
     log(f"target val_loss <= {target}: {'reached' if reached else 'not reached'} "
         f"(final val_loss {result.val_loss:.4f})")
-  vocab = known_vocab_size(cfg.data.tokenizer)
-  if vocab is not None and cfg.sample.max_new_tokens:
-    try:
-      tokenizer = get_tokenizer(cfg.data.tokenizer)
-    except UserError as e:  # e.g. tiktoken offline: the run itself succeeded
-      logging.warning("no sample: %s", e)
-    else:
-      text = sample_text(run_.graphdef, result.state["params"], cfg, tokenizer,
-                         cfg.sample.prompt)
-      log(f"sample: {cfg.sample.prompt}{text}")
-  return result
+  if known_vocab_size(cfg.data.tokenizer) is None or not cfg.sample.max_new_tokens:
+    return
+  try:
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+  except UserError as e:  # e.g. tiktoken offline: the run itself succeeded
+    logging.warning("no sample: %s", e)
+    return
+  text = sample_text(run_.graphdef, result.state["params"], cfg, tokenizer, cfg.sample.prompt)
+  log(f"sample: {cfg.sample.prompt}{text}")
 
 
 def check_sample(cfg) -> None:
@@ -173,8 +137,8 @@ def state_bytes(run_) -> int:
 def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
   """Initial state, then the loop, then the wait for the last save (the run's end)."""
   import jax
-  from nanotext import checkpoint, config, metrics, trainer, wiring
-  from nanotext.data.tokenizer import val_bytes_per_token
+  from nanotext import checkpoint, config, loop, metrics, trainer, wiring
+  from nanotext.data.pipeline import val_bytes_per_token
   start = wiring.initial_state(run_, manager, log)
   clock.lap("state")
   skipped = 0
@@ -188,10 +152,10 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
   clock.lap("output_dir")
   val = [trainer.global_batch(run_, b) for b in val_local]
   try:
-    result = trainer.train(run_, start.state, train_iter, val, writer=writer, manager=manager,
-                           start_step=start.step, config_dict=cfg.to_dict(), log=log,
-                           skipped_steps=skipped, preemption=preemption,
-                           bytes_per_token=val_bytes_per_token(cfg.data, val_local), clock=clock)
+    result = loop.train(run_, start.state, train_iter, val, writer=writer, manager=manager,
+                        start_step=start.step, config_dict=cfg.to_dict(), log=log,
+                        skipped_steps=skipped, preemption=preemption,
+                        bytes_per_token=val_bytes_per_token(cfg.data, val_local), clock=clock)
     checkpoint.wait(manager)  # the run is not over until its last save is on disk
   finally:
     writer.close()

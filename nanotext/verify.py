@@ -14,7 +14,7 @@ import time
 
 # jax, numpy and orbax are imported inside the functions: a Ctrl-C while they load (seconds)
 # is then caught by run_cli and ends in one line, not a traceback.
-from nanotext import rundir
+from nanotext import lock, rundir
 from nanotext.errors import UserError, run_cli
 
 USAGE = "usage: python -m nanotext.verify OUTPUT_DIR"
@@ -58,11 +58,11 @@ def _gone(where: str, wait_s: float = 2.0) -> bool:
 def running(out: str) -> str:
   """'pid N on HOST' of a run that holds output_dir's lock now, else ''."""
   try:
-    with open(os.path.join(out, rundir.LOCK)) as f:
+    with open(os.path.join(out, lock.LOCK)) as f:
       holder = json.loads(f.read())
   except (OSError, ValueError):
     return ""
-  if not isinstance(holder, dict) or not rundir._alive(holder):  # pylint: disable=protected-access
+  if not isinstance(holder, dict) or not lock.alive(holder):
     return ""
   return f"pid {holder.get('pid')} on {holder.get('host')}"
 

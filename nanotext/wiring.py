@@ -18,9 +18,9 @@ from jax.experimental import multihost_utils
 from nanotext import (checkpoint, config, memory_plan, metrics, optim, rundir, sharding, watch,
                       window_schedule)
 from nanotext.errors import UserError
-from nanotext.model import attention, count_params, GPT, gpt
-from nanotext.model.kernels.dispatch import resolve_impl
+from nanotext.model import attention, count_params, GPT, gpt, loss
 from nanotext.data import pipeline, registry
+from nanotext.data.fingerprint import fingerprint_change
 from nanotext.data.prepare import default_dir
 from nanotext.data.tokenizer import known_vocab_size, resolve_eot_id
 
@@ -104,6 +104,7 @@ def check(cfg):
   """Each module checks its own section: choices and the rules between its keys."""
   gpt.check_config(cfg.model, cfg.attention)
   attention.check_config(cfg.attention)
+  loss.check_config(cfg.train)
   optim.check_config(cfg.optim)
   pipeline.check_config(cfg.data)
   watch.check_config(cfg.train)
@@ -179,7 +180,7 @@ def for_sampling(cfg, devices, *, checked=False) -> tuple:
   cfg = config.finalize(cfg, mesh_sizes={a: 1 for a in sharding.MESH_AXES},
                         peak_flops=metrics.default_peak_flops(devices), data_dir=default_dir(),
                         tokenizer_vocab=tokenizer_vocab(cfg.data))
-  graphdef, abstract, _ = abstract_model(cfg, devices[0].platform)
+  graphdef, abstract, _ = gpt.abstract_model(cfg, devices[0].platform)
   return cfg, graphdef, abstract.to_pure_dict()
 
 
@@ -210,7 +211,7 @@ def build(cfg, mesh) -> Run:
   backend = mesh.devices.flat[0].platform
   rules = sharding.parse_rules(cfg.mesh.rules)
   eot_id = doc_mask_eot(cfg) if cfg.attention.doc_mask else None
-  graphdef, abstract, impl = abstract_model(cfg, backend)
+  graphdef, abstract, impl = gpt.abstract_model(cfg, backend)
   check_divisible(cfg, abstract, rules)
   specs = sharding.param_specs(abstract).to_pure_dict()
   tx = optim.make_optimizer(cfg.optim, optim.group_labels(abstract), cfg.train.steps)
@@ -231,17 +232,6 @@ def check_divisible(cfg, abstract, rules) -> None:
   dims += sharding.param_dims(abstract, sizes, gpt.table_sizes(cfg.model))
   mesh_sizes = {a: cfg.mesh[a] for a in sharding.MESH_AXES}
   sharding.check_divisible(dims, rules, mesh_sizes)
-
-
-def abstract_model(cfg, backend: str):
-  """(graphdef, abstract parameter State, attention kernel) of cfg's model on `backend`."""
-  impl = resolve_impl(cfg.attention.impl, backend, head_dim=cfg.model.head_dim,
-                      seq_len=cfg.train.seq_len, window=cfg.attention.window,
-                      block_windows=cfg.attention.block_windows,
-                      doc_mask=cfg.attention.doc_mask)
-  graphdef, abstract = nnx.split(nnx.eval_shape(
-      lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(cfg.seed))))  # no arrays
-  return graphdef, abstract, impl
 
 
 def doc_mask_eot(cfg) -> int:
@@ -315,7 +305,7 @@ def check_data_unchanged(cfg, integrity, step: int, fingerprint) -> None:
   saved = (integrity or {}).get("data")
   if saved is None or fingerprint is None or cfg.data.allow_changed:  # unknown: e.g. converted
     return
-  change = rundir.fingerprint_change(saved, fingerprint)
+  change = fingerprint_change(saved, fingerprint)
   if change:
     raise UserError(f"the training data changed since the checkpoint of step {step} ({change}): "
                     "a resume would not see the batches it would have seen. Restore the data, or "

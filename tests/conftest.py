@@ -41,6 +41,13 @@ TINY = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.he
         "checkpoint.every=0"]
 
 
+def train_command(pause: str | None = None) -> list:
+  """The train CLI, or with `pause` ("STEP:MARKER") tests/pause_in_save.py holding that save."""
+  if not pause:
+    return [sys.executable, "-m", "nanotext.train"]
+  return [sys.executable, os.path.join(REPO, "tests", "pause_in_save.py"), *pause.split(":", 1)]
+
+
 def mesh_sizes(**sizes) -> dict:
   """Every mesh axis (sharding.MESH_AXES) at size 1 but the named ones: tests name only the axes
   they use, so adding a mesh axis changes none of them."""

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import nan_poison
-from conftest import BASE, REPO, TINY
+from conftest import BASE, REPO, TINY, train_command
 from nanotext import checkpoint, trainer, wiring
 from nanotext.errors import UserError
 from nanotext.train import run
@@ -60,16 +60,12 @@ def steps_on_disk(out) -> list:
 
 def start(out, devices: int, pause: str | None = None):
   """`python -m nanotext.train` in the background, stdout and stderr to out.log; `pause`
-  "STEP:MARKER" makes the save of STEP write MARKER and wait (checkpoint.PAUSE_ENV)."""
+  "STEP:MARKER" makes the save of STEP write MARKER and wait (tests/pause_in_save.py)."""
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS="cpu")
-  env.pop(checkpoint.PAUSE_ENV, None)
-  if pause:
-    env[checkpoint.PAUSE_ENV] = pause
   log = open(f"{out}.log", "ab")
-  return subprocess.Popen([sys.executable, "-m", "nanotext.train", BASE, *RESUME,
-                           f"output_dir={out}"], cwd=REPO, env=env, stdout=log,
-                          stderr=subprocess.STDOUT)
+  return subprocess.Popen(train_command(pause) + [BASE, *RESUME, f"output_dir={out}"], cwd=REPO,
+                          env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for(proc, condition, what: str, timeout: float = 120):

@@ -331,6 +331,30 @@ def test_a_key_added_to_base_yml_is_typed_with_no_other_edit(tmp_path, monkeypat
   assert cfg.to_dict()["model"]["new_list"] == [1, 2]
 
 
+def test_every_rule_beside_a_key_is_known_and_on_a_key_of_the_schema():
+  """A typo in a `# [...]` rule of base.yml fails here, not in some user's run."""
+  defaults = config.load(BASE)
+  rules = config.key_rules()
+  assert rules["train.steps"] == (">0", "int32", "resume-ok") and rules["mesh"] == ("resume-ok",)
+  for key, key_rules in rules.items():
+    for rule in key_rules:
+      config.check_rule(key, config.get(defaults, key), rule)  # ValueError if unknown
+
+
+def test_a_key_added_to_base_yml_with_rules_is_checked_with_no_other_edit(tmp_path, monkeypatch):
+  text = open(BASE, encoding="utf-8").read().replace(
+      "\ntrain:\n", "\ntrain:\n  new_count: 3  # [>=1 int32 resume-ok] a new counter\n", 1)
+  write(tmp_path / "base.yml", text)
+  monkeypatch.setattr(config, "SCHEMA_PATH", tmp_path / "base.yml")
+  path = str(tmp_path / "base.yml")
+  with pytest.raises(UserError, match="train.new_count=0 must be at least 1"):
+    config.load(path, ["train.new_count=0"])
+  with pytest.raises(UserError, match=r"train.new_count=2147483648 is too large"):
+    config.load(path, [f"train.new_count={2**31}"])
+  old, new = (config.load(path, [f"train.new_count={n}"]).to_dict() for n in (3, 4))
+  assert config.run_identity_diff(old, new) == []  # resume-ok: a resume may change it
+
+
 def test_typed_config_round_trips_and_pickles():
   cfg = finalize()
   assert config.typed(cfg.to_dict()) == cfg and pickle.loads(pickle.dumps(cfg)) == cfg

@@ -12,6 +12,7 @@ from safetensors.numpy import load_file
 
 from conftest import BASE, SPEEDRUN, TINY, extra, run_cli
 from nanotext import config, train, wiring
+from nanotext.model import gpt
 from nanotext.convert import from_hf, load_params, params_only, to_hf
 from nanotext.convert.common import load_run
 from nanotext.errors import UserError
@@ -32,7 +33,7 @@ quiet = lambda *a, **k: None
 
 def nanotext_logits(run_dir, params, tokens):
   cfg = config.load(os.path.join(run_dir, "config.yml"))
-  graphdef = wiring.abstract_model(cfg, "cpu")[0]
+  graphdef = gpt.abstract_model(cfg, "cpu")[0]
   return np.asarray(nnx.merge(graphdef, params)(tokens))
 
 

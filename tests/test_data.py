@@ -346,11 +346,10 @@ class _NpySource:
 
 
 def test_a_registered_source_is_checked_opened_and_fingerprinted(tmp_path, monkeypatch):
-  """A source added from outside pipeline.py and rundir.py: its keys are checked, its files
+  """A source added from outside pipeline.py and fingerprint.py: its keys are checked, its files
   fingerprinted for resume, its splits opened and its text flag honoured, all via the registry."""
-  from nanotext import rundir
-  from nanotext.data import pipeline, registry
-  from nanotext.data.tokenizer import val_bytes_per_token
+  from nanotext.data import fingerprint, pipeline, registry
+  from nanotext.data.pipeline import val_bytes_per_token
   np.save(tmp_path / "train.npy", np.arange(200))
   np.save(tmp_path / "val.npy", np.arange(500, 600))
 
@@ -366,10 +365,10 @@ def test_a_registered_source_is_checked_opened_and_fingerprinted(tmp_path, monke
     pipeline.check_config(data_cfg(source="npy", dir=""))
   cfg = data_cfg(source="npy", dir=str(tmp_path), tokenizer="shakespeare")
   pipeline.check_config(cfg)
-  first = rundir.fingerprint(cfg)
+  first = fingerprint.fingerprint(cfg)
   assert [name for name, _, _ in first] == ["train.npy"]
   np.save(tmp_path / "train.npy", np.arange(1, 201))
-  assert "train.npy' changed" in rundir.fingerprint_change(first, rundir.fingerprint(cfg))
+  assert "train.npy' changed" in fingerprint.fingerprint_change(first, fingerprint.fingerprint(cfg))
 
   cfg.shuffle = False
   batch = next(make_train_iter(cfg, seq_len=10, batch_size=2, seed=0))

@@ -2,8 +2,8 @@
 starts, failed overwrites. Every case ends bitwise equal to an uninterrupted run, or refused with
 one line; no file of an earlier complete step is ever lost.
 
-A kill lands inside a save deterministically: checkpoint.PAUSE_ENV makes the trainer write a
-marker file and wait while that step is still under its temporary name.
+A kill lands inside a save deterministically: tests/pause_in_save.py runs the CLI with the save
+of one step held (a marker file written) while that step is still under its temporary name.
 """
 
 import hashlib
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import BASE, REPO, TINY, one_line_error, run_cli
+from conftest import BASE, REPO, TINY, one_line_error, run_cli, train_command
 from nanotext import checkpoint
 from nanotext.errors import UserError
 from nanotext.train import run
@@ -97,14 +97,10 @@ def copy_of(reference, tmp_path) -> str:
 
 def start(out, *extra, pause_at=None):
   """`python -m nanotext.train` in the background; with pause_at, it waits inside that save."""
-  env = dict(os.environ)
   marker = f"{out}.marker"
-  if pause_at is not None:
-    env[checkpoint.PAUSE_ENV] = f"{pause_at}:{marker}"
   log = open(f"{out}.log", "ab")
-  proc = subprocess.Popen([sys.executable, "-m", "nanotext.train", BASE, *ARGS,
-                           f"output_dir={out}", *extra], cwd=REPO, env=env, stdout=log,
-                          stderr=log)
+  proc = subprocess.Popen(train_command(pause_at and f"{pause_at}:{marker}") + [
+      BASE, *ARGS, f"output_dir={out}", *extra], cwd=REPO, stdout=log, stderr=log)
   if pause_at is not None:
     deadline = time.time() + 300
     while not os.path.exists(marker):

@@ -261,12 +261,13 @@ def test_a_failure_before_the_first_step_puts_output_dir_back(reference, tmp_pat
   """Bad input found after the start-up writes (a damaged checkpoint.load_params_from, read
   after the lock and the probes) leaves no new output_dir behind."""
   src = copy_of(reference, tmp_path)
+  # Every array file cut short: bytes written into the middle of them hit only the optimizer
+  # state in some save layouts (load_params reads the parameters alone), and nothing failed.
   for victim in array_files(os.path.join(src, "checkpoints", "6")):
     with open(victim, "r+b") as f:
-      f.seek(os.path.getsize(victim) // 2)
-      f.write(b"\xde\xad\xbe\xef" * 64)
+      f.truncate(1)
   out = tmp_path / "new"
-  with pytest.raises(UserError, match="checkpoint .*/6' is damaged"):
+  with pytest.raises(UserError, match="checkpoint .*/6'.* damaged"):
     quiet_run(str(out), f"checkpoint.load_params_from={src}")
   assert not out.exists()
 

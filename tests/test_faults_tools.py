@@ -19,7 +19,7 @@ from conftest import BASE, REPO, TINY
 from test_cli_errors import snapshot
 from test_faults import ARGS, array_files, assert_one_error_line, copy_of, make_reference
 from test_faults_startup import immutable, train_cli
-from nanotext import checkpoint, config, generate, verify, wiring
+from nanotext import checkpoint, config, config_file, generate, verify, wiring
 
 reference = pytest.fixture(scope="module", name="reference")(make_reference)
 
@@ -35,7 +35,7 @@ def cli(*args, env=None, shell=""):
 def with_tokenizer(out):
   """The run at `out` relabelled as Shakespeare-tokenized (TINY has none), so generate gets past
   its prompt check; the model's 512 rows are enough for the ids of a short prompt."""
-  cfg = config.read_file(os.path.join(out, "config.yml"))
+  cfg = config_file.read(os.path.join(out, "config.yml"))
   cfg["data"]["tokenizer"] = "shakespeare"
   with open(os.path.join(out, "config.yml"), "w") as f:
     yaml.safe_dump(cfg, f)

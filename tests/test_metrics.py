@@ -12,6 +12,7 @@ from tensorboardX.proto import event_pb2
 
 from conftest import BASE, TINY
 from nanotext import config, metrics, wiring
+from nanotext.model import gpt
 
 
 def read_jsonl(path):
@@ -115,7 +116,7 @@ def test_flops_per_token_matches_the_model_weights():
   """The matmul count equals the 2-D linear weights of the real (untied) model."""
   cfg = wiring.finalize(config.load(BASE, TINY + ["model.tie_embeddings=false"]),
                         jax.devices()[:1])
-  _, abstract, _ = wiring.abstract_model(cfg, "cpu")
+  _, abstract, _ = gpt.abstract_model(cfg, "cpu")
   flat = jax.tree_util.tree_leaves_with_path(abstract.to_pure_dict())
   matmul = sum(int(np.prod(v.shape)) for path, v in flat
                if "kernel" in jax.tree_util.keystr(path))

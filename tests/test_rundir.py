@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import BASE, TINY
-from nanotext import checkpoint, config, rundir, sharding, window_schedule
-from nanotext.data import binfile, pipeline
+from nanotext import checkpoint, config, lock, rundir, sharding, window_schedule
+from nanotext.data import binfile, fingerprint, pipeline
 from nanotext.errors import UserError
 
 
@@ -26,10 +26,10 @@ def dead_pid() -> int:
 
 
 def test_a_second_lock_is_refused_and_released_locks_are_gone(tmp_path):
-  with rundir.Lock(str(tmp_path)):
+  with lock.Lock(str(tmp_path)):
     with pytest.raises(UserError, match=r"in use by another run \(pid \d+ on "):
-      rundir.Lock(str(tmp_path)).acquire()
-  assert not os.path.exists(tmp_path / rundir.LOCK)
+      lock.Lock(str(tmp_path)).acquire()
+  assert not os.path.exists(tmp_path / lock.LOCK)
 
 
 @pytest.mark.parametrize("holder, stale", [
@@ -39,14 +39,14 @@ def test_a_second_lock_is_refused_and_released_locks_are_gone(tmp_path):
     (lambda: {"pid": 1, "host": "another-host"}, False),
 ])
 def test_stale_locks_are_taken_over_by_pid_and_host(tmp_path, holder, stale):
-  (tmp_path / rundir.LOCK).write_text(json.dumps(holder()))
-  lock = rundir.Lock(str(tmp_path))
+  (tmp_path / lock.LOCK).write_text(json.dumps(holder()))
+  held = lock.Lock(str(tmp_path))
   if stale:  # a killed run's lock (pid gone, or the pid reused by a younger process)
-    with lock:
-      assert json.loads((tmp_path / rundir.LOCK).read_text())["pid"] == os.getpid()
+    with held:
+      assert json.loads((tmp_path / lock.LOCK).read_text())["pid"] == os.getpid()
   else:
     with pytest.raises(UserError, match="in use by another run"):
-      lock.acquire()
+      held.acquire()
 
 
 @pytest.mark.parametrize("make, needle", [
@@ -64,7 +64,7 @@ def test_output_dirs_that_cannot_hold_a_run(tmp_path, make, needle):
 def test_an_output_dir_that_cannot_be_created(tmp_path):
   (tmp_path / "file").write_text("")
   with pytest.raises(UserError, match="cannot create output_dir"):
-    rundir.Lock(str(tmp_path / "file" / "run")).acquire()
+    lock.Lock(str(tmp_path / "file" / "run")).acquire()
 
 
 def fake_run(out, tag: str, steps=(2,)) -> None:
@@ -126,13 +126,13 @@ def test_fingerprint_notices_deleted_and_rewritten_shards(tmp_path):
   for i in range(2):
     binfile.write_shard(str(tmp_path / f"train_{i}.bin"), np.arange(3000) % 500)
   cfg = config.load(BASE, TINY + ["data.source=bin", f"data.train_files={tmp_path}/train_*.bin"])
-  first = rundir.fingerprint(cfg.data)
-  assert len(first) == 2 and rundir.fingerprint_change(first, rundir.fingerprint(cfg.data)) == ""
+  first = fingerprint.fingerprint(cfg.data)
+  assert len(first) == 2 and fingerprint.fingerprint_change(first, fingerprint.fingerprint(cfg.data)) == ""
   binfile.write_shard(str(tmp_path / "train_1.bin"), np.arange(3000)[::-1] % 500)
-  assert "train_1.bin' changed (same size" in rundir.fingerprint_change(
-      first, rundir.fingerprint(cfg.data))
+  assert "train_1.bin' changed (same size" in fingerprint.fingerprint_change(
+      first, fingerprint.fingerprint(cfg.data))
   os.remove(tmp_path / "train_1.bin")
-  assert "train_1.bin' is gone" in rundir.fingerprint_change(first, rundir.fingerprint(cfg.data))
+  assert "train_1.bin' is gone" in fingerprint.fingerprint_change(first, fingerprint.fingerprint(cfg.data))
 
 
 def test_the_data_position_carries_over_to_another_process_count():

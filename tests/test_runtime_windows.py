@@ -12,7 +12,7 @@ import pytest
 
 from conftest import BASE, REPO, TINY
 from test_attention import forward_and_grads, inputs, kernel, max_errors, SCALE
-from nanotext import trainer, window_schedule, wiring
+from nanotext import programs, trainer, window_schedule, wiring
 from nanotext.model.kernels.dispatch import RUNTIME_WINDOW_IMPLS, takes_runtime_window
 from nanotext.train import run
 
@@ -131,14 +131,14 @@ def test_record_schedule_steps_equal_the_per_stage_programs(monkeypatch):
   val = trainer.global_batch(r, r.val_batches()[0])
   state = r.init_state()
   copy = lambda s: jax.tree.map(jnp.copy, s)
-  live = trainer.compile_train_steps(r, state, batches[0], steps, log=lambda s: None)
+  live = programs.compile_train_steps(r, state, batches[0], steps, log=lambda s: None)
   dones = window_schedule.eval_points(cfg.train)
   evals = {"live": window_schedule.eval_plan(cfg, dones, True)}
-  monkeypatch.setattr(trainer, "takes_runtime_window", lambda impl: False)
-  static = trainer.compile_train_steps(r, state, batches[0], steps, log=lambda s: None)
+  monkeypatch.setattr(programs, "takes_runtime_window", lambda impl: False)
+  static = programs.compile_train_steps(r, state, batches[0], steps, log=lambda s: None)
   evals["static"] = window_schedule.eval_plan(cfg, dones, False)
   assert (len(live), len(static)) == (1, 4)
-  progs = {k: trainer.compile_programs(r, "eval", p, (state["params"], val), lambda s: None)
+  progs = {k: programs.compile_programs(r, "eval", p, (state["params"], val), lambda s: None)
            for k, p in evals.items()}
   assert (len(progs["live"]), len(progs["static"])) == (1, 2)
   for step, batch in zip(steps, batches):

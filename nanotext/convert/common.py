@@ -16,14 +16,8 @@ from nanotext import probes, rundir
 def load_run(run: str, step: int = -1):
   """(config, step, params as numpy) of a run directory's newest (or given) checkpoint."""
   from nanotext import checkpoint, config
-  if os.path.isfile(run):
-    raise UserError(f"--run '{run}' is a file; give the run directory (a run's output_dir)")
-  if not os.path.isdir(run):
-    raise UserError(f"run directory '{run}' does not exist")
-  cfg_path = os.path.join(run, "config.yml")
-  if not os.path.isfile(cfg_path):
-    raise UserError(f"run directory '{run}' holds no config.yml (is it a nanotext run directory?)")
-  cfg = config.load(cfg_path)
+  rundir.check_run_dir(run, "--run")
+  cfg = config.load(os.path.join(run, "config.yml"))
   step, params = checkpoint.latest_params(run, step)
   return cfg, step, jax.device_get(params)
 

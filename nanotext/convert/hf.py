@@ -15,7 +15,7 @@ from nanotext.convert.common import (check_out, load_run, per_layer, require, st
 from nanotext.convert.hf_tokenizer import generation_config, special_ids, write_tokenizer
 from nanotext.errors import UserError
 from nanotext.trees import fill, flatten
-from nanotext.rundir import check_no_glob
+from nanotext.rundir import check_no_glob, check_run_dir
 
 LN_EPS = 1e-5  # nanotext's LayerNorm epsilon (layers.Norm); GPT-2's layer_norm_epsilon too
 # HF activations equal to jax.nn.gelu's default (approximate=True, the tanh form).
@@ -50,9 +50,7 @@ def _shared_names() -> dict:
 # from-hf
 
 def _read_hf_config(hf: str) -> dict:
-  path = os.path.join(hf, "config.json")
-  if not os.path.isfile(path):
-    raise UserError(f"'{hf}' holds no config.json (is it a Hugging Face model directory?)")
+  path = os.path.join(hf, "config.json")  # read_hf checked it is there
   try:
     with open(path) as f:
       c = json.load(f)
@@ -149,10 +147,7 @@ def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   """
   from nanotext import config
   check_no_glob(os.path.abspath(out), "--out")  # orbax writes its checkpoint there
-  if os.path.isfile(hf):
-    raise UserError(f"--hf '{hf}' is a file; give the Hugging Face model directory holding it")
-  if not os.path.isdir(hf):
-    raise UserError(f"Hugging Face directory '{hf}' does not exist")
+  check_run_dir(hf, "--hf", holds="config.json", kind="a Hugging Face model directory")
   check_out(os.path.abspath(out), force=force, protect=(hf,))
   c = _read_hf_config(hf)
   flat = _hf_to_flat(c, _read_hf_tensors(hf))

@@ -5,10 +5,9 @@ import numpy as np
 from absl import flags
 
 from nanotext.data import registry
-from nanotext.data.sources import SyntheticSource
 from nanotext.errors import UserError
 from nanotext import config
-from nanotext.data.tokenizer import NAMES
+from nanotext.data.tokenizer import NAMES, bytes_per_token, get_tokenizer
 
 DEFAULT_VOCAB = 8192
 # Elements are whole batches, so a short prefetch queue keeps memory small and still hides I/O.
@@ -52,7 +51,7 @@ def make_train_iter(data_cfg, *, seq_len: int, batch_size: int, seed: int,
     raise UserError(f"training data holds no sequence of {seq_len + 1} tokens "
                     f"({source!r}): add data or lower train.seq_len")
   ds = grain.MapDataset.source(source)
-  if data_cfg.shuffle and not isinstance(source, SyntheticSource):  # Synthetic: already random.
+  if data_cfg.shuffle and not registry.get(data_cfg.source).shuffled:
     ds = ds.shuffle(seed=seed)  # Followed by repeat: a fresh permutation every epoch.
   ds = ds.repeat(None)
   # Every process sees the same global order and keeps its own stride of it: disjoint data.
@@ -86,3 +85,13 @@ def make_val_batches(data_cfg, *, seq_len: int, batch_size: int, num_batches: in
         f"or {length_key}")
   ds = grain.MapDataset.source(source)[:n * global_batch][process_index::process_count]
   return list(ds.batch(batch_size, drop_remainder=True).map(_split_batch))
+
+
+def val_bytes_per_token(data_cfg, batches) -> float | None:
+  """bytes_per_token of data.tokenizer over validation batches; None when it cannot tell."""
+  if data_cfg.tokenizer == "none" or not registry.get(data_cfg.source).text:
+    return None
+  try:
+    return bytes_per_token(get_tokenizer(data_cfg.tokenizer), batches)
+  except UserError:  # e.g. tiktoken offline: train on, with val_loss only
+    return None

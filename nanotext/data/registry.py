@@ -1,7 +1,7 @@
 """The data sources by name: each says in one place how to check its keys, which files to
 fingerprint on resume, whether its tokens are text, and how to open a split.
 
-`pipeline` (config checks, opening) and `rundir.fingerprint` (resume checks) read this table, so
+`pipeline` (config checks, opening) and `fingerprint` (resume checks) read this table, so
 a new source is one `register(Source(...))` beside its class.
 """
 
@@ -24,12 +24,14 @@ class Source:
   """One data source. `open(data_cfg, split, *, seq_len, seed, vocab_size, group, max_tokens)`
   returns a random-access window source for split 'train' or 'val'; `files(data_cfg, split)` the
   paths to fingerprint (None: nothing to check on resume); `check` raises UserError for missing
-  or contradictory data.* keys; `text` is False where the ids are not tokenized text (no bpb)."""
+  or contradictory data.* keys; `text` is False where the ids are not tokenized text (no bpb);
+  `shuffled` is True where its windows come in random order already (the pipeline keeps it)."""
   name: str
   open: Callable
   check: Callable = _no_check
   files: Callable | None = None
   text: bool = True
+  shuffled: bool = False
 
 
 SOURCES: dict[str, Source] = {}
@@ -120,4 +122,4 @@ def _open_synthetic(data_cfg, split, *, seq_len, seed, vocab_size, group, max_to
 register(Source("shakespeare", _shards(_shakespeare_files), files=_shakespeare_files))
 register(Source("bin", _shards(_bin_files), check=_check_bin, files=_bin_files))
 register(Source("tfds", _open_tfds, check=_check_tfds))  # no files of ours to fingerprint
-register(Source("synthetic", _open_synthetic, text=False))
+register(Source("synthetic", _open_synthetic, text=False, shuffled=True))

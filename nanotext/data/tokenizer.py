@@ -112,17 +112,6 @@ def bytes_per_token(tokenizer, batches) -> float | None:
   return total / targets.size if total else None
 
 
-def val_bytes_per_token(data_cfg, batches) -> float | None:
-  """bytes_per_token of data.tokenizer over validation batches; None when it cannot tell."""
-  from nanotext.data import registry
-  if data_cfg.tokenizer == "none" or not registry.get(data_cfg.source).text:
-    return None
-  try:
-    return bytes_per_token(get_tokenizer(data_cfg.tokenizer), batches)
-  except UserError:  # e.g. tiktoken offline: train on, with val_loss only
-    return None
-
-
 def train_tokenizer(texts, vocab_size: int = SHAKESPEARE_VOCAB):
   """Train a GPT-2-style byte-level BPE on `texts`; returns a `tokenizers.Tokenizer`."""
   tok = HFTok(models.BPE())

@@ -10,6 +10,7 @@ from nanotext.errors import UserError
 from nanotext.window_schedule import layer_windows
 from nanotext.model.attention import CausalSelfAttention
 from nanotext.model.head_loss import head_loss_sum
+from nanotext.model.kernels.dispatch import resolve_impl
 from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul, init_array,
                                    lookup, param, proj_std, scaled_sum, weight_std)
 
@@ -38,8 +39,6 @@ def check_config(m, attn_cfg=None) -> None:
   if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
     raise UserError(f"model.no_attention_layers={layers!r} must be a list of 0-based layer "
                     "indices (non-negative integers)")
-  if m.value_embeds < 0:
-    raise UserError(f"model.value_embeds={m.value_embeds} must not be negative")
   head_dim = m.head_dim or m.d_model // m.num_heads
   if m.value_embeds and m.num_heads * head_dim != m.d_model:
     raise UserError(f"model.value_embeds={m.value_embeds} adds [vocab, d_model] tables to v, so it "
@@ -75,6 +74,17 @@ def check_scan(m, attn_cfg) -> None:
   if bad:
     raise UserError(f"model.scan_layers=true needs identical blocks; these make layers differ: "
                     f"{', '.join(bad)} (turn them off or set model.scan_layers=false)")
+
+
+def abstract_model(cfg, backend: str):
+  """(graphdef, abstract parameter State, attention kernel) of cfg's model on `backend`."""
+  impl = resolve_impl(cfg.attention.impl, backend, head_dim=cfg.model.head_dim,
+                      seq_len=cfg.train.seq_len, window=cfg.attention.window,
+                      block_windows=cfg.attention.block_windows,
+                      doc_mask=cfg.attention.doc_mask)
+  graphdef, abstract = nnx.split(nnx.eval_shape(
+      lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(cfg.seed))))  # no arrays
+  return graphdef, abstract, impl
 
 
 def logical_sizes(m, train_cfg) -> dict:

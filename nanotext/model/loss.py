@@ -1,9 +1,41 @@
-"""Next-token cross-entropy, whole or in sequence chunks that never hold [B, T, V] logits at once."""
+"""Next-token cross-entropy of a model, whole or in sequence chunks that never hold [B, T, V]
+logits at once: `loss_fn` (what the train and eval steps and the memory estimate trace)."""
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from nanotext import sharding
+from nanotext.errors import UserError
+from nanotext.model.kernels.masks import segment_ids_from_tokens
+
+
+def check_config(t) -> None:
+  """The train section's loss chunks divide the rows they cut (train.loss_chunk the training
+  rows, train.eval_loss_chunk the validation rows)."""
+  if 0 < t.loss_chunk < t.seq_len and t.seq_len % t.loss_chunk:
+    raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide train.seq_len={t.seq_len}")
+  eval_len = t.eval_seq_len or t.seq_len
+  if 0 < t.eval_loss_chunk < eval_len and eval_len % t.eval_loss_chunk:
+    raise UserError(f"train.eval_loss_chunk={t.eval_loss_chunk} does not divide the validation "
+                    f"rows' {eval_len} tokens (train.eval_seq_len, or train.seq_len if 0)")
+
+
+def loss_fn(graphdef, params, inputs_BT, targets_BT, eot_id=None, windows=None, chunk=0,
+            train=True, per_row=False, runtime_windows=None):
+  """Next-token cross-entropy (the mean; with `per_row`, each row's sum averaged over rows);
+  with `eot_id`, attention stays within documents.
+
+  `windows`: per-layer sliding windows (static ints) of one schedule stage; None = the final ones.
+  `runtime_windows`: int32 [layers], the windows applied (`windows` then their static bounds).
+  `chunk`: train.loss_chunk (0 = the whole sequence's logits at once). `train=False`: evaluation
+  (no FP8 head).
+  """
+  segments_BT = None if eot_id is None else segment_ids_from_tokens(inputs_BT, eot_id)
+  model = nnx.merge(graphdef, params)
+  x_BTD = model.hidden(inputs_BT, segments_BT, windows, runtime_windows)
+  with jax.named_scope("loss"):
+    return cross_entropy(model, x_BTD, targets_BT, chunk, train, per_row)
 
 
 def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True,

@@ -1,0 +1,116 @@
+"""A config file read safely: UTF-8 text, one YAML mapping of plain values (no tags), no key given
+twice, and bounds that keep a hostile file (an alias bomb, a huge file) to one line; and the
+schema's rules, read from the `# [rule ...]` opening a key's comment (`rules`)."""
+
+import functools
+import re
+from pathlib import Path
+
+import yaml
+
+from nanotext.errors import UserError
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """A SafeLoader that refuses a key given twice in one mapping (YAML's default: last wins)."""
+
+  def construct_mapping(self, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=deep)
+      if key in seen:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"duplicate key '{key}'", key_node.start_mark)
+      seen.add(key)
+    return super().construct_mapping(node, deep)
+
+
+# A config is a few kilobytes; these bounds keep a hostile file (a YAML alias bomb, a huge file)
+# to one line instead of minutes of work and a MemoryError.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000
+
+
+def read(path) -> dict:
+  """The mapping in a config file (a run's saved config.yml included); UserError, one line, for
+  anything else."""
+  path = Path(path)
+  if not path.exists():
+    raise UserError(f"config file '{path}' does not exist")
+  if not path.is_file():
+    raise UserError(f"config path '{path}' is not a file")
+  try:
+    if path.stat().st_size > MAX_YAML_BYTES:
+      raise UserError(f"config file '{path}' is {path.stat().st_size:,} bytes, more than a config "
+                      f"can be ({MAX_YAML_BYTES:,})")
+    with open(path, encoding="utf-8") as f:
+      data = parse(f.read(MAX_YAML_BYTES + 1), f"config file '{path}'") or {}
+  except UnicodeDecodeError as e:
+    raise UserError(f"config file '{path}' is not UTF-8 text (byte {e.start})") from None
+  except OSError as e:
+    raise UserError(f"cannot read config file '{path}': {e.strerror}") from None
+  except yaml.constructor.ConstructorError as e:
+    line = e.problem_mark.line + 1 if e.problem_mark else "?"
+    if (e.problem or "").startswith("duplicate key"):
+      raise UserError(f"config file '{path}' has a {e.problem} (line {line}); each key may "
+                      "appear once per section") from None
+    raise UserError(f"config file '{path}' line {line}: {e.problem} (a config holds plain "
+                    "values only: no !!python or other tags)") from None
+  except yaml.YAMLError as e:
+    line = getattr(getattr(e, "problem_mark", None), "line", None)
+    where = f" (line {line + 1})" if line is not None else ""
+    raise UserError(f"config file '{path}' is not valid YAML{where}") from None
+  if not isinstance(data, dict):
+    raise UserError(f"config file '{path}' must hold a mapping of keys, not {type(data).__name__}")
+  return data
+
+
+def parse(text: str, what: str):
+  """yaml.load with _UniqueKeyLoader, refusing a document whose values, aliases expanded,
+  number more than MAX_YAML_VALUES (counted on the node graph before anything is built);
+  `what` names the text in that error."""
+  loader = _UniqueKeyLoader(text)
+  try:
+    node = loader.get_single_node()
+    if node is None:
+      return None
+    count, todo = 0, [node]
+    while todo:  # aliases are shared nodes: each visit is one value of the expanded document
+      n = todo.pop()
+      count += 1
+      if count > MAX_YAML_VALUES:
+        raise UserError(f"{what} expands to more than {MAX_YAML_VALUES:,} values (YAML "
+                        "aliases nested in one another?); a config holds a few hundred")
+      if isinstance(n, yaml.SequenceNode):
+        todo.extend(n.value)
+      elif isinstance(n, yaml.MappingNode):
+        todo.extend(v for kv in n.value for v in kv)
+    return loader.construct_document(node)
+  finally:
+    loader.dispose()
+
+
+_KEY_LINE = re.compile(r"(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<rest>.*)")
+_RULES = re.compile(r"\[(?P<rules>[^\]]*)\]")
+
+
+@functools.lru_cache(maxsize=None)
+def rules(path) -> dict:
+  """{dotted key or section: (rule, ...)} of a schema file, from the `# [rule ...]` opening a
+  key's comment (the file's own lines: YAML drops comments). Keys nest by indentation."""
+  out, parents = {}, []
+  for line in Path(path).read_text(encoding="utf-8").splitlines():
+    m = _KEY_LINE.fullmatch(line)
+    if not m:
+      continue
+    indent = len(m["indent"])
+    while parents and parents[-1][0] >= indent:
+      parents.pop()
+    key = ".".join([k for _, k in parents] + [m["key"]])
+    value, _, comment = m["rest"].partition(" #")
+    if not value.strip():  # a section, or a list on the lines below
+      parents.append((indent, m["key"]))
+    found = _RULES.match(comment.lstrip())
+    if found:
+      out[key] = tuple(found["rules"].split())
+  return out

@@ -1,0 +1,41 @@
+"""Test helper: hold one checkpoint save while its step is still under its temporary name.
+
+`python tests/pause_in_save.py STEP MARKER CONFIG [key=value ...]` runs
+`python -m nanotext.train CONFIG [key=value ...]` in this process; the save of STEP writes MARKER
+(this pid) and waits, up to a minute or until MARKER.go exists, so a test's signal or kill lands
+inside a save without polling for it. The production save carries no hook: the data item's
+handler is wrapped from here.
+"""
+
+import os
+import sys
+import time
+
+
+def install(step: int, marker: str) -> None:
+  """Wrap the data item's save (written by every process in every step) with the pause."""
+  from nanotext import checkpoint
+  real = checkpoint.ProcessJsonHandler.save
+
+  def save(self, directory, args):
+    real(self, directory, args)
+    if not os.path.basename(os.path.dirname(str(directory))).startswith(f"{step}."):
+      return
+    with open(marker, "w") as f:
+      f.write(str(os.getpid()))
+    deadline = time.time() + 60
+    while not os.path.exists(marker + ".go") and time.time() < deadline:
+      time.sleep(0.05)
+
+  checkpoint.ProcessJsonHandler.save = save
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  step, marker, path, *rest = sys.argv[1:]
+  install(int(step), marker)
+  from absl import app
+  from nanotext.errors import parse_flags
+  from nanotext.train import main
+  sys.argv = ["nanotext.train", path, *rest]
+  app.run(main, flags_parser=parse_flags)
