@@ -70,8 +70,8 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
     jax.block_until_ready(m)
     schedule_s = (time.perf_counter() - t0) / n
   final_exec = programs.execs[programs.plan[final]]
-  kernels = (top_kernels(step, state, trace_steps, top, hlo_ops(final_exec)) if trace_steps
-             else [])
+  kernels, gaps = (top_kernels(step, state, trace_steps, top, hlo_ops(final_exec))
+                   if trace_steps else ([], None))
   tokens = cfg.train.batch_size * cfg.train.seq_len
   flops = metrics.flops_per_token(cfg.model, final[1], final[0]) * tokens
   peak = cfg.metrics.peak_flops * jax.device_count()
@@ -82,7 +82,24 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
           "to_first_step_s": to_first_step, "step_s": step_s, "step_s_all": times,
           "schedule_step_s": schedule_s, "tokens_per_s": tokens / step_s,
           "mfu": flops / step_s / peak, "peak_flops": peak, "peak_bytes": peak_bytes(final_exec),
-          "kernels": kernels, "traced": bool(trace_steps)}
+          "kernels": kernels, "traced": bool(trace_steps), "gaps": gaps,
+          "estimate": estimate(run, final_exec)}
+
+
+def estimate(run, compiled) -> dict | None:
+  """nanotext.compile's roofline estimate of the program just timed, for the device it ran on
+  (None where the device's peaks are unknown, e.g. a CPU)."""
+  import jax
+  from nanotext import compile as nt_compile, gpus, hlo, topology
+  kind = jax.devices()[0].device_kind
+  gpu, chip = gpus.of_kind(kind), topology.chip_of_kind(kind)
+  if gpu is None and chip is None:
+    return None
+  peaks = gpu.peaks if gpu else hlo.Peaks(bf16=chip.peak_flops, bandwidth=chip.hbm_bw)
+  program = max(nt_compile.programs(run.cfg, run.impl)[:-1], key=lambda p: p[2][1])[1]
+  return hlo.inventory(compiled.as_text(), peaks, **dict(zip(
+      ("logits_elements", "logits_bytes", "vocab"), nt_compile.logits_size(run, True))),
+      custom_flops=nt_compile.attention_flops(run, program, True))
 
 
 def peak_bytes(compiled) -> int:
@@ -101,8 +118,9 @@ def hlo_ops(compiled) -> set:
   return set(re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", compiled.as_text(), re.M))
 
 
-def top_kernels(step, state, n_steps: int, top: int, ops: set) -> list:
-  """[(name, ms per step, share)] of the `top` kernels by time in a profiler trace of n steps.
+def top_kernels(step, state, n_steps: int, top: int, ops: set) -> tuple:
+  """([(name, ms per step, share)] of the `top` kernels by time in a profiler trace of n steps,
+  stream_gaps of the trace).
 
   Reads jax.profiler's perfetto trace: device kernels where the trace has a device process
   (GPU/TPU: '/device:...'), else the spans named after one of the program's instructions `ops`,
@@ -116,11 +134,37 @@ def top_kernels(step, state, n_steps: int, top: int, ops: set) -> list:
       jax.block_until_ready(m)
     files = glob.glob(os.path.join(where, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
-      return []
+      return [], None
     with gzip.open(files[0]) as f:
       events = json.load(f)
-  return kernel_table(events.get("traceEvents", events) if isinstance(events, dict) else events,
-                      n_steps, top, ops)
+  events = events.get("traceEvents", events) if isinstance(events, dict) else events
+  return kernel_table(events, n_steps, top, ops), stream_gaps(events, n_steps)
+
+
+def stream_gaps(events: list, n_steps: int) -> dict | None:
+  """{'kernels', 'busy_ms', 'gap_ms'} per step on the device's streams: kernels run, time in
+  them, and idle time between one kernel's end and the next one's start on the same stream
+  (launch overhead and host syncs: what a roofline estimate cannot see). None without device
+  streams (a CPU trace)."""
+  device = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") ==
+            "process_name" and e.get("args", {}).get("name", "").startswith("/device:")}
+  streams = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in device:
+      streams[(e["pid"], e.get("tid"))].append((float(e.get("ts", 0)), float(e.get("dur", 0))))
+  if not streams:
+    return None
+  busy = gap = count = 0.0
+  for spans in streams.values():
+    spans.sort()
+    count += len(spans)
+    busy += sum(d for _, d in spans)
+    end = spans[0][0]
+    for ts, dur in spans:
+      gap += max(0.0, ts - end)
+      end = max(end, ts + dur)
+  return {"kernels": count / n_steps, "busy_ms": busy / 1e3 / n_steps,
+          "gap_ms": gap / 1e3 / n_steps}
 
 
 def kernel_table(events: list, n_steps: int, top: int, ops: set = frozenset()) -> list:
@@ -158,6 +202,15 @@ def table(r: dict) -> str:
   rows += [("tokens/s", f"{r['tokens_per_s']:,.0f}"),
            ("MFU", f"{100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e12:,.3f} TFLOP/s"),
            ("peak memory (device 0)", gib(r["peak_bytes"]))]
+  est = r.get("estimate")
+  if est:
+    rows.append(("roofline estimate of the step (not a measurement)",
+                 f"{1e3 * est['estimate_s']:.1f} ms, {est['launches']} launches "
+                 f"({1e3 * est['estimate_s'] / r['step_s']:.0%} of the measured step)"))
+  gaps = r.get("gaps")
+  if gaps:
+    rows.append(("kernels per step (trace)", f"{gaps['kernels']:.0f}: {gaps['busy_ms']:.1f} ms "
+                 f"in kernels, {gaps['gap_ms']:.1f} ms between them"))
   rows += [(f"kernel: `{name[:60]}`", f"{ms:.2f} ms/step ({100 * share:.1f}%)")
            for name, ms, share in r["kernels"]]
   if r.get("traced") and not r["kernels"]:

@@ -57,3 +57,14 @@ def test_kernel_table_on_a_host_counts_only_the_programs_instructions():
                    {"ph": "X", "pid": 1, "tid": 1, "name": "ThunkExecutor::Execute", "dur": 9e3}]
   rows = gpu_step.kernel_table(events, n_steps=1, top=5, ops={"fusion.3", "dot.1", "while.2"})
   assert rows == [("fusion.3", 6.0, 0.75), ("dot.1", 2.0, 0.25)]
+
+
+def test_stream_gaps_are_the_idle_time_between_kernels_on_a_stream():
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}}]
+  events = meta + [{"ph": "X", "pid": 1, "tid": 7, "name": "a", "ts": 0.0, "dur": 1000.0},
+                   {"ph": "X", "pid": 1, "tid": 7, "name": "b", "ts": 1500.0, "dur": 1000.0},
+                   {"ph": "X", "pid": 1, "tid": 7, "name": "c", "ts": 4500.0, "dur": 500.0},
+                   {"ph": "X", "pid": 1, "tid": 8, "name": "d", "ts": 0.0, "dur": 500.0}]
+  assert gpu_step.stream_gaps(events, n_steps=1) == {"kernels": 4, "busy_ms": 3.0,
+                                                     "gap_ms": 2.5}
+  assert gpu_step.stream_gaps(meta[:0] + events[1:], n_steps=1) is None  # no device streams
