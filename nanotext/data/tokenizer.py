@@ -186,12 +186,15 @@ def known_vocab_size(name: str) -> int | None:
   return get_tokenizer(name).vocab_size
 
 
-def main(argv) -> None:
+USAGE = "usage: python -m nanotext.data.tokenizer --train [--vocab_size=N] [--out=FILE]"
+
+
+def main(args) -> None:
   """CLI: --train regenerates the shipped Shakespeare tokenizer.json."""
-  if len(argv) > 1:
-    raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if args:
+    raise UserError(f"unexpected arguments: {' '.join(args)}; {USAGE}")
   if not flags.FLAGS.train:
-    raise UserError("nothing to do: pass --train to regenerate the shipped tokenizer")
+    raise UserError(f"nothing to do: pass --train to regenerate the shipped tokenizer; {USAGE}")
   tok = train_tokenizer([text for _, text in load_corpus()], flags.FLAGS.vocab_size)
   out = flags.FLAGS.out or str(shipped_path())
   tok.save(out)
@@ -199,9 +202,8 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app
-  from nanotext.errors import run_cli
+  from nanotext import cli
   flags.DEFINE_bool("train", False, "train the Shakespeare BPE on the embedded corpus")
   flags.DEFINE_integer("vocab_size", SHAKESPEARE_VOCAB, "vocabulary size including <|endoftext|>")
   flags.DEFINE_string("out", "", "where to write tokenizer.json; '' = the shipped file")
-  app.run(lambda argv: run_cli(main, argv))
+  cli.run(main, USAGE, __doc__)
