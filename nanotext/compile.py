@@ -295,4 +295,4 @@ if __name__ == "__main__":
   # This process only compiles: it never opens the host's accelerators (chips a run may be using).
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   define_flags()
-  cli.run(main, USAGE, __doc__)
+  cli.run(main, USAGE, __doc__, jax=True)

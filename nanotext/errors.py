@@ -3,9 +3,11 @@ input, 1 for a missing resource, 130 for Ctrl-C."""
 
 import errno
 import os
+import resource
 import sys
 import logging as pylogging
 import threading
+import traceback
 
 from absl import flags, logging
 
@@ -58,6 +60,44 @@ def run_cli(main, argv=None) -> None:
     fail(str(e), 1)
   except KeyboardInterrupt:
     fail("interrupted", 130)
+  except Exception as e:  # pylint: disable=broad-except
+    line = backend_error(e)
+    if line:
+      fail(line)
+    line = limit_error(e)
+    if line:
+      fail(line, 1)
+    raise
+
+
+def backend_error(e: BaseException) -> str:
+  """The one line for jax failing to start its backend (JAX_PLATFORMS naming one this
+  machine lacks: cuda without a GPU, tpu without a TPU, a misspelt name), else ""."""
+  frames = [f.f_code for f, _ in traceback.walk_tb(e.__traceback__)]
+  if not any(c.co_name == "backends" and c.co_filename.endswith("xla_bridge.py") for c in frames):
+    return ""
+  why = str(e).split(" (set JAX_PLATFORMS")[0].split(" (you may need")[0]
+  why = why or "no device of that kind is visible"
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if not platforms:
+    return f"jax could not start a backend ({why}); set JAX_PLATFORMS=cpu to run on the CPU"
+  return (f"JAX_PLATFORMS={platforms}: jax cannot start that backend on this machine ({why}); "
+          "set JAX_PLATFORMS to one it has (cpu), or unset it to let jax choose")
+
+
+def limit_error(e: BaseException) -> str:
+  """The one line for a thread or allocation refused under an address-space limit
+  (`ulimit -v`), else ""."""
+  soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+  if soft == resource.RLIM_INFINITY:
+    return ""
+  refused = isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM) \
+      or (isinstance(e, RuntimeError) and "can't start new thread" in str(e))
+  if not refused:
+    return ""
+  return (f"the address-space limit (ulimit -v {soft // 1024}) refused memory or a thread "
+          f"({type(e).__name__}: {str(e)[:80]}); raise it (ulimit -v unlimited) and run again; "
+          "checkpoints already written are intact")
 
 
 def parse_flags(argv):

@@ -252,4 +252,4 @@ def _is_main() -> bool:
 
 
 if __name__ == "__main__":
-  cli.run(main, USAGE, __doc__)
+  cli.run(main, USAGE, __doc__, jax=True)

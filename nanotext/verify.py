@@ -116,4 +116,4 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
   from nanotext import cli
-  cli.run(main, USAGE, __doc__)
+  cli.run(main, USAGE, __doc__, jax=True)

@@ -42,4 +42,4 @@ if __name__ == "__main__":
   install(path, rest, int(step))
   from nanotext import cli
   from nanotext.train import USAGE, main
-  cli.run(main, USAGE, argv=["nanotext.train", path, *rest])
+  cli.run(main, USAGE, argv=["nanotext.train", path, *rest], jax=True)

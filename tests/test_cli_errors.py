@@ -172,7 +172,7 @@ def test_device_out_of_memory_is_one_line_and_status_1():
                   "def run(*a, **k):\n"
                   "  raise jax.errors.JaxRuntimeError(sys.argv[1])\n"
                   "t.run = run\n"
-                  "t.cli.run(t.main, t.USAGE, argv=['train', 'configs/base.yml'])\n")
+                  "t.cli.run(t.main, t.USAGE, argv=['train', 'configs/base.yml'], jax=True)\n")
   go = lambda msg: subprocess.run([sys.executable, "-c", raise_in_run, msg], cwd=REPO,
                                   capture_output=True, text=True, timeout=120)
   proc = go("RESOURCE_EXHAUSTED: Out of memory allocating 38730384176 bytes.")

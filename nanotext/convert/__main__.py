@@ -91,4 +91,4 @@ def main(args) -> None:
 if __name__ == "__main__":
   from nanotext import cli
   define_flags()
-  cli.run(main, USAGE, describe=describe)
+  cli.run(main, USAGE, describe=describe, jax=True)
