@@ -92,10 +92,29 @@ def parse(argv, usage: str, describe=None):
   if any(a in HELP for a in options):
     print(describe(args) if describe else usage, flush=True)
     sys.exit(0)
+  for a in args:
+    if not is_utf8(a):
+      errors.fail(f"argument '{printable(a)}' is not UTF-8 text: nanotext writes paths and text "
+                  "into UTF-8 files (config.yml, metrics.jsonl, checkpoints); rename the file "
+                  "or folder, or give the text as UTF-8")
   try:
     return flags.FLAGS([argv[0]] + undash(args))
   except flags.Error as e:
     errors.fail(f"{e}; {usage}")
+
+
+def is_utf8(text: str) -> bool:
+  """Whether `text` came from UTF-8 bytes (Python keeps other bytes as lone surrogates)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
+def printable(text: str) -> str:
+  """`text` with its non-UTF-8 bytes as \\xNN escapes."""
+  return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def undash(args) -> list:

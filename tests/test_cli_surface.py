@@ -1,9 +1,13 @@
 """Every tool's command line behaves the same (issue 27 item 7): `--help` is usage on stdout and
 exit 0, an unknown flag one `nanotext: error:` line and exit 2, dashed flag names accepted."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 # Each tool as run, and the words its usage line starts with.
 TOOLS = {
@@ -49,3 +53,33 @@ def test_dashed_flag_names():
   """`--vocab-size` is `--vocab_size` for every tool (absl itself knows one spelling)."""
   proc = run_cli("nanotext.data.tokenizer", "--vocab-size=100", "extra", timeout=120)
   assert proc.returncode == 2 and "unexpected arguments: extra" in proc.stderr, proc.stderr
+
+
+def non_utf8_args(tmp: bytes) -> dict:
+  """Each tool given a path (or a prompt) holding a byte that is not UTF-8."""
+  bad = tmp + b"/r\xffn"
+  return {"train": [b"configs/base.yml", b"output_dir=" + bad],
+          "generate": [b"output_dir=" + tmp, b"prompt=KING\xff:"],
+          "convert": [b"to-hf", b"--run=" + bad, b"--out=" + tmp + b"/o"],
+          "verify": [bad],
+          "plot": [bad, b"--out=" + tmp + b"/x.png"],
+          "compile": [b"configs/base.yml", b"output_dir=" + bad, b"--topology=v6e-8"],
+          "data.prepare": [b"--out=" + bad],
+          "data.fineweb": [b"--out=" + bad],
+          "data.tokenizer": [b"--train", b"--out=" + bad + b".json"]}
+
+
+@pytest.mark.parametrize("tool", [t for t in TOOLS if t != "convert to-hf"])
+def test_bytes_that_are_not_utf8_are_one_line_in_every_tool(tool, tmp_path):
+  """A Linux path is bytes, but config.yml, metrics.jsonl, the lock and orbax's paths are UTF-8:
+  every tool refuses such an argument the same way, before it writes anything (issue 27 item 2;
+  an output_dir was a UnicodeEncodeError traceback, a prompt a TypeError)."""
+  args = non_utf8_args(os.fsencode(tmp_path))[tool]
+  proc = subprocess.run([sys.executable, "-m", *TOOLS[tool], *args], cwd=REPO,
+                        capture_output=True, timeout=120)
+  stderr = proc.stderr.decode("utf-8", "backslashreplace")
+  assert proc.returncode == 2, stderr
+  lines = [l for l in stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), stderr
+  assert "not UTF-8" in lines[0] and "\\xff" in lines[0]
+  assert os.listdir(tmp_path) == []
