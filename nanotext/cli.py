@@ -9,6 +9,7 @@ positional arguments and runs under errors.run_cli: every failure is one line an
 import logging
 import os
 import resource
+import signal
 import sys
 
 from absl import app, flags
@@ -30,6 +31,9 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
   backend, so the environment that would make XLA abort is checked first."""
   argv = list(sys.argv if argv is None else argv)
   describe = describe or (lambda args: help_text(usage, doc))
+  # A file-size limit (ulimit -f) is then EFBIG from the write, said in one line, not a kill
+  # (Python ignores SIGXFSZ already; a launcher may have reset it).
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
   def checked_main(args):
     if jax:

@@ -17,7 +17,7 @@ import time
 from absl import flags
 
 from nanotext import window_schedule as ws, metrics, topology
-from nanotext.errors import UserError, fail
+from nanotext.errors import UserError, fail, os_error
 from nanotext.hlo import collectives
 
 
@@ -279,10 +279,12 @@ def main(args):
     raise UserError(f"--min_headroom={f.min_headroom} must be in [0, 1)")
   run, sl, recs = run_compile(args[0], args[1:], f.topology, f.programs,
                               f.min_headroom, log=lambda s: print(s, flush=True))
-  if f.json:
-    with open(f.json, "w") as out:
-      for rec in recs:
-        out.write(json.dumps(rec) + "\n")
+  if f.json:  # whole or not at all: a full disk is one line, no half-written file
+    from nanotext.data.fileio import atomic_write
+    try:
+      atomic_write(f.json, [(json.dumps(rec) + "\n").encode() for rec in recs])
+    except OSError as e:
+      raise os_error(e, f"cannot write --json '{f.json}'") from None
   ok, line = verdict(recs, sl.name, f.min_headroom)
   if not ok:
     bad = [r["name"] for r in recs if not r["fits"]]

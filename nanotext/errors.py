@@ -3,6 +3,7 @@ input, 1 for a missing resource, 130 for Ctrl-C."""
 
 import errno
 import os
+import re
 import resource
 import sys
 import logging as pylogging
@@ -32,6 +33,23 @@ def os_error(e: OSError, what: str) -> Exception:
   if e.errno in _RESOURCE_ERRNOS:
     return ResourceError(f"{what}: {reason}; free some space (or raise the limit) and run again")
   return UserError(f"{what}: {reason}")
+
+
+# How libraries that are not Python name the errno of a failed write: tensorstore (orbax),
+# Rust's std::io (safetensors, tokenizers), and an OSError's text.
+_OS_CODE = re.compile(r"os_error_code='?(\d+)|\(os error (\d+)\)|\[Errno (\d+)\]")
+
+
+def write_error(e: BaseException, what: str) -> Exception | None:
+  """The one-line error (os_error) for a write that failed with `e`, from an OSError or the
+  errno another library's error names; None when `e` names none (a bug: keep its traceback)."""
+  if isinstance(e, OSError) and e.errno is not None:
+    return os_error(e, what)
+  m = _OS_CODE.search(str(e))
+  if not m:
+    return None
+  code = int(next(g for g in m.groups() if g))
+  return os_error(OSError(code, os.strerror(code)), what)
 
 
 def fail(message: str, status: int = 2) -> None:
@@ -67,6 +85,9 @@ def run_cli(main, argv=None) -> None:
     line = limit_error(e)
     if line:
       fail(line, 1)
+    out_of_space = write_error(e, f"cannot write '{getattr(e, 'filename', None) or 'a file'}'")
+    if isinstance(out_of_space, ResourceError):  # a disk full or a size limit, in any writer
+      fail(str(out_of_space), 1)
     raise
 
 

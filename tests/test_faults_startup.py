@@ -266,7 +266,9 @@ def test_a_failure_before_the_first_step_puts_output_dir_back(reference, tmp_pat
       f.seek(os.path.getsize(victim) // 2)
       f.write(b"\xde\xad\xbe\xef" * 64)
   out = tmp_path / "new"
-  with pytest.raises(UserError, match="checkpoint .*/6' is damaged"):
+  # Whether the damage is read as a bad checksum or a failed read depends on how the async
+  # save grouped the arrays into files (timing): both are the damaged step named.
+  with pytest.raises(UserError, match="checkpoint .*/6' (is|cannot be read, it is) damaged"):
     quiet_run(str(out), f"checkpoint.load_params_from={src}")
   assert not out.exists()
 
