@@ -67,7 +67,8 @@ def fail(message: str, status: int = 2) -> None:
 def run_cli(main, argv=None) -> None:
   """Call `main(argv)`: UserError is one line and exit status 2, ResourceError one line and 1,
   Ctrl-C one line and 130 (the tools run under it only read, or write through a staging
-  folder that a kill leaves unused, so stopping anywhere loses nothing)."""
+  folder that a kill leaves unused, so stopping anywhere loses nothing). Any other error ends
+  the process too, at once, whatever threads are still running (explain)."""
   quiet_background_errors()
   drop_storage_error_logs()
   try:
@@ -79,16 +80,26 @@ def run_cli(main, argv=None) -> None:
   except KeyboardInterrupt:
     fail("interrupted", 130)
   except Exception as e:  # pylint: disable=broad-except
-    line = backend_error(e)
-    if line:
-      fail(line)
-    line = limit_error(e)
-    if line:
-      fail(line, 1)
-    out_of_space = write_error(e, f"cannot write '{getattr(e, 'filename', None) or 'a file'}'")
-    if isinstance(out_of_space, ResourceError):  # a disk full or a size limit, in any writer
-      fail(str(out_of_space), 1)
-    raise
+    fail(*explain(e))
+
+
+def explain(e: Exception) -> tuple:
+  """(one line, exit status) for an error no tool expected. A bug also gets its traceback
+  printed first (where it happened is what matters), and exits 1 like any failed run: with
+  os._exit, so threads still running (data loading, async saves, metrics) cannot keep the
+  process alive after its error, as Python's shutdown would by joining them."""
+  if backend_error(e):
+    return backend_error(e), 2
+  if limit_error(e):
+    return limit_error(e), 1
+  out_of_space = write_error(e, f"cannot write '{getattr(e, 'filename', None) or 'a file'}'")
+  if isinstance(out_of_space, ResourceError):  # a disk full or a size limit, in any writer
+    return str(out_of_space), 1
+  head = (str(e).splitlines() or [""])[0][:300]
+  if type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError"):  # XLA's runtime, not Python
+    return f"XLA failed while running a program: {head}", 1
+  traceback.print_exc()
+  return f"unexpected {type(e).__name__}: {head} (a bug: the traceback above says where)", 1
 
 
 def backend_error(e: BaseException) -> str:

@@ -167,7 +167,7 @@ def test_duplicate_keys_and_nan_rates(out, tmp_path):
 
 def test_device_out_of_memory_is_one_line_and_status_1():
   """XLA's RESOURCE_EXHAUSTED (a run too big for its devices) is a failed run, said in one line
-  that names the keys that lower memory; other runtime errors keep their traceback."""
+  that names the keys that lower memory; other failures of XLA's runtime are one line too."""
   raise_in_run = ("import sys, jax, nanotext.train as t\n"
                   "def run(*a, **k):\n"
                   "  raise jax.errors.JaxRuntimeError(sys.argv[1])\n"
@@ -180,5 +180,7 @@ def test_device_out_of_memory_is_one_line_and_status_1():
   lines = [l for l in proc.stderr.splitlines() if l.startswith("nanotext: error:")]
   assert len(lines) == 1 and "ran out of memory (Out of memory allocating 38730384176" in lines[0]
   assert "model.remat=dots" in lines[0] and "nanotext.compile" in lines[0]
-  other = go("INTERNAL: something else")
-  assert other.returncode == 1 and "Traceback" in other.stderr
+  other = go("INTERNAL: YNNPACK operation failed")  # another failure of XLA's runtime: one line
+  assert other.returncode == 1 and "Traceback" not in other.stderr, other.stderr
+  assert other.stderr.strip().splitlines()[-1] == ("nanotext: error: XLA failed while running "
+                                                   "a program: INTERNAL: YNNPACK operation failed")
