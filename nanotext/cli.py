@@ -14,7 +14,7 @@ import sys
 
 from absl import app, flags
 
-from nanotext import errors, xla_flags
+from nanotext import errors, signals, xla_flags
 
 HELP = ("-h", "-?", "-help", "--help", "--helpshort", "--helpfull")
 # Address space jax and XLA reserve before any work (thread stacks, malloc arenas, the
@@ -34,6 +34,7 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
   # A file-size limit (ulimit -f) is then EFBIG from the write, said in one line, not a kill
   # (Python ignores SIGXFSZ already; a launcher may have reset it).
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  signals.install()  # SIGTERM and Ctrl-C honoured even inside a long call into XLA
 
   def checked_main(args):
     if jax:

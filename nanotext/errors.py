@@ -12,6 +12,8 @@ import traceback
 
 from absl import flags, logging
 
+from nanotext import signals
+
 
 class UserError(Exception):
   """Bad input the user can fix (config, data, checkpoint, arguments); exit status 2."""
@@ -79,6 +81,8 @@ def run_cli(main, argv=None) -> None:
     fail(str(e), 1)
   except KeyboardInterrupt:
     fail("interrupted", 130)
+  except signals.Terminated:
+    fail("stopped by SIGTERM", 143)
   except Exception as e:  # pylint: disable=broad-except
     fail(*explain(e))
 
