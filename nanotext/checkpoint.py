@@ -19,7 +19,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from nanotext.errors import ResourceError, UserError
+from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.integrity import Damaged, checksums, name_of, record_beside, verify, verify_named
 from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
 from nanotext import probes
@@ -133,7 +133,9 @@ def wait(manager: Manager) -> None:
     manager.wait_until_finished()
     manager.check_for_errors()
   except Exception as e:  # whatever the writer raised, the run must not go on silently
-    raise CheckpointError(f"writing a checkpoint failed: {_first_line(e)}") from e
+    why = write_error(e, f"cannot write a checkpoint in '{manager.directory}'")  # the errno
+    raise CheckpointError(f"writing a checkpoint failed: {why or _first_line(e)}; the earlier "
+                          "steps are intact") from e
   step = manager.requested
   if step is None:
     return

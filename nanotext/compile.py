@@ -16,10 +16,10 @@ import os
 import re
 import time
 
-from absl import app, flags
+from absl import flags
 
 from nanotext import hlo, window_schedule as ws, metrics, topology
-from nanotext.errors import UserError, fail
+from nanotext.errors import UserError, fail, os_error
 from nanotext.hlo import collectives
 
 
@@ -345,24 +345,27 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
   return run, target, recs
 
 
-def main(argv):
-  f = flags.FLAGS
-  if len(argv) < 2:
-    fail("usage: python -m nanotext.compile CONFIG [key=value ...] --topology=NAME "
+USAGE = ("usage: python -m nanotext.compile CONFIG [key=value ...] --topology=NAME "
          "[--programs=all] [--json=FILE] [--min_headroom=0.1]")
-  try:
-    if not f.topology:
-      raise UserError(f"--topology is required; known: {', '.join(topology.known())}")
-    if not 0 <= f.min_headroom < 1:
-      raise UserError(f"--min_headroom={f.min_headroom} must be in [0, 1)")
-    run, target, recs = run_compile(argv[1], argv[2:], f.topology, f.programs,
-                                    f.min_headroom, log=lambda s: print(s, flush=True))
-  except UserError as e:
-    fail(str(e))
-  if f.json:
-    with open(f.json, "w") as out:
-      for rec in recs:
-        out.write(json.dumps(rec) + "\n")
+
+
+def main(args):
+  """The CLI: `args` are CONFIG and its overrides (absl has taken the flags)."""
+  f = flags.FLAGS
+  if not args:
+    raise UserError(USAGE)
+  if not f.topology:
+    raise UserError(f"--topology is required; known: {', '.join(topology.known())}")
+  if not 0 <= f.min_headroom < 1:
+    raise UserError(f"--min_headroom={f.min_headroom} must be in [0, 1)")
+  run, target, recs = run_compile(args[0], args[1:], f.topology, f.programs,
+                                  f.min_headroom, log=lambda s: print(s, flush=True))
+  if f.json:  # whole or not at all: a full disk is one line, no half-written file
+    from nanotext.data.fileio import atomic_write
+    try:
+      atomic_write(f.json, [(json.dumps(rec) + "\n").encode() for rec in recs])
+    except OSError as e:
+      raise os_error(e, f"cannot write --json '{f.json}'") from None
   ok, line = verdict(recs, target.name, f.min_headroom)
   if any(r.get("error") for r in recs):
     fail(line, 1)
@@ -373,8 +376,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from nanotext.errors import parse_flags
+  from nanotext import cli
   # This process only compiles: it never opens the host's accelerators (chips a run may be using).
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   define_flags()
-  app.run(main, flags_parser=parse_flags)
+  cli.run(main, USAGE, __doc__, jax=True)

@@ -304,11 +304,8 @@ def to_yaml(cfg) -> str:
 
 def save(cfg, path) -> None:
   """Write the resolved config atomically."""
-  path = Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text(to_yaml(cfg))
-  os.replace(tmp, path)
+  from nanotext.data.fileio import atomic_write  # a failed write leaves no config.yml.tmp
+  atomic_write(str(path), [to_yaml(cfg).encode("utf-8")])
 
 
 def run_identity_diff(old: dict, new: dict) -> list:

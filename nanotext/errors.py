@@ -3,11 +3,16 @@ input, 1 for a missing resource, 130 for Ctrl-C."""
 
 import errno
 import os
+import re
+import resource
 import sys
 import logging as pylogging
 import threading
+import traceback
 
 from absl import flags, logging
+
+from nanotext import signals
 
 
 class UserError(Exception):
@@ -32,6 +37,23 @@ def os_error(e: OSError, what: str) -> Exception:
   return UserError(f"{what}: {reason}")
 
 
+# How libraries that are not Python name the errno of a failed write: tensorstore (orbax),
+# Rust's std::io (safetensors, tokenizers), and an OSError's text.
+_OS_CODE = re.compile(r"os_error_code='?(\d+)|\(os error (\d+)\)|\[Errno (\d+)\]")
+
+
+def write_error(e: BaseException, what: str) -> Exception | None:
+  """The one-line error (os_error) for a write that failed with `e`, from an OSError or the
+  errno another library's error names; None when `e` names none (a bug: keep its traceback)."""
+  if isinstance(e, OSError) and e.errno is not None:
+    return os_error(e, what)
+  m = _OS_CODE.search(str(e))
+  if not m:
+    return None
+  code = int(next(g for g in m.groups() if g))
+  return os_error(OSError(code, os.strerror(code)), what)
+
+
 def fail(message: str, status: int = 2) -> None:
   """Print one `nanotext: error: ...` line on stderr and exit with `status` (2: bad input).
 
@@ -47,7 +69,8 @@ def fail(message: str, status: int = 2) -> None:
 def run_cli(main, argv=None) -> None:
   """Call `main(argv)`: UserError is one line and exit status 2, ResourceError one line and 1,
   Ctrl-C one line and 130 (the tools run under it only read, or write through a staging
-  folder that a kill leaves unused, so stopping anywhere loses nothing)."""
+  folder that a kill leaves unused, so stopping anywhere loses nothing). Any other error ends
+  the process too, at once, whatever threads are still running (explain)."""
   quiet_background_errors()
   drop_storage_error_logs()
   try:
@@ -58,6 +81,59 @@ def run_cli(main, argv=None) -> None:
     fail(str(e), 1)
   except KeyboardInterrupt:
     fail("interrupted", 130)
+  except signals.Terminated:
+    fail("stopped by SIGTERM", 143)
+  except Exception as e:  # pylint: disable=broad-except
+    fail(*explain(e))
+
+
+def explain(e: Exception) -> tuple:
+  """(one line, exit status) for an error no tool expected. A bug also gets its traceback
+  printed first (where it happened is what matters), and exits 1 like any failed run: with
+  os._exit, so threads still running (data loading, async saves, metrics) cannot keep the
+  process alive after its error, as Python's shutdown would by joining them."""
+  if backend_error(e):
+    return backend_error(e), 2
+  if limit_error(e):
+    return limit_error(e), 1
+  out_of_space = write_error(e, f"cannot write '{getattr(e, 'filename', None) or 'a file'}'")
+  if isinstance(out_of_space, ResourceError):  # a disk full or a size limit, in any writer
+    return str(out_of_space), 1
+  head = (str(e).splitlines() or [""])[0][:300]
+  if type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError"):  # XLA's runtime, not Python
+    return f"XLA failed while running a program: {head}", 1
+  traceback.print_exc()
+  return f"unexpected {type(e).__name__}: {head} (a bug: the traceback above says where)", 1
+
+
+def backend_error(e: BaseException) -> str:
+  """The one line for jax failing to start its backend (JAX_PLATFORMS naming one this
+  machine lacks: cuda without a GPU, tpu without a TPU, a misspelt name), else ""."""
+  frames = [f.f_code for f, _ in traceback.walk_tb(e.__traceback__)]
+  if not any(c.co_name == "backends" and c.co_filename.endswith("xla_bridge.py") for c in frames):
+    return ""
+  why = str(e).split(" (set JAX_PLATFORMS")[0].split(" (you may need")[0]
+  why = why or "no device of that kind is visible"
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if not platforms:
+    return f"jax could not start a backend ({why}); set JAX_PLATFORMS=cpu to run on the CPU"
+  return (f"JAX_PLATFORMS={platforms}: jax cannot start that backend on this machine ({why}); "
+          "set JAX_PLATFORMS to one it has (cpu), or unset it to let jax choose")
+
+
+def limit_error(e: BaseException) -> str:
+  """The one line for a thread or allocation refused under an address-space limit
+  (`ulimit -v`), else ""."""
+  soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+  if soft == resource.RLIM_INFINITY:
+    return ""
+  refused = isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM) \
+      or (isinstance(e, RuntimeError) and "can't start new thread" in str(e))
+  if not refused:
+    return ""
+  return (f"the address-space limit (ulimit -v {soft // 1024}) refused memory or a thread "
+          f"({type(e).__name__}: {str(e)[:80]}); raise it (ulimit -v unlimited) and run again; "
+          "checkpoints already written are intact")
 
 
 def parse_flags(argv):

@@ -1,11 +1,10 @@
 """Sample text from a trained model: `python -m nanotext.generate output_dir=DIR prompt="..."`."""
 
 import os
-import sys
 
 # jax and flax are imported inside the functions: a Ctrl-C while they load (seconds) is then
-# caught by run_cli and ends in one line, not a traceback.
-from nanotext.errors import UserError, run_cli
+# caught by errors.run_cli and ends in one line, not a traceback.
+from nanotext.errors import UserError
 
 USAGE = ("usage: python -m nanotext.generate output_dir=DIR [prompt=TEXT] [max_new_tokens=N] "
          "[temperature=T] [top_k=K] [seed=S] [step=N]")
@@ -123,4 +122,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  run_cli(main, sys.argv[1:])
+  from nanotext import cli
+  cli.run(main, USAGE, __doc__, jax=True)

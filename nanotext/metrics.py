@@ -3,7 +3,11 @@
 import json
 import math
 import os
+import socket
+import struct
+import time
 
+from nanotext.data.fileio import append_whole
 from nanotext.errors import os_error
 
 # Dense bf16 peak FLOP/s per device, from vendor spec sheets; MFU is quoted against these.
@@ -83,7 +87,11 @@ def duration(seconds: float) -> str:
 
 
 class Writer:
-  """Writes metrics to metrics.jsonl and TensorBoard (process 0 only) and prints log lines."""
+  """Writes metrics to metrics.jsonl and TensorBoard (process 0 only) and prints log lines.
+
+  Each row is appended whole or not at all (fileio.append_whole), in the caller's thread: a
+  disk that fills up or a file-size limit mid-run is one line (exit 1), no half line left, and
+  the checkpoints intact."""
 
   def __init__(self, output_dir: str, *, tensorboard: bool, enabled: bool = True):
     self.enabled = enabled
@@ -91,32 +99,75 @@ class Writer:
     if not enabled:
       return
     os.makedirs(output_dir, exist_ok=True)
-    self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
+    self._jsonl = _Appender(os.path.join(output_dir, "metrics.jsonl"))
     if tensorboard:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(output_dir, "tb"))
+      self._tb = Events(os.path.join(output_dir, "tb"))
 
   def write(self, step: int, values: dict) -> None:
     if not self.enabled:
       return
     row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
-    try:
-      self._jsonl.write(json.dumps(row) + "\n")
-    except OSError as e:  # a disk that filled up mid-run: one line (exit 1), checkpoints intact
-      raise os_error(e, f"cannot write '{self._jsonl.name}'") from None
+    self._jsonl.append((json.dumps(row) + "\n").encode())
     if self._tb is not None:
-      for k, v in row.items():
-        if k != "step" and isinstance(v, (int, float)):
-          self._tb.add_scalar(k, v, int(step))
+      self._tb.scalars(int(step), {k: v for k, v in row.items()
+                                   if k != "step" and isinstance(v, (int, float))})
 
   def close(self) -> None:
-    if self._jsonl is not None:
-      try:
-        self._jsonl.close()
-      except OSError:  # its write failed already and was reported; do not mask that error
-        pass
-    if self._tb is not None:
-      self._tb.close()
+    for f in (self._jsonl, self._tb):
+      if f is not None:
+        f.close()
+
+
+class _Appender:
+  """A file opened for appending whole records; a failed one is one line (errors.os_error)."""
+
+  def __init__(self, path: str):
+    self.path = path
+    try:
+      self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    except OSError as e:
+      raise os_error(e, f"cannot write '{path}'") from None
+
+  def append(self, data: bytes) -> None:
+    try:
+      append_whole(self._fd, data)
+    except OSError as e:
+      raise os_error(e, f"cannot write '{self.path}'") from None
+
+  def close(self) -> None:
+    os.close(self._fd)
+
+
+class Events(_Appender):
+  """A TensorBoard event file written in the caller's thread. tensorboardX's SummaryWriter
+  writes from a thread of its own: when a write failed there, that thread died with a
+  traceback, its queue filled, and the next scalar blocked the run for ever."""
+
+  def __init__(self, folder: str):
+    from tensorboardX.proto import event_pb2
+    self._event = event_pb2.Event
+    try:
+      os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+      raise os_error(e, f"cannot write the TensorBoard folder '{folder}'") from None
+    super().__init__(os.path.join(
+        folder, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"))
+    self.append(self._record(self._event(wall_time=time.time(), file_version="brain.Event:2")))
+
+  def scalars(self, step: int, values: dict) -> None:
+    """One event holding every scalar of a metrics row."""
+    from tensorboardX.proto.summary_pb2 import Summary
+    summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+    self.append(self._record(self._event(wall_time=time.time(), step=step, summary=summary)))
+
+  @staticmethod
+  def _record(event) -> bytes:
+    """TFRecord framing: length, its masked CRC, the bytes, their masked CRC."""
+    from tensorboardX.record_writer import masked_crc32c
+    data = event.SerializeToString()
+    head = struct.pack("<Q", len(data))
+    return (head + struct.pack("<I", masked_crc32c(head)) + data +
+            struct.pack("<I", masked_crc32c(data)))
 
 
 def _plain(v):

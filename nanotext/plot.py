@@ -9,10 +9,9 @@ import importlib
 import json
 import math
 import os
-import sys
 import tempfile
 
-from nanotext.errors import UserError, os_error, run_cli
+from nanotext.errors import UserError, os_error
 from nanotext import probes, rundir
 
 USAGE = "usage: python -m nanotext.plot RUN_DIR [RUN_DIR ...] --out=FILE.png [--title=TEXT]"
@@ -184,22 +183,16 @@ def check_out(out: str) -> None:
   probes.replaceable(out, "--out")
 
 
-def parse(argv) -> tuple:
-  """(run dirs, out, title) from the command line."""
-  runs, out, title = [], None, ""
-  it = iter(argv)
-  for a in it:
-    if a in ("-h", "--help", "help"):
-      print(__doc__.strip() + "\n\n" + USAGE)
-      sys.exit(0)
-    if a.startswith("--out=") or a == "--out":
-      out = a[len("--out="):] if "=" in a else next(it, None)
-    elif a.startswith("--title=") or a == "--title":
-      title = a[len("--title="):] if "=" in a else next(it, "")
-    elif a.startswith("-"):
-      raise UserError(f"unknown flag '{a}'; {USAGE}")
-    else:
-      runs.append(a)
+def define_flags() -> None:
+  """The CLI's flags (defined only when run as a program)."""
+  from absl import flags
+  flags.DEFINE_string("out", None, "Image to write (.png, .pdf, .svg, ...).")
+  flags.DEFINE_string("title", "", "Title of the figure.")
+
+
+def parse(runs, out, title) -> tuple:
+  """(run dirs, out, title) from the command line, checked."""
+  runs = list(runs)
   if not runs:
     raise UserError(f"no run directory given; {USAGE}")
   if not out:
@@ -212,8 +205,10 @@ def parse(argv) -> tuple:
   return runs, out, title
 
 
-def main(argv) -> None:
-  runs, out, title = parse(argv)
+def main(args) -> None:
+  """The CLI: `args` are the run directories (absl has taken --out and --title)."""
+  from absl import flags
+  runs, out, title = parse(args, flags.FLAGS.out, flags.FLAGS.title)
   try:
     importlib.import_module("matplotlib")
   except ImportError:
@@ -238,4 +233,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  run_cli(main, sys.argv[1:])
+  from nanotext import cli
+  define_flags()
+  cli.run(main, USAGE, __doc__)

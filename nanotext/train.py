@@ -7,13 +7,16 @@ flags: `--config=CONFIG --set=train.steps=50 --set=model.num_layers=2`.
 import os
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
-from nanotext.errors import ResourceError, UserError, fail, parse_flags, quiet_background_errors
+from nanotext import cli
+from nanotext.errors import ResourceError, UserError, fail, quiet_background_errors
 from nanotext.generate import sample_text, encode_prompt
 from nanotext.xla_flags import maybe_set_cpu_flags
 
 _STARTED = time.perf_counter()  # the start-up line's clock: from the entry point's import
+USAGE = ("usage: python -m nanotext.train CONFIG.yml [key=value ...] "
+         "(or --config=CONFIG.yml [--set=key=value ...])")
 
 _CONFIG = flags.DEFINE_string("config", None, "Config YAML (instead of the first argument).")
 _SET = flags.DEFINE_multi_string("set", [], "A key=value override; repeatable.")
@@ -25,8 +28,7 @@ def parse_args(argv) -> tuple:
   path = _CONFIG.value
   if path is None:
     if not args or "=" in args[0]:
-      raise UserError("no config file given; usage: python -m nanotext.train CONFIG.yml "
-                      "[key=value ...]")
+      raise UserError(f"no config file given; {USAGE}")
     path = args.pop(0)
   return path, args + list(_SET.value)
 
@@ -170,7 +172,8 @@ def sharding_summary(run_) -> str:
   return f"mesh {sharding.describe(run_.mesh)} on {run_.mesh.size} {run_.backend} device(s)"
 
 
-def main(argv) -> None:
+def main(args) -> None:
+  """The CLI: `args` are the positional arguments (absl has taken the flags)."""
   cpu_flags = maybe_set_cpu_flags()  # before JAX starts a backend, which reads XLA_FLAGS once
   if cpu_flags:
     print(f"XLA_FLAGS={cpu_flags} (CPU defaults; set XLA_FLAGS to choose your own)", flush=True)
@@ -179,7 +182,7 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every step at INFO
   quiet_background_errors()
   try:
-    path, overrides = parse_args(argv[1:])
+    path, overrides = parse_args(args)
     run(path, overrides, log=lambda s: print(s, flush=True) if _is_main() else None,
         started=_STARTED)
   except UserError as e:
@@ -213,4 +216,4 @@ def _is_main() -> bool:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  cli.run(main, USAGE, __doc__, jax=True)

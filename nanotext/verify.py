@@ -13,9 +13,9 @@ import sys
 import time
 
 # jax, numpy and orbax are imported inside the functions: a Ctrl-C while they load (seconds)
-# is then caught by run_cli and ends in one line, not a traceback.
+# is then caught by errors.run_cli and ends in one line, not a traceback.
 from nanotext import lock, rundir
-from nanotext.errors import UserError, run_cli
+from nanotext.errors import UserError
 
 USAGE = "usage: python -m nanotext.verify OUTPUT_DIR"
 
@@ -108,11 +108,12 @@ def report(out: str, log=print) -> int:
 
 def main(argv) -> None:
   args = [a for a in argv if a]
-  if len(args) != 1 or args[0].startswith("-"):
+  if len(args) != 1:
     raise UserError(USAGE)
   out = args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0]
   sys.exit(report(out))
 
 
 if __name__ == "__main__":
-  run_cli(main, sys.argv[1:])
+  from nanotext import cli
+  cli.run(main, USAGE, __doc__, jax=True)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from nanotext import config, metrics, optim
+from nanotext import config, metrics, optim, signals
 from nanotext import window_schedule
 
 
@@ -122,6 +122,7 @@ class Preemption:
     self.on_early_stop = on_early_stop  # signal name -> message; runs in the signal handler
     self.training = False  # set once the first step is dispatched
     self._deferring, self._pending = 0, None
+    self._watched, self._stopping = None, threading.Lock()
 
   def __enter__(self):
     # Re-entrant: train.run holds it for the whole run, the loop enters it again.
@@ -130,6 +131,8 @@ class Preemption:
     if self._depth == 1 and threading.current_thread() is threading.main_thread():
       for sig in self.SIGNALS:
         self._previous[sig] = signal.signal(sig, self._on_signal)
+      self._watched = signals.owned_by(self._on_watched_signal)
+      self._watched.__enter__()
     return self
 
   def __exit__(self, *exc):
@@ -139,6 +142,9 @@ class Preemption:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
     self._previous = {}
+    if self._watched is not None:
+      self._watched.__exit__(None, None, None)
+      self._watched = None
 
   def begin_training(self) -> None:
     """From the first step on, a signal asks for a checkpoint and a clean stop."""
@@ -171,11 +177,20 @@ class Preemption:
     else:
       self._stop_now(signum)
 
+  def _on_watched_signal(self, signum: int) -> None:
+    """The signal as the watching thread sees it (signals.py): before the first step it stops
+    the run at once even while the main thread is inside a long call into XLA, which would
+    put off the handler above until that call returned."""
+    if not self.training and self.on_early_stop is not None and not self._deferring:
+      self._stop_now(signum)
+
   def _stop_now(self, signum: int) -> None:
     """Put output_dir back, print one line, exit 128 + signal (the shell's status for it).
 
     os._exit: compile threads cannot be joined, and nothing is left to flush. The line is
-    written with os.write: the signal may have landed inside a print to the same stream."""
+    written with os.write: the signal may have landed inside a print to the same stream.
+    The handler in the main thread and the watching thread may both get here: one stops."""
+    self._stopping.acquire()  # never released: the first caller ends the process
     name = signal.Signals(signum).name
     try:
       message = self.on_early_stop(name)

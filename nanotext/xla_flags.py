@@ -43,3 +43,41 @@ def maybe_set_cpu_flags(environ=os.environ) -> str | None:
     return None
   environ["XLA_FLAGS"] = " ".join(CPU_FLAGS)
   return environ["XLA_FLAGS"]
+
+
+def unknown_flags(environ=os.environ) -> list:
+  """The flags in XLA_FLAGS that no installed XLA library defines: XLA aborts the process on
+  one when it starts a backend, so the entry points ask first. [] when all are known, or
+  when the libraries cannot be found (then XLA itself decides)."""
+  names = [t.split("=", 1)[0][2:] for t in environ.get("XLA_FLAGS", "").split()
+           if t.startswith("--")]
+  libraries = xla_libraries()
+  if not names or not libraries:
+    return []
+  return [f"--{n}" for n in names if not any(_defines(lib, n) for lib in libraries)]
+
+
+def xla_libraries() -> list:
+  """The shared libraries holding XLA's flag definitions: jaxlib's, then the accelerator
+  plugins' and libtpu's (their own flags, e.g. --xla_tpu_*)."""
+  import importlib.util
+  found = []
+  for package, pattern in (("jaxlib", "libjax_common*.so"), ("jax_plugins", "*/*.so"),
+                           ("libtpu", "libtpu*.so")):
+    try:
+      spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+      continue
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+      found += sorted(glob.glob(os.path.join(folder, pattern)))
+  return found
+
+
+def _defines(library: str, name: str) -> bool:
+  """Whether `library` holds the flag name as a string of its own (NUL on both sides)."""
+  import mmap
+  try:
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+      return m.find(b"\0" + name.encode() + b"\0") >= 0
+  except (OSError, ValueError):
+    return True  # cannot tell: leave it to XLA

@@ -40,8 +40,6 @@ if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   step, path, *rest = sys.argv[1:]
   install(path, rest, int(step))
-  from absl import app
-  from nanotext.errors import parse_flags
-  from nanotext.train import main
-  sys.argv = ["nanotext.train", path, *rest]
-  app.run(main, flags_parser=parse_flags)
+  from nanotext import cli
+  from nanotext.train import USAGE, main
+  cli.run(main, USAGE, argv=["nanotext.train", path, *rest], jax=True)

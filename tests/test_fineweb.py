@@ -125,8 +125,8 @@ def test_cli_bad_count(flag, tmp_path):
 
 
 def test_cli_help_mentions_flags():
-  result = run_cli("nanotext.data.fineweb", "--helpshort")  # absl exits 1 after help
-  assert "--train_shards" in result.stdout and "--out" in result.stdout
+  result = run_cli("nanotext.data.fineweb", "--helpshort")
+  assert result.returncode == 0 and "--train_shards" in result.stdout and "--out" in result.stdout
 
 
 def test_cli_offline_hub_error(tmp_path):

@@ -1,10 +1,8 @@
 """CLI of nanotext.convert; see the package docstring for the subcommands and their flags."""
 
-import sys
-
 from absl import flags, logging
 
-from nanotext.errors import UserError, run_cli
+from nanotext.errors import UserError
 from nanotext import convert
 
 USAGE = ("usage: python -m nanotext.convert "
@@ -13,7 +11,6 @@ USAGE = ("usage: python -m nanotext.convert "
          " | params-only --run=DIR [--step=N] --out=DIR [--dtype=bfloat16]"
          " | export-torch --run=DIR [--step=N] --out=FILE.safetensors"
          " (each also takes --force)")
-HELP = ("-h", "--help", "--helpshort", "--helpfull", "help")
 # What each subcommand does, for `SUBCOMMAND --help`.
 ABOUT = {
     "from-hf": "HF GPT2LMHeadModel directory (config.json + model.safetensors) -> nanotext run "
@@ -29,21 +26,25 @@ ACCEPTS = {"from-hf": ("hf", "out", "config"), "to-hf": ("run", "out", "step"),
            "params-only": ("run", "out", "step", "dtype"), "export-torch": ("run", "out", "step")}
 
 
-def _flag_values() -> flags.FlagValues:
-  # A private registry: no clash with nanotext.train's global flags when both are imported.
-  fv = flags.FlagValues()
-  flags.DEFINE_string("hf", None, "Hugging Face model directory (from-hf).", flag_values=fv)
-  flags.DEFINE_string("run", None, "nanotext run directory (output_dir of a run).", flag_values=fv)
-  flags.DEFINE_string("out", None, "Where to write the result.", flag_values=fv)
-  flags.DEFINE_string("config", "", "Base config for from-hf; '' = configs/base.yml.",
-                      flag_values=fv)
-  flags.DEFINE_integer("step", -1, "Checkpoint step to read; -1 = the newest.", flag_values=fv)
-  flags.DEFINE_string("dtype", "", "params-only: cast to float32 or bfloat16.", flag_values=fv)
-  flags.DEFINE_bool("force", False, "Replace an existing, non-empty --out.", flag_values=fv)
-  return fv
+def define_flags() -> None:
+  """The CLI's flags (defined only when run as a program: no clash with other tools' flags)."""
+  flags.DEFINE_string("hf", None, "Hugging Face model directory (from-hf).")
+  flags.DEFINE_string("run", None, "nanotext run directory (output_dir of a run).")
+  flags.DEFINE_string("out", None, "Where to write the result.")
+  flags.DEFINE_string("config", "", "Base config for from-hf; '' = configs/base.yml.")
+  flags.DEFINE_integer("step", -1, "Checkpoint step to read; -1 = the newest.")
+  flags.DEFINE_string("dtype", "", "params-only: cast to float32 or bfloat16.")
+  flags.DEFINE_bool("force", False, "Replace an existing, non-empty --out.")
 
 
-def subcommand_help(command: str, fv: flags.FlagValues) -> str:
+def describe(args) -> str:
+  """--help: the package's text, or one subcommand's when it is named first."""
+  if args and args[0] in ACCEPTS:
+    return subcommand_help(args[0])
+  return f"{USAGE}\n\n{convert.__doc__.strip()}"
+
+
+def subcommand_help(command: str) -> str:
   """Usage, purpose and flags of one subcommand."""
   usage = next(u.strip() for u in USAGE.split(" | ") if command in u)
   usage = usage.replace("usage: python -m nanotext.convert ", "").replace(
@@ -51,40 +52,32 @@ def subcommand_help(command: str, fv: flags.FlagValues) -> str:
   lines = [f"usage: python -m nanotext.convert {usage} [--force]", "", ABOUT[command], "",
            "flags:"]
   for name in ACCEPTS[command] + ("force",):
-    flag = fv[name]
+    flag = flags.FLAGS[name]
     default = "" if flag.default in (None, "", False) else f" (default: {flag.default})"
     lines.append(f"  --{name}: {flag.help}{default}")
   return "\n".join(lines)
 
 
-def main(argv) -> None:
-  argv = list(argv)
-  if not argv or argv[0] in ("-h", "--help", "help"):
-    print(__import__("nanotext.convert").convert.__doc__)
+def main(args) -> None:
+  """The CLI: `args` are the subcommand and from-hf's key=value overrides."""
+  if not args or args[0] == "help":
+    print(describe(args[1:]))
     return
-  command, rest = argv[0], argv[1:]
+  command, positional = args[0], list(args[1:])
   if command not in ACCEPTS:
     raise UserError(f"unknown subcommand '{command}'; {USAGE}")
-  fv = _flag_values()
-  if any(a.split("=")[0] in HELP for a in rest):
-    print(subcommand_help(command, fv))
-    return
-  try:
-    positional = fv(["nanotext.convert"] + rest)[1:]
-  except flags.Error as e:
-    raise UserError(f"{e}; {USAGE}") from None
+  f = flags.FLAGS
   accepts = ACCEPTS[command]
   for name in ("hf", "run", "out", "config", "step", "dtype"):
-    if fv[name].present and name not in accepts:
+    if f[name].present and name not in accepts:
       raise UserError(f"{command} does not take --{name}; {USAGE}")
   for name in accepts[:2]:
-    if not fv[name].value:
+    if not f[name].value:
       raise UserError(f"{command} needs --{name}; {USAGE}")
   if positional and command != "from-hf":
     raise UserError(f"{command} takes no arguments besides flags, got {positional[0]!r}; {USAGE}")
   if not logging.get_verbosity() < logging.INFO:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  f = fv
   if command == "from-hf":
     convert.from_hf(f.hf, f.out, positional, config_path=f.config, force=f.force)
   elif command == "to-hf":
@@ -96,4 +89,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  run_cli(main, sys.argv[1:])
+  from nanotext import cli
+  define_flags()
+  cli.run(main, USAGE, describe=describe, jax=True)

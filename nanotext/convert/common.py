@@ -8,7 +8,7 @@ import tempfile
 
 import jax
 
-from nanotext.errors import ResourceError, UserError, os_error
+from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.trees import stack_blocks, unstack_blocks
 from nanotext import probes, rundir
 
@@ -86,20 +86,17 @@ def _run_holding(path: str) -> str:
 @contextlib.contextmanager
 def writing(out: str):
   """Errors while writing `out` as one line: a full disk or a file-size limit is a
-  ResourceError (exit 1), a path that cannot be written a UserError (exit 2). Orbax and
-  tensorstore report OS errors in their own words; their os_error_code is the errno."""
+  ResourceError (exit 1), a path that cannot be written a UserError (exit 2). Orbax,
+  tensorstore and safetensors report OS errors in their own words (errors.write_error)."""
   try:
     yield
   except (UserError, ResourceError):
     raise
-  except OSError as e:
-    raise os_error(e, f"cannot write '{out}'") from None
-  except Exception as e:  # orbax / tensorstore: a ValueError or bare Exception with a status
+  except Exception as e:  # an OSError, or orbax / tensorstore / safetensors naming an errno
+    err = write_error(e, f"cannot write '{out}'")
+    if err is not None:
+      raise err from None
     text = str(e)
-    code = re.search(r"os_error_code='?(\d+)", text)
-    if code:
-      errno_ = int(code.group(1))
-      raise os_error(OSError(errno_, os.strerror(errno_)), f"cannot write '{out}'") from None
     if not re.match(r"[A-Z_]+: ", text):  # not a storage status: a bug, keep its traceback
       raise
     raise ResourceError(f"writing '{out}' failed: {text.splitlines()[0][:200]}") from None

@@ -61,6 +61,54 @@ def read_shard(path: str) -> np.ndarray:
   return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
+class ShardChanged(UserError):
+  """A shard changed on disk while a run was reading it."""
+
+
+class Reader:
+  """A shard's tokens read with os.pread, each read checked against the file as it was opened.
+
+  Not a memory map: a shard truncated under a memory map kills the process with SIGBUS and a
+  crash dump. Here a file cut short, grown or rewritten in place (its size or modification time
+  changed) is one line naming it. A shard replaced by a rename keeps being read as it was
+  opened (this open file is the old one), so a run stays on one version of its data; the
+  checkpoint's data fingerprint tells a resume about the new one.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self.count = read_header(path)
+    self._fd = os.open(path, os.O_RDONLY)
+    self._seen = self._state()
+
+  def _state(self) -> tuple:
+    st = os.fstat(self._fd)
+    return st.st_size, st.st_mtime_ns
+
+  def tokens(self, start: int, n: int) -> np.ndarray:
+    """Tokens [start, start + n) as uint16."""
+    now = self._state()
+    if now != self._seen:
+      self._changed(f"its size or modification time changed ({self._seen[0]:,} -> "
+                    f"{now[0]:,} bytes)")
+    want = n * TOKEN_DTYPE.itemsize
+    data = os.pread(self._fd, want, HEADER_BYTES + start * TOKEN_DTYPE.itemsize)
+    if len(data) != want:  # cut short between the check and the read
+      self._changed(f"{len(data)} of {want} bytes could be read")
+    return np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+  def _changed(self, how: str) -> None:
+    raise ShardChanged(f"shard '{self.path}' changed while the run was reading it ({how}); "
+                       "checkpoints already written are intact: put the shard back as it was "
+                       "and run the same command again to resume")
+
+  def __del__(self):  # threads that opened the same shard at once: the spare ones close
+    try:
+      os.close(self._fd)
+    except (OSError, AttributeError, TypeError):
+      pass
+
+
 def find_shards(pattern: str, key: str = "data.train_files") -> list[str]:
   """Sorted files matching `pattern`; UserError naming `key` when there are none."""
   if not pattern:

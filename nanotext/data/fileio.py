@@ -1,4 +1,5 @@
-"""Atomic file writes: readers see the old file or the whole new one, never half of one."""
+"""Atomic file writes: readers see the old file or the whole new one, never half of one; an
+append is whole or not there."""
 
 import os
 import uuid
@@ -19,4 +20,20 @@ def atomic_write(path: str, chunks) -> None:
   except BaseException:
     if os.path.exists(tmp):
       os.remove(tmp)
+    raise
+
+
+def append_whole(fd: int, data: bytes) -> None:
+  """Append `data` to the file open as `fd`, whole or not at all: a write cut short by a full
+  disk or a file-size limit is truncated away before the OSError goes on."""
+  end = os.lseek(fd, 0, os.SEEK_END)
+  view = memoryview(data)
+  try:
+    while view:
+      view = view[os.write(fd, view):]
+  except OSError:
+    try:
+      os.ftruncate(fd, end)
+    except OSError:
+      pass
     raise

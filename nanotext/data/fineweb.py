@@ -1,12 +1,8 @@
-"""Download the pre-tokenized GPT-2 FineWeb-10B `.bin` shards that the modded-nanogpt speedrun uses.
-
-Usage: python -m nanotext.data.fineweb [--train-shards N] [--out DIR]
-"""
+"""Download the pre-tokenized GPT-2 FineWeb-10B `.bin` shards that the modded-nanogpt speedrun uses."""
 
 import glob
 import os
 import shutil
-import sys
 import time
 
 from absl import flags
@@ -174,10 +170,13 @@ def download(train_shards: int, out_dir: str | None = None, fetch=None, log=_log
           "seconds": time.monotonic() - start}
 
 
-def main(argv) -> None:
+USAGE = "usage: python -m nanotext.data.fineweb [--train-shards=N] [--out=DIR]"
+
+
+def main(args) -> None:
   """CLI: download the shards and print a per-split token summary."""
-  if len(argv) > 1:
-    raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if args:
+    raise UserError(f"unexpected arguments: {' '.join(args)}; {USAGE}")
   info = download(flags.FLAGS.train_shards, flags.FLAGS.out or None)
   print(f"shards in {info['dir']} ({len(info['downloaded'])} downloaded, "
         f"{len(info['skipped'])} already present, {info['seconds']:.1f}s)")
@@ -186,24 +185,11 @@ def main(argv) -> None:
         f"{VAL_TOKENS:,})")
 
 
-def _undash(argv: list[str], names) -> list[str]:
-  """Rewrite `--train-shards` to `--train_shards`: absl only knows the underscore spelling."""
-  out = []
-  for arg in argv:
-    for name in names:
-      dashed = "--" + name.replace("_", "-")
-      if arg == dashed or arg.startswith(dashed + "="):
-        arg = "--" + name + arg[len(dashed):]
-    out.append(arg)
-  return out
-
-
 if __name__ == "__main__":
-  from absl import app
-  from nanotext.errors import run_cli
+  from nanotext import cli
   flags.DEFINE_integer("train_shards", DEFAULT_TRAIN_SHARDS,
                        f"training shards to download, 1..{MAX_TRAIN_SHARDS} (100M tokens, "
                        "~200 MB each); also spelled --train-shards")
   flags.DEFINE_string("out", DEFAULT_OUT, "output folder (configs/speedrun.yml reads "
                       f"{DEFAULT_OUT})")
-  app.run(lambda argv: run_cli(main, argv), argv=_undash(sys.argv, ["train_shards"]))
+  cli.run(main, USAGE, __doc__)

@@ -113,10 +113,13 @@ def prepare_shakespeare(out_dir: str | None = None) -> dict:
   return _result(out_dir, meta)
 
 
-def main(argv) -> None:
+USAGE = "usage: python -m nanotext.data.prepare [--out=DIR]"
+
+
+def main(args) -> None:
   """CLI: prepare the shards and print their token counts and unigram entropy."""
-  if len(argv) > 1:
-    raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if args:
+    raise UserError(f"unexpected arguments: {' '.join(args)}; {USAGE}")
   info = prepare_shakespeare(flags.FLAGS.out or None)
   print(f"shards in {info['dir']}")
   print(f"train tokens: {info['train_tokens']:,} ({info['train_works']} works)")
@@ -126,8 +129,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app
-  from nanotext.errors import run_cli
+  from nanotext import cli
   flags.DEFINE_string("out", "", "output folder; '' = $NANOTEXT_CACHE/shakespeare or "
                       "~/.cache/nanotext/shakespeare")
-  app.run(lambda argv: run_cli(main, argv))
+  cli.run(main, USAGE, __doc__)

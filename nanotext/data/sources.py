@@ -48,7 +48,7 @@ class ShardSource:
     self._seq_len = seq_len
     self._counts = counts
     self._starts = np.cumsum([0] + windows)
-    self._maps = None
+    self._readers = None
     self._vocab = vocab_size
 
   def __len__(self) -> int:
@@ -56,11 +56,11 @@ class ShardSource:
 
   def __getitem__(self, i) -> np.ndarray:
     i = _check_index(i, len(self))
-    if self._maps is None:  # Opened lazily so that each worker process maps its own.
-      self._maps = [binfile.read_shard(f) if c else None for f, c in zip(self._files, self._counts)]
+    if self._readers is None:  # Opened lazily so that each worker process opens its own.
+      self._readers = [binfile.Reader(f) if c else None for f, c in zip(self._files, self._counts)]
     k = int(np.searchsorted(self._starts, i, side="right")) - 1
     offset = (i - int(self._starts[k])) * self._seq_len
-    window = np.asarray(self._maps[k][offset:offset + self._seq_len + 1], dtype=np.int32)
+    window = self._readers[k].tokens(offset, self._seq_len + 1).astype(np.int32)
     # An id past the embedding table would only show up later as a NaN loss; a max is cheap.
     if self._vocab is not None and window.size and window.max() >= self._vocab:
       at = offset + int(np.argmax(window >= self._vocab))
@@ -71,8 +71,8 @@ class ShardSource:
     return window
 
   def __getstate__(self):
-    # Memmaps would pickle as full in-memory copies; workers reopen the files instead.
-    return {**self.__dict__, "_maps": None}
+    # Open files do not pickle; workers open their own.
+    return {**self.__dict__, "_readers": None}
 
   def __repr__(self) -> str:
     return f"ShardSource({len(self._files)} files, {len(self)} sequences)"

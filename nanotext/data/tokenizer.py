@@ -1,13 +1,14 @@
 """Tokenizers by name: the shipped Shakespeare byte-level BPE, tiktoken gpt2, or none."""
 
 import importlib.resources
+import os
 from typing import Protocol
 
 from absl import flags
 import numpy as np
 from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
 
-from nanotext.errors import UserError
+from nanotext.errors import UserError, write_error
 from nanotext.data.corpus import load_corpus
 
 EOT = "<|endoftext|>"
@@ -175,22 +176,42 @@ def known_vocab_size(name: str) -> int | None:
   return get_tokenizer(name).vocab_size
 
 
-def main(argv) -> None:
+USAGE = "usage: python -m nanotext.data.tokenizer --train [--vocab_size=N] [--out=FILE]"
+
+
+def save(tok, out: str) -> None:
+  """tokenizer.json written next to `out` and renamed into place: a full disk or a size limit
+  is one line and leaves `out` as it was."""
+  tmp = os.path.join(os.path.dirname(os.path.abspath(out)),
+                     f".{os.path.basename(out)}.tmp-{os.getpid()}")
+  try:
+    tok.save(tmp)
+    os.replace(tmp, out)
+  except Exception as e:  # tokenizers (Rust) names the errno in its message
+    err = write_error(e, f"cannot write '{out}'")
+    if err is None:
+      raise
+    raise err from None
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def main(args) -> None:
   """CLI: --train regenerates the shipped Shakespeare tokenizer.json."""
-  if len(argv) > 1:
-    raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if args:
+    raise UserError(f"unexpected arguments: {' '.join(args)}; {USAGE}")
   if not flags.FLAGS.train:
-    raise UserError("nothing to do: pass --train to regenerate the shipped tokenizer")
+    raise UserError(f"nothing to do: pass --train to regenerate the shipped tokenizer; {USAGE}")
   tok = train_tokenizer([text for _, text in load_corpus()], flags.FLAGS.vocab_size)
   out = flags.FLAGS.out or str(shipped_path())
-  tok.save(out)
+  save(tok, out)
   print(f"wrote {out} (vocab {tok.get_vocab_size()}, eot id {tok.token_to_id(EOT)})")
 
 
 if __name__ == "__main__":
-  from absl import app
-  from nanotext.errors import run_cli
+  from nanotext import cli
   flags.DEFINE_bool("train", False, "train the Shakespeare BPE on the embedded corpus")
   flags.DEFINE_integer("vocab_size", SHAKESPEARE_VOCAB, "vocabulary size including <|endoftext|>")
   flags.DEFINE_string("out", "", "where to write tokenizer.json; '' = the shipped file")
-  app.run(lambda argv: run_cli(main, argv))
+  cli.run(main, USAGE, __doc__)

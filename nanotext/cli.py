@@ -1,0 +1,159 @@
+"""The command line every tool shares: `cli.run(main, USAGE)` in each tool's `__main__`.
+
+absl parses the flags the tool defined (`--name=value`, `--name value`, and `--a-b` for `--a_b`);
+`-h` / `--help` prints the usage, the tool's docstring and its flags on stdout and exits 0; an
+unknown or malformed flag is one `nanotext: error:` line and exit 2. `main(args)` gets the
+positional arguments and runs under errors.run_cli: every failure is one line and a status.
+"""
+
+import logging
+import os
+import resource
+import signal
+import sys
+
+from absl import app, flags
+
+from nanotext import errors, signals, xla_flags
+
+HELP = ("-h", "-?", "-help", "--help", "--helpshort", "--helpfull")
+# Address space jax and XLA reserve before any work (thread stacks, malloc arenas, the
+# compiler): a tiny train run peaked at 2.1 GiB on 2 cores (VmPeak), jax's CPU backend alone at
+# 1.4 GiB. Below this floor no tool that starts jax can run.
+MIN_ADDRESS_SPACE, PER_CORE = 1.5 * 2**30, 256 * 2**20
+
+
+def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = False) -> None:
+  """Run `main(args)` as this process's program; never returns.
+
+  `doc` follows the usage line in --help; `describe(args)`, when given, returns the whole help
+  text instead (a tool with subcommands describes the one named). `jax`: the tool starts a jax
+  backend, so the environment that would make XLA abort is checked first."""
+  argv = list(sys.argv if argv is None else argv)
+  describe = describe or (lambda args: help_text(usage, doc))
+  # A file-size limit (ulimit -f) is then EFBIG from the write, said in one line, not a kill
+  # (Python ignores SIGXFSZ already; a launcher may have reset it).
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  signals.install()  # SIGTERM and Ctrl-C honoured even inside a long call into XLA
+
+  def checked_main(args):
+    if jax:
+      check_environment()
+    main(args)
+  app.run(lambda args: errors.run_cli(checked_main, args[1:]), argv=argv,
+          flags_parser=lambda a: parse(a, usage, describe))
+
+
+def check_environment(environ=os.environ) -> None:
+  """Refuse, in one line, what would make XLA abort the process rather than raise: a flag in
+  XLA_FLAGS it does not know, an address-space limit below what jax needs to start."""
+  bad = xla_flags.unknown_flags(environ)
+  if bad:
+    raise errors.UserError(
+        f"XLA_FLAGS: {', '.join(bad)} is not a flag of the installed XLA (XLA would abort on "
+        "it); correct or remove it (flags differ between jaxlib versions)")
+  soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  need = MIN_ADDRESS_SPACE + PER_CORE * (cores or 1)
+  if soft != resource.RLIM_INFINITY and soft < need:
+    raise errors.ResourceError(
+        f"the address-space limit (ulimit -v {soft // 1024}) is {soft / 2**30:.1f} GiB, below "
+        f"the {need / 2**30:.1f} GiB jax and XLA reserve on {cores} core(s) before any work; "
+        "raise it (ulimit -v unlimited) and run again")
+  platforms = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+  if platforms:  # a backend asked for by name: its failure is our one line (errors.py)
+    logging.getLogger("jax._src.xla_bridge").addFilter(_drop_plugin_errors)
+    if not any(present(p) for p in platforms):
+      raise errors.UserError(
+          f"JAX_PLATFORMS={','.join(platforms)}: this machine has no such device; set "
+          "JAX_PLATFORMS=cpu, or unset it to let jax choose")
+
+
+def present(platform: str) -> bool:
+  """Whether this machine has a device of `platform` (jax's own probe, before it loads the
+  plugin: libtpu prints pages of warnings before it fails). True where it cannot tell."""
+  if platform == "cpu":
+    return True
+  try:
+    from jax._src import hardware_utils as hw
+    probes = {"cuda": hw.has_visible_nvidia_gpu, "gpu": hw.has_visible_nvidia_gpu,
+              "tpu": lambda: hw.num_available_tpu_chips_and_device_id()[0] > 0,
+              "rocm": lambda: hw.num_available_amd_gpus(stop_at=1) > 0}
+    return probes[platform]() if platform in probes else True
+  except Exception:  # pylint: disable=broad-except -- a private module: when it moves, jax decides
+    return True
+
+
+def _drop_plugin_errors(record) -> bool:
+  """jax logs a plugin that failed to load with its traceback, then fails to start the backend
+  (errors.backend_error says so in one line)."""
+  return not record.getMessage().startswith("Jax plugin configuration error")
+
+
+def parse(argv, usage: str, describe=None):
+  """absl's flags_parser: help on stdout and exit 0, a bad flag one line and exit 2."""
+  args = list(argv[1:])
+  options = args[:args.index("--")] if "--" in args else args
+  if any(a in HELP for a in options):
+    print(describe(args) if describe else usage, flush=True)
+    sys.exit(0)
+  for a in args:
+    if not is_utf8(a):
+      errors.fail(f"argument '{printable(a)}' is not UTF-8 text: nanotext writes paths and text "
+                  "into UTF-8 files (config.yml, metrics.jsonl, checkpoints); rename the file "
+                  "or folder, or give the text as UTF-8")
+  try:
+    return flags.FLAGS([argv[0]] + undash(args))
+  except flags.Error as e:
+    errors.fail(f"{e}; {usage}")
+
+
+def is_utf8(text: str) -> bool:
+  """Whether `text` came from UTF-8 bytes (Python keeps other bytes as lone surrogates)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
+def printable(text: str) -> str:
+  """`text` with its non-UTF-8 bytes as \\xNN escapes."""
+  return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def undash(args) -> list:
+  """`--train-shards=8` as `--train_shards=8` where that flag exists (absl knows only one)."""
+  out = []
+  for i, a in enumerate(args):
+    if a == "--":  # what follows is positional
+      return out + list(args[i:])
+    name, eq, value = a.partition("=")
+    if a.startswith("--") and "-" in name[2:] and name[2:].replace("-", "_") in flags.FLAGS:
+      a = "--" + name[2:].replace("-", "_") + eq + value
+    out.append(a)
+  return out
+
+
+def help_text(usage: str, doc: str = "") -> str:
+  """Usage, the tool's docstring, and the flags it defined (absl's own left out)."""
+  lines = [usage]
+  if doc.strip():
+    lines += ["", doc.strip()]
+  own = tool_flags()
+  if own:
+    lines += ["", "flags:"]
+  for flag in own:
+    default = "" if flag.default in (None, "", False, []) else f" (default: {flag.default})"
+    lines.append(f"  --{flag.name}: {flag.help}{default}")
+  return "\n".join(lines)
+
+
+def tool_flags() -> list:
+  """The flags defined outside absl (by the tool), sorted by name."""
+  seen = {}
+  for module, defined in flags.FLAGS.flags_by_module_dict().items():
+    if not module.startswith("absl"):
+      for flag in defined:
+        seen[flag.name] = flag
+  return [seen[n] for n in sorted(seen)]

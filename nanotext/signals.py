@@ -1,0 +1,88 @@
+"""SIGTERM and Ctrl-C honoured in every phase, however long the call the main thread is in.
+
+Python runs a signal's handler only when the main thread next executes Python code, which a
+long call into XLA (starting a backend, a compile or an init in the main thread, a restore) can
+put off for minutes on a loaded machine. So the entry point (cli.run) also has the signal
+written to a pipe (signal.set_wakeup_fd, done by the C-level handler whatever thread it runs
+in) and a thread reading it: whoever owns the signals now (watch.Preemption before the first
+step stops at once) is told; otherwise the main thread gets GRACE_S to end the process
+cleanly (KeyboardInterrupt, Terminated: finally blocks run) before the thread ends it.
+"""
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+GRACE_S = 10.0
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_owner = None  # callable(signum), told in the watching thread; None: the grace period
+_pending = []  # signals waiting out the grace period
+
+
+class Terminated(BaseException):
+  """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt: the stack unwinds
+  (output folders put back, staging folders removed) and the tool exits 143."""
+
+
+def install() -> None:
+  """SIGTERM raises Terminated, and both signals are watched; from the main thread only."""
+  if threading.current_thread() is not threading.main_thread():
+    return
+  signal.signal(signal.SIGTERM, _raise_terminated)
+  read, write = os.pipe()
+  os.set_blocking(write, False)
+  signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+  # A forked child (a data-loading worker) would write its own Ctrl-C into this pipe.
+  os.register_at_fork(after_in_child=lambda: signal.set_wakeup_fd(-1))
+  threading.Thread(target=_watch, args=(read,), name="nanotext-signals", daemon=True).start()
+
+
+def _raise_terminated(signum, frame):
+  del signum, frame
+  raise Terminated()
+
+
+@contextlib.contextmanager
+def owned_by(handler):
+  """While the block runs, `handler(signum)` is told of each signal in the watching thread
+  (as well as any Python handler in the main thread, whenever that runs)."""
+  global _owner
+  previous, _owner = _owner, handler
+  try:
+    yield
+  finally:
+    _owner = previous
+
+
+def _watch(fd: int) -> None:
+  while True:
+    try:
+      data = os.read(fd, 64)
+    except OSError:
+      return
+    if not data:
+      return
+    for signum in data:
+      if signum not in SIGNALS:
+        continue
+      if _owner is not None:
+        _owner(signum)
+      elif _pending:  # a second signal while the first waits: stop now
+        _stop(signum, "a second signal")
+      else:
+        _pending.append(signum)
+        threading.Thread(target=_deadline, args=(signum,), daemon=True).start()
+
+
+def _deadline(signum: int) -> None:
+  """The main thread had GRACE_S to act on the signal; it is still inside a call."""
+  time.sleep(GRACE_S)
+  _stop(signum, f"the main thread did not return from a call within {GRACE_S:.0f} s")
+
+
+def _stop(signum: int, why: str) -> None:
+  name = signal.Signals(signum).name
+  os.write(2, f"nanotext: error: stopped by {name} ({why})\n".encode())
+  os._exit(128 + signum)

@@ -1,0 +1,85 @@
+"""Every tool's command line behaves the same (issue 27 item 7): `--help` is usage on stdout and
+exit 0, an unknown flag one `nanotext: error:` line and exit 2, dashed flag names accepted."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, run_cli
+
+# Each tool as run, and the words its usage line starts with.
+TOOLS = {
+    "train": ["nanotext.train"],
+    "generate": ["nanotext.generate"],
+    "convert": ["nanotext.convert"],
+    "convert to-hf": ["nanotext.convert", "to-hf"],
+    "verify": ["nanotext.verify"],
+    "plot": ["nanotext.plot"],
+    "compile": ["nanotext.compile"],
+    "data.prepare": ["nanotext.data.prepare"],
+    "data.fineweb": ["nanotext.data.fineweb"],
+    "data.tokenizer": ["nanotext.data.tokenizer"],
+}
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("flag", ["--help", "-h", "--helpfull"])
+def test_help_is_usage_on_stdout_and_exit_0(tool, flag):
+  proc = run_cli(*TOOLS[tool], flag, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith(f"usage: python -m {' '.join(TOOLS[tool])}"), proc.stdout
+  assert not proc.stderr.strip()
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_unknown_flag_is_one_line_and_exit_2(tool):
+  proc = run_cli(*TOOLS[tool], "--no_such_flag=1", timeout=120)
+  assert proc.returncode == 2, (proc.stdout, proc.stderr)
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), proc.stderr
+  assert "no_such_flag" in lines[0] and "usage: python -m nanotext." in lines[0]
+  assert not proc.stdout.strip()
+
+
+def test_help_lists_the_tools_own_flags():
+  out = run_cli("nanotext.compile", "--help").stdout
+  assert "--topology" in out and "--min_headroom" in out and "--verbosity" not in out
+  assert "--config" in run_cli("nanotext.train", "--help").stdout
+
+
+def test_dashed_flag_names():
+  """`--vocab-size` is `--vocab_size` for every tool (absl itself knows one spelling)."""
+  proc = run_cli("nanotext.data.tokenizer", "--vocab-size=100", "extra", timeout=120)
+  assert proc.returncode == 2 and "unexpected arguments: extra" in proc.stderr, proc.stderr
+
+
+def non_utf8_args(tmp: bytes) -> dict:
+  """Each tool given a path (or a prompt) holding a byte that is not UTF-8."""
+  bad = tmp + b"/r\xffn"
+  return {"train": [b"configs/base.yml", b"output_dir=" + bad],
+          "generate": [b"output_dir=" + tmp, b"prompt=KING\xff:"],
+          "convert": [b"to-hf", b"--run=" + bad, b"--out=" + tmp + b"/o"],
+          "verify": [bad],
+          "plot": [bad, b"--out=" + tmp + b"/x.png"],
+          "compile": [b"configs/base.yml", b"output_dir=" + bad, b"--topology=v6e-8"],
+          "data.prepare": [b"--out=" + bad],
+          "data.fineweb": [b"--out=" + bad],
+          "data.tokenizer": [b"--train", b"--out=" + bad + b".json"]}
+
+
+@pytest.mark.parametrize("tool", [t for t in TOOLS if t != "convert to-hf"])
+def test_bytes_that_are_not_utf8_are_one_line_in_every_tool(tool, tmp_path):
+  """A Linux path is bytes, but config.yml, metrics.jsonl, the lock and orbax's paths are UTF-8:
+  every tool refuses such an argument the same way, before it writes anything (issue 27 item 2;
+  an output_dir was a UnicodeEncodeError traceback, a prompt a TypeError)."""
+  args = non_utf8_args(os.fsencode(tmp_path))[tool]
+  proc = subprocess.run([sys.executable, "-m", *TOOLS[tool], *args], cwd=REPO,
+                        capture_output=True, timeout=120)
+  stderr = proc.stderr.decode("utf-8", "backslashreplace")
+  assert proc.returncode == 2, stderr
+  lines = [l for l in stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), stderr
+  assert "not UTF-8" in lines[0] and "\\xff" in lines[0]
+  assert os.listdir(tmp_path) == []

@@ -1,0 +1,85 @@
+"""The environment a tool runs in (issue 27 item 1): JAX_PLATFORMS naming a backend the machine
+lacks, a flag in XLA_FLAGS that XLA does not know, an address-space limit too small for jax.
+Each is one `nanotext: error:` line naming the variable or the limit, exit 2 for bad input and
+1 for a resource, and nothing created in output_dir (no lock left behind)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BASE, REPO, TINY
+from test_faults import assert_one_error_line
+from nanotext import cli, errors, xla_flags
+
+
+def tool(name, out):
+  """The command line of a tool that starts jax, aimed at `out` (which need not exist)."""
+  return {"train": ["nanotext.train", BASE, *TINY, f"output_dir={out}"],
+          "generate": ["nanotext.generate", f"output_dir={out}"],
+          "verify": ["nanotext.verify", str(out)],
+          "convert": ["nanotext.convert", "params-only", f"--run={out}", f"--out={out}.p"],
+          "compile": ["nanotext.compile", BASE, *TINY, "--topology=v6e-8"]}[name]
+
+
+def cli_run(args, env=None, shell=""):
+  cmd = [sys.executable, "-m", *args]
+  if shell:
+    cmd = ["bash", "-c", f'{shell} && exec "$0" "$@"', *cmd]
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, **(env or {})))
+
+
+TOOLS = ["train", "generate", "verify", "convert", "compile"]
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("name", TOOLS[:4])
+def test_jax_platforms_naming_a_missing_backend(tmp_path, name, platform):
+  if cli.present(platform):
+    pytest.skip(f"this machine has a {platform} device")
+  proc = cli_run(tool(name, tmp_path / "run"), env={"JAX_PLATFORMS": platform})
+  assert_one_error_line(proc, 2, f"JAX_PLATFORMS={platform}")
+  assert os.listdir(tmp_path) == []
+
+
+def test_jax_platforms_naming_no_backend_at_all(tmp_path):
+  """A name jax does not know: jax's own RuntimeError, said in one line."""
+  proc = cli_run(tool("train", tmp_path / "run"), env={"JAX_PLATFORMS": "nosuchdevice"})
+  assert_one_error_line(proc, 2, "JAX_PLATFORMS=nosuchdevice")
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_an_unknown_flag_in_xla_flags(tmp_path, name):
+  """XLA aborts the process on it (its own fatal line, exit 1): checked before jax starts."""
+  flags = os.environ["XLA_FLAGS"] + " --xla_no_such_flag=1"
+  proc = cli_run(tool(name, tmp_path / "run"), env={"XLA_FLAGS": flags})
+  assert_one_error_line(proc, 2, "XLA_FLAGS", "--xla_no_such_flag")
+  assert os.listdir(tmp_path) == []
+
+
+def test_known_xla_flags_pass():
+  assert xla_flags.unknown_flags({"XLA_FLAGS": os.environ["XLA_FLAGS"]}) == []
+  assert xla_flags.unknown_flags({"XLA_FLAGS": " ".join(xla_flags.CPU_FLAGS)}) == []
+  assert xla_flags.unknown_flags({}) == []
+
+
+@pytest.mark.parametrize("name", ["train", "generate"])
+def test_a_small_address_space_limit(tmp_path, name):
+  """`ulimit -v` of 1.5 GiB: XLA aborted in pthread_create with a thread dump and left the
+  lock. Refused up front: a resource, exit 1."""
+  proc = cli_run(tool(name, tmp_path / "run"), shell="ulimit -v 1500000")
+  assert_one_error_line(proc, 1, "ulimit -v 1500000")
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_thread_refused_under_the_limit_is_one_line(monkeypatch):
+  """Above the floor, what Python sees refused (a thread, an allocation) is one line too."""
+  monkeypatch.setattr(errors.resource, "getrlimit", lambda _: (3 * 2**30, 3 * 2**30))
+  assert "ulimit -v 3145728" in errors.limit_error(RuntimeError("can't start new thread"))
+  assert "ulimit -v" in errors.limit_error(MemoryError())
+  assert errors.limit_error(RuntimeError("something else")) == ""
+  monkeypatch.setattr(errors.resource, "getrlimit", lambda _: (-1, -1))
+  assert errors.limit_error(MemoryError()) == ""

@@ -1,0 +1,118 @@
+"""Every process ends (issue 27 items 5 and 6): an error ends it promptly with one line whatever
+threads are still running, and a signal before the first step stops it even while its main
+thread is inside a long call that does not return to Python."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import BASE, REPO, TINY
+
+# A tool whose main leaves a non-daemon thread running (as orbax, grain or a metrics writer
+# can), then fails as argv[1] says. Python's shutdown would join that thread for ever.
+TOOL = """
+import sys, threading
+from nanotext import cli, errors
+def main(args):
+  threading.Thread(target=threading.Event().wait, name="stuck", daemon=False).start()
+  kind = sys.argv[1]
+  if kind == "user":
+    raise errors.UserError("bad input")
+  if kind == "resource":
+    raise OSError(28, "No space left on device", "/x/metrics.jsonl")
+  if kind == "xla":
+    raise type("JaxRuntimeError", (RuntimeError,), {})("INTERNAL: YNNPACK operation failed")
+  raise ZeroDivisionError("a bug")
+cli.run(main, "usage: tool", argv=["tool"])
+"""
+
+
+@pytest.mark.parametrize("kind,status,needle", [
+    ("user", 2, "bad input"), ("resource", 1, "No space left on device"),
+    ("xla", 1, "XLA failed while running a program: INTERNAL: YNNPACK"),
+    ("bug", 1, "unexpected ZeroDivisionError: a bug")])
+def test_an_error_ends_the_process_with_a_live_thread(kind, status, needle):
+  proc = subprocess.run([sys.executable, "-c", TOOL, kind], cwd=REPO, capture_output=True,
+                        text=True, timeout=60)  # a process that outlives its error times out
+  assert proc.returncode == status, proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("nanotext: error:") and needle in last, proc.stderr
+  assert ("Traceback" in proc.stderr) == (kind == "bug")  # a bug keeps where it happened
+
+
+# A tool whose main thread is inside a call that does not return to Python (as in an XLA
+# compile or backend start on a loaded machine): signals blocked there, then a long sleep.
+STUCK = """
+import os, signal, sys, time
+from nanotext import cli, signals
+signals.GRACE_S = 0.5
+def main(args):
+  if sys.argv[1] == "stuck":
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals.SIGNALS)
+  open(sys.argv[2], "w").close()
+  time.sleep(600)
+cli.run(main, "usage: tool", argv=["tool"])
+"""
+
+
+def signalled(script, args, signum, marker, env=None):
+  """Start `python -c script *args`, wait for `marker`, send `signum`; the finished process."""
+  proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          env=dict(os.environ, **(env or {})))
+  deadline = time.time() + 300
+  while not os.path.exists(marker):
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.05)
+  proc.send_signal(signum)
+  out, err = proc.communicate(timeout=120)  # a process that ignores the signal times out
+  return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("signum,message", [(signal.SIGTERM, "stopped by SIGTERM"),
+                                            (signal.SIGINT, "interrupted")])
+def test_a_signal_in_python_code_unwinds_and_is_one_line(tmp_path, signum, message):
+  status, _, err = signalled(STUCK, ["python", str(tmp_path / "m")], signum, tmp_path / "m")
+  assert status == 128 + signum and "Traceback" not in err, err
+  assert err.strip().splitlines() == [f"nanotext: error: {message}"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_main_thread_is_inside_a_call(tmp_path, signum):
+  """Python would run the handler only once the call returned: the watching thread ends the
+  process after the grace period instead (issue 27 item 6: SIGTERM not honoured in 20 s)."""
+  status, _, err = signalled(STUCK, ["stuck", str(tmp_path / "m")], signum, tmp_path / "m")
+  assert status == 128 + signum, err
+  assert err.strip().splitlines()[-1].startswith(
+      f"nanotext: error: stopped by {signal.Signals(signum).name} (the main thread")
+
+
+TRAIN_STUCK = """
+import signal, sys, time
+from nanotext import train, wiring
+def stuck(*a, **k):  # the first state: an init compiled and run in the main thread
+  signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
+  open(sys.argv[1], "w").close()
+  time.sleep(600)
+wiring.initial_state = stuck
+train.cli.run(train.main, train.USAGE, argv=["train", *sys.argv[2:]], jax=True)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_before_the_first_step_while_the_main_thread_is_inside_a_call(tmp_path,
+                                                                                signum):
+  """The run stops at once, output_dir as it was (a new one removed), lock released."""
+  out = tmp_path / "run"
+  status, _, err = signalled(TRAIN_STUCK, [str(tmp_path / "m"), BASE, *TINY,
+                                           f"output_dir={out}"], signum, tmp_path / "m")
+  assert status == 128 + signum and "Traceback" not in err, err
+  name = signal.Signals(signum).name
+  assert err.strip().splitlines()[-1] == (f"nanotext: error: stopped by {name} before the first "
+                                          f"step: nothing to save, output_dir '{out}' is as it "
+                                          "was")
+  assert not out.exists()
