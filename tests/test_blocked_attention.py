@@ -188,3 +188,23 @@ def test_blocked_memory_is_linear_in_T():
   assert large / small < 2.2, (small, large)
   dense_small, dense_large = temp_bytes(2048, "xla"), temp_bytes(4096, "xla")
   assert dense_large / dense_small > 3.5, (dense_small, dense_large)  # the [T, T] path: T^2
+
+
+def test_splash_block_window_tiles_equal_the_mask_and_are_quick_to_classify():
+  """Splash classifies every tile of the [T, T] grid on the host: tiles outside the band or
+  wholly inside it come from their corners, and every tile equals the computed mask."""
+  from nanotext.model.kernels import splash
+  T, window, wb, tile = 4096, 1792, 128, 512
+  mask = splash._block_local_mask(T, window, wb)
+  q, k = np.arange(T)[:, None], np.arange(T)[None, :]
+  want = (k <= q) & (q // wb - k // wb < window // wb)
+  for i in range(0, T, tile):
+    for j in range(0, T, tile):
+      got = mask[slice(i, i + tile), slice(j, j + tile)]
+      assert np.array_equal(got, want[i:i + tile, j:j + tile]), (i, j)
+  # The 262,144-token validation row's grid: 262,144 tiles, all but the band's from corners.
+  long = splash._block_local_mask(262144, window, wb)
+  at = lambda i, j: long[slice(i * tile, (i + 1) * tile), slice(j * tile, (j + 1) * tile)]
+  assert not at(0, 1).any() and not at(100, 90).any()  # above the diagonal; past the window
+  assert at(100, 99).all()  # wholly inside
+  assert at(100, 100).any() and not at(100, 100).all()  # the diagonal: partial
