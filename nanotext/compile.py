@@ -197,8 +197,8 @@ def logits_size(run, train: bool) -> tuple:
   vocab = m.vocab_size // sharding.shard_count(("act_vocab",), run.rules, dict(run.mesh.shape))
   chunk = t.loss_chunk if train else t.eval_loss_chunk
   tokens = max(1, rows // split) * (chunk if 0 < chunk < length else length)
-  return (tokens * vocab // slices(tokens, vocab), max(1, rows // split) * length * vocab * 2,
-          vocab)
+  whole = max(1, rows // split) * length * vocab * 2
+  return tokens * vocab // slices(tokens, vocab, run.backend), whole, vocab
 
 
 def attention_flops(run, program, train: bool) -> float:
@@ -244,7 +244,14 @@ def describe(rec) -> str:
             f"{_gib(rec['hbm_bytes_per_chip'])}: does NOT fit (the compiler refused it)")
   col = " | ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
                    for k, v in rec["collectives"].items() if v["count"]) or "none"
-  ratio = rec["flops_xla_per_chip"] / rec["flops_analytic_per_chip"]
+  xla = rec["flops_xla_per_chip"]
+  if xla != xla and "kernels" in rec:  # a GPU executable has no cost analysis: its GEMMs' FLOPs
+    xla, what = rec["kernels"]["gemm_flops"], "GEMMs in the HLO"
+  else:
+    what = "XLA"
+  ratio = xla / rec["flops_analytic_per_chip"]
+  accessed = rec["bytes_accessed_per_chip"]
+  accessed = f" | bytes accessed {_si(accessed)}" if accessed == accessed else ""
   verdict = "fits" if rec["fits"] else "does NOT fit"
   lines = [
       head,
@@ -252,9 +259,8 @@ def describe(rec) -> str:
       f"(aliased {_gib(rec['alias'])}) | temps {_gib(rec['temp'])} | code "
       f"{_gib(rec['generated_code'])} | total {_gib(rec['total_bytes_per_chip'])}{est} of "
       f"{_gib(rec['hbm_bytes_per_chip'])}, {100 * rec['headroom']:.1f}% headroom: {verdict}",
-      f"  FLOPs per device   analytic {_si(rec['flops_analytic_per_chip'])} | XLA "
-      f"{_si(rec['flops_xla_per_chip'])} ({ratio:.2f}x) | bytes accessed "
-      f"{_si(rec['bytes_accessed_per_chip'])}",
+      f"  FLOPs per device   analytic {_si(rec['flops_analytic_per_chip'])} | {what} "
+      f"{_si(xla)} ({ratio:.2f}x){accessed}",
       f"  collectives        {col}"]
   if "kernels" in rec:
     lines += kernel_lines(rec["kernels"], rec.get("platform", "gpu"))

@@ -401,6 +401,7 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
   slow = sorted((k for k in ks if k.kind not in ("custom", "cudnn")),
                 key=lambda k: -k.seconds(peaks))[:top]
   return {"launches": sum(k.count for k in ks), "gemm_calls": gemms,
+          "gemm_flops": sum(k.count * k.flops for k in ks if k.kind.startswith("gemm")),
           "custom_kernels": count("custom"), "cudnn_calls": count("cudnn"),
           "fusions": count("fusion"), "scatters": count("scatter"), "copies": count("copy"),
           "collective_launches": count("collective"), "other": count("other"),

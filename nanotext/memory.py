@@ -221,8 +221,8 @@ class Model:
     if self.backend == "cpu":
       return tokens * vocab * 4 if chunked else 0  # the chunk's float32 logits
     item = np.dtype(m.dtype).itemsize
-    return tokens * vocab * item * chunked + head_loss.working_bytes(tokens, vocab, item,
-                                                                     m.fp8_head)
+    return tokens * vocab * item * chunked + head_loss.working_bytes(
+        tokens, vocab, item, m.fp8_head, self.backend)
 
   def attention_bytes(self, rows: int, length: int, train: bool) -> float:
     """Temporaries of one layer's attention kernel beyond its traced residuals."""

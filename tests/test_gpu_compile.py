@@ -106,9 +106,9 @@ def test_the_record_program_on_an_h100():
   slices = inv["gemm_calls"]["fp8"] // 3
   assert slices > 1 and inv["gemm_calls"]["fp8"] == 3 * slices  # the FP8 head, in slices
   assert inv["gemm_calls"]["f32"] == 0 and inv["scatters"] == 1
-  assert inv["launches"] <= 1250
+  assert inv["launches"] <= 1200
   assert inv["logits_passes"] <= 5.5  # f32 GEMM output read, z written, z read, dz written
-  assert inv["estimate_s"] <= 0.085
+  assert inv["estimate_s"] <= 0.080
   assert evaluation["kernels"]["logits_passes"] <= 1.5
 
 

@@ -124,3 +124,19 @@ def test_inventory_counts_and_prices():
 def test_collectives_count_an_async_pair_once():
   c = hlo.collectives(PROGRAM)
   assert c["all-reduce"] == {"count": 1, "bytes": 4096 * 64 * 4}
+
+
+def test_an_instruction_may_span_lines():
+  """TPU kernels carry configs with line breaks: the computation goes on after them."""
+  text = """HloModule m
+
+ENTRY %main (a: bf16[8,128]) -> bf16[8,128] {
+  %a = bf16[8,128]{1,0} parameter(0)
+  %k = bf16[8,128]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", backend_config={"x":"{
+}}, metadata={op_name="kernel"}
+  ROOT %f = bf16[8,128]{1,0} fusion(%k), kind=kLoop, calls=%fused
+}
+"""
+  comps, entry = hlo.parse(text)
+  assert [i.name for i in comps[entry]] == ["a", "k", "f"]
+  assert [k.kind for k in hlo.kernels(text)] == ["custom", "fusion"]

@@ -31,23 +31,26 @@ from nanotext.model.layers import E4M3, E5M2, _dequantize, _dot32, _quantize
 # The head works through the tokens in slices whose float32 logits stay under this size: the
 # FP8 GEMM writes float32 (cuBLASLt's FP8 output here), so whole logits at one 49,152-token row
 # and 50,304 head rows were a 9.2 GiB transient beside the kept head output, and the allocator's
-# packing around it cost as much again (tests/test_gpu_compile.py; benchmarks/RESULTS.md).
-SLICE_BYTES = 2**30
+# packing around it cost as much again (tests/test_gpu_compile.py; benchmarks/RESULTS.md). A TPU
+# takes larger slices: each unrolled slice cost its compile about 10 s of CPU.
+SLICE_BYTES = {"tpu": 4 * 2**30}
+DEFAULT_SLICE_BYTES = 2**30
 
 
-def slices(tokens: int, vocab: int) -> int:
-  """How many equal slices of `tokens` the head takes one after another: the fewest whose
-  float32 [slice, vocab] logits fit SLICE_BYTES (one for every row the CPU configs run)."""
-  want = math.ceil(tokens * vocab * 4 / SLICE_BYTES)
+def slices(tokens: int, vocab: int, backend: str = "") -> int:
+  """How many equal slices of `tokens` the head takes one after another on `backend`: the
+  fewest whose float32 [slice, vocab] logits fit its SLICE_BYTES (one for every row the CPU
+  configs run)."""
+  want = math.ceil(tokens * vocab * 4 / SLICE_BYTES.get(backend, DEFAULT_SLICE_BYTES))
   return next(k for k in range(max(1, want), tokens + 1) if tokens % k == 0)
 
 
-def working_bytes(tokens: int, vocab: int, itemsize: int, fp8: bool) -> int:
+def working_bytes(tokens: int, vocab: int, itemsize: int, fp8: bool, backend: str) -> int:
   """What the head's training step holds at once beside the head output z it keeps for the
   backward pass: one slice's float32 FP8 GEMM output in the forward pass, or in the backward
   pass one slice's output gradient as its two GEMMs read it (FP8: e5m2 in both layouts, else
   the model dtype). nanotext.memory adds it to the kept activations."""
-  m = tokens // slices(tokens, vocab)
+  m = tokens // slices(tokens, vocab, backend)
   forward = m * vocab * 4 if fp8 else 0  # without FP8 the GEMM writes z itself, which is kept
   return max(forward, m * vocab * (2 if fp8 else itemsize))
 
@@ -60,7 +63,7 @@ def head_loss_sum(x_ND, w_DV, targets_N, *, softcap: float = 0.0, fp8=None, fp8_
   logits.
   """
   fp8 = None if fp8 is None else (*fp8, float(fp8_scale))
-  k = slices(x_ND.shape[0], w_DV.shape[1])
+  k = slices(x_ND.shape[0], w_DV.shape[1], platform())
   return _fused(x_ND, w_DV, targets_N, float(softcap), fp8, k)
 
 
