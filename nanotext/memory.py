@@ -165,7 +165,7 @@ class Model:
       return loss_fn(graphdef, params, inputs, targets, eot, windows, chunk, per_row=per_row)
     tokens = jax.ShapeDtypeStruct((self.rows, cfg.train.seq_len), jnp.int32)
     out = {"block": 0.0, "loss": 0.0, "other": 0.0, "kernel": 0.0}
-    residuals = saved_residuals(loss, self.params, tokens, tokens)
+    residuals = saved_residuals(loss, self.params, tokens, tokens, backend=self.backend)
     if self.backend == "cpu":  # kept as JAX saves them; bfloat16 math runs in float32 there
       for aval, eqn, _ in residuals:
         out[scope(eqn)] += self.stored_bytes(aval)
@@ -277,7 +277,7 @@ class Model:
           graphdef, p, x, y, eot, windows, chunk, train=False))(self.params, tokens, tokens)
       flash = self.impl in FLASH_KERNELS  # traced as blocked: its work inside is not theirs
       self._traces[("eval", chunk)] = peak_live(
-          closed.jaxpr, self.stored_bytes, lambda e: flash and scope(e) == "kernel")
+          closed.jaxpr, self.stored_bytes, lambda e: flash and scope(e) == "kernel", self.backend)
     return _estimate("eval step", parameters=self.param_bytes, batch=2 * 4 * rows * length,
                      gathered_parameters=self.gathered_bytes,
                      gemm_workspace=self.workspace_bytes(),
