@@ -30,6 +30,8 @@ def define_flags():
   flags.DEFINE_string("programs", "all", "Which programs: all, or a comma list of first, last "
                       "(train window stages), eval, or program names as printed (train@1792).")
   flags.DEFINE_string("json", "", "Write one JSON record per program to this file.")
+  flags.DEFINE_string("hlo_dir", "", "Write each program's optimized HLO text to DIR/NAME.hlo "
+                      "(what the kernel inventory and the estimate read).")
   flags.DEFINE_float("min_headroom", 0.10, "Fraction of HBM a program must leave free to count "
                      "as fitting: the compiler's accounting leaves out runtime buffers and "
                      "fragmentation.")
@@ -105,7 +107,7 @@ def eval_batch(run) -> dict:
 
 
 def compile_program(run, name, program, memory_bytes: int, min_headroom: float = 0.0,
-                    peaks=None) -> dict:
+                    peaks=None, hlo_dir: str = "") -> dict:
   """Compile one program (a window_schedule.Program) for the run's devices; its record. An HBM
   overflow is a record too, and so is a failure at any stage (`error`, `stage`: trace, lowering
   or XLA)."""
@@ -148,6 +150,14 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
   # Wall seconds, and this process's CPU seconds (what the compile cost whatever else runs).
   rec["compile_s"], rec["compile_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
   train = name != "eval"
+  if hlo_dir:
+    from nanotext.data.fileio import atomic_write
+    path = os.path.join(hlo_dir, f"{name}.hlo")
+    try:
+      os.makedirs(hlo_dir, exist_ok=True)
+      atomic_write(path, [compiled.as_text().encode()])
+    except OSError as e:
+      raise os_error(e, f"cannot write --hlo_dir file '{path}'") from None
   rec.update(measure(compiled, peaks, *logits_size(run, train),
                      attention_flops(run, program, train)))
   rec["headroom"] = 1.0 - rec["total_bytes_per_chip"] / memory_bytes
@@ -192,13 +202,13 @@ def logits_size(run, train: bool) -> tuple:
   from nanotext.model.head_loss import slices
   t, m = run.cfg.train, run.cfg.model
   length = t.seq_len if train else (t.eval_seq_len or t.seq_len)
-  rows = t.batch_size // (t.grad_accum if train else 1)
-  split = sharding.shard_count(("batch",), run.rules, dict(run.mesh.shape))
+  rows = max(1, t.batch_size // (t.grad_accum if train else 1)
+             // sharding.shard_count(("batch",), run.rules, dict(run.mesh.shape)))
   vocab = m.vocab_size // sharding.shard_count(("act_vocab",), run.rules, dict(run.mesh.shape))
   chunk = t.loss_chunk if train else t.eval_loss_chunk
-  tokens = max(1, rows // split) * (chunk if 0 < chunk < length else length)
-  whole = max(1, rows // split) * length * vocab * 2
-  return tokens * vocab // slices(tokens, vocab, run.backend), whole, vocab
+  positions = chunk if 0 < chunk < length else length
+  per_slice = rows * positions * vocab // slices(rows, positions, vocab, run.backend)
+  return per_slice, rows * length * vocab * 2, vocab
 
 
 def attention_flops(run, program, train: bool) -> float:
@@ -327,7 +337,8 @@ def verdict(recs, target_name, min_headroom) -> tuple:
                  f"but {target_name} has {_gib(hbm)} and {100 * min_headroom:.0f}% is kept free")
 
 
-def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, log=print):
+def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, log=print,
+                hlo_dir=""):
   """Build the run for the target and compile the selected programs; (run, target, records)."""
   from nanotext import sharding, wiring
   target = topology.parse(target_name)
@@ -343,7 +354,8 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
   run.memory.require(*{"eval" if name == "eval" else "train" for name, _, _ in chosen})
   recs = []
   for name, program, steps in chosen:
-    rec = compile_program(run, name, program, target.memory_bytes, min_headroom, target.peaks)
+    rec = compile_program(run, name, program, target.memory_bytes, min_headroom, target.peaks,
+                          hlo_dir)
     rec.update(steps=steps, windows=list(program.windows), runtime_windows=program.runtime,
                seq_len=program.seq_len, target=target.name)
     recs.append(rec)
@@ -365,7 +377,8 @@ def main(args):
   if not 0 <= f.min_headroom < 1:
     raise UserError(f"--min_headroom={f.min_headroom} must be in [0, 1)")
   run, target, recs = run_compile(args[0], args[1:], f.topology, f.programs,
-                                  f.min_headroom, log=lambda s: print(s, flush=True))
+                                  f.min_headroom, log=lambda s: print(s, flush=True),
+                                  hlo_dir=f.hlo_dir)
   if f.json:  # whole or not at all: a full disk is one line, no half-written file
     from nanotext.data.fileio import atomic_write
     try:

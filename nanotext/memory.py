@@ -216,13 +216,13 @@ class Model:
     (model/head_loss.py; the CPU compiler's float32 copies are what its kept values count)."""
     m = self.cfg.model
     chunked = 0 < chunk < length
-    tokens = rows * (chunk if chunked else length)
+    positions = chunk if chunked else length
     vocab = m.vocab_size // self.split[m.vocab_size]
     if self.backend == "cpu":
-      return tokens * vocab * 4 if chunked else 0  # the chunk's float32 logits
+      return rows * positions * vocab * 4 if chunked else 0  # the chunk's float32 logits
     item = np.dtype(m.dtype).itemsize
-    return tokens * vocab * item * chunked + head_loss.working_bytes(
-        tokens, vocab, item, m.fp8_head, self.backend)
+    return rows * positions * vocab * item * chunked + head_loss.working_bytes(
+        rows, positions, vocab, item, m.fp8_head, self.backend)
 
   def attention_bytes(self, rows: int, length: int, train: bool) -> float:
     """Temporaries of one layer's attention kernel beyond its traced residuals."""

@@ -99,9 +99,10 @@ def agreed(n: int) -> int:
 
 HEADROOM = 0.10  # auto leaves this share of a device free: runtime buffers, fragmentation
 # The estimate's measured accuracy (benchmarks/RESULTS.md): refuse only beyond capacity * (1 +
-# this). Against XLA's GPU and TPU compilers the shipped configs came within 15%; the CPU's
-# buffer reuse is less predictable.
-TOLERANCE = {"gpu": 0.15, "tpu": 0.15, "cpu": 0.25}
+# this). Against XLA's GPU compiler the shipped configs came within 15% (but one); its TPU
+# compiler's schedule keeps more alive in a long forward pass, and the CPU's buffer reuse is
+# less predictable.
+TOLERANCE = {"gpu": 0.15, "tpu": 0.25, "cpu": 0.25}
 KEYS = ("model.remat", "train.loss_chunk", "train.eval_loss_chunk")
 
 

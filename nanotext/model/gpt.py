@@ -261,8 +261,7 @@ class GPT(nnx.Module):
     else:
       w_DV, dtype = self.head.kernel.value, self.head.dtype
     fp8 = fp8_head_scales(D, loss_denominator or B * T) if self.fp8_head and train else None
-    x_ND = x_BTD.reshape(B * T, D)
-    return head_loss_sum(x_ND if fp8 else x_ND.astype(dtype), w_DV, targets_BT.reshape(B * T),
+    return head_loss_sum(x_BTD if fp8 else x_BTD.astype(dtype), w_DV, targets_BT,
                          softcap=self.softcap, fp8=fp8, fp8_scale=np.sqrt(D))
 
   def logits(self, x_BTD, loss_denominator: int = 0, train: bool = True):

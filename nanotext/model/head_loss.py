@@ -25,60 +25,82 @@ import math
 import jax
 import jax.numpy as jnp
 
+from nanotext import sharding
 from nanotext.model.kernels.per_device import platform
 from nanotext.model.layers import E4M3, E5M2, _dequantize, _dot32, _quantize
 
-# The head works through the tokens in slices whose float32 logits stay under this size: the
-# FP8 GEMM writes float32 (cuBLASLt's FP8 output here), so whole logits at one 49,152-token row
-# and 50,304 head rows were a 9.2 GiB transient beside the kept head output, and the allocator's
-# packing around it cost as much again (tests/test_gpu_compile.py; benchmarks/RESULTS.md). A TPU
-# takes larger slices: each unrolled slice cost its compile about 10 s of CPU.
+# The head works through the positions in slices whose float32 logits stay under this size per
+# device, every row at once (so each device keeps its own rows): the FP8 GEMM writes float32
+# (cuBLASLt's FP8 output here), so whole logits at one 49,152-token row and 50,304 head rows
+# were a 9.2 GiB transient beside the kept head output, and the allocator's packing around it
+# cost as much again (tests/test_gpu_compile.py; benchmarks/RESULTS.md). A TPU takes larger
+# slices: each unrolled slice cost its compile about 10 s of CPU.
 SLICE_BYTES = {"tpu": 4 * 2**30}
 DEFAULT_SLICE_BYTES = 2**30
 
 
-def slices(tokens: int, vocab: int, backend: str = "") -> int:
-  """How many equal slices of `tokens` the head takes one after another on `backend`: the
-  fewest whose float32 [slice, vocab] logits fit its SLICE_BYTES (one for every row the CPU
-  configs run)."""
-  want = math.ceil(tokens * vocab * 4 / SLICE_BYTES.get(backend, DEFAULT_SLICE_BYTES))
-  return next(k for k in range(max(1, want), tokens + 1) if tokens % k == 0)
+def slices(rows: int, length: int, vocab: int, backend: str = "") -> int:
+  """How many equal slices of the `length` positions the head takes one after another on
+  `backend`, `rows` rows per device: the fewest whose float32 [rows, slice, vocab] logits fit
+  its SLICE_BYTES (one for every row the CPU configs run)."""
+  want = math.ceil(rows * length * vocab * 4 / SLICE_BYTES.get(backend, DEFAULT_SLICE_BYTES))
+  return next(k for k in range(max(1, want), length + 1) if length % k == 0)
 
 
-def working_bytes(tokens: int, vocab: int, itemsize: int, fp8: bool, backend: str) -> int:
+def working_bytes(rows: int, length: int, vocab: int, itemsize: int, fp8: bool,
+                  backend: str) -> int:
   """What the head's training step holds at once beside the head output z it keeps for the
   backward pass: one slice's float32 FP8 GEMM output in the forward pass, or in the backward
   pass one slice's output gradient as its two GEMMs read it (FP8: e5m2 in both layouts, else
   the model dtype). nanotext.memory adds it to the kept activations."""
-  m = tokens // slices(tokens, vocab, backend)
+  m = rows * length // slices(rows, length, vocab, backend)
   forward = m * vocab * 4 if fp8 else 0  # without FP8 the GEMM writes z itself, which is kept
   return max(forward, m * vocab * (2 if fp8 else itemsize))
 
 
-def head_loss_sum(x_ND, w_DV, targets_N, *, softcap: float = 0.0, fp8=None, fp8_scale=1.0):
-  """Sum over N tokens of cross-entropy(softcap(x @ w), target) in float32.
+def head_loss_sum(x_BTD, w_DV, targets_BT, *, softcap: float = 0.0, fp8=None, fp8_scale=1.0):
+  """Sum over every token of cross-entropy(softcap(x @ w), target) in float32, for x [B, T, D]
+  (or [N, D]) and targets [B, T] (or [N]).
 
   `fp8`: (x_s, w_s, grad_s) for an FP8 matmul run at scale `fp8_scale` (the module docstring's
   r), or None for x @ w in x's dtype. `softcap` c > 0: logits c * tanh(z / c); 0: the plain
   logits.
   """
+  if x_BTD.ndim == 2:  # [N, D]: one row of N tokens
+    x_BTD, targets_BT = x_BTD[None], targets_BT[None]
   fp8 = None if fp8 is None else (*fp8, float(fp8_scale))
-  k = slices(x_ND.shape[0], w_DV.shape[1], platform())
-  return _fused(x_ND, w_DV, targets_N, float(softcap), fp8, k)
+  B, T, _ = x_BTD.shape
+  active = sharding.active()
+  rows = B // (sharding.shard_count(("batch",), active[0], dict(active[1].shape)) if active
+               else 1)
+  k = slices(max(1, rows), T, w_DV.shape[1], platform())
+  return _fused(x_BTD, w_DV, targets_BT, float(softcap), fp8, k)
+
+
+def _cut(x_BT_, k: int, i: int):
+  """Positions i * T / k ... of every row, flattened to [rows * T / k, ...]."""
+  t = x_BT_.shape[1] // k
+  piece = x_BT_[:, i * t:(i + 1) * t]
+  return piece.reshape(-1, *piece.shape[2:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused(x_ND, w_DV, targets_N, softcap, fp8, k):
+def _fused(x_BTD, w_DV, targets_BT, softcap, fp8, k):
   """The loss alone (evaluation): the slices as a loop, one compiled body whatever their number
   (unrolled, 64 slices of a 262,144-token validation row kept a TPU compiling for minutes)."""
   if k == 1:
-    return _forward(x_ND, w_DV, targets_N, softcap, fp8, k)[0]
-  a, b = _operands(x_ND, w_DV, fp8)
+    return _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k)[0]
+  B, T, D = x_BTD.shape
+  a, b = _operands(x_BTD, w_DV, fp8)
+  stack = lambda v: sharding.constrain(  # [k, B, T / k, ...], rows still on their devices
+      v.reshape(B, k, T // k, *v.shape[2:]).swapaxes(0, 1),
+      (None, "batch", "act_length") + (("act_embed",) if v.ndim == 3 else ()))
 
   def body(total, xs):
-    return total + _slice_loss(xs[0], b, xs[1], softcap, fp8, x_ND.dtype)[0], None
-  sliced = (a.reshape(k, -1, a.shape[-1]), targets_N.reshape(k, -1))
-  return jax.lax.scan(body, jnp.zeros([], jnp.float32), sliced)[0]
+    a_BtD, y_Bt = xs
+    return total + _slice_loss(a_BtD.reshape(-1, D), b, y_Bt.reshape(-1), softcap, fp8,
+                               x_BTD.dtype)[0], None
+  return jax.lax.scan(body, jnp.zeros([], jnp.float32), (stack(a), stack(targets_BT)))[0]
 
 
 def _operands(x_ND, w_DV, fp8):
@@ -126,31 +148,32 @@ def _slice_loss(a_MD, b_DV, y_M, softcap, fp8, dt):
   return jnp.sum(lse_M - picked_M), z_MV, lse_M
 
 
-def _forward(x_ND, w_DV, targets_N, softcap, fp8, k):
+def _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k):
   """The loss and the backward pass's residuals, the k slices unrolled one after another."""
-  m = x_ND.shape[0] // k
-  parts = [_operands(x_ND[i * m:(i + 1) * m], w_DV, fp8) for i in range(k)]
+  parts = [_operands(_cut(x_BTD, k, i), w_DV, fp8) for i in range(k)]
   a, b = [p[0] for p in parts], parts[0][1]
+  ys = [_cut(targets_BT, k, i) for i in range(k)]
   zs, lses, total = [], [], jnp.zeros([], jnp.float32)
   for i in range(k):  # one slice's float32 logits at a time
     if i:  # ordered: slice i's matmul waits for slice i - 1's sum (else XLA may run them all first)
       total, a[i] = jax.lax.optimization_barrier((total, a[i]))
-    loss, z_MV, lse_M = _slice_loss(a[i], b, targets_N[i * m:(i + 1) * m], softcap, fp8,
-                                    x_ND.dtype)
+    loss, z_MV, lse_M = _slice_loss(a[i], b, ys[i], softcap, fp8, x_BTD.dtype)
     total = total + loss
     zs.append(z_MV)
     lses.append(lse_M)
-  like = (jnp.zeros((0,), x_ND.dtype), jnp.zeros((0,), w_DV.dtype))
-  return total, ((tuple(a), b), tuple(zs), tuple(lses), targets_N, like)
+  B, T, _ = x_BTD.shape
+  like = (jnp.zeros((0, B, T // k), x_BTD.dtype), jnp.zeros((0,), w_DV.dtype))  # shapes, 0 bytes
+  return total, ((tuple(a), b), tuple(zs), tuple(lses), tuple(ys), like)
 
 
-def _fused_fwd(x_ND, w_DV, targets_N, softcap, fp8, k):
-  return _forward(x_ND, w_DV, targets_N, softcap, fp8, k)
+def _fused_fwd(x_BTD, w_DV, targets_BT, softcap, fp8, k):
+  return _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k)
 
 
 def _fused_bwd(softcap, fp8, k, res, g):
-  (a, b), zs, lses, targets_N, (x_like, w_like) = res
-  m = a[0].shape[0]
+  (a, b), zs, lses, ys, (x_like, w_like) = res
+  _, B, t = x_like.shape
+  D = a[0].shape[-1]
   # On GPU and TPU a barrier keeps XLA from merging the soft-cap below with the forward's and
   # keeping float32 logits for it: the backward reads the head output z, half their size. The
   # CPU compiler keeps z either way; there the barrier would only move float rounding.
@@ -162,7 +185,7 @@ def _fused_bwd(softcap, fp8, k, res, g):
     else:
       z_MV = barrier(z_MV)
     l_MV, t_MV = _capped(z_MV, softcap, fp8)
-    y_M = targets_N[i * m:(i + 1) * m]
+    y_M = ys[i]
     hit_MV = jnp.arange(l_MV.shape[-1])[None, :] == y_M[:, None]
     dl_MV = g * (jnp.exp(l_MV - lse_M[:, None]) - hit_MV)
     # (1 - t)(1 + t), not 1 - t^2: exact where the cap saturates (|t| near 1), as autodiff's tanh
@@ -178,7 +201,8 @@ def _fused_bwd(softcap, fp8, k, res, g):
                          grad_s / r)
       dxs.append(_dot32(g_MV, _dequantize(b, w_s * r).T).astype(x_like.dtype))
       dw = dw + _dot32(_dequantize(a_M, x_s).T, g_MV) * r
-  dx = dxs[0] if k == 1 else jnp.concatenate(dxs)
+  # Each slice's [B * T / k, D] back in its rows' positions.
+  dx = jnp.concatenate([d.reshape(B, t, D) for d in dxs], axis=1)
   return dx.astype(x_like.dtype), dw.astype(w_like.dtype), None
 
 
