@@ -6,7 +6,6 @@ it. libtpu compiles run one after another in this process and its subprocesses.
 
 import json
 import sys
-import time
 
 import pytest
 
@@ -109,14 +108,12 @@ def test_too_big_for_the_chip_exits_2():
 def test_a_config_that_cannot_fit_is_refused_before_compiling():
   """speedrun.yml at 4,096 rows for v6e-8 compiled 19 minutes without a verdict: the memory
   estimate refuses it before anything compiles, naming the micro-batching that would fit."""
-  start = time.perf_counter()
   proc = run_cli("nanotext.compile", SPEEDRUN, "train.batch_size=4096", "--topology=v6e-8",
                  timeout=600)
   lines = [l for l in proc.stderr.splitlines() if l.startswith("nanotext: error:")]
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr
   assert "the train step ~" in lines[0] and "TPU v6 lite HBM" in lines[0], lines[0]
-  assert "train.grad_accum=" in lines[0] and "compiled in" not in proc.stdout
-  assert time.perf_counter() - start < 300  # about 11 s of CPU; the wall clock is the load's
+  assert "train.grad_accum=" in lines[0] and "compiled in" not in proc.stdout  # nothing compiled
 
 
 @pytest.mark.tpu
