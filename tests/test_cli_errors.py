@@ -1,5 +1,7 @@
-"""Bad input through the real CLIs: exit status 2, one `nanotext: error:` line, no traceback,
-and nothing in an existing output_dir touched."""
+"""Bad input: exit status 2, one `nanotext: error:` line, no traceback, and nothing in an
+existing output_dir touched. A few cases run the real CLIs for that contract (`train_cli`, the
+generate and flag cases); the rest are the same errors raised in-process (`train`), where the
+CLI's part (turning a UserError into that line and status) is the same for every one."""
 
 import os
 import subprocess
@@ -11,6 +13,8 @@ import yaml
 
 from conftest import BASE, REPO, TINY, run_cli
 from nanotext.data import binfile
+from nanotext.errors import UserError
+from nanotext.train import run
 
 
 def snapshot(root) -> dict:
@@ -25,7 +29,14 @@ def snapshot(root) -> dict:
 
 
 def expect_error(result, *needles) -> str:
-  """Assert a clean user error; returns its last line."""
+  """Assert a clean user error (a CLI's CompletedProcess, or a UserError raised in-process);
+  returns its line."""
+  if isinstance(result, UserError):
+    line = str(result)
+    assert "\n" not in line, line
+    for needle in needles:
+      assert needle in line, line
+    return line
   assert result.returncode == 2, result.stderr
   assert "Traceback" not in result.stderr
   lines = [l for l in result.stderr.splitlines() if l.strip()]
@@ -45,16 +56,26 @@ def out(tmp_path):
   return d
 
 
-def train(out, *args):
-  """Run the trainer on `args` into `out`; asserts it left `out` untouched."""
+def train_cli(out, *args):
+  """Run the trainer's CLI on `args` into `out`; asserts it left `out` untouched."""
   before = snapshot(out)
   result = run_cli("nanotext.train", *args, f"output_dir={out}")
   assert snapshot(out) == before
   return result
 
 
+def train(out, config, *overrides) -> UserError:
+  """The UserError `train.run` raises in-process for `overrides` into `out`; asserts it left
+  `out` untouched."""
+  before = snapshot(out)
+  with pytest.raises(UserError) as e:
+    run(config, [*overrides, f"output_dir={out}"], log=lambda line: None)
+  assert snapshot(out) == before
+  return e.value
+
+
 def test_unknown_key(out):
-  expect_error(train(out, BASE, *TINY, "train.step=5"), "'train.step'", "'train.steps'")
+  expect_error(train_cli(out, BASE, *TINY, "train.step=5"), "'train.step'", "'train.steps'")
 
 
 def test_wrong_type(out):
@@ -108,21 +129,18 @@ def test_data_path_matches_nothing(out):
 
 def test_output_dir_of_another_run(tmp_path):
   out = tmp_path / "run"
-  args = [BASE, *TINY, "train.steps=2", f"output_dir={out}"]
-  first = run_cli("nanotext.train", *args)
-  assert first.returncode == 0, first.stderr
+  args = [*TINY, "train.steps=2", f"output_dir={out}"]
+  run(BASE, args, log=lambda line: None)
   before = snapshot(out)
   assert "config.yml" in before and "metrics.jsonl" in before
-  expect_error(run_cli("nanotext.train", *args, "model.d_model=32"),
-               str(out), "overwrite", "model.d_model")
+  expect_error(train(out, BASE, *args, "seed=1"), str(out), "overwrite", "seed")
   assert snapshot(out) == before
-  same = run_cli("nanotext.train", *args)  # the same run: resumes from its checkpoint
-  assert same.returncode == 0, same.stderr
-  assert "resumed from the checkpoint of step 2" in same.stdout
-  again = run_cli("nanotext.train", *args, "model.d_model=32", "overwrite=true")
-  assert again.returncode == 0, again.stderr
+  lines = []
+  run(BASE, args, log=lines.append)  # the same run: resumes from its checkpoint
+  assert "resumed from the checkpoint of step 2" in "\n".join(lines)
+  run(BASE, [*args, "seed=1", "overwrite=true"], log=lambda line: None)
   with open(out / "config.yml") as f:
-    assert yaml.safe_load(f)["model"]["d_model"] == 32
+    assert yaml.safe_load(f)["seed"] == 1
 
 
 def test_bad_flag():
