@@ -74,31 +74,37 @@ def train(out, config, *overrides) -> UserError:
   return e.value
 
 
+@pytest.mark.fast
 def test_unknown_key(out):
   expect_error(train_cli(out, BASE, *TINY, "train.step=5"), "'train.step'", "'train.steps'")
 
 
+@pytest.mark.fast
 def test_wrong_type(out):
   expect_error(train(out, BASE, *TINY, "train.steps=ten"), "'train.steps'", "'ten'", "integer")
 
 
+@pytest.mark.fast
 def test_missing_config_file(out, tmp_path):
   missing = str(tmp_path / "nope.yml")
   expect_error(train(out, missing, *TINY), missing)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("key", ["train.steps", "train.batch_size", "train.seq_len"])
 def test_non_positive(out, key):
   expect_error(train(out, BASE, *TINY, f"{key}={-1 if key == 'train.steps' else 0}"),
                key, "positive")
 
 
+@pytest.mark.fast
 def test_batch_not_divisible_by_devices(out):
   assert "--xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]
   expect_error(train(out, BASE, *TINY, "train.batch_size=6"),
                "train.batch_size=6", "mesh.fsdp", "=8")
 
 
+@pytest.mark.fast
 def test_vocab_smaller_than_tokenizer(out):
   expect_error(train(out, BASE, *TINY, "data.source=shakespeare", "data.tokenizer=shakespeare",
                      "model.vocab_size=512"), "model.vocab_size=512", "8192")
@@ -111,6 +117,7 @@ def corrupt(path, word, value):
   del header
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("word,value,needle", [(0, 1234, "magic"), (1, 7, "version"),
                                                (2, 5000, "claims 5000 tokens")])
 def test_bad_bin_shard(out, tmp_path, word, value, needle):
@@ -121,6 +128,7 @@ def test_bad_bin_shard(out, tmp_path, word, value, needle):
                      f"data.val_files={path}", "data.tokenizer=none"), path, needle)
 
 
+@pytest.mark.fast
 def test_data_path_matches_nothing(out):
   expect_error(train(out, BASE, *TINY, "data.source=bin", "data.train_files=/nonexistent/*.bin",
                      "data.val_files=/nonexistent/*.bin"),
@@ -143,6 +151,7 @@ def test_output_dir_of_another_run(tmp_path):
     assert yaml.safe_load(f)["seed"] == 1
 
 
+@pytest.mark.fast
 def test_bad_flag():
   result = run_cli("nanotext.train", BASE, "--no_such_flag")
   assert result.returncode == 2
@@ -150,31 +159,37 @@ def test_bad_flag():
                                                 "'no_such_flag'"]
 
 
+@pytest.mark.fast
 def test_no_config_argument():
   expect_error(run_cli("nanotext.train"), "no config file")
   expect_error(run_cli("nanotext.train", "train.steps=2"), "no config file")
 
 
+@pytest.mark.fast
 def test_generate_without_output_dir():
   expect_error(run_cli("nanotext.generate", "prompt=hi"), "output_dir is required")
 
 
+@pytest.mark.fast
 def test_generate_output_dir_without_config(out):
   before = snapshot(out)
   expect_error(run_cli("nanotext.generate", f"output_dir={out}"), str(out), "config.yml")
   assert snapshot(out) == before
 
 
+@pytest.mark.fast
 def test_checkpoints_is_a_file(out):
   (out / "checkpoints").write_text("not a folder")
   expect_error(train(out, BASE, *TINY), "checkpoints' exists and is not a directory")
 
 
+@pytest.mark.fast
 def test_damaged_config_yml_in_output_dir(out):
   (out / "config.yml").write_bytes(b"model: [\xff\x00")
   expect_error(train(out, BASE, *TINY), "config.yml' is damaged", "overwrite=true")
 
 
+@pytest.mark.fast
 def test_duplicate_keys_and_nan_rates(out, tmp_path):
   cfg = tmp_path / "dup.yml"
   cfg.write_text(f"base: {BASE}\ntrain:\n  steps: 3\ntrain:\n  steps: 200\n")

@@ -30,6 +30,7 @@ def test_topology_names():
       topology.parse(bad)
 
 
+@pytest.mark.fast
 def test_programs_follow_the_window_schedule():
   from nanotext import config
   cfg = config.load(SPEEDRUN, ["train.steps=1770"])
@@ -116,6 +117,7 @@ def test_a_config_that_cannot_fit_is_refused_before_compiling():
   assert "train.grad_accum=" in lines[0] and "compiled in" not in proc.stdout  # nothing compiled
 
 
+@pytest.mark.fast
 @pytest.mark.tpu
 def test_a_mesh_that_splits_a_torus_axis():
   """fsdp 8 x tensor 2 on a 4x4 v6e-16: no physical axis is 8 long, so mesh axes split them."""

@@ -43,6 +43,7 @@ def immutable(path):
 
 # --- paths orbax reads as glob patterns ------------------------------------------------------
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["run[1]", "st*q?"])
 def test_a_glob_character_in_output_dir_is_refused_before_anything(tmp_path, name):
   """Orbax globs inside the checkpoint path: 'run[1]' trained and saved steps that no tool could
@@ -66,6 +67,7 @@ def test_glob_characters_in_the_readers_paths_are_refused(reference, tmp_path):
     assert_one_error_line(proc, 2, "glob")
 
 
+@pytest.mark.fast
 def test_a_data_dir_with_glob_characters_is_a_folder_not_a_pattern(tmp_path):
   from nanotext.data import binfile, prepare
   folder = tmp_path / "data[1]"
@@ -117,6 +119,7 @@ def test_an_immutable_checkpoint_folder_is_refused_before_training(reference, tm
   assert snapshot(out) == before
 
 
+@pytest.mark.fast
 def test_a_save_into_a_folder_that_became_unwritable_fails_at_once(tmp_path):
   """The probe in checkpoint.save: a run whose checkpoints/ turns read-only mid-run stops at
   its next save in one line (CheckpointError, status 1), before orbax is handed the step (it
@@ -184,6 +187,7 @@ def test_paths_with_percent_braces_and_spaces_work_in_every_tool(tmp_path):
   assert checkpoint.load_params(folder, checkpoint.latest_params(out)[1])[0] == folder
 
 
+@pytest.mark.fast
 def test_probes_leave_nothing_behind_and_tell_resources_from_permissions(tmp_path):
   probes.writable_dir(str(tmp_path / "a" / "b"), "x")
   assert os.listdir(tmp_path) == []  # the folders it made for the probe are gone again

@@ -7,6 +7,8 @@ from conftest import BASE
 from nanotext import config
 from nanotext.errors import UserError
 
+pytestmark = pytest.mark.fast
+
 
 def refused(path, *overrides, match):
   with pytest.raises(UserError, match=match):  # the bound's own message: refused by the bound

@@ -75,6 +75,7 @@ def test_estimate_is_within_stated_accuracy_of_the_compiled_programs(name, path,
   assert 0.5 < run.memory.eval.total / evaluation < 2, (run.memory.eval.describe(), evaluation)
 
 
+@pytest.mark.fast
 def test_exact_terms_follow_the_shardings():
   """Parameters and optimizer state per device: all of them on 1 device, an eighth under FSDP
   over 8 (the few replicated gains aside), as the abstract model's specs say."""
@@ -89,6 +90,7 @@ def test_exact_terms_follow_the_shardings():
   assert one.opt_bytes == pytest.approx(2 * params, rel=0.01)  # AdamW: two moments
 
 
+@pytest.mark.fast
 def test_auto_takes_the_plain_step_when_it_fits():
   cfg, plan = planned(SPEEDRUN, SMALL_SPEEDRUN, 64 * GIB, backend="tpu")
   assert (cfg.model.remat, cfg.train.loss_chunk, cfg.train.eval_loss_chunk) == ("none", 0, 0)
@@ -125,6 +127,7 @@ def test_the_speedrun_recipe_recomputes_on_a_v6e_chip_and_not_on_an_h100():
   assert cfg.train.eval_loss_chunk == 0, plan.line()
 
 
+@pytest.mark.fast
 def test_a_resumed_run_keeps_its_choice_where_it_fits():
   prefer = {"model.remat": "dots", "train.loss_chunk": 128, "train.eval_loss_chunk": 0}
   cfg, plan = planned(SPEEDRUN, SMALL_SPEEDRUN, 64 * GIB, backend="tpu", prefer=prefer)
@@ -147,6 +150,7 @@ def test_fixed_choices_are_checked_not_changed():
   assert "model.remat=full (~" in message and "train.grad_accum=" in message
 
 
+@pytest.mark.fast
 def test_absurd_sizes_are_refused_before_any_model_is_built(monkeypatch):
   def no_model(*a, **k):
     raise AssertionError("built a model for a config that cannot fit")
@@ -155,6 +159,7 @@ def test_absurd_sizes_are_refused_before_any_model_is_built(monkeypatch):
     planned(BASE, TINY + ["model.num_layers=100000", "model.d_model=1048576"], 16 * GIB)
 
 
+@pytest.mark.fast
 def test_dense_attention_is_refused_before_tracing_its_mask(monkeypatch):
   """The forgotten train.eval_seq_len=262144 with attention.impl=xla: refused from arithmetic,
   naming train.eval_seq_len, before a 64 GiB numpy mask is built."""
