@@ -66,11 +66,10 @@ def converted(hf_dir, tmp_path_factory):
   return out
 
 
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-  out = str(tmp_path_factory.mktemp("base") / "run")
-  train.run(BASE, TINY + FAST + [f"output_dir={out}"], log=quiet)
-  return out
+@pytest.fixture
+def base_run(tiny_run):
+  """2 steps of TINY (conftest's run, shared: read only)."""
+  return tiny_run[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""One tiny run, trained once in-process, read by the tools as a user reads it: verify, plot,
+"""One tiny run (conftest's tiny_run, trained once in-process), read by the tools as a user reads it: verify, plot,
 convert (params-only, the HF mapping, the CLI's argument handling) and the parameter trees. The
 fast tier's end-to-end file (tests/test_faults_tools.py: the same tools under damage and races)."""
 
@@ -19,14 +19,7 @@ from nanotext.train import run
 
 pytestmark = pytest.mark.fast
 
-ARGS = TINY + ["train.steps=2", "train.eval_every=0", "sample.max_new_tokens=0"]
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-  """(output_dir, the loop's result) of 2 steps of the tiny model, its final step saved."""
-  out = str(tmp_path_factory.mktemp("tools") / "run")
-  return out, run(BASE, ARGS + [f"output_dir={out}"], log=lambda line: None)
+ARGS = TINY + ["train.steps=2", "train.eval_every=0", "sample.max_new_tokens=0"]  # tiny_run's
 
 
 def test_the_loop_trains_and_saves_its_last_step(tiny_run):
