@@ -23,7 +23,7 @@ from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.integrity import Damaged, checksums, name_of, record_beside, verify, verify_named
 from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
 from nanotext import probes
-from nanotext.rundir import check_no_glob, is_step_name
+from nanotext.rundir import check_no_glob, is_step_name, step_files, steps_on_disk, vanished
 
 
 class CheckpointError(ResourceError):
@@ -95,6 +95,11 @@ def checkpoint_dir(output_dir: str) -> str:
   return os.path.join(os.path.abspath(output_dir), "checkpoints")
 
 
+def _handlers() -> dict:
+  return {"state": ocp.StandardCheckpointHandler(), "data": ProcessJsonHandler(),
+          "config": ocp.JsonCheckpointHandler(), "integrity": ocp.JsonCheckpointHandler()}
+
+
 def make_manager(output_dir: str, *, keep: int, create: bool = True, async_save: bool = True,
                  fingerprint: list | None = None, on_confirmed=None) -> Manager:
   """A manager that keeps the newest `keep` steps; saves are atomic, async unless told not.
@@ -104,10 +109,18 @@ def make_manager(output_dir: str, *, keep: int, create: bool = True, async_save:
       max_to_keep=keep, create=create, enable_async_checkpointing=async_save,
       # Leftovers of a save killed midway are removed, never mistaken for a step.
       cleanup_tmp_directories=create)
-  handlers = {"state": ocp.StandardCheckpointHandler(), "data": ProcessJsonHandler(),
-              "config": ocp.JsonCheckpointHandler(), "integrity": ocp.JsonCheckpointHandler()}
-  return Manager(checkpoint_dir(output_dir), options=options, item_handlers=handlers,
+  return Manager(checkpoint_dir(output_dir), options=options, item_handlers=_handlers(),
                  fingerprint=fingerprint, on_confirmed=on_confirmed)
+
+
+def reader(output_dir: str) -> Manager:
+  """A manager that only reads a run's steps, which a run may be training into meanwhile: it
+  lists them without reading their metadata (orbax reads every step's at the start, and a step
+  the run rotated away at that moment raised out of it)."""
+  check_no_glob(checkpoint_dir(output_dir), "the checkpoint folder")
+  # Never saving, it never removes anything either (orbax rotates steps inside save).
+  options = ocp.CheckpointManagerOptions(create=False, lightweight_initialize=True)
+  return Manager(checkpoint_dir(output_dir), options=options, item_handlers=_handlers())
 
 
 def save(manager: Manager, step: int, state, data_state: dict, config_dict: dict) -> None:
@@ -242,13 +255,16 @@ def find_params_item(path: str) -> tuple:
 def load_params(path: str, abstract_params):
   """Only the parameters of a checkpoint, into `abstract_params`' shapes and shardings,
   checked against the checksums saved with them. A step that a run still training removes
-  while it is read is no error: the then newest step is read instead."""
+  while it is read (a file of it or the step vanishes) is no error: the newest step by then is
+  read instead."""
   for attempt in range(3):
     item, whole_state = find_params_item(path)
+    files = step_files(os.path.dirname(item))
     try:
       return os.path.dirname(item), _load_params(item, whole_state, abstract_params)
     except Damaged:
-      if attempt == 2 or os.path.isdir(item):  # still there: really damaged
+      if attempt == 2 or not (vanished(os.path.dirname(item), files) or
+                              find_params_item(path)[0] != item):  # a newer step by now
         raise
   raise AssertionError("unreachable")
 
@@ -337,27 +353,35 @@ def _check_same_params(saved, wanted, where: str) -> None:
 def latest_params(output_dir: str, step: int = -1):
   """Parameters of a run's newest (or given) checkpoint on one local device; for sampling.
 
-  The newest step of a run still training may be removed (rotated out) while it is read:
-  then the step newest by that time is read instead."""
+  The newest step of a run still training may be removed (rotated out) while it is read, file
+  by file: a read that fails as a file of it or the step vanishes, or once a newer step is on
+  disk, reads the step newest by then instead; a given step that vanishes is not there."""
   if step < -1:
     raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, or -1 (the "
                     "default) for the newest")
   if not os.path.isdir(checkpoint_dir(output_dir)):
     raise UserError(f"output_dir '{output_dir}' holds no checkpoints")
-  manager = make_manager(output_dir, keep=1, create=False)
   for attempt in range(3):
+    manager = reader(output_dir)  # a fresh listing each time
     at = manager.latest_step() if step < 0 else step
     if at is None or at not in manager.all_steps():
       raise UserError(f"output_dir '{output_dir}' has no checkpoint for step {at}; "
                       f"it has {list(manager.all_steps())}")
+    where = step_dir(manager, at)
+    files = step_files(where)
     try:
       params, integrity = read_on_one_device(manager, at, "params")
-      verify(params, integrity, step_dir(manager, at), prefix="params/")
+      verify(params, integrity, where, prefix="params/")
       return at, params
     except Damaged:
-      if step >= 0 or attempt == 2 or os.path.isdir(step_dir(manager, at)):
+      gone = vanished(where, files)
+      if step >= 0 and gone:
+        raise UserError(f"output_dir '{output_dir}': the checkpoint of step {at} was removed "
+                        "while it was read (a run training into it keeps checkpoint.keep "
+                        "steps)") from None
+      newer = max(steps_on_disk(output_dir), default=at) > at
+      if step >= 0 or attempt == 2 or not (gone or newer):
         raise
-      manager.reload()
   raise AssertionError("unreachable")
 
 

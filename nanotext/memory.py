@@ -266,6 +266,7 @@ class Model:
     import jax
     import jax.numpy as jnp
     from nanotext import window_schedule
+    from nanotext.model.kernels import per_device
     from nanotext.model.loss import loss_fn
     rows, length = self.eval_rows, self.eval_len
     if ("eval", chunk) not in self._traces:
@@ -273,8 +274,9 @@ class Model:
       eot = 0 if self.cfg.attention.doc_mask else None
       tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32)
       graphdef = self.traced_model(self.cfg.model.remat)
-      closed = jax.make_jaxpr(lambda p, x, y: loss_fn(
-          graphdef, p, x, y, eot, windows, chunk, train=False))(self.params, tokens, tokens)
+      with per_device.building_for(self.backend):  # the target's head slices, not the host's
+        closed = jax.make_jaxpr(lambda p, x, y: loss_fn(
+            graphdef, p, x, y, eot, windows, chunk, train=False))(self.params, tokens, tokens)
       flash = self.impl in FLASH_KERNELS  # traced as blocked: its work inside is not theirs
       self._traces[("eval", chunk)] = peak_live(
           closed.jaxpr, self.stored_bytes, lambda e: flash and scope(e) == "kernel", self.backend)

@@ -101,8 +101,7 @@ def check_run(cfg, out: str) -> bool:
                       f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); choose another "
                       "output_dir or pass overwrite=true to replace it")
     return True
-  done = [int(n) for n in os.listdir(os.path.join(out, "checkpoints")) if is_step_name(n)] \
-      if os.path.isdir(os.path.join(out, "checkpoints")) else []
+  done = steps_on_disk(out)
   if done and max(done) > cfg.train.steps:
     raise UserError(f"output_dir '{cfg.output_dir}' holds a checkpoint of step {max(done)}, past "
                     f"train.steps={cfg.train.steps}: raise train.steps to continue that run, or "
@@ -111,8 +110,28 @@ def check_run(cfg, out: str) -> bool:
 
 
 def has_checkpoint(out: str) -> bool:
-  root = os.path.join(out, "checkpoints")
-  return os.path.isdir(root) and any(is_step_name(n) for n in os.listdir(root))
+  return bool(steps_on_disk(out))
+
+
+def steps_on_disk(out: str) -> list:
+  """The step numbers in output_dir/checkpoints now (complete or being removed), oldest first."""
+  try:
+    return sorted(int(n) for n in os.listdir(os.path.join(out, "checkpoints")) if is_step_name(n))
+  except (FileNotFoundError, NotADirectoryError):
+    return []
+
+
+def step_files(step_dir: str) -> frozenset:
+  """Every file under a checkpoint step directory, as relative paths (empty once it is gone)."""
+  return frozenset(os.path.relpath(os.path.join(d, f), step_dir)
+                   for d, _, files in os.walk(step_dir) for f in files)
+
+
+def vanished(step_dir: str, files: frozenset) -> bool:
+  """Whether a step directory, or any of `files` seen in it before a read (step_files), is gone:
+  a run training into the folder removes its old steps file by file, then the directory."""
+  return not os.path.isdir(step_dir) or any(
+      not os.path.lexists(os.path.join(step_dir, f)) for f in files)
 
 
 def set_aside(out: str) -> str:

@@ -9,35 +9,36 @@ damaged, 2 for a directory that is not a run, 130 on Ctrl-C.
 
 import json
 import os
+import signal
 import sys
-import time
 
 # jax, numpy and orbax are imported inside the functions: a Ctrl-C while they load (seconds)
 # is then caught by errors.run_cli and ends in one line, not a traceback.
 from nanotext import lock, rundir
-from nanotext.errors import UserError
+from nanotext.errors import UserError, fail
 
 USAGE = "usage: python -m nanotext.verify OUTPUT_DIR"
 
 
-def check_step(manager, step: int, racing: bool = False) -> tuple:
+def check_step(manager, step: int, keep: int = 0) -> tuple:
   """(status, detail) of one step: intact, unverified (written before checksums), damaged, or
-  gone (removed while it was read by the run training into the folder, when `racing`: its
-  rotation keeps checkpoint.keep steps; a step that fails twice and stays is damaged)."""
+  gone: removed while it was read (the step or a file seen in it vanished), or, beside a run
+  training into the folder with checkpoint.keep=`keep`, older than the newest `keep` steps on
+  disk, which that run is removing."""
   import jax
   import numpy as np
   from nanotext import checkpoint
   where = checkpoint.step_dir(manager, step)
-  for attempt in range(2 if racing else 1):
-    try:
-      state, integrity = checkpoint.read_on_one_device(manager, step)
-      checkpoint.verify(state, integrity, where)
-      break
-    except (checkpoint.Damaged, FileNotFoundError) as e:  # a file rotated away mid-read
-      if not os.path.isdir(where) or (racing and _gone(where)):
-        return "gone", "removed while it was read (the run in progress keeps checkpoint.keep)"
-      if attempt or not racing:
-        return "damaged", str(e)
+  files = rundir.step_files(where)
+  try:
+    state, integrity = checkpoint.read_on_one_device(manager, step)
+    checkpoint.verify(state, integrity, where)
+  except checkpoint.Damaged as e:
+    kept = rundir.steps_on_disk(os.path.dirname(str(manager.directory)))[-keep:] if keep else []
+    rotating = bool(keep) and len(kept) == keep and step < kept[0]
+    if rotating or rundir.vanished(where, files):
+      return "gone", "removed while it was read (the run in progress keeps checkpoint.keep)"
+    return "damaged", str(e)
   leaves = jax.tree.leaves(state)
   size = sum(np.dtype(x.dtype).itemsize * x.size for x in leaves) / 2**20
   if not (integrity or {}).get("checksums"):
@@ -45,14 +46,15 @@ def check_step(manager, step: int, racing: bool = False) -> tuple:
   return "intact", f"{len(leaves)} arrays, {size:,.1f} MiB, every checksum matches"
 
 
-def _gone(where: str, wait_s: float = 2.0) -> bool:
-  """Whether a step directory disappears (within `wait_s`: orbax deletes file by file)."""
-  deadline = time.monotonic() + wait_s
-  while os.path.isdir(where):
-    if time.monotonic() > deadline:
-      return False
-    time.sleep(0.1)
-  return True
+def _keep(out: str) -> int:
+  """checkpoint.keep in the run's config.yml (the run training into `out` wrote it); 0 if
+  unreadable."""
+  from nanotext import config_file
+  try:
+    keep = config_file.read(os.path.join(out, "config.yml"))["checkpoint"]["keep"]
+  except (UserError, KeyError, TypeError):
+    return 0
+  return keep if isinstance(keep, int) and keep > 0 else 0
 
 
 def running(out: str) -> str:
@@ -79,27 +81,31 @@ def report(out: str, log=print) -> int:
   if not os.path.isdir(root):
     raise UserError(f"'{out}' holds no checkpoints/ directory (is it a nanotext run directory?)")
   live = running(out)
-  manager = checkpoint.make_manager(out, keep=1, create=False)
+  manager = checkpoint.reader(out)
   steps = sorted(manager.all_steps(), reverse=True)
   log(f"{len(steps)} checkpoint(s) in {root}" + (", newest first:" if steps else "") +
       (f" (a run is training into it: {live})" if live else ""))
-  damaged = 0
+  damaged, keep = 0, _keep(out) if live else 0
   for step in steps:
-    status, detail = check_step(manager, step, racing=bool(live))
+    status, detail = check_step(manager, step, keep)
     damaged += status == "damaged"
     log(f"  step {step:>7d}  {status:<10s}  {detail}")
   try:
     unfinished = sorted(n for n in os.listdir(root) if "orbax-checkpoint-tmp" in n)
-  except OSError:
+  except OSError:  # the run was set aside by an overwrite meanwhile
     unfinished = []
   for name in unfinished:
     log(f"  {name}: " + ("being saved by the run in progress" if live else
                          "a save that never finished; ignored by a resume, removed by the next "
                          "save"))
   quarantined = os.path.join(out, "damaged")
-  if os.path.isdir(quarantined) and os.listdir(quarantined):
-    log(f"  {quarantined}: {len(os.listdir(quarantined))} step(s) a resume found damaged and "
-        "set aside (kept for you to inspect or delete)")
+  try:
+    set_aside = os.listdir(quarantined)
+  except OSError:
+    set_aside = []
+  if set_aside:
+    log(f"  {quarantined}: {len(set_aside)} step(s) a resume found damaged and set aside (kept "
+        "for you to inspect or delete)")
   checkpoint.close(manager)
   if damaged:
     log(f"{damaged} damaged step(s): a resume never restores them; it uses the newest intact step")
@@ -111,6 +117,10 @@ def main(argv) -> None:
   if len(args) != 1:
     raise UserError(USAGE)
   out = args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0]
+  # Orbax reads in threads and an event loop that swallow a KeyboardInterrupt raised inside them
+  # (verify went on and exited 0) or turn it into a read error (a step called damaged, exit 1):
+  # Ctrl-C ends verify where it lands instead. It only reads, so nothing is lost.
+  signal.signal(signal.SIGINT, lambda signum, frame: fail("interrupted", 130))
   sys.exit(report(out))
 
 

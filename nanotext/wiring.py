@@ -41,16 +41,19 @@ class Run:
   eot_id: int | None  # set when attention.doc_mask: documents start at this token
   memory: object = None  # the memory.Plan that checked (and chose) remat and loss chunks
 
-  def create_model(self, seed: int | None = None) -> GPT:
-    """A GPT of this run's config (parameters initialised from `seed`, default cfg.seed)."""
+  def create_model(self, seed=None) -> GPT:
+    """A GPT of this run's config (parameters initialised from `seed`, an int or a traced
+    one; default cfg.seed)."""
     seed = self.cfg.seed if seed is None else seed
-    return GPT(self.cfg.model, self.cfg.attention, impl=self.impl, rngs=nnx.Rngs(seed))
+    return GPT(self.cfg.model, self.cfg.attention, impl=self.impl,
+               rngs=nnx.Rngs(jax.random.key(seed)))
 
   def init_state(self):
-    """Params and optimizer state created directly in their shardings (no host copy)."""
-    def init():
-      return self.state_from(nnx.state(self.create_model()).to_pure_dict())
-    return jax.jit(init, out_shardings=self.state_shardings)()
+    """Params and optimizer state created directly in their shardings (no host copy). The
+    seed is an argument of the program: a run with another seed compiles no new one."""
+    def init(seed):
+      return self.state_from(nnx.state(self.create_model(seed)).to_pure_dict())
+    return jax.jit(init, out_shardings=self.state_shardings)(jnp.int32(self.cfg.seed))
 
   def state_from_params(self, params):
     """A step-0 state around given params, with a fresh optimizer state (load_params_from)."""

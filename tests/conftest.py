@@ -87,6 +87,18 @@ def tiny():
   return list(TINY)
 
 
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+  """(output_dir, train.run's result) of a finished run shared by the tests that only read one:
+  2 steps of TINY under FSDP=8 (all 8 devices), no eval, its final step saved. Copy it first to
+  change it."""
+  from nanotext.train import run
+  out = str(tmp_path_factory.mktemp("tiny_run") / "run")
+  result = run(BASE, TINY + ["train.steps=2", "train.eval_every=0", "sample.max_new_tokens=0",
+                             f"output_dir={out}"], log=lambda line: None)
+  return out, result
+
+
 # Markers of tests that need an optional package: marker -> (module, the install that brings it).
 # `pip install -e .` (the main job's install) has none of them; `.[test,tpu]` (CI's) has them all.
 EXTRAS = {

@@ -34,8 +34,5 @@ if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   step, marker, path, *rest = sys.argv[1:]
   install(int(step), marker)
-  from absl import app
-  from nanotext.errors import parse_flags
-  from nanotext.train import main
-  sys.argv = ["nanotext.train", path, *rest]
-  app.run(main, flags_parser=parse_flags)
+  from nanotext import cli, train
+  cli.run(train.main, train.USAGE, train.__doc__, argv=["nanotext.train", path, *rest], jax=True)

@@ -114,6 +114,7 @@ def test_window_at_least_T_is_causal():
                           causal)) < 1e-5
 
 
+@pytest.mark.fast
 def test_single_document_equals_no_documents():
   q, k, v, _, _ = inputs(64)
   one_doc = jnp.zeros((B, 64), jnp.int32)
@@ -122,12 +123,14 @@ def test_single_document_equals_no_documents():
   np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_window_must_be_static():
   q, k, v, _, _ = inputs(64)
   with pytest.raises(TypeError, match="static"):
     jax.jit(lambda w: dot_product_attention(q, k, v, impl="xla", scale=SCALE, window=w))(8)
 
 
+@pytest.mark.fast
 def test_segment_ids_from_tokens():
   eot = 0
   tokens = jnp.array([[0, 5, 6, 0, 7, 0],
@@ -139,6 +142,7 @@ def test_segment_ids_from_tokens():
   np.testing.assert_array_equal(ids, expected)
 
 
+@pytest.mark.fast
 def test_cudnn_on_cpu_is_a_user_error():
   with pytest.raises(UserError, match=r"attention\.impl=cudnn.*cpu"):
     resolve_impl("cudnn", "cpu")
@@ -147,6 +151,7 @@ def test_cudnn_on_cpu_is_a_user_error():
     dot_product_attention(q, k, v, impl="cudnn", scale=SCALE)
 
 
+@pytest.mark.fast
 def test_auto_resolution():
   assert resolve_impl("auto", "cpu") == "cpu"  # faster than xla's full scores on CPU
   assert resolve_impl("auto", jax.default_backend()) == "cpu"
@@ -181,3 +186,30 @@ def test_pallas_kernels_under_a_mesh_are_sharded(impl, window, tol):
   got, want = run(impl), run("xla")
   assert max(max_errors(got, want)) < tol
   assert got[0].sharding.is_equivalent_to(x_sh, 4)
+
+
+@pytest.mark.fast
+def test_the_kernel_modules_behind_the_dispatch():
+  """impl=xla is kernels/xla.py; flash says why it cannot run a problem (kernels/flash.py);
+  Pallas kernels are built for the platform of the program (kernels/per_device.py)."""
+  from nanotext.model.kernels import flash, per_device, xla
+  q, k, v, _, _ = inputs(16)
+  np.testing.assert_array_equal(kernel("xla")(q, k, v, scale=SCALE),
+                                xla.xla_attention(q, k, v, scale=SCALE))
+  assert flash.problem(256, 64) is None
+  assert "sliding windows" in flash.problem(256, 64, window=16)
+  assert "not a multiple of 128" in flash.problem(100, 64)
+  assert per_device.platform() == "cpu"
+
+
+@pytest.mark.fast
+def test_the_attention_section_is_checked_by_its_layer():
+  import ml_collections
+  from conftest import BASE
+  from nanotext import config
+  from nanotext.model import attention
+  a = ml_collections.ConfigDict(config.load(BASE).attention.to_dict())
+  attention.check_config(a)
+  a.window, a.window_pattern = 16, "LSX"
+  with pytest.raises(UserError, match="attention.window_pattern='LSX' may hold only"):
+    attention.check_config(a)

@@ -24,6 +24,7 @@ F32_TOL = 1e-5
 BF16_TOL = 3e-2
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("window,docs", MASKS)
 def test_einsum_matches_xla_and_reference(window, docs):
   q, k, v, g, seg = inputs(64)
@@ -33,6 +34,7 @@ def test_einsum_matches_xla_and_reference(window, docs):
   assert max(max_errors(got, forward_and_grads(reference, q, k, v, g, **kw))) < F32_TOL
 
 
+@pytest.mark.fast
 def test_einsum_block_windows_match_xla():
   q, k, v, g, seg = inputs(64, seed=4)
   kw = dict(scale=SCALE, window=32, block=16, segment_ids_BT=seg)
@@ -64,6 +66,7 @@ def test_bfloat16(impl):
   assert max(errs) < BF16_TOL, errs
 
 
+@pytest.mark.fast
 def test_flash_refuses_windows_and_untileable_shapes():
   with pytest.raises(UserError, match=r"attention\.impl=flash.*attention\.window=64"):
     resolve_impl("flash", "tpu", head_dim=64, seq_len=1024, window=64)

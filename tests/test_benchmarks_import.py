@@ -9,6 +9,8 @@ from absl import app, flags, logging  # noqa: F401 -- absl's own flags, defined 
 
 from conftest import REPO
 
+pytestmark = pytest.mark.fast
+
 EXTRAS = {"torch", "transformers", "matplotlib", "tensorflow_datasets", "tiktoken",
           "huggingface_hub"}
 BENCHMARKS = sorted(glob.glob(os.path.join(REPO, "benchmarks", "*.py")))

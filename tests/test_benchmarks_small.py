@@ -41,6 +41,7 @@ def test_reference_step_is_the_same_math_as_nanotext():
   assert "same math: yes" in overhead.table(r, "small")
 
 
+@pytest.mark.fast
 def test_reference_schedule_matches_nanotext():
   from nanotext import config, optim, wiring
   cfg = config.load(BASE, ["train.steps=30", "optim.warmup_steps=5"])

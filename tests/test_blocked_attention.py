@@ -54,6 +54,7 @@ def random_docs(T, rng, bs):
   return np.cumsum(eot)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("seed", range(6))
 def test_block_window_mask_equals_the_records_block_mask(seed):
   rng = np.random.default_rng(seed)
@@ -156,6 +157,7 @@ def test_splash_block_windows_match_reference(monkeypatch):
                              q, k, v, g), tol=5e-5)
 
 
+@pytest.mark.fast
 def test_auto_takes_blocked_for_block_or_long_windows():
   assert resolve_impl("auto", "cpu", seq_len=1024, window=256, block_windows=True) == "blocked"
   assert resolve_impl("auto", "cpu", seq_len=49152, window=1792) == "blocked"

@@ -3,9 +3,12 @@
 import math
 
 import numpy as np
+import pytest
 
 from nanotext import metrics
 from nanotext.data.tokenizer import EOT, bytes_per_token, get_tokenizer
+
+pytestmark = pytest.mark.fast
 
 TEXT = "ROMEO: But soft, what light through yonder window breaks? ’Tis the east — ça va!\n"
 

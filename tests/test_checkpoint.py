@@ -29,12 +29,10 @@ RESUME = [o for o in TINY if not o.startswith(("train.steps", "train.eval_every"
 FSDP8 = TINY + ["train.eval_every=0", "sample.max_new_tokens=0"]
 
 
-@pytest.fixture(scope="module")
-def fsdp8_run(tmp_path_factory):
-  """Two steps under FSDP=8 (all 8 devices), checkpointed at step 2."""
-  out = str(tmp_path_factory.mktemp("fsdp8"))
-  quiet_run(FSDP8 + [f"output_dir={out}", "train.steps=2"])
-  return out
+@pytest.fixture
+def fsdp8_run(tiny_run):
+  """Two steps of FSDP8 under FSDP=8 (all 8 devices), checkpointed at step 2: conftest's run."""
+  return tiny_run[0]
 
 
 def quiet_run(overrides, log=None):

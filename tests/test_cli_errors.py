@@ -1,5 +1,7 @@
-"""Bad input through the real CLIs: exit status 2, one `nanotext: error:` line, no traceback,
-and nothing in an existing output_dir touched."""
+"""Bad input: exit status 2, one `nanotext: error:` line, no traceback, and nothing in an
+existing output_dir touched. A few cases run the real CLIs for that contract (`train_cli`, the
+generate and flag cases); the rest are the same errors raised in-process (`train`), where the
+CLI's part (turning a UserError into that line and status) is the same for every one."""
 
 import os
 import subprocess
@@ -11,6 +13,8 @@ import yaml
 
 from conftest import BASE, REPO, TINY, run_cli
 from nanotext.data import binfile
+from nanotext.errors import UserError
+from nanotext.train import run
 
 
 def snapshot(root) -> dict:
@@ -25,7 +29,14 @@ def snapshot(root) -> dict:
 
 
 def expect_error(result, *needles) -> str:
-  """Assert a clean user error; returns its last line."""
+  """Assert a clean user error (a CLI's CompletedProcess, or a UserError raised in-process);
+  returns its line."""
+  if isinstance(result, UserError):
+    line = str(result)
+    assert "\n" not in line, line
+    for needle in needles:
+      assert needle in line, line
+    return line
   assert result.returncode == 2, result.stderr
   assert "Traceback" not in result.stderr
   lines = [l for l in result.stderr.splitlines() if l.strip()]
@@ -45,39 +56,55 @@ def out(tmp_path):
   return d
 
 
-def train(out, *args):
-  """Run the trainer on `args` into `out`; asserts it left `out` untouched."""
+def train_cli(out, *args):
+  """Run the trainer's CLI on `args` into `out`; asserts it left `out` untouched."""
   before = snapshot(out)
   result = run_cli("nanotext.train", *args, f"output_dir={out}")
   assert snapshot(out) == before
   return result
 
 
+def train(out, config, *overrides) -> UserError:
+  """The UserError `train.run` raises in-process for `overrides` into `out`; asserts it left
+  `out` untouched."""
+  before = snapshot(out)
+  with pytest.raises(UserError) as e:
+    run(config, [*overrides, f"output_dir={out}"], log=lambda line: None)
+  assert snapshot(out) == before
+  return e.value
+
+
+@pytest.mark.fast
 def test_unknown_key(out):
-  expect_error(train(out, BASE, *TINY, "train.step=5"), "'train.step'", "'train.steps'")
+  expect_error(train_cli(out, BASE, *TINY, "train.step=5"), "'train.step'", "'train.steps'")
 
 
+@pytest.mark.fast
 def test_wrong_type(out):
   expect_error(train(out, BASE, *TINY, "train.steps=ten"), "'train.steps'", "'ten'", "integer")
 
 
+@pytest.mark.fast
 def test_missing_config_file(out, tmp_path):
   missing = str(tmp_path / "nope.yml")
   expect_error(train(out, missing, *TINY), missing)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("key", ["train.steps", "train.batch_size", "train.seq_len"])
 def test_non_positive(out, key):
   expect_error(train(out, BASE, *TINY, f"{key}={-1 if key == 'train.steps' else 0}"),
                key, "positive")
 
 
+@pytest.mark.fast
 def test_batch_not_divisible_by_devices(out):
   assert "--xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]
   expect_error(train(out, BASE, *TINY, "train.batch_size=6"),
                "train.batch_size=6", "mesh.fsdp", "=8")
 
 
+@pytest.mark.fast
 def test_vocab_smaller_than_tokenizer(out):
   expect_error(train(out, BASE, *TINY, "data.source=shakespeare", "data.tokenizer=shakespeare",
                      "model.vocab_size=512"), "model.vocab_size=512", "8192")
@@ -90,6 +117,7 @@ def corrupt(path, word, value):
   del header
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("word,value,needle", [(0, 1234, "magic"), (1, 7, "version"),
                                                (2, 5000, "claims 5000 tokens")])
 def test_bad_bin_shard(out, tmp_path, word, value, needle):
@@ -100,6 +128,7 @@ def test_bad_bin_shard(out, tmp_path, word, value, needle):
                      f"data.val_files={path}", "data.tokenizer=none"), path, needle)
 
 
+@pytest.mark.fast
 def test_data_path_matches_nothing(out):
   expect_error(train(out, BASE, *TINY, "data.source=bin", "data.train_files=/nonexistent/*.bin",
                      "data.val_files=/nonexistent/*.bin"),
@@ -108,23 +137,21 @@ def test_data_path_matches_nothing(out):
 
 def test_output_dir_of_another_run(tmp_path):
   out = tmp_path / "run"
-  args = [BASE, *TINY, "train.steps=2", f"output_dir={out}"]
-  first = run_cli("nanotext.train", *args)
-  assert first.returncode == 0, first.stderr
+  args = [*TINY, "train.steps=2", f"output_dir={out}"]
+  run(BASE, args, log=lambda line: None)
   before = snapshot(out)
   assert "config.yml" in before and "metrics.jsonl" in before
-  expect_error(run_cli("nanotext.train", *args, "model.d_model=32"),
-               str(out), "overwrite", "model.d_model")
+  expect_error(train(out, BASE, *args, "seed=1"), str(out), "overwrite", "seed")
   assert snapshot(out) == before
-  same = run_cli("nanotext.train", *args)  # the same run: resumes from its checkpoint
-  assert same.returncode == 0, same.stderr
-  assert "resumed from the checkpoint of step 2" in same.stdout
-  again = run_cli("nanotext.train", *args, "model.d_model=32", "overwrite=true")
-  assert again.returncode == 0, again.stderr
+  lines = []
+  run(BASE, args, log=lines.append)  # the same run: resumes from its checkpoint
+  assert "resumed from the checkpoint of step 2" in "\n".join(lines)
+  run(BASE, [*args, "seed=1", "overwrite=true"], log=lambda line: None)
   with open(out / "config.yml") as f:
-    assert yaml.safe_load(f)["model"]["d_model"] == 32
+    assert yaml.safe_load(f)["seed"] == 1
 
 
+@pytest.mark.fast
 def test_bad_flag():
   result = run_cli("nanotext.train", BASE, "--no_such_flag")
   assert result.returncode == 2
@@ -133,31 +160,37 @@ def test_bad_flag():
                                                  "'no_such_flag'; usage:")
 
 
+@pytest.mark.fast
 def test_no_config_argument():
   expect_error(run_cli("nanotext.train"), "no config file")
   expect_error(run_cli("nanotext.train", "train.steps=2"), "no config file")
 
 
+@pytest.mark.fast
 def test_generate_without_output_dir():
   expect_error(run_cli("nanotext.generate", "prompt=hi"), "output_dir is required")
 
 
+@pytest.mark.fast
 def test_generate_output_dir_without_config(out):
   before = snapshot(out)
   expect_error(run_cli("nanotext.generate", f"output_dir={out}"), str(out), "config.yml")
   assert snapshot(out) == before
 
 
+@pytest.mark.fast
 def test_checkpoints_is_a_file(out):
   (out / "checkpoints").write_text("not a folder")
   expect_error(train(out, BASE, *TINY), "checkpoints' exists and is not a directory")
 
 
+@pytest.mark.fast
 def test_damaged_config_yml_in_output_dir(out):
   (out / "config.yml").write_bytes(b"model: [\xff\x00")
   expect_error(train(out, BASE, *TINY), "config.yml' is damaged", "overwrite=true")
 
 
+@pytest.mark.fast
 def test_duplicate_keys_and_nan_rates(out, tmp_path):
   cfg = tmp_path / "dup.yml"
   cfg.write_text(f"base: {BASE}\ntrain:\n  steps: 3\ntrain:\n  steps: 200\n")

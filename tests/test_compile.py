@@ -6,7 +6,6 @@ it. libtpu compiles run one after another in this process and its subprocesses.
 
 import json
 import sys
-import time
 
 import pytest
 
@@ -31,6 +30,7 @@ def test_topology_names():
       topology.parse(bad)
 
 
+@pytest.mark.fast
 def test_programs_follow_the_window_schedule():
   from nanotext import config
   cfg = config.load(SPEEDRUN, ["train.steps=1770"])
@@ -93,13 +93,15 @@ def test_tpu_compile_uses_mosaic_kernels_and_reports(tmp_path):
 
 @pytest.mark.tpu
 def test_too_big_for_the_chip_exits_2():
-  # Whole-row validation logits, at the edge of what the memory estimate can call (within its
-  # accuracy of the chip): compiled, and the compiler's overflow is the verdict.
+  # Whole-row validation logits (a 4 GiB head slice per chip) that the memory plan lets through,
+  # against 90% asked free: compiled, and the compiler's figure is the verdict.
   big = SMALL + ["train.batch_size=4096", "model.vocab_size=32768", "train.eval_loss_chunk=0"]
-  proc = run_cli("nanotext.compile", BASE, *big, "--topology=v5e-4", "--programs=eval")
+  proc = run_cli("nanotext.compile", BASE, *big, "--topology=v5e-4", "--programs=eval",
+                 "--min_headroom=0.9")
   assert proc.returncode == 2, proc.stdout + proc.stderr
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("nanotext: error: eval: needs up to ") and "v5e-4 has 15.75 GiB" in last
+  assert "90% is kept free" in last
   # Only what lowers a forward pass: no remat or micro-batches for the eval step.
   assert "train.eval_loss_chunk=64" in last and "train.batch_size" in last
   assert "model.remat" not in last and "train.grad_accum" not in last
@@ -109,16 +111,15 @@ def test_too_big_for_the_chip_exits_2():
 def test_a_config_that_cannot_fit_is_refused_before_compiling():
   """speedrun.yml at 4,096 rows for v6e-8 compiled 19 minutes without a verdict: the memory
   estimate refuses it before anything compiles, naming the micro-batching that would fit."""
-  start = time.perf_counter()
   proc = run_cli("nanotext.compile", SPEEDRUN, "train.batch_size=4096", "--topology=v6e-8",
                  timeout=600)
   lines = [l for l in proc.stderr.splitlines() if l.startswith("nanotext: error:")]
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr
   assert "the train step ~" in lines[0] and "TPU v6 lite HBM" in lines[0], lines[0]
-  assert "train.grad_accum=" in lines[0] and "compiled in" not in proc.stdout
-  assert time.perf_counter() - start < 300  # about 11 s of CPU; the wall clock is the load's
+  assert "train.grad_accum=" in lines[0] and "compiled in" not in proc.stdout  # nothing compiled
 
 
+@pytest.mark.fast
 @pytest.mark.tpu
 def test_a_mesh_that_splits_a_torus_axis():
   """fsdp 8 x tensor 2 on a 4x4 v6e-16: no physical axis is 8 long, so mesh axes split them."""

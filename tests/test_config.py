@@ -9,8 +9,10 @@ import pytest
 import yaml
 
 from conftest import BASE, SPEEDRUN, TINY
-from nanotext import config, wiring
+from nanotext import config, config_file, sections, wiring
 from nanotext.errors import UserError
+
+pytestmark = pytest.mark.fast
 
 SECTIONS = ("model", "attention", "train", "optim", "mesh", "data", "checkpoint", "metrics",
             "sample")
@@ -45,6 +47,16 @@ def test_base_has_all_sections_and_is_locked():
 
 
 # Overrides and type coercion.
+
+def test_a_config_file_is_one_mapping_of_plain_values(tmp_path):
+  """config_file.read, under every load: a key twice and a Python tag are refused in one line."""
+  assert config_file.read(write(tmp_path / "a.yml", "train:\n  steps: 3\n")) == {
+      "train": {"steps": 3}}
+  with pytest.raises(UserError, match="duplicate key 'steps'"):
+    config_file.read(write(tmp_path / "b.yml", "train:\n  steps: 3\n  steps: 4\n"))
+  with pytest.raises(UserError, match="plain values only"):
+    config_file.read(write(tmp_path / "c.yml", "seed: !!python/name:os.system\n"))
+
 
 def test_override_int_and_str():
   cfg = load("train.steps=7", "output_dir=/tmp/x", "sample.prompt=12")
@@ -301,6 +313,7 @@ def test_typed_sections_are_frozen():
       setattr(cfg[section], key, 1)
   with pytest.raises(dataclasses.FrozenInstanceError):
     cfg.seed = 1
+  assert isinstance(cfg, sections.Section) and isinstance(cfg.model, sections.Section)
   assert isinstance(cfg.mesh.rules, tuple) and hash(cfg.model) == hash(finalize().model)
   assert cfg.checkpoint["async"] is cfg.checkpoint.async_ is True  # a keyword as a key
   assert dataclasses.replace(cfg.train, steps=9).steps == 9 and cfg.train.steps == 200

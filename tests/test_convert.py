@@ -66,11 +66,10 @@ def converted(hf_dir, tmp_path_factory):
   return out
 
 
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-  out = str(tmp_path_factory.mktemp("base") / "run")
-  train.run(BASE, TINY + FAST + [f"output_dir={out}"], log=quiet)
-  return out
+@pytest.fixture
+def base_run(tiny_run):
+  """2 steps of TINY (conftest's run, shared: read only)."""
+  return tiny_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +166,7 @@ def test_cli_export_torch_refuses_base(base_run, tmp_path):
   assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.fast
 def test_cli_missing_run_dir(tmp_path):
   one_line_error(run_cli("nanotext.convert", "params-only", f"--run={tmp_path / 'nope'}",
                          f"--out={tmp_path / 'p'}"), "does not exist")
@@ -187,6 +187,7 @@ def test_from_hf_refuses_unsupported_option(hf_dir, tmp_path, option, value):
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.fast
 def test_from_hf_refuses_conflicting_override(hf_dir, tmp_path):
   with pytest.raises(UserError, match="model.vocab_size=1024 conflicts"):
     from_hf(hf_dir[0], str(tmp_path / "run"), TRAIN_KEYS + ["model.vocab_size=1024"], log=quiet)

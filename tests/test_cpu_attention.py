@@ -21,6 +21,7 @@ def test_cpu_kernel_matches_xla_and_reference(T, block, window, docs):
   assert max(max_errors(got, forward_and_grads(kernel("xla"), q, k, v, g, **kw))) < 2e-5
 
 
+@pytest.mark.fast
 def test_dispatch_and_bfloat16():
   q, k, v, g, seg = inputs(64)
   want = kernel("xla")(q, k, v, scale=SCALE, window=16, segment_ids_BT=seg)
@@ -33,6 +34,7 @@ def test_dispatch_and_bfloat16():
       jnp.float32), atol=3e-2)
 
 
+@pytest.mark.fast
 def test_blocks_skip_unseen_keys():
   assert key_range(0, 128, 0) == (0, 128)
   assert key_range(128, 256, 0) == (0, 256)  # causal: keys up to the block's last query

@@ -21,6 +21,8 @@ from nanotext.data.prepare import VAL_WORKS, prepare_shakespeare
 from nanotext.data.tokenizer import get_tokenizer, train_tokenizer
 from nanotext.errors import UserError
 
+pytestmark = pytest.mark.fast
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -408,3 +410,19 @@ def test_worker_processes_match_in_process(arange_bins):
   fresh = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=9)
   fresh.set_state(state)
   assert_same(take(fresh, 3), expected[3:])
+
+
+def test_shard_windows_never_cross_a_shard(tmp_path):
+  from nanotext.data.sources import ShardSource, SyntheticSource
+  a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
+  binfile.write_shard(a, np.arange(100) % 50)
+  binfile.write_shard(b, np.arange(100, 150) % 50)
+  src = ShardSource([a, b], seq_len=16)
+  assert len(src) == 99 // 16 + 49 // 16  # windows of 17 tokens (inputs and targets) per shard
+  np.testing.assert_array_equal(src[0], np.arange(17) % 50)
+  np.testing.assert_array_equal(src[6], np.arange(100, 117) % 50)  # the second shard's first
+  with pytest.raises(IndexError):
+    src[len(src)]
+  syn = SyntheticSource(vocab_size=10, seq_len=8, seed=1)
+  np.testing.assert_array_equal(syn[3], SyntheticSource(10, 8, seed=1)[3])
+  assert syn[3].shape == (9,) and syn[3].max() < 10

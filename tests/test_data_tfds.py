@@ -9,7 +9,7 @@ from conftest import extra
 from test_data import assert_same, data_cfg, take
 
 tfds = extra("tfds")
-pytestmark = pytest.mark.tfds
+pytestmark = [pytest.mark.fast, pytest.mark.tfds]
 
 
 class NanotextTinyDocs(tfds.core.GeneratorBasedBuilder):

@@ -79,11 +79,17 @@ def assert_same_as(reference, out) -> None:
   assert step == 6 and all(np.array_equal(a, b) for a, b in zip(p, ref_params, strict=True))
 
 
+_REFERENCE = []  # trained once per session: the three fault files' fixtures share it
+
+
 def make_reference(tmp_path_factory):
-  """An uninterrupted run of 6 steps with a checkpoint every 2 (all kept)."""
-  out = str(tmp_path_factory.mktemp("reference") / "run")
-  quiet_run(out)
-  return out, losses(out), params(out)[1]
+  """An uninterrupted run of 6 steps with a checkpoint every 2 (all kept). Tests copy it
+  (copy_of) before changing anything, or only read it."""
+  if not _REFERENCE:
+    out = str(tmp_path_factory.mktemp("reference") / "run")
+    quiet_run(out)
+    _REFERENCE.append((out, losses(out), params(out)[1]))
+  return _REFERENCE[0]
 
 
 reference = pytest.fixture(scope="module", name="reference")(make_reference)

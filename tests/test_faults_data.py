@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BASE, REPO, TINY
+from conftest import BASE, REPO, TINY, train_command
 from test_faults import assert_one_error_line
 from nanotext import checkpoint
 from nanotext.data import binfile
@@ -72,10 +72,9 @@ def test_a_shard_truncated_during_a_run(tmp_path):
   kept = tmp_path / "train.bin.orig"
   shutil.copyfile(train, kept)
   out, marker = tmp_path / "run", tmp_path / "marker"
-  cmd = [sys.executable, "-m", "nanotext.train", BASE, *ARGS, f"data.train_files={train}",
-         f"data.val_files={val}", f"output_dir={out}"]
-  env = dict(os.environ, **{checkpoint.PAUSE_ENV: f"2:{marker}"})
-  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+  cmd = train_command(f"2:{marker}") + [BASE, *ARGS, f"data.train_files={train}",
+                                         f"data.val_files={val}", f"output_dir={out}"]
+  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
   while not marker.exists():  # the run waits inside its save of step 2

@@ -4,6 +4,7 @@ once with output_dir as it was (there is nothing to save yet). Issue 21 and issu
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ def immutable(path):
 
 # --- paths orbax reads as glob patterns ------------------------------------------------------
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["run[1]", "st*q?"])
 def test_a_glob_character_in_output_dir_is_refused_before_anything(tmp_path, name):
   """Orbax globs inside the checkpoint path: 'run[1]' trained and saved steps that no tool could
@@ -65,6 +67,7 @@ def test_glob_characters_in_the_readers_paths_are_refused(reference, tmp_path):
     assert_one_error_line(proc, 2, "glob")
 
 
+@pytest.mark.fast
 def test_a_data_dir_with_glob_characters_is_a_folder_not_a_pattern(tmp_path):
   from nanotext.data import binfile, prepare
   folder = tmp_path / "data[1]"
@@ -110,27 +113,28 @@ def test_an_immutable_checkpoint_folder_is_refused_before_training(reference, tm
   out = copy_of(reference, tmp_path)
   before = snapshot(out)
   with immutable(os.path.join(out, "checkpoints")):
-    t0 = time.monotonic()
     proc = train_cli(out, "train.steps=8")
-    assert time.monotonic() - t0 < 120
   assert_one_error_line(proc, 2, "checkpoint folder", "Operation not permitted")
   assert "compiled" not in proc.stdout
   assert snapshot(out) == before
 
 
+@pytest.mark.fast
 def test_a_save_into_a_folder_that_became_unwritable_fails_at_once(tmp_path):
   """The probe in checkpoint.save: a run whose checkpoints/ turns read-only mid-run stops at
-  its next save in one line (CheckpointError, status 1), not after orbax's 300 s barrier."""
+  its next save in one line (CheckpointError, status 1), before orbax is handed the step (it
+  waited 300 s at a barrier for a directory it could not create)."""
   import jax.numpy as jnp
   manager = checkpoint.make_manager(str(tmp_path), keep=2, async_save=True)
   state = {"w": jnp.ones(4)}
   checkpoint.save(manager, 1, state, {}, {})
   checkpoint.wait(manager)
+  orbax_save = manager.save
+  manager.save = lambda *a, **k: pytest.fail("orbax was handed a step it cannot write")
   with immutable(tmp_path / "checkpoints"):
-    t0 = time.monotonic()
     with pytest.raises(checkpoint.CheckpointError, match="step 2: cannot write"):
       checkpoint.save(manager, 2, state, {}, {})
-    assert time.monotonic() - t0 < 30
+  manager.save = orbax_save
   manager.close()
   assert issubclass(checkpoint.CheckpointError, ResourceError)  # exit status 1
 
@@ -183,6 +187,7 @@ def test_paths_with_percent_braces_and_spaces_work_in_every_tool(tmp_path):
   assert checkpoint.load_params(folder, checkpoint.latest_params(out)[1])[0] == folder
 
 
+@pytest.mark.fast
 def test_probes_leave_nothing_behind_and_tell_resources_from_permissions(tmp_path):
   probes.writable_dir(str(tmp_path / "a" / "b"), "x")
   assert os.listdir(tmp_path) == []  # the folders it made for the probe are gone again
@@ -209,7 +214,7 @@ SLOW_COMPILE = ["model.num_layers=4"]  # several seconds of compiling on CPU
 
 def start_and_signal(out, sig, *extra):
   """Start a run, send `sig` once it prints its model line (its compilation follows at once);
-  returns (exit status, seconds from the signal to the exit, its output)."""
+  returns (exit status, its output)."""
   log = f"{out}.log"
   with open(log, "wb") as f:
     proc = subprocess.Popen([sys.executable, "-m", "nanotext.train", BASE, *ARGS, *SLOW_COMPILE,
@@ -219,10 +224,9 @@ def start_and_signal(out, sig, *extra):
     assert proc.poll() is None and time.time() < deadline, open(log).read()[-3000:]
     time.sleep(0.05)
   time.sleep(0.5)  # into the restore or the compilation
-  t0 = time.monotonic()
   proc.send_signal(sig)
-  status = proc.wait(timeout=120)
-  return status, time.monotonic() - t0, open(log).read()
+  status = proc.wait(timeout=300)
+  return status, open(log).read()
 
 
 @pytest.mark.slow
@@ -230,12 +234,12 @@ def test_sigterm_during_compilation_exits_at_once_and_creates_nothing(tmp_path):
   """SIGTERM while compiling was taken as a preemption request: the process compiled on (for
   minutes at full size) and only SIGKILL ended it."""
   out = tmp_path / "run"
-  status, seconds, log = start_and_signal(out, signal.SIGTERM)
+  status, log = start_and_signal(out, signal.SIGTERM)
   assert status == 128 + signal.SIGTERM, log[-3000:]
   assert "compiled" not in log and "Traceback" not in log, log[-3000:]
   assert log.strip().splitlines()[-1] == (f"nanotext: error: stopped by SIGTERM before the first "
                                           f"step: nothing to save, output_dir '{out}' is as it was")
-  assert seconds < 20 and not out.exists()
+  assert not out.exists()  # "compiled" absent above: it stopped inside the compilation
 
 
 @pytest.mark.slow
@@ -246,11 +250,11 @@ def test_a_signal_before_the_first_step_of_a_resume_or_overwrite_changes_nothing
   first = train_cli(out, *SLOW_COMPILE, "train.steps=2", "checkpoint.every=2")
   assert first.returncode == 0, first.stderr[-3000:]
   before = snapshot(out)
-  status, _, log = start_and_signal(out, signal.SIGINT, "train.steps=6")
+  status, log = start_and_signal(out, signal.SIGINT, "train.steps=6")
   assert status == 128 + signal.SIGINT and "compiled" not in log, log[-3000:]
   assert snapshot(out) == before and sorted(os.listdir(out)) == sorted(
       ["checkpoints", "config.yml", "metrics.jsonl"])
-  status, _, log = start_and_signal(out, signal.SIGTERM, "overwrite=true", "model.d_model=32")
+  status, log = start_and_signal(out, signal.SIGTERM, "overwrite=true", "model.d_model=32")
   assert status == 128 + signal.SIGTERM, log[-3000:]
   assert snapshot(out) == before and not os.path.exists(out / ".overwritten")
   again = train_cli(out, *SLOW_COMPILE, "train.steps=4", "checkpoint.every=2")
@@ -267,7 +271,9 @@ def test_a_failure_before_the_first_step_puts_output_dir_back(reference, tmp_pat
     with open(victim, "r+b") as f:
       f.truncate(1)
   out = tmp_path / "new"
-  with pytest.raises(UserError, match="checkpoint .*/6'.* damaged"):
+  # The wording depends on which read meets the damage first (the metadata or an array): the
+  # stable part is the kind of error and the step it names.
+  with pytest.raises(checkpoint.Damaged, match=re.escape(os.path.join(src, "checkpoints", "6"))):
     quiet_run(str(out), f"checkpoint.load_params_from={src}")
   assert not out.exists()
 
@@ -281,9 +287,8 @@ def test_a_second_ctrl_c_does_not_wait_for_the_save(reference, tmp_path):
   proc, marker = start(out, pause_at=6)  # holds inside the final save of step 6
   proc.send_signal(signal.SIGINT)
   time.sleep(0.5)
-  t0 = time.monotonic()
-  proc.send_signal(signal.SIGINT)
-  assert proc.wait(timeout=60) == 128 + signal.SIGINT and time.monotonic() - t0 < 30
+  proc.send_signal(signal.SIGINT)  # the save stays held: an exit at all is one without waiting
+  assert proc.wait(timeout=300) == 128 + signal.SIGINT
   log = open(f"{out}.log").read()
   assert "a second SIGINT: stopped without waiting" in log and "Traceback" not in log
   _, lines = quiet_run(out)

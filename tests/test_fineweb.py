@@ -10,6 +10,8 @@ from conftest import run_cli
 from nanotext.data import binfile, fineweb
 from nanotext.errors import UserError
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture
 def remote(tmp_path):

@@ -55,6 +55,7 @@ def tile_ranges(mask, rows, cols):
   return first, last
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("window,block", [(0, 0), (128, 128), (256, 128), (384, 128), (96, 32),
                                           (100, 0), (1, 0)])
 @pytest.mark.parametrize("tiles", [(64, 32), (32, 64), (128, 128)])
@@ -72,6 +73,7 @@ def test_block_tables_are_exactly_the_tiles_with_visible_keys(window, block, til
       np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}")
 
 
+@pytest.mark.fast
 def test_document_bounds():
   first, last = document_bounds(jnp.array([[0, 0, 1, 1, 1, 2], [3, 3, 3, 3, 3, 3]]))
   np.testing.assert_array_equal(first, [[0, 0, 2, 2, 2, 5], [0] * 6])
@@ -172,6 +174,7 @@ def test_under_a_mesh_runs_per_device():
   assert got[0].sharding.is_equivalent_to(x_sh, 4)
 
 
+@pytest.mark.fast
 def test_auto_takes_it_on_gpu_for_windows_and_documents():
   gpu = dict(head_dim=128, seq_len=49152)
   assert resolve_impl("auto", "gpu", window=1792, block_windows=True, doc_mask=True,
@@ -188,6 +191,7 @@ def test_auto_takes_it_on_gpu_for_windows_and_documents():
     resolve_impl("flash_gpu", "gpu", head_dim=96, seq_len=1024)
 
 
+@pytest.mark.fast
 def test_lowers_to_three_triton_kernels_for_cuda(monkeypatch):
   """Built for CUDA from this CPU host (jax.export), forward + backward are the forward, dq and
   dk/dv Triton kernels, with no [T, T] array. (PTX compilation needs a GPU.)"""

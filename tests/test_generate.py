@@ -64,6 +64,7 @@ def test_greedy_is_the_argmax_continuation():
     assert_argmax(logits[len(PROMPT) - 1 + i], t)
 
 
+@pytest.mark.fast
 def test_greedy_keeps_the_last_max_len_tokens():
   """Past max_len the context slides: each token is the argmax after the newest 5 tokens."""
   got = sample(max_len=5, max_new_tokens=4)
@@ -76,6 +77,7 @@ def test_greedy_keeps_the_last_max_len_tokens():
   assert got != sample(max_new_tokens=4)
 
 
+@pytest.mark.fast
 def test_top_k_one_is_greedy():
   """With top_k=1 only the most likely token survives, at any temperature."""
   assert sample(max_new_tokens=5, temperature=1.5, top_k=1, seed=3) == \
@@ -106,6 +108,7 @@ def test_top_k_sampler_over_many_keys():
   assert draws == top
 
 
+@pytest.mark.fast
 def test_same_seed_same_tokens():
   """Sampling is a function of the seed: equal seeds agree, different seeds differ."""
   a = sample(max_new_tokens=8, temperature=1.0, seed=7)
@@ -120,6 +123,7 @@ def test_empty_prompt_is_a_user_error():
     sample(prompt=[])
 
 
+@pytest.mark.fast
 def test_for_sampling_rebuilds_the_saved_run_on_one_device(tmp_path):
   """generate's path: a run's saved config (finalized for 8 devices) checked and finalized by
   wiring for one device gives the trained model's parameter shapes."""

@@ -77,6 +77,7 @@ def test_every_kernel_path_compiles_for_an_h100(impl, fp8):
   assert 0 < inv["estimate_s"] and train["runtime_windows"]  # one program for every stage
 
 
+@pytest.mark.fast
 @pytest.mark.gpu_compile
 def test_cudnn_compiles_or_says_why_in_one_line():
   """cuDNN attention needs cuDNN's own wheel even to trace: without it, one line, no traceback."""

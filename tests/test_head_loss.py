@@ -12,6 +12,8 @@ import pytest
 from nanotext.model.head_loss import head_loss_sum
 from nanotext.model.layers import fp8_head_scales, fp8_matmul, rms_norm
 
+pytestmark = pytest.mark.fast
+
 
 def unfused(x, w, y, softcap, fp8, r=1.0):
   """The head and loss as autodiff sees them: logits, soft-cap, optax's cross-entropy; the FP8

@@ -8,6 +8,8 @@ import pytest
 
 from nanotext import hlo
 
+pytestmark = pytest.mark.fast
+
 PROGRAM = """HloModule jit_step, is_scheduled=true
 
 %fused_gather (param_0: f32[1024,4096], param_1: s32[1024]) -> f32[1024] {

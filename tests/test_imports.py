@@ -7,6 +7,10 @@ functions too. `import a.b.c` also runs a/__init__ and a/b/__init__, so those co
 import ast
 import os
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -61,6 +61,7 @@ def test_remat_policies_match_no_remat(policy, speedrun_plain):
   assert_same(got, speedrun_plain)
 
 
+@pytest.mark.fast
 def test_bad_lean_step_keys_are_user_errors():
   with pytest.raises(UserError, match="train.loss_chunk=24 does not divide train.seq_len=32"):
     wiring.load(BASE, TINY + ["train.loss_chunk=24"])

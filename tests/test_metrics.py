@@ -14,6 +14,8 @@ from conftest import BASE, TINY
 from nanotext import config, metrics, wiring
 from nanotext.model import gpt
 
+pytestmark = pytest.mark.fast
+
 
 def read_jsonl(path):
   with open(os.path.join(path, "metrics.jsonl")) as f:

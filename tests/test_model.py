@@ -61,6 +61,7 @@ def test_speedrun_zero_head_gives_uniform_logits():
   np.testing.assert_array_equal(np.asarray(model(tokens())), 0.0)
 
 
+@pytest.mark.fast
 def test_classic_gpt2_switches():
   cfg, model = build(BASE)
   assert cfg.model.tie_embeddings and model.head is None and model.pos is not None
@@ -71,12 +72,14 @@ def test_classic_gpt2_switches():
       count_params(nnx.state(model, nnx.Param)) + 64 * 256
 
 
+@pytest.mark.fast
 def test_logit_softcap_bounds_logits():
   _, model = build(BASE, "model.logit_softcap=2.0", "model.embed_std=5.0")
   logits = np.asarray(model(tokens()))
   assert np.abs(logits).max() <= 2.0 and np.abs(logits).max() > 1.0
 
 
+@pytest.mark.fast
 def test_x0_mix_lambdas_start_as_identity_and_matter():
   cfg, model = build(BASE, "model.x0_mix=true")
   _, plain = build(BASE)
@@ -112,6 +115,7 @@ def test_rope_is_relative_and_truncated_half_is_untouched():
                              rtol=1e-4)
 
 
+@pytest.mark.fast
 def test_sliding_window_limits_attention():
   _, model = build(BASE, "attention.window=4", "model.positions=rope")
   a = tokens(1)

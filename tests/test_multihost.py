@@ -97,6 +97,7 @@ def test_two_processes_match_one(tmp_path):
                jax.device_get(state["params"]), jax.device_get(result.state["params"]))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("overrides, needle", [
     (["distributed.num_processes=2", "distributed.process_id=0"],
      "need distributed.coordinator_address"),
@@ -121,6 +122,7 @@ def test_bad_distributed_keys_are_user_errors(overrides, needle, tmp_path):
   assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.fast
 def test_env_fallbacks_and_auto(monkeypatch):
   cfg = config.load(BASE)
   assert distributed.plan(cfg.distributed) is None  # the default: one process

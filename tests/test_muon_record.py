@@ -35,6 +35,7 @@ def rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("shape", [(64, 64), (48, 96), (96, 48)])
 def test_newton_schulz_matches_the_records_iteration(shape):
   g = np.asarray(jax.random.normal(jax.random.key(0), shape))  # nanotext [in, out]

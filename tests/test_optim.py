@@ -10,6 +10,8 @@ import pytest
 from conftest import BASE, SPEEDRUN
 from nanotext import config, optim, wiring
 
+pytestmark = pytest.mark.fast
+
 
 def optim_cfg(path=SPEEDRUN, *overrides):
   return config.load(path, list(overrides)).optim

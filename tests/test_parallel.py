@@ -1,5 +1,7 @@
 """Layouts are a config change: DP, FSDP, TP and hybrids give the single-device losses."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -15,8 +17,18 @@ EXACT = ["model.dtype=float32", "model.embed_dtype=float32", "model.fp8_head=fal
          "optim.muon_bf16=false", "train.steps=4"]
 
 
+@functools.lru_cache(maxsize=None)
+def _losses(path, layout, extra):
+  return _train(path, layout, extra)
+
+
 def losses(path, layout, extra=()):
-  """Per-step losses of a few train steps under mesh (data, fsdp, tensor)."""
+  """Per-step losses and the final state of a few train steps under mesh (data, fsdp, tensor);
+  computed once per session for each (config, layout): the single-device references recur."""
+  return _losses(path, tuple(layout), tuple(extra))
+
+
+def _train(path, layout, extra):
   data, fsdp, tensor = layout
   overrides = TINY + EXACT + list(extra) + [f"mesh.data={data}", f"mesh.fsdp={fsdp}",
                                             f"mesh.tensor={tensor}"]

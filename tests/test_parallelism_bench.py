@@ -96,6 +96,7 @@ def test_tiny_run_losses_agree_and_fsdp_shards_state():
   assert "| tp8 | 1×1×8 | invalid:" in bench.table(rows)
 
 
+@pytest.mark.fast
 def test_bad_config_is_a_user_error():
   with pytest.raises(UserError, match="unknown config key"):
     bench.measure(BASE, TINY + ["model.num_layer=2"], [("dp8", (8, 1, 1))])

@@ -7,6 +7,8 @@ import pytest
 
 from conftest import one_line_error, run_cli
 
+pytestmark = pytest.mark.fast
+
 
 def fake_run(path, *, tokens=(8, 64), final=5.0, bpb=True):
   """A run directory holding what the trainer writes: config.yml and metrics.jsonl."""

@@ -42,6 +42,7 @@ def test_recipe_follows_the_port_from_its_own_weights(tmp_path):
   assert ours[-1] < ours[0] - 0.5  # and it learns
 
 
+@pytest.mark.fast
 def test_recipe_is_the_ports_full_size_run():
   cfg = wiring.load(MNJAX)
   m, t, o = cfg.model, cfg.train, cfg.optim
@@ -62,6 +63,7 @@ def port_shape(step, n, lo, hi, inc, rows_at_lo, micro):
   return t, rows, rows // micro
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("lo,hi,inc,steps", [(1024, 2048, 1024, 1675), (256, 1024, 256, 97),
                                              (128, 1024, 384, 50)])
 def test_seq_len_warmup_matches_the_port(lo, hi, inc, steps):
@@ -127,6 +129,7 @@ def test_rope_arange_spacing_is_the_ports():
   assert rope_frequencies(16, 1024.0, True)[3] == pytest.approx(1 / 1024)  # linspace reaches 1/base
 
 
+@pytest.mark.fast
 def test_rope_sign_flip_is_the_same_function():
   # The port rotates by +theta, nanotext by -theta; flipping half of q and k maps one to the other.
   from nanotext.model.rope import apply_rope
@@ -170,6 +173,7 @@ def test_muon_layer_decay_scales_each_block():
   np.testing.assert_allclose(dec["blocks"][0]["lambdas"], ref["blocks"][0]["lambdas"])
 
 
+@pytest.mark.fast
 def test_fused_qkv_refuses_a_bias():
   with pytest.raises(Exception, match="model.fused_qkv"):
     wiring.load(MNJAX, ["model.bias=true"])

@@ -98,6 +98,7 @@ def test_fp8_head_gradients_at_full_rows(d):
     assert rel(gx, rx) < 0.06 and rel(gw, rw) < 0.06, (per_row, rel(gx, rx), rel(gw, rw))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("rows", [1, 8])
 def test_fp8_codes_are_the_records(rows):
   """The record sums each GPU's row: its head sees the per-token gradient g = dL/dz and rounds

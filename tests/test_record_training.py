@@ -73,6 +73,7 @@ def rel_all(got: dict, want: dict) -> float:
   return float(np.sqrt(num / sum(np.sum(want[k].astype(np.float64) ** 2) for k in want)))
 
 
+@pytest.mark.fast
 def test_schedules_are_the_records():
   """lr, Muon momentum and long window of every step, nanotext against the reference."""
   from nanotext import optim, wiring

@@ -18,6 +18,8 @@ from nanotext import checkpoint, config, lock, rundir, sharding, window_schedule
 from nanotext.data import binfile, fingerprint, pipeline
 from nanotext.errors import UserError
 
+pytestmark = pytest.mark.fast
+
 
 def dead_pid() -> int:
   proc = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -94,6 +94,7 @@ def test_sharded_layout_matches_one_device():
   assert qkv.sharding.spec == jax.sharding.PartitionSpec(None, None, "fsdp", "tensor")
 
 
+@pytest.mark.fast
 def test_layers_axis_is_replicated_and_named_in_divisibility_errors():
   run = prepare("base", True, ["mesh.rules=[[layers, fsdp], [embed, fsdp]]",
                                "model.num_layers=8"], n_devices=8)
@@ -102,6 +103,7 @@ def test_layers_axis_is_replicated_and_named_in_divisibility_errors():
     prepare("base", True, ["mesh.rules=[[layers, fsdp]]"], n_devices=8)
 
 
+@pytest.mark.fast
 def test_refuses_blocks_that_differ():
   with pytest.raises(UserError) as e:
     wiring.load(SPEEDRUN, ["model.scan_layers=true"])

@@ -13,6 +13,8 @@ from nanotext.errors import UserError
 from nanotext.session import Session
 from nanotext.watch import Preemption
 
+pytestmark = pytest.mark.fast
+
 
 class Boom(Exception):
   """What a failing run raises inside the session."""

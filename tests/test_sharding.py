@@ -8,6 +8,8 @@ from conftest import BASE, TINY
 from nanotext import config, sharding, wiring
 from nanotext.errors import UserError
 
+pytestmark = pytest.mark.fast
+
 
 def mesh_cfg(**kw):
   cfg = config.load(BASE, [f"mesh.{k}={v}" for k, v in kw.items()])

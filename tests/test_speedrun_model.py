@@ -38,6 +38,7 @@ def params_and_specs(model):
   return state.to_pure_dict(), sharding.param_specs(state).to_pure_dict()
 
 
+@pytest.mark.fast
 def test_speedrun_switches_are_on_in_speedrun_and_off_in_base():
   m = config.load(SPEEDRUN).model
   assert (m.value_embeds, m.unet_skips, m.no_attention_layers, m.merged_qkv, m.fp8_head) == \
@@ -48,6 +49,7 @@ def test_speedrun_switches_are_on_in_speedrun_and_off_in_base():
       (0, False, [], False, False, "jordan")
 
 
+@pytest.mark.fast
 def test_new_parameters_shapes_axes_and_groups():
   _, model = build("model.no_attention_layers=[2]")
   params, specs = params_and_specs(model)
@@ -93,6 +95,7 @@ def test_unet_skip_weights_are_used():
   assert not np.allclose(model(tokens()), plain(tokens()), atol=1e-4)
 
 
+@pytest.mark.fast
 def test_no_attention_layer_has_no_attention_params():
   _, model = build("model.no_attention_layers=[2, 9]")  # 9 is past the last layer: ignored
   params, _ = params_and_specs(model)
@@ -104,6 +107,7 @@ def test_no_attention_layer_has_no_attention_params():
       == 3 * 64 * 64 + 64 * 64 + 2  # qkv, o, v_lambdas
 
 
+@pytest.mark.fast
 def test_merged_qkv_equals_separate_projections():
   _, merged = build()
   _, separate = build("model.merged_qkv=false")
@@ -121,6 +125,7 @@ def test_merged_qkv_equals_separate_projections():
   np.testing.assert_allclose(merged(tokens()), separate(tokens()), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.fast
 def test_merged_qkv_with_bias_keeps_biases_out_of_muon():
   _, model = build("model.bias=true")
   labels = optim.group_labels(nnx.state(model, nnx.Param))
@@ -148,6 +153,7 @@ def test_muon_on_a_merged_parameter_is_muon_per_matrix(layout):
   assert 0.4 < s.min() and s.max() < 1.6
 
 
+@pytest.mark.fast
 def test_polar_express_coefficients_are_selected():
   jordan = optim.ns_coefficients(config.load(SPEEDRUN).optim)
   np.testing.assert_allclose(jordan, optim.NS_COEFFS, rtol=1e-6)
@@ -172,6 +178,7 @@ def test_polar_express_coefficients_are_selected():
     wiring.load(SPEEDRUN, ["optim.muon_ns_coeffs=cubic"])
 
 
+@pytest.mark.fast
 def test_scalar_mixing_rounds_once_from_float32():
   """x0/value/skip lambdas: float32 scalars times bf16 activations, summed in float32 and rounded
   once (the record's compiled PyTorch), not the lambdas rounded to bf16 first."""
@@ -232,6 +239,7 @@ def test_fp8_head_close_to_the_bf16_head():
   assert np.linalg.norm(ha - hb) / np.linalg.norm(hb) < 0.15
 
 
+@pytest.mark.fast
 def test_config_errors_name_the_key():
   with pytest.raises(UserError, match="model.value_embeds"):
     wiring.load(SPEEDRUN, ["model.head_dim=64"])  # 4 heads x 64 != d_model 1024
@@ -287,6 +295,7 @@ def test_speedrun_config_trains_with_every_switch(tmp_path):
   assert int(result.state["step"]) == 3
 
 
+@pytest.mark.fast
 def test_flops_leave_out_attention_of_mlp_only_layers():
   from nanotext import metrics
   cfg, _ = build("model.no_attention_layers=[]")

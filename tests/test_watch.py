@@ -15,6 +15,8 @@ import pytest
 from conftest import BASE, TINY
 from nanotext import metrics, optim, watch, wiring, window_schedule
 
+pytestmark = pytest.mark.fast
+
 LATE = ["train.steps=6", "train.log_every=2"]
 SCHEDULE = ["attention.window=32", "attention.window_start=16", "attention.window_block=16",
             "attention.window_schedule=true", "train.steps=4"]

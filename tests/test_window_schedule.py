@@ -30,6 +30,7 @@ def record_window(step: int, steps: int) -> int:
   return 128 * max(1, math.ceil(v / 128))
 
 
+@pytest.mark.fast
 def test_schedule_matches_the_record():
   a = attn(*RECORD)
   windows = [A.long_window(a, s, 1770) for s in range(1771)]
@@ -39,6 +40,7 @@ def test_schedule_matches_the_record():
   assert windows == sorted(windows)
 
 
+@pytest.mark.fast
 def test_schedule_from_a_later_start_and_off():
   a = attn("attention.window=32", "attention.window_start=16", "attention.window_block=16",
            "attention.window_schedule=true")
@@ -50,6 +52,7 @@ def test_schedule_from_a_later_start_and_off():
   assert A.long_window(attn("attention.window=48"), 3, 10) == 48  # no schedule: the config
 
 
+@pytest.mark.fast
 def test_pattern_maps_letters_to_layers():
   a = attn(*RECORD)
   final = A.windows_at(a, 12, 1770, 1770)
@@ -62,6 +65,7 @@ def test_pattern_maps_letters_to_layers():
   assert A.effective_windows((1792, 896, 0), 1024) == (0, 896, 0)  # >= seq_len: plain causal
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("overrides,key", [
     (["attention.window=64", "attention.window_pattern=LSX"], "attention.window_pattern"),
     (["attention.window_pattern=LS"], "attention.window"),
@@ -75,6 +79,7 @@ def test_bad_window_config_names_the_key(overrides, key):
     wiring.load(BASE, overrides)
 
 
+@pytest.mark.fast
 def test_speedrun_turns_the_record_schedule_on():
   cfg = config.load(SPEEDRUN)
   a = cfg.attention
@@ -82,6 +87,7 @@ def test_speedrun_turns_the_record_schedule_on():
   assert cfg.train.seq_len > a.window  # every stage, the final one included, is a real window
 
 
+@pytest.mark.fast
 def test_per_layer_flops_take_every_window():
   m = wiring.finalize(config.load(BASE, ["train.seq_len=64"]), jax.devices()[:8]).model
   same = metrics.flops_per_token(m, 64, 16)
@@ -90,6 +96,7 @@ def test_per_layer_flops_take_every_window():
   assert same < mixed < metrics.flops_per_token(m, 64, 0)
 
 
+@pytest.mark.fast
 def test_a_short_window_layer_cannot_see_beyond_its_window():
   model = wiring.prepare(BASE, [
       "model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",

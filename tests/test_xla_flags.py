@@ -4,6 +4,8 @@ import pytest
 
 from nanotext import xla_flags
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture
 def jaxlib(monkeypatch):

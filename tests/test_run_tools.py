@@ -1,0 +1,109 @@
+"""One tiny run (conftest's tiny_run, trained once in-process), read by the tools as a user reads it: verify, plot,
+convert (params-only, the HF mapping, the CLI's argument handling) and the parameter trees. The
+fast tier's end-to-end file (tests/test_faults_tools.py: the same tools under damage and races)."""
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import BASE, TINY
+from nanotext import checkpoint, config, integrity, loop, programs, plot, trees, verify, wiring
+from nanotext.convert import __main__ as convert_cli
+from nanotext.convert import hf, hf_tokenizer, params, torch_export
+from nanotext.data import fileio
+from nanotext.errors import UserError
+from nanotext.train import run
+
+pytestmark = pytest.mark.fast
+
+ARGS = TINY + ["train.steps=2", "train.eval_every=0", "sample.max_new_tokens=0"]  # tiny_run's
+
+
+def test_the_loop_trains_and_saves_its_last_step(tiny_run):
+  out, result = tiny_run
+  assert isinstance(result, loop.LoopResult) and int(result.state["step"]) == 2
+  assert np.isfinite(result.last_loss)
+  step, saved = checkpoint.latest_params(out)
+  assert step == 2
+  assert integrity.checksums(saved) == integrity.checksums(jax.device_get(result.state["params"]))
+  plan = programs.train_plan(wiring.prepare(BASE, ARGS), range(2))
+  assert len(set(plan.values())) == 1  # no window schedule: one train program for every step
+
+
+def test_verify_reads_every_step_and_names_damage(tiny_run, tmp_path):
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  lines = []
+  assert verify.report(out, lines.append) == 0
+  assert lines[1].split()[:3] == ["step", "2", "intact"]
+  data = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(out, "checkpoints", "2", "state"))
+          for f in fs if os.path.basename(d) == "d"]
+  for f in data:
+    os.truncate(f, os.path.getsize(f) // 2)
+  lines.clear()
+  assert verify.report(out, lines.append) == 1
+  assert lines[1].split()[:3] == ["step", "2", "damaged"]
+
+
+def test_plot_reads_the_runs_metrics(tiny_run):
+  got = plot.read_run(tiny_run[0])
+  assert [s for s, _ in got["train"]] == [1, 2] and got["tokens_per_step"] == 8 * 32
+  assert got["skipped"] == [] and got["name"] == "run"
+
+
+def test_params_only_holds_the_runs_parameters(tiny_run, tmp_path):
+  out = str(tmp_path / "p")
+  params.params_only(tiny_run[0], out, log=lambda line: None)
+  step, got = params.load_params(out)
+  _, want = checkpoint.latest_params(tiny_run[0])
+  assert step == 2 and integrity.checksums(got) == integrity.checksums(want)
+  flat = trees.flatten(jax.device_get(got))  # one layer per name: scan_layers off
+  stacked = trees.stack_blocks(flat)
+  assert trees.is_stacked(stacked) and not trees.is_stacked(flat)
+  back = trees.unstack_blocks(stacked)
+  assert back.keys() == flat.keys() and all(np.array_equal(back[k], flat[k]) for k in flat)
+
+
+def test_the_hf_mapping_of_the_tiny_model(tiny_run):
+  cfg = config.load(os.path.join(tiny_run[0], "config.yml"))
+  hf.check_classic(cfg)
+  c = hf.hf_config(cfg)
+  assert (c["n_layer"], c["n_embd"], c["n_head"], c["vocab_size"]) == (2, 64, 2, 512)
+  assert c["eos_token_id"] is None  # data.tokenizer=none
+  eot = hf_tokenizer.special_ids("shakespeare")["eos_token_id"]
+  assert isinstance(eot, int) and 0 <= eot < 8192
+  with pytest.raises(UserError, match="cannot express"):
+    hf.check_classic(config.load(os.path.join(os.path.dirname(BASE), "speedrun.yml")))
+
+
+def test_export_torch_takes_only_what_the_record_computes(tiny_run):
+  with pytest.raises(UserError, match="export-torch needs .*model.positions"):
+    torch_export.check_expressible(config.load(os.path.join(tiny_run[0], "config.yml")))
+  torch_export.check_expressible(config.load(os.path.join(os.path.dirname(BASE),
+                                                          "speedrun_record.yml")))
+
+
+def test_convert_cli_arguments(capsys):
+  convert_cli.main(["params-only", "--help"])
+  assert "--dtype" in capsys.readouterr().out
+  with pytest.raises(UserError, match="unknown subcommand 'nope'"):
+    convert_cli.main(["nope"])
+  with pytest.raises(UserError, match="to-hf does not take --hf"):
+    convert_cli.main(["to-hf", "--hf=x", "--run=r", "--out=o"])
+  with pytest.raises(UserError, match="params-only needs --out"):
+    convert_cli.main(["params-only", "--run=r"])
+
+
+def test_an_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path):
+  path = str(tmp_path / "f")
+  fileio.atomic_write(path, [b"old"])
+
+  def failing():
+    yield b"half"
+    raise OSError("disk full")
+  with pytest.raises(OSError):
+    fileio.atomic_write(path, failing())
+  assert open(path, "rb").read() == b"old" and os.listdir(tmp_path) == ["f"]
