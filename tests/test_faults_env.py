@@ -13,6 +13,8 @@ from conftest import BASE, REPO, TINY
 from test_faults import assert_one_error_line
 from nanotext import cli, errors, xla_flags
 
+pytestmark = pytest.mark.fast  # one-line errors of tiny programs: seconds
+
 
 def tool(name, out):
   """The command line of a tool that starts jax, aimed at `out` (which need not exist)."""

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from conftest import BASE, REPO, TINY
+from nanotext import signals
 
 # A tool whose main leaves a non-daemon thread running (as orbax, grain or a metrics writer
 # can), then fails as argv[1] says. Python's shutdown would join that thread for ever.
@@ -29,6 +30,8 @@ def main(args):
   raise ZeroDivisionError("a bug")
 cli.run(main, "usage: tool", argv=["tool"])
 """
+
+pytestmark = pytest.mark.fast  # one-line errors of tiny programs: seconds
 
 
 @pytest.mark.parametrize("kind,status,needle", [
@@ -81,7 +84,7 @@ def test_a_signal_in_python_code_unwinds_and_is_one_line(tmp_path, signum, messa
   assert err.strip().splitlines() == [f"nanotext: error: {message}"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", signals.SIGNALS)  # every signal the tools honour
 def test_a_signal_while_the_main_thread_is_inside_a_call(tmp_path, signum):
   """Python would run the handler only once the call returned: the watching thread ends the
   process after the grace period instead (issue 27 item 6: SIGTERM not honoured in 20 s)."""
@@ -103,7 +106,7 @@ train.cli.run(train.main, train.USAGE, argv=["train", *sys.argv[2:]], jax=True)
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", signals.SIGNALS)  # every signal the tools honour
 def test_a_signal_before_the_first_step_while_the_main_thread_is_inside_a_call(tmp_path,
                                                                                 signum):
   """The run stops at once, output_dir as it was (a new one removed), lock released."""

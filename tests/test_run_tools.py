@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import BASE, TINY
+from conftest import BASE, TINY, one_line_error, run_cli
 from nanotext import checkpoint, config, integrity, loop, programs, plot, trees, verify, wiring
 from nanotext.convert import __main__ as convert_cli
 from nanotext.convert import hf, hf_tokenizer, params, torch_export
@@ -86,15 +86,21 @@ def test_export_torch_takes_only_what_the_record_computes(tiny_run):
                                                           "speedrun_record.yml")))
 
 
-def test_convert_cli_arguments(capsys):
-  convert_cli.main(["params-only", "--help"])
-  assert "--dtype" in capsys.readouterr().out
-  with pytest.raises(UserError, match="unknown subcommand 'nope'"):
-    convert_cli.main(["nope"])
-  with pytest.raises(UserError, match="to-hf does not take --hf"):
-    convert_cli.main(["to-hf", "--hf=x", "--run=r", "--out=o"])
-  with pytest.raises(UserError, match="params-only needs --out"):
-    convert_cli.main(["params-only", "--run=r"])
+@pytest.mark.parametrize("command", sorted(convert_cli.ACCEPTS))
+def test_convert_subcommand_help_names_its_flags(command):
+  proc = run_cli("nanotext.convert", command, "--help")
+  assert proc.returncode == 0, proc.stderr
+  assert all(f"--{name}:" in proc.stdout for name in convert_cli.ACCEPTS[command] + ("force",))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["nope"], "unknown subcommand 'nope'"),
+    (["to-hf", "--hf=x", "--run=r", "--out=o"], "to-hf does not take --hf"),
+    (["params-only", "--run=r"], "params-only needs --out")])
+def test_convert_cli_arguments(argv, message):
+  """A wrong subcommand or flag is one line, exit 2 (the real CLI: its flags are defined only
+  when it runs as a program)."""
+  one_line_error(run_cli("nanotext.convert", *argv), message)
 
 
 def test_an_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path):
