@@ -90,14 +90,14 @@ def estimate(run, compiled) -> dict | None:
   """nanotext.compile's roofline estimate of the program just timed, for the device it ran on
   (None where the device's peaks are unknown, e.g. a CPU)."""
   import jax
-  from nanotext import compile as nt_compile, gpus, hlo, topology
+  from nanotext import compile as nt_compile, gpus, roofline, topology
   kind = jax.devices()[0].device_kind
   gpu, chip = gpus.of_kind(kind), topology.chip_of_kind(kind)
   if gpu is None and chip is None:
     return None
-  peaks = gpu.peaks if gpu else hlo.Peaks(bf16=chip.peak_flops, bandwidth=chip.hbm_bw)
+  peaks = gpu.peaks if gpu else roofline.Peaks(bf16=chip.peak_flops, bandwidth=chip.hbm_bw)
   program = max(nt_compile.programs(run.cfg, run.impl)[:-1], key=lambda p: p[2][1])[1]
-  return hlo.inventory(compiled.as_text(), peaks, **dict(zip(
+  return roofline.inventory(compiled.as_text(), peaks, **dict(zip(
       ("logits_elements", "logits_bytes", "vocab"), nt_compile.logits_size(run, True))),
       custom_flops=nt_compile.attention_flops(run, program, True))
 

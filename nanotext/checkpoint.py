@@ -20,10 +20,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from nanotext.errors import ResourceError, UserError, write_error
-from nanotext.integrity import Damaged, checksums, name_of, record_beside, verify, verify_named
-from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
+from nanotext.integrity import Damaged, checksums, verify
 from nanotext import probes
-from nanotext.rundir import check_no_glob, is_step_name, step_files, steps_on_disk, vanished
+from nanotext.rundir import check_no_glob, step_files, steps_on_disk, vanished
 
 
 class CheckpointError(ResourceError):
@@ -229,125 +228,6 @@ def abstract_with_shardings(tree, shardings):
   """ShapeDtypeStructs carrying target shardings, for restore."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       tree, shardings)
-
-
-def find_params_item(path: str) -> tuple:
-  """(item dir, whether it holds the whole train state) of a run dir, its checkpoints/ dir, a
-  step dir (the newest step where there are several) or a params-only folder (convert)."""
-  check_no_glob(os.path.abspath(path), "checkpoint.load_params_from")
-  if not os.path.isdir(path):
-    raise UserError(f"checkpoint.load_params_from='{path}' is not a directory")
-  if os.path.isdir(os.path.join(path, "state")):
-    return os.path.join(os.path.abspath(path), "state"), True
-  root = os.path.join(path, "checkpoints")
-  if not os.path.isdir(root) and os.path.isdir(os.path.join(path, "params")):
-    return os.path.join(os.path.abspath(path), "params"), False
-  root = root if os.path.isdir(root) else path
-  steps = [int(n) for n in os.listdir(root) if is_step_name(n)
-           and os.path.isdir(os.path.join(root, n, "state"))]
-  if not steps:
-    raise UserError(f"checkpoint.load_params_from='{path}' holds no complete checkpoint "
-                    "(give a run directory, a checkpoint step directory or a params-only "
-                    "folder)")
-  return os.path.join(os.path.abspath(root), str(max(steps)), "state"), True
-
-
-def load_params(path: str, abstract_params):
-  """Only the parameters of a checkpoint, into `abstract_params`' shapes and shardings,
-  checked against the checksums saved with them. A step that a run still training removes
-  while it is read (a file of it or the step vanishes) is no error: the newest step by then is
-  read instead."""
-  for attempt in range(3):
-    item, whole_state = find_params_item(path)
-    files = step_files(os.path.dirname(item))
-    try:
-      return os.path.dirname(item), _load_params(item, whole_state, abstract_params)
-    except Damaged:
-      if attempt == 2 or not (vanished(os.path.dirname(item), files) or
-                              find_params_item(path)[0] != item):  # a newer step by now
-        raise
-  raise AssertionError("unreachable")
-
-
-def _load_params(item: str, whole_state: bool, abstract_params):
-  where = os.path.dirname(item)
-  ckptr = ocp.PyTreeCheckpointer()
-  try:
-    meta = ckptr.metadata(item).item_metadata.tree
-  except Exception as e:  # orbax raises many kinds for unreadable folders
-    raise Damaged(f"cannot read the checkpoint '{where}': {_first_line(e)}") from None
-  if whole_state and not (isinstance(meta, dict) and "params" in meta):
-    raise UserError(f"checkpoint '{where}' holds no parameters")
-  saved = meta["params"] if whole_state else meta
-  integrity = record_beside(item) if whole_state else None
-  if _stacked(saved) != _stacked(abstract_params):
-    return _load_other_layout(ckptr, item, whole_state, saved, abstract_params, where, integrity)
-  _check_same_params(saved, abstract_params, where)
-  restore_args = jax.tree.map(
-      lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
-      abstract_params)
-  wrap = (lambda t: {"params": t}) if whole_state else (lambda t: t)
-  out = _restore(ckptr, item, wrap(abstract_params), wrap(restore_args), whole_state, where)
-  params = out["params"] if whole_state else out
-  _verify_params(params, saved, integrity, where)
-  return params
-
-
-def _restore(ckptr, item: str, target, args, partial: bool, where: str):
-  """ckptr.restore, with whatever orbax or tensorstore raise for damaged files as Damaged."""
-  try:
-    return ckptr.restore(item, args=ocp.args.PyTreeRestore(
-        item=target, restore_args=args, partial_restore=partial))
-  except Exception as e:  # a truncated file is a bare Exception over a tensorstore ValueError
-    raise Damaged(f"checkpoint '{where}' cannot be read, it is damaged "
-                  f"({_first_line(e)})") from None
-
-
-def _verify_params(params, saved_meta, integrity, where: str) -> None:
-  """Checksums of the restored params, for the arrays restored in their saved dtype (a cast,
-  e.g. a bfloat16 run's weights into a float32 model, changes the bits the sums are of)."""
-  dtypes = {name_of(p): m.dtype for p, m in jax.tree_util.tree_flatten_with_path(saved_meta)[0]}
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  verify_named({f"params/{name_of(p)}": x for p, x in flat if dtypes.get(name_of(p)) == x.dtype},
-                integrity, where)
-
-
-def _stacked(tree) -> bool:
-  """Whether a params tree holds model.scan_layers blocks (stacked on a leading layers axis)."""
-  return is_stacked(flatten(tree))
-
-
-def _load_other_layout(ckptr, item: str, whole_state: bool, saved, abstract_params, where: str,
-                       integrity=None):
-  """Params saved with the other model.scan_layers setting, read on one device, stacked or
-  unstacked, then checked name by name and shape by shape and placed like `abstract_params`."""
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
-  args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=device, global_shape=a.shape,
-                                                     dtype=a.dtype), target)
-  wrap = (lambda t: {"params": t}) if whole_state else (lambda t: t)
-  out = _restore(ckptr, item, wrap(target), wrap(args), whole_state, where)
-  out = out["params"] if whole_state else out
-  _verify_params(out, saved, integrity, where)
-  flat = flatten(jax.device_get(out))
-  flat = unstack_blocks(flat) if is_stacked(flat) else stack_blocks(flat)
-  return fill(abstract_params, flat, f"checkpoint '{where}' (model.scan_layers converted)")
-
-
-def _check_same_params(saved, wanted, where: str) -> None:
-  """UserError naming the first parameter whose presence or shape differs."""
-  def shapes(tree):
-    # Saved trees key list positions by strings ('0'), live ones by ints: compare as text.
-    name = lambda k: str(getattr(k, "key", getattr(k, "idx", k)))
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(map(name, p)): tuple(x.shape) for p, x in flat}
-  a, b = shapes(saved), shapes(wanted)
-  for key in sorted(set(a) | set(b)):
-    if a.get(key) != b.get(key):
-      got = "missing" if key not in a else f"shape {a[key]}"
-      want = "absent" if key not in b else f"shape {b[key]}"
-      raise UserError(f"checkpoint '{where}' does not fit this model: parameter {key} is {got} "
-                      f"in the checkpoint but {want} here (check the model.* keys)")
 
 
 def latest_params(output_dir: str, step: int = -1):

@@ -18,7 +18,7 @@ import time
 
 from absl import flags
 
-from nanotext import hlo, window_schedule as ws, metrics, topology
+from nanotext import roofline, window_schedule as ws, metrics, topology
 from nanotext.errors import UserError, fail, os_error
 from nanotext.hlo import collectives
 
@@ -173,7 +173,7 @@ def _first_line(e: Exception) -> str:
 
 def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_flops=0.0) -> dict:
   """Per-chip memory, XLA's FLOPs and bytes accessed, collectives, Mosaic kernels, and with
-  `peaks` (hlo.Peaks) the kernel inventory and roofline estimate of hlo.inventory."""
+  `peaks` (roofline.Peaks) the kernel inventory and roofline estimate of roofline.inventory."""
   mem = compiled.memory_analysis()
   rec = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in
          ("argument", "output", "alias", "temp", "generated_code")}
@@ -189,7 +189,7 @@ def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_fl
   rec["collectives"] = collectives(text)
   rec["tpu_custom_calls"] = text.count('custom_call_target="tpu_custom_call"')
   if peaks is not None:
-    rec["kernels"] = hlo.inventory(text, peaks, logits_elements=logits,
+    rec["kernels"] = roofline.inventory(text, peaks, logits_elements=logits,
                                    logits_bytes=logits_bytes, vocab=vocab,
                                    custom_flops=custom_flops)
   return rec
@@ -278,7 +278,7 @@ def describe(rec) -> str:
 
 
 def kernel_lines(inv: dict, platform: str) -> list:
-  """The kernel inventory and the roofline estimate of hlo.inventory, as printed (a TPU runs
+  """The kernel inventory and the roofline estimate of roofline.inventory, as printed (a TPU runs
   ops, not launches: its count includes scalar loop bookkeeping and DMA starts)."""
   g = inv["gemm_calls"]
   parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
@@ -293,30 +293,7 @@ def kernel_lines(inv: dict, platform: str) -> list:
       f"{inv['logits_kernels']} kernels, besides {inv['logits_gemms']} GEMMs",
       f"  step estimate      {1e3 * inv['estimate_s']:.1f} ms, a roofline lower bound, not a "
       f"measured time ({parts} ms); slowest: {slow} ms",
-      f"  not priced         {hlo.UNPRICED}"]
-
-
-def helpful_keys(run, programs=("train",)) -> str:
-  """The config changes that lower per-chip memory of the failing `programs`, given what the run
-  already does (remat and micro-batches do nothing for the eval step, a forward pass)."""
-  from nanotext.memory_plan import auto_chunk
-  t, m = run.cfg.train, run.cfg.model
-  keys = []
-  if any(p != "eval" for p in programs):
-    if m.remat != "full":
-      keys.append("model.remat=" + ("dots or full" if m.remat == "none" else "full"))
-    if not t.loss_chunk and auto_chunk([t.seq_len]):
-      keys.append(f"train.loss_chunk={auto_chunk([t.seq_len])}")
-    if t.batch_size % (2 * t.grad_accum) == 0:
-      keys.append(f"train.grad_accum={2 * t.grad_accum} (half the activations per micro-batch)")
-  if "eval" in programs:
-    length = t.eval_seq_len or t.seq_len
-    if not t.eval_loss_chunk and auto_chunk([length]):
-      keys.append(f"train.eval_loss_chunk={auto_chunk([length])}")
-    keys.append("train.eval_seq_len" if t.eval_seq_len else "train.batch_size")
-  if run.mesh.shape["data"] > 1:
-    keys.append("mesh.fsdp=-1 mesh.data=1 (shard parameters and optimizer state)")
-  return ", ".join(keys) + ", or a larger topology"
+      f"  not priced         {roofline.UNPRICED}"]
 
 
 def verdict(recs, target_name, min_headroom) -> tuple:
@@ -389,8 +366,9 @@ def main(args):
   if any(r.get("error") for r in recs):
     fail(line, 1)
   if not ok:
-    bad = [r["name"] for r in recs if not r["fits"]]
-    fail(f"{line}; try {helpful_keys(run, ['eval' if b == 'eval' else 'train' for b in bad])}")
+    from nanotext.memory_plan import keys_that_help
+    bad = ["eval" if r["name"] == "eval" else "train" for r in recs if not r["fits"]]
+    fail(f"{line}; try {keys_that_help(run.cfg, dict(run.mesh.shape), bad)}")
   print(line)
 
 

@@ -9,6 +9,7 @@ tree (frozen dataclasses whose fields and types are made from base.yml, so a new
 there alone).
 """
 
+import dataclasses
 import difflib
 import math
 import os
@@ -252,17 +253,15 @@ def misaligned_dims(model_cfg) -> list:
 
 
 def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
-             tokenizer_vocab: int | None = None, memory_plan=None) -> sections.Section:
+             tokenizer_vocab: int | None = None) -> sections.Section:
   """Fill in every derived value (the only place that computes them); returns the typed,
   frozen config (a new object: `cfg` is not changed).
 
   Values that depend on the devices come from the caller (`nanotext.wiring.finalize`), so this
   module imports nothing above it: `mesh_sizes` {mesh.* key: size} with -1 resolved,
   `peak_flops` per device, `data_dir` the default for data.dir, `tokenizer_vocab` the
-  tokenizer's vocabulary size (None: unknown) for model.embed_rows=-1, and `memory_plan` a
-  function of the typed config with every other value derived that returns {dotted key: value}
-  for model.remat=auto and the -1 loss chunks (nanotext.memory.Planner, from the devices'
-  capacity), raising UserError for a config that cannot fit.
+  tokenizer's vocabulary size (None: unknown) for model.embed_rows=-1. model.remat=auto and the
+  -1 loss chunks are the memory plan's, which the caller sets with `with_values`.
   """
   cfg = ml_collections.ConfigDict(cfg.to_dict())
   m = cfg.model
@@ -283,12 +282,17 @@ def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
   if bad and m.strict_align:
     raise UserError(f"matmul dims not multiples of model.align={m.align}: {', '.join(bad)} "
                     "(or set model.strict_align=false)")
-  if memory_plan is None:
-    return typed(cfg)
-  for key, value in memory_plan(typed(cfg)).items():
-    section, leaf = key.split(".")
-    cfg[section][leaf] = value
   return typed(cfg)
+
+
+def with_values(cfg, values: dict) -> sections.Section:
+  """The typed config `cfg` with {dotted key: value} set (a new object; `cfg` is not changed)."""
+  by_section: dict = {}
+  for key, value in values.items():
+    section, leaf = key.split(".")
+    by_section.setdefault(section, {})[leaf] = value
+  return dataclasses.replace(cfg, **{name: dataclasses.replace(cfg[name], **leaves)
+                                     for name, leaves in by_section.items()})
 
 
 def typed(cfg, schema: dict | None = None) -> sections.Section:

@@ -12,7 +12,7 @@ import os
 import re
 
 from nanotext.errors import UserError
-from nanotext.hlo import Peaks
+from nanotext.roofline import Peaks
 
 # Per-compile XLA options for a machine with nothing to time on: no autotuning, and dots to
 # cuBLAS rather than untuned Triton GEMMs (with them, the FP8 head stayed a dequantize + float32

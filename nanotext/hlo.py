@@ -1,11 +1,10 @@
-"""What a compiled program's optimized HLO says: its kernels, collectives and a roofline estimate.
+"""What a compiled program's optimized HLO says: its instructions, collectives and launches.
 
-`inventory(text, ...)` walks the program as a device runs it (the entry computation, and the
-bodies of loops times their trip counts) and sorts each launch into a kind: GEMM calls (cuBLAS,
-FP8 among them; on TPU the convolution fusions), custom kernels (Pallas as Triton on GPU,
-Mosaic on TPU), cuDNN calls, fusions, scatters, collectives, copies. Each launch is priced at
-max(FLOPs / peak, bytes / bandwidth): a lower bound that cannot see launch gaps, atomics,
-kernels running below peak or FLOPs inside custom kernels (the caller prices those analytically).
+`kernels(text)` walks the program as a device runs it (the entry computation, and the bodies of
+loops times their trip counts) and sorts each launch into a kind: GEMM calls (cuBLAS, FP8 among
+them; on TPU the convolution fusions), custom kernels (Pallas as Triton on GPU, Mosaic on TPU),
+cuDNN calls, fusions, scatters, collectives, copies, with the FLOPs and bytes each moves.
+nanotext/roofline.py prices them.
 """
 
 import dataclasses
@@ -158,18 +157,6 @@ def parse(text: str) -> tuple:
   return comps, entry
 
 
-@dataclasses.dataclass(frozen=True)
-class Peaks:
-  """What the roofline prices with: FLOP/s by math kind and memory bytes/s of one device."""
-  bf16: float
-  bandwidth: float
-  fp8: float = 0.0  # 0: as bf16
-  f32: float = 0.0  # 0: as bf16 (a TPU's default precision); a GPU's TF32 rate
-
-  def flops_per_s(self, kind: str) -> float:
-    return {"fp8": self.fp8, "f32": self.f32}.get(kind) or self.bf16
-
-
 @dataclasses.dataclass
 class Kernel:
   """One launch (per step: `count` of them where a loop repeats it)."""
@@ -181,9 +168,6 @@ class Kernel:
   dims: frozenset = frozenset()  # every dimension size of the arrays it touches whole
   count: int = 1
   math: str = "bf16"  # the peak its FLOPs run at: bf16, fp8, f32
-
-  def seconds(self, peaks: Peaks) -> float:
-    return self.count * max(self.flops / peaks.flops_per_s(self.math), self.bytes / peaks.bandwidth)
 
 
 def kernels(text: str) -> list:
@@ -368,46 +352,3 @@ def _picked(name: str, users: dict):
     else:
       return None
   return total
-
-UNPRICED = ("launch gaps between kernels, atomics (scatter-adds), kernels running below peak, "
-            "and the FLOPs inside custom kernels beyond the analytic attention count")
-
-
-def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes: float = 0.0,
-              vocab: int = 0, custom_flops: float = 0.0, top: int = 8) -> dict:
-  """Launches by kind and a roofline estimate of one step of a compiled program.
-
-  `logits_elements`: the size of the [tokens, vocab] logits one head kernel works on (a slice
-  of the tokens, model/head_loss.py); kernels with an operand or result at least half that size
-  touch the logits, and their bytes over `logits_bytes` (one read of the whole bf16 logits) say
-  how many passes over the logits the step makes besides its GEMMs. `custom_flops`: the
-  analytic FLOPs of the custom kernels (attention), which their HLO does not show; they are
-  priced as a whole at the bf16 peak, or at their bytes where that is slower.
-  """
-  ks = kernels(text)
-  count = lambda *kinds: sum(k.count for k in ks if k.kind in kinds)
-  gemms = {m: sum(k.count for k in ks if k.kind.startswith("gemm") and k.math == m)
-           for m in ("bf16", "f32", "fp8")}
-  custom = [k for k in ks if k.kind in ("custom", "cudnn")]
-  custom_s = max(sum(k.count * k.bytes for k in custom) / peaks.bandwidth,
-                 custom_flops / peaks.bf16) if custom else 0.0
-  big = [k for k in ks if logits_elements and k.largest * 2 >= logits_elements
-         and (not vocab or vocab in k.dims)]
-  parts = {"gemm": sum(k.seconds(peaks) for k in ks if k.kind.startswith("gemm")),
-           "custom": custom_s,
-           "logits passes": sum(k.seconds(peaks) for k in big if not k.kind.startswith("gemm")),
-           "other": sum(k.seconds(peaks) for k in ks if k.kind not in ("custom", "cudnn")
-                        and not k.kind.startswith("gemm") and k not in big)}
-  slow = sorted((k for k in ks if k.kind not in ("custom", "cudnn")),
-                key=lambda k: -k.seconds(peaks))[:top]
-  return {"launches": sum(k.count for k in ks), "gemm_calls": gemms,
-          "gemm_flops": sum(k.count * k.flops for k in ks if k.kind.startswith("gemm")),
-          "custom_kernels": count("custom"), "cudnn_calls": count("cudnn"),
-          "fusions": count("fusion"), "scatters": count("scatter"), "copies": count("copy"),
-          "collective_launches": count("collective"), "other": count("other"),
-          "logits_kernels": sum(k.count for k in big if not k.kind.startswith("gemm")),
-          "logits_gemms": sum(k.count for k in big if k.kind.startswith("gemm")),
-          "logits_passes": sum(k.count * k.bytes for k in big if not k.kind.startswith("gemm"))
-                           / logits_bytes if logits_bytes else 0.0,
-          "estimate_s": sum(parts.values()), "estimate_parts_s": parts,
-          "slowest": [(k.name, k.kind, k.seconds(peaks)) for k in slow]}

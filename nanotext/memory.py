@@ -19,17 +19,17 @@ import math
 import numpy as np
 
 from nanotext.fusion import kept_bytes, peak_live, saved_residuals, scope
-from nanotext import window_schedule
+from nanotext import config, window_schedule
 from nanotext.model import head_loss
+from nanotext.model.kernels import dispatch
 
 GIB = 2**30
 REMATS = ("none", "dots", "full")  # cheapest first: what auto tries, in order
 CHUNK = 256  # loss positions at a time when the logits do not fit whole (the speedrun's choice)
-DENSE_KERNELS = ("xla", "einsum", "cpu")  # score every [T, T] query-key pair
-# Flash-style kernels keep only their output and log-sum-exp for the backward pass. Traced as the
-# blocked kernel (plain jnp, quick to trace at any length; the TPU and GPU kernels' tables are
-# not), with the kernel's own residuals replaced by those two.
-FLASH_KERNELS = ("splash", "flash", "flash_gpu", "cudnn")
+# The kernel facts are the kernel dispatch's. Flash-style kernels are traced as the blocked kernel
+# (plain jnp, quick to trace at any length; the TPU and GPU kernels' tables are not), with the
+# kernel's own residuals replaced by its output and log-sum-exp.
+DENSE_KERNELS, FLASH_KERNELS = dispatch.DENSE_IMPLS, dispatch.FLASH_IMPLS
 
 
 def gib(n: float) -> str:
@@ -72,8 +72,8 @@ def nbytes(x) -> int:
 
 def replace(cfg, **sections):
   """A typed config with keys replaced: replace(cfg, model={"remat": "dots"})."""
-  return dataclasses.replace(cfg, **{name: dataclasses.replace(cfg[name], **values)
-                                     for name, values in sections.items()})
+  return config.with_values(cfg, {f"{name}.{key}": value for name, values in sections.items()
+                                  for key, value in values.items()})
 
 
 _MODELS: dict = {}
@@ -112,9 +112,7 @@ class Model:
     per_device = lambda tree, counts: sum(nbytes(x) / n for x, n in
                                           zip(jax.tree.leaves(tree), jax.tree.leaves(counts)))
     self.param_bytes = per_device(self.params, shards)
-    # Weights sharded over data or fsdp are gathered whole for the matmuls (tensor-parallel
-    # shards stay split): measured on TPU under FSDP, the gathered copies are live at once.
-    split_only = dict(mesh_sizes, **{a: 1 for a in mesh_sizes if a != "tensor"})
+    split_only = sharding.as_compute_sees_weights(mesh_sizes)
     used = jax.tree.map(lambda s: sharding.shard_count(tuple(s), rules, split_only), specs,
                         is_leaf=lambda x: isinstance(x, P))
     self.gathered_bytes = per_device(self.params, used) - self.param_bytes

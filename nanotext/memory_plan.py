@@ -1,100 +1,22 @@
 """The memory plan: before anything is built or compiled, check that a run's train and eval
 programs fit its devices (nanotext.memory's estimate against the devices' capacity), resolve
 model.remat=auto and the -1 (auto) loss chunks, and refuse in one line, naming the keys that
-would make it fit, a config that cannot. wiring.finalize_plan hands a Planner to
-config.finalize, the one place derived values are computed.
+would make it fit, a config that cannot. wiring.finalize_plan asks a Planner for those values
+once config.finalize has derived the rest; what a device holds is nanotext.device_memory's.
 """
 
 import dataclasses
 import math
 import os
-import resource
 
 import ml_collections
 import numpy as np
 import yaml
 
-from nanotext import config, gpus, memory, topology
+from nanotext import config, memory, sharding
 from nanotext.errors import UserError
 from nanotext.memory import gib
 from nanotext.window_schedule import seq_lens
-
-
-def host_available() -> tuple:
-  """(bytes this process may still allocate, where that comes from): the least of free RAM
-  (MemAvailable), the cgroup's limit and the address-space limit (`ulimit -v`) left."""
-  found = []
-  try:
-    with open("/proc/meminfo") as f:
-      info = dict(line.split(":", 1) for line in f)
-    found.append((int(info["MemAvailable"].split()[0]) * 1024, "available host RAM"))
-  except (OSError, KeyError, ValueError):
-    try:
-      found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM"))
-    except (ValueError, OSError, AttributeError):
-      pass
-  try:
-    with open("/sys/fs/cgroup/memory.max") as f:
-      limit = f.read().strip()
-    with open("/sys/fs/cgroup/memory.current") as f:
-      used = int(f.read())
-    if limit != "max":
-      found.append((int(limit) - used, "the cgroup's memory limit left"))
-  except (OSError, ValueError):
-    pass
-  soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-  if soft != resource.RLIM_INFINITY:
-    found.append((soft - _vm_size(), f"the address-space limit left (ulimit -v {soft // 1024})"))
-  return min(found) if found else (None, "unknown")
-
-
-def _vm_size() -> int:
-  try:
-    with open("/proc/self/status") as f:
-      for line in f:
-        if line.startswith("VmSize:"):
-          return int(line.split()[1]) * 1024
-  except (OSError, ValueError):
-    pass
-  return 0
-
-
-def capacity(devices) -> tuple:
-  """(bytes per device a program may use, or None if unknown; what it is)."""
-  first = devices[0]
-  if first.platform == "cpu":
-    local = sum(d.process_index == first.process_index for d in devices)
-    avail, what = host_available()
-    if avail is None:
-      return None, what
-    return agreed(max(0, avail) // local), f"{what} / {local} CPU device(s)"
-  try:
-    limit = (first.memory_stats() or {}).get("bytes_limit")
-  except Exception:  # noqa: BLE001 -- a TPU topology description has no memory stats
-    limit = None
-  if limit:
-    return agreed(int(limit)), f"{first.device_kind} memory"
-  if first.platform == "tpu":
-    chip = topology.chip_of_kind(first.device_kind)
-    if chip is not None:
-      return chip.hbm_bytes, f"{first.device_kind} HBM"
-  if first.platform == "gpu":  # a description to compile for (nanotext.gpus): no memory stats
-    gpu = gpus.of_kind(first.device_kind)
-    if gpu is not None:
-      return int(gpus.pool_fraction() * gpu.memory_bytes), f"{first.device_kind}, JAX's pool"
-  return None, "unknown"
-
-
-def agreed(n: int) -> int:
-  """The least of `n` over the processes, so every process makes the same plan."""
-  import jax
-  if jax.process_count() == 1:
-    return n
-  from jax.experimental import multihost_utils
-  # In MiB: jax without x64 carries the gathered value as int32, and bytes past 2 GiB wrapped
-  # negative (a 2-process CPU run was told its devices had -777 MiB and refused).
-  mib = multihost_utils.process_allgather(np.asarray(n >> 20, np.int32))
-  return int(np.min(mib)) << 20
 
 
 HEADROOM = 0.10  # auto leaves this share of a device free: runtime buffers, fragmentation
@@ -353,10 +275,33 @@ def changes(cfg, model, program: str, est, capacity: int) -> list:
       "attention scores", "activations", "recompute and attention", "activations and logits"):
     impl = "splash" if model.backend == "tpu" else "blocked"
     change(f"attention.impl={impl}", attention={"impl": impl})
-  if dominant in ("parameters", "optimizer state", "gradients") and sizes.get("data", 1) > 1:
-    out.append(("mesh.data=1 mesh.fsdp=-1", cfg,
-                dict(sizes, data=1, fsdp=sizes["fsdp"] * sizes["data"])))
+  folded = sharding.fsdp_for_data(sizes)
+  if dominant in ("parameters", "optimizer state", "gradients") and folded:
+    out.append((sharding.FSDP_FOR_DATA, cfg, folded))
   return out
+
+
+def keys_that_help(cfg, mesh_sizes: dict, programs=("train",)) -> str:
+  """The config changes that lower per-device memory of `programs` the compiler found too big
+  (nanotext.compile), given what the run already does (remat and micro-batches do nothing for
+  the eval step, a forward pass)."""
+  t, m = cfg.train, cfg.model
+  keys = []
+  if any(p != "eval" for p in programs):
+    if m.remat != "full":
+      keys.append("model.remat=" + ("dots or full" if m.remat == "none" else "full"))
+    if not t.loss_chunk and auto_chunk([t.seq_len]):
+      keys.append(f"train.loss_chunk={auto_chunk([t.seq_len])}")
+    if t.batch_size % (2 * t.grad_accum) == 0:
+      keys.append(f"train.grad_accum={2 * t.grad_accum} (half the activations per micro-batch)")
+  if "eval" in programs:
+    length = t.eval_seq_len or t.seq_len
+    if not t.eval_loss_chunk and auto_chunk([length]):
+      keys.append(f"train.eval_loss_chunk={auto_chunk([length])}")
+    keys.append("train.eval_seq_len" if t.eval_seq_len else "train.batch_size")
+  if sharding.fsdp_for_data(mesh_sizes):
+    keys.append(f"{sharding.FSDP_FOR_DATA} (shard parameters and optimizer state)")
+  return ", ".join(keys) + ", or a larger topology"
 
 
 def saved_choice(output_dir: str) -> dict:

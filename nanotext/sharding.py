@@ -169,6 +169,24 @@ def per_device(fn, args, in_axes, out_axes):
                        check_vma=False)(*args)
 
 
+def as_compute_sees_weights(mesh_sizes: dict) -> dict:
+  """The mesh sizes that split a weight as a matmul reads it: weights sharded over data or fsdp
+  are gathered whole for the matmul (measured on TPU under FSDP, the gathered copies are live at
+  once); tensor-parallel shards stay split."""
+  return {a: (n if a == "tensor" else 1) for a, n in mesh_sizes.items()}
+
+
+# The mesh change that stops replicating parameters and optimizer state over the data axis.
+FSDP_FOR_DATA = "mesh.data=1 mesh.fsdp=-1"
+
+
+def fsdp_for_data(mesh_sizes: dict) -> dict | None:
+  """The mesh sizes with the data axis folded into fsdp (FSDP_FOR_DATA); None where data is 1."""
+  if mesh_sizes.get("data", 1) == 1:
+    return None
+  return dict(mesh_sizes, data=1, fsdp=mesh_sizes["fsdp"] * mesh_sizes["data"])
+
+
 def extent(logical_name: str, rules, mesh_sizes: dict) -> int:
   """How many shards a dimension with this logical name is split into."""
   return math.prod(mesh_sizes[a] for a in dict(rules).get(logical_name, ()))

@@ -14,7 +14,7 @@ import re
 
 from nanotext import gpus
 from nanotext.errors import UserError
-from nanotext.hlo import Peaks
+from nanotext.roofline import Peaks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.experimental import multihost_utils
 
-from nanotext import (checkpoint, config, memory_plan, metrics, optim, rundir, sharding, watch,
-                      window_schedule)
+from nanotext import (checkpoint, config, device_memory, memory_plan, metrics, optim, params_from,
+                      rundir, sharding, watch, window_schedule)
 from nanotext.errors import UserError
 from nanotext.model import attention, count_params, GPT, gpt, loss
 from nanotext.data import pipeline, registry
@@ -196,12 +196,11 @@ def finalize(cfg, devices, capacity=None):
 def finalize_plan(cfg, devices, *, capacity=None, prefer=None) -> tuple:
   """(finalized config, memory.Plan) for `devices`; UserError if the run cannot fit them."""
   sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, len(devices))))
-  limit, source = memory_plan.capacity(devices) if capacity is None else (capacity, "given")
+  limit, source = device_memory.capacity(devices) if capacity is None else (capacity, "given")
   planner = memory_plan.Planner(devices[0].platform, sizes, limit, source, prefer=prefer)
   cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=metrics.default_peak_flops(devices),
-                        data_dir=default_dir(), tokenizer_vocab=tokenizer_vocab(cfg.data),
-                        memory_plan=planner)
-  return cfg, planner.plan
+                        data_dir=default_dir(), tokenizer_vocab=tokenizer_vocab(cfg.data))
+  return config.with_values(cfg, planner(cfg)), planner.plan
 
 
 def tokenizer_vocab(data_cfg) -> int | None:
@@ -268,7 +267,7 @@ def initial_state(run: Run, manager, log=print) -> Start:
     return Start(state, step, checkpoint.own_data(data, checkpoint.step_dir(manager, step)),
                  "resumed")
   if cfg.checkpoint.load_params_from:
-    source, params = checkpoint.load_params(cfg.checkpoint.load_params_from,
+    source, params = params_from.load(cfg.checkpoint.load_params_from,
                                             run.abstract_state()["params"])
     log(f"initialised parameters from {source} (fresh optimizer state, step 0)")
     return Start(run.state_from_params(params), 0, how="loaded")

@@ -15,7 +15,7 @@ import pytest
 
 import nan_poison
 from conftest import BASE, REPO, TINY, train_command
-from nanotext import checkpoint, trainer, wiring
+from nanotext import checkpoint, params_from, trainer, wiring
 from nanotext.errors import UserError
 from nanotext.train import run
 
@@ -232,7 +232,7 @@ def test_load_params_from_a_params_only_folder(fsdp8_run, tmp_path):
   ckptr.save(str(tmp_path / "only" / "params"), params)
   ckptr.wait_until_finished()
   setup = setup_for(["mesh.fsdp=4", "mesh.tensor=2"], 8)
-  where, got = checkpoint.load_params(str(tmp_path / "only"),
+  where, got = params_from.load(str(tmp_path / "only"),
                                       setup.abstract_state()["params"])
   assert where == str(tmp_path / "only")
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(got)), strict=True):

@@ -16,7 +16,7 @@ from conftest import BASE, REPO
 from test_cli_errors import snapshot
 from test_faults import (ARGS, array_files, assert_one_error_line, assert_same_as, copy_of,
                          make_reference, quiet_run, start)
-from nanotext import checkpoint, probes, rundir
+from nanotext import checkpoint, params_from, probes, rundir
 from nanotext.errors import ResourceError, UserError
 
 reference = pytest.fixture(scope="module", name="reference")(make_reference)
@@ -57,7 +57,7 @@ def test_glob_characters_in_the_readers_paths_are_refused(reference, tmp_path):
   with pytest.raises(UserError, match="glob"):
     checkpoint.make_manager(str(tmp_path / "a[1]"), keep=1)
   with pytest.raises(UserError, match="checkpoint.load_params_from .*glob"):
-    checkpoint.find_params_item(str(tmp_path / "a[1]"))
+    params_from.find_item(str(tmp_path / "a[1]"))
   link = tmp_path / "b?"  # the same run through a name with a glob character
   os.symlink(reference[0], link)
   for cmd in (["nanotext.generate", f"output_dir={link}"], ["nanotext.verify", str(link)],
@@ -184,7 +184,7 @@ def test_paths_with_percent_braces_and_spaces_work_in_every_tool(tmp_path):
                          f"--out={folder}"], cwd=REPO, capture_output=True, text=True,
                         timeout=300)
   assert conv.returncode == 0, conv.stderr
-  assert checkpoint.load_params(folder, checkpoint.latest_params(out)[1])[0] == folder
+  assert params_from.load(folder, checkpoint.latest_params(out)[1])[0] == folder
 
 
 @pytest.mark.fast

@@ -6,7 +6,7 @@ plugin; test_gpu_compile.py checks the same on programs XLA's GPU compiler made.
 
 import pytest
 
-from nanotext import hlo
+from nanotext import hlo, roofline
 
 pytestmark = pytest.mark.fast
 
@@ -66,7 +66,7 @@ ENTRY %main (x: f8e4m3fn[1024,64], w: f8e4m3fn[4096,64], y: s32[1024], h: bf16[1
 }
 """
 
-PEAKS = hlo.Peaks(bf16=1e15, fp8=2e15, f32=5e14, bandwidth=1e12)
+PEAKS = roofline.Peaks(bf16=1e15, fp8=2e15, f32=5e14, bandwidth=1e12)
 
 
 def by_name():
@@ -107,7 +107,7 @@ def test_a_gather_through_a_convert_reads_what_it_picks():
 
 
 def test_inventory_counts_and_prices():
-  inv = hlo.inventory(PROGRAM, PEAKS, logits_elements=1024 * 4096, logits_bytes=1024 * 4096 * 2,
+  inv = roofline.inventory(PROGRAM, PEAKS, logits_elements=1024 * 4096, logits_bytes=1024 * 4096 * 2,
                       custom_flops=1e9)
   assert inv["launches"] == 6 + 12
   assert inv["gemm_calls"] == {"bf16": 12, "f32": 0, "fp8": 1}

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import BASE, SPEEDRUN, TINY, mesh_sizes, one_line_error, run_cli
 from nanotext import compile as nt_compile
-from nanotext import config, memory, memory_plan, sharding, trainer, wiring
+from nanotext import config, device_memory, memory, memory_plan, sharding, trainer, wiring
 from nanotext.errors import UserError
 
 GIB = 2**30
@@ -28,9 +28,8 @@ def planned(path, overrides, capacity, *, backend="cpu", devices=1, prefer=None)
   cfg = wiring.load(path, list(overrides) + SYNTH)
   sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, devices)))
   planner = memory_plan.Planner(backend, sizes, capacity, "test", prefer=prefer)
-  cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=1.0, data_dir="", tokenizer_vocab=None,
-                        memory_plan=planner)
-  return cfg, planner.plan
+  cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=1.0, data_dir="", tokenizer_vocab=None)
+  return config.with_values(cfg, planner(cfg)), planner.plan
 
 
 def compiled_bytes(run, program: str) -> int:
@@ -199,8 +198,8 @@ def test_auto_chunk_divides_every_row_length():
 def test_capacity_respects_the_address_space_limit(monkeypatch):
   import resource
   monkeypatch.setattr(resource, "getrlimit", lambda which: (12 * GIB, resource.RLIM_INFINITY))
-  monkeypatch.setattr(memory_plan, "_vm_size", lambda: 2 * GIB)
-  limit, what = memory_plan.host_available()
+  monkeypatch.setattr(device_memory, "_vm_size", lambda: 2 * GIB)
+  limit, what = device_memory.host_available()
   assert limit <= 10 * GIB and ("ulimit -v" in what or limit < 10 * GIB)
 
 
@@ -260,4 +259,4 @@ def test_processes_agree_on_capacities_past_2_gib(monkeypatch):
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(multihost_utils, "process_allgather",
                       lambda x: np.stack([np.asarray(jnp.asarray(x))] * 2))
-  assert memory_plan.agreed(5 * GIB + 123) == 5 * GIB
+  assert device_memory.agreed(5 * GIB + 123) == 5 * GIB

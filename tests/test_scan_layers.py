@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from conftest import BASE, SPEEDRUN, TINY, one_line_error, run_cli
-from nanotext import trainer, wiring
+from nanotext import params_from, trainer, wiring
 from nanotext.errors import UserError
 
 # float32 everywhere: what is compared is the scan, not bf16 or FP8 rounding.
@@ -162,7 +162,7 @@ def test_load_params_from_converts_between_unrolled_and_scanned(tmp_path):
   run(BASE, common + [f"output_dir={unrolled_run}"], log=lambda s: None)
   saved = jax.device_get(checkpoint.latest_params(unrolled_run)[1])
   scanned = prepare("base", True, n_devices=8)
-  _, got = checkpoint.load_params(unrolled_run, scanned.abstract_state()["params"])
+  _, got = params_from.load(unrolled_run, scanned.abstract_state()["params"])
   want = flat(stack_blocks(saved))
   assert sorted(flat(got)) == sorted(want)
   for k, v in flat(jax.device_get(got)).items():
@@ -176,7 +176,7 @@ def test_load_params_from_converts_between_unrolled_and_scanned(tmp_path):
   folder = params_only(scanned_run, str(tmp_path / "params"), log=lambda s: None)
   stacked_saved = jax.device_get(checkpoint.latest_params(scanned_run)[1])
   unrolled = prepare("base", False)
-  _, back = checkpoint.load_params(folder, unrolled.abstract_state()["params"])
+  _, back = params_from.load(folder, unrolled.abstract_state()["params"])
   assert flat(stack_blocks(jax.device_get(back))).keys() == flat(stacked_saved).keys()
   for k, v in flat(stack_blocks(jax.device_get(back))).items():
     np.testing.assert_array_equal(v, flat(stacked_saved)[k], err_msg=k)

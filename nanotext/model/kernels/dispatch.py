@@ -19,6 +19,11 @@ IMPLS = ("auto", "xla", "cudnn", "splash", "flash", "flash_gpu", "blocked", "cpu
 # static mask, cuDNN takes a static local_window_size and flash has no window: one program per
 # window stage for them.
 RUNTIME_WINDOW_IMPLS = ("xla", "blocked", "cpu", "einsum", "flash_gpu")
+# What each kernel holds, for the memory plan (nanotext/memory.py): dense ones score every [T, T]
+# query-key pair; flash-style ones keep only their output and log-sum-exp for the backward pass
+# (blocked, in neither, holds one chunk of query-key blocks at a time).
+DENSE_IMPLS = ("xla", "einsum", "cpu")
+FLASH_IMPLS = ("splash", "flash", "flash_gpu", "cudnn")
 # Above this length a dense [T, T] mask/score per head is the cost that matters: `auto` takes the
 # blocked kernel for windowed attention (at 4096, f32 scores are 64 MiB per head and example).
 DENSE_MAX_T = 4096
