@@ -297,5 +297,5 @@ def make_optimizer(optim_cfg, labels, total_steps: int) -> optax.GradientTransfo
 
 def current_lr(optim_cfg, total_steps: int, step: int) -> float:
   """The peak-scaled learning rate at `step` (Muon's for the muon recipe), for logging."""
-  peak = optim_cfg.lr if optim_cfg.name == "adamw" else optim_cfg.muon_lr
+  peak = optim_cfg.muon_lr if optim_cfg.name == "muon" else optim_cfg.lr
   return float(peak * lr_factor(optim_cfg, total_steps, xp=np)(step))

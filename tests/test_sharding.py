@@ -4,7 +4,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import BASE, TINY
+from conftest import BASE, TINY, mesh_sizes
 from nanotext import config, sharding, wiring
 from nanotext.errors import UserError
 
@@ -17,9 +17,10 @@ def mesh_cfg(**kw):
 
 
 def test_mesh_shape_resolves_minus_one():
-  assert sharding.mesh_shape(mesh_cfg(), 8) == (1, 8, 1)
-  assert sharding.mesh_shape(mesh_cfg(data=2, fsdp=-1, tensor=2), 8) == (2, 2, 2)
-  assert sharding.mesh_shape(mesh_cfg(data=8, fsdp=1), 8) == (8, 1, 1)
+  sizes = lambda cfg: dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg, 8)))
+  assert sizes(mesh_cfg()) == mesh_sizes(fsdp=8)
+  assert sizes(mesh_cfg(data=2, fsdp=-1, tensor=2)) == mesh_sizes(data=2, fsdp=2, tensor=2)
+  assert sizes(mesh_cfg(data=8, fsdp=1)) == mesh_sizes(data=8)
 
 
 @pytest.mark.parametrize("kw, match", [
