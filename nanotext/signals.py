@@ -31,6 +31,9 @@ def install() -> None:
   if threading.current_thread() is not threading.main_thread():
     return
   signal.signal(signal.SIGTERM, _raise_terminated)
+  # Python leaves SIGINT ignored where the process started with it ignored (a background job
+  # of a script), while the training loop honours it: one behaviour in every phase instead.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   read, write = os.pipe()
   os.set_blocking(write, False)
   signal.set_wakeup_fd(write, warn_on_full_buffer=False)
