@@ -67,6 +67,11 @@ def check_environment(environ=os.environ) -> None:
       raise errors.UserError(
           f"JAX_PLATFORMS={','.join(platforms)}: this machine has no such device; set "
           "JAX_PLATFORMS=cpu, or unset it to let jax choose")
+  elif not any(present(p) or device_nodes(p) for p in ACCELERATORS):
+    # No accelerator at all: jax would still start every installed plugin (a CUDA plugin logs a
+    # traceback without cuDNN, libtpu pages of warnings) before it settles on the CPU.
+    import jax
+    jax.config.update("jax_platforms", "cpu")
 
 
 def present(platform: str) -> bool:
@@ -82,6 +87,16 @@ def present(platform: str) -> bool:
     return probes[platform]() if platform in probes else True
   except Exception:  # pylint: disable=broad-except -- a private module: when it moves, jax decides
     return True
+
+
+ACCELERATORS = ("cuda", "tpu", "rocm")
+
+
+def device_nodes(platform: str) -> bool:
+  """Whether /dev has a device of `platform` (a second sign beside jax's PCI probe)."""
+  import glob
+  pattern = {"cuda": "/dev/nvidia*", "tpu": "/dev/accel*", "rocm": "/dev/kfd"}[platform]
+  return bool(glob.glob(pattern)) or platform == "tpu" and bool(glob.glob("/dev/vfio/[0-9]*"))
 
 
 def _drop_plugin_errors(record) -> bool:

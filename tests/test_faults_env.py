@@ -85,3 +85,17 @@ def test_a_thread_refused_under_the_limit_is_one_line(monkeypatch):
   assert errors.limit_error(RuntimeError("something else")) == ""
   monkeypatch.setattr(errors.resource, "getrlimit", lambda _: (-1, -1))
   assert errors.limit_error(MemoryError()) == ""
+
+
+@pytest.mark.skipif(any(cli.present(p) or cli.device_nodes(p) for p in cli.ACCELERATORS),
+                    reason="this machine has an accelerator: jax chooses among its plugins")
+def test_no_accelerator_starts_the_cpu_without_plugin_noise():
+  """JAX_PLATFORMS unset on a machine with no accelerator: the CPU backend, and none of the
+  installed plugins' failures (the CUDA plugin's traceback without cuDNN, libtpu's warnings)."""
+  script = ("import os; from nanotext import cli; cli.check_environment(os.environ); "
+            "import jax; print(jax.devices()[0].platform)")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                        timeout=300, env=env)
+  assert proc.returncode == 0 and proc.stdout.strip() == "cpu", proc.stderr
+  assert "Traceback" not in proc.stderr and "TPU_" not in proc.stderr, proc.stderr
