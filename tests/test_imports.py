@@ -25,6 +25,17 @@ def _modules() -> dict:
   return mods
 
 
+def import_names(node, mods: dict) -> list:
+  """The dotted names an import statement loads (`from a import b`: a.b where that is a module);
+  [] for any other node."""
+  if isinstance(node, ast.Import):
+    return [a.name for a in node.names]
+  if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+    return [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+            for a in node.names]
+  return []
+
+
 def import_graph(module_level_only: bool) -> dict:
   """{module: set of nanotext modules it imports} (at module level, or anywhere in it)."""
   mods = _modules()
@@ -42,14 +53,7 @@ def import_graph(module_level_only: bool) -> dict:
     nodes = tree.body if module_level_only else ast.walk(tree)
     out = set()
     for node in nodes:
-      if isinstance(node, ast.Import):
-        names = [a.name for a in node.names]
-      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-        names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
-                 for a in node.names]
-      else:
-        continue
-      for name in names:
+      for name in import_names(node, mods):
         if name.startswith("nanotext."):
           out |= targets(name)
     out.discard(mod)

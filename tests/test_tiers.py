@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from test_imports import ROOT, _modules
+from test_imports import ROOT, _modules, import_names
 
 pytestmark = pytest.mark.fast
 
@@ -28,14 +28,7 @@ def _imported(nodes, mods: dict) -> set:
   """The nanotext modules (and their parent packages) that import statements under `nodes` load."""
   out = set()
   for node in (n for top in nodes for n in ast.walk(top)):
-    if isinstance(node, ast.Import):
-      names = [a.name for a in node.names]
-    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-      names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
-               for a in node.names]
-    else:
-      continue
-    for name in names:
+    for name in import_names(node, mods):
       while name and name not in mods:
         name = name.rpartition(".")[0]
       parts = name.split(".") if name.startswith("nanotext") else []
