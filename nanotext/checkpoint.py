@@ -146,7 +146,7 @@ def wait(manager: Manager) -> None:
     manager.check_for_errors()
   except Exception as e:  # whatever the writer raised, the run must not go on silently
     why = write_error(e, f"cannot write a checkpoint in '{manager.directory}'")  # the errno
-    raise CheckpointError(f"writing a checkpoint failed: {why or _first_line(e)}; the earlier "
+    raise CheckpointError(f"writing a checkpoint failed: {why or error_head(e)}; the earlier "
                           "steps are intact") from e
   step = manager.requested
   if step is None:
@@ -167,7 +167,7 @@ def close(manager: Manager) -> None:
   try:
     manager.close()
   except Exception as e:  # the run's own error (already propagating) is the one to report
-    logging.error("closing the checkpoint manager: %s", _first_line(e))
+    logging.error("closing the checkpoint manager: %s", error_head(e))
 
 
 def step_dir(manager, step: int) -> str:
@@ -189,7 +189,7 @@ def restore_step(manager, step: int, abstract_state):
     out = manager.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # orbax raises a bare Exception for a truncated array file
     raise Damaged(f"checkpoint '{where}' does not match this model or is damaged "
-                  f"({type(e).__name__}: {_first_line(e)})") from None
+                  f"({type(e).__name__}: {error_head(e)})") from None
   integrity = out["integrity"] if "integrity" in items else None
   verify(out.state, integrity, where)
   return out.state, out.data, out.config, integrity
@@ -279,12 +279,12 @@ def read_on_one_device(manager, step: int, part: str = ""):
     out = manager.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # orbax raises many kinds for unreadable folders
     raise Damaged(f"cannot read the checkpoint of step {step} in '{where}': "
-                  f"{_first_line(e)}") from None
+                  f"{error_head(e)}") from None
   state = out.state[part] if part else out.state
   return state, out["integrity"] if "integrity" in items else None
 
 
-def _first_line(e: Exception) -> str:
+def error_head(e: Exception) -> str:
   """The readable head of an orbax/tensorstore error (their tails are reprs of bound methods)."""
   line = (str(e).splitlines() or [type(e).__name__])[0].split(" See full TensorStore")[0]
   return line[:200]

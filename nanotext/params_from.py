@@ -7,7 +7,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from nanotext.checkpoint import _first_line
+from nanotext.checkpoint import error_head
 from nanotext.errors import UserError
 from nanotext.integrity import Damaged, name_of, record_beside, verify_named
 from nanotext.rundir import check_no_glob, is_step_name, step_files, vanished
@@ -58,7 +58,7 @@ def _load_params(item: str, whole_state: bool, abstract_params):
   try:
     meta = ckptr.metadata(item).item_metadata.tree
   except Exception as e:  # orbax raises many kinds for unreadable folders
-    raise Damaged(f"cannot read the checkpoint '{where}': {_first_line(e)}") from None
+    raise Damaged(f"cannot read the checkpoint '{where}': {error_head(e)}") from None
   if whole_state and not (isinstance(meta, dict) and "params" in meta):
     raise UserError(f"checkpoint '{where}' holds no parameters")
   saved = meta["params"] if whole_state else meta
@@ -83,7 +83,7 @@ def _restore(ckptr, item: str, target, args, partial: bool, where: str):
         item=target, restore_args=args, partial_restore=partial))
   except Exception as e:  # a truncated file is a bare Exception over a tensorstore ValueError
     raise Damaged(f"checkpoint '{where}' cannot be read, it is damaged "
-                  f"({_first_line(e)})") from None
+                  f"({error_head(e)})") from None
 
 
 def _verify_params(params, saved_meta, integrity, where: str) -> None:
