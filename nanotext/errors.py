@@ -147,13 +147,17 @@ def parse_flags(argv):
 def quiet_background_errors() -> None:
   """Keep a failed checkpoint write to the one line the run prints about it.
 
-  Orbax's writer threads log each failure with a full traceback, and tensorstore callbacks
-  that outlive orbax's event loop print 'Event loop is closed' tracebacks; the run itself
-  reports the failure (CheckpointError), so the tracebacks go and the log lines stay one line.
+  Orbax's writer threads log each failure with a full traceback, asyncio logs a failed write
+  task nobody awaited when it is collected (when, depends on the load), and tensorstore
+  callbacks that outlive orbax's event loop print 'Event loop is closed' tracebacks; the run
+  itself reports the failure (CheckpointError), so the tracebacks go and the log lines stay one
+  line.
   """
 
   class NoTraceback(pylogging.Filter):
     def filter(self, record):
+      if record.name == "asyncio" and "orbax" in record.getMessage():
+        return False  # an orbax write task's failure that asyncio found unread when collected
       if "orbax" in record.pathname:
         record.exc_info, record.exc_text = None, None
       return True
