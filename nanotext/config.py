@@ -285,14 +285,20 @@ def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
   return typed(cfg)
 
 
+def replace_sections(cfg, **changes) -> sections.Section:
+  """The typed config `cfg` with keys replaced, a new object:
+  replace_sections(cfg, model={"remat": "dots"})."""
+  return dataclasses.replace(cfg, **{name: dataclasses.replace(cfg[name], **leaves)
+                                     for name, leaves in changes.items()})
+
+
 def with_values(cfg, values: dict) -> sections.Section:
   """The typed config `cfg` with {dotted key: value} set (a new object; `cfg` is not changed)."""
   by_section: dict = {}
   for key, value in values.items():
     section, leaf = key.split(".")
     by_section.setdefault(section, {})[leaf] = value
-  return dataclasses.replace(cfg, **{name: dataclasses.replace(cfg[name], **leaves)
-                                     for name, leaves in by_section.items()})
+  return replace_sections(cfg, **by_section)
 
 
 def typed(cfg, schema: dict | None = None) -> sections.Section:

@@ -22,6 +22,7 @@ from nanotext.fusion import kept_bytes, peak_live, saved_residuals, scope
 from nanotext import config, window_schedule
 from nanotext.model import head_loss
 from nanotext.model.kernels import dispatch
+from nanotext.model.kernels.per_device import building_for
 
 GIB = 2**30
 REMATS = ("none", "dots", "full")  # cheapest first: what auto tries, in order
@@ -68,12 +69,6 @@ def _estimate(program: str, **terms) -> Estimate:
 
 def nbytes(x) -> int:
   return int(math.prod(x.shape)) * x.dtype.itemsize
-
-
-def replace(cfg, **sections):
-  """A typed config with keys replaced: replace(cfg, model={"remat": "dots"})."""
-  return config.with_values(cfg, {f"{name}.{key}": value for name, values in sections.items()
-                                  for key, value in values.items()})
 
 
 _MODELS: dict = {}
@@ -153,7 +148,7 @@ class Model:
     import jax.numpy as jnp
     from nanotext import window_schedule
     from nanotext.model.loss import loss_fn
-    cfg = replace(self.cfg, model={"remat": remat})
+    cfg = config.replace_sections(self.cfg, model={"remat": remat})
     graphdef = self.traced_model(remat)
     windows = window_schedule.step_windows(cfg, cfg.train.steps)  # the widest: the last stage
     eot = 0 if cfg.attention.doc_mask else None  # which id does not change any shape
@@ -183,7 +178,7 @@ class Model:
       return self.graphdef
     from nanotext.model.gpt import abstract_model
     impl = "blocked" if self.impl in FLASH_KERNELS else self.cfg.attention.impl
-    cfg = replace(self.cfg, model={"remat": remat}, attention={"impl": impl})
+    cfg = config.replace_sections(self.cfg, model={"remat": remat}, attention={"impl": impl})
     return abstract_model(cfg, self.backend)[0]
 
   def flash_residuals(self, rows: int, length: int) -> float:
@@ -264,7 +259,6 @@ class Model:
     import jax
     import jax.numpy as jnp
     from nanotext import window_schedule
-    from nanotext.model.kernels import per_device
     from nanotext.model.loss import loss_fn
     rows, length = self.eval_rows, self.eval_len
     if ("eval", chunk) not in self._traces:
@@ -272,7 +266,7 @@ class Model:
       eot = 0 if self.cfg.attention.doc_mask else None
       tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32)
       graphdef = self.traced_model(self.cfg.model.remat)
-      with per_device.building_for(self.backend):  # the target's head slices, not the host's
+      with building_for(self.backend):  # the target's head slices, not the host's
         closed = jax.make_jaxpr(lambda p, x, y: loss_fn(
             graphdef, p, x, y, eot, windows, chunk, train=False))(self.params, tokens, tokens)
       flash = self.impl in FLASH_KERNELS  # traced as blocked: its work inside is not theirs

@@ -244,7 +244,7 @@ def changes(cfg, model, program: str, est, capacity: int) -> list:
   out = []
 
   def change(text, **sections):
-    new = memory.replace(cfg, **sections)
+    new = config.replace_sections(cfg, **sections)
     try:  # a change that breaks another rule (a chunk that does not divide the rows) is no advice
       config.validate(ml_collections.ConfigDict(new.to_dict()))
     except UserError:
