@@ -84,23 +84,38 @@ def _cut(x_BT_, k: int, i: int):
   return piece.reshape(-1, *piece.shape[2:])
 
 
+# Up to this many slices the training step unrolls them, each ordered after the last by a barrier
+# (every shipped config: at most 12); more run as a loop, one compiled body (1,536 unrolled
+# slices of speedrun.yml at 4,096 rows took the memory plan 10 s of tracing per candidate).
+UNROLL = 16
+
+
+def _stack(v, k: int):
+  """[B, T, ...] -> [k, B, T / k, ...]: slice i of _cut as one loop step, rows on their devices."""
+  B, T = v.shape[:2]
+  return sharding.constrain(v.reshape(B, k, T // k, *v.shape[2:]).swapaxes(0, 1),
+                            (None, "batch", "act_length") + (("act_embed",) if v.ndim == 3 else ()))
+
+
+def _flat(v_Bt_):
+  """One loop step's [B, T / k, ...] flattened to _cut's [B * T / k, ...]."""
+  return v_Bt_.reshape(-1, *v_Bt_.shape[2:])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _fused(x_BTD, w_DV, targets_BT, softcap, fp8, k):
   """The loss alone (evaluation): the slices as a loop, one compiled body whatever their number
   (unrolled, 64 slices of a 262,144-token validation row kept a TPU compiling for minutes)."""
   if k == 1:
     return _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k)[0]
-  B, T, D = x_BTD.shape
+  D = x_BTD.shape[-1]
   a, b = _operands(x_BTD, w_DV, fp8)
-  stack = lambda v: sharding.constrain(  # [k, B, T / k, ...], rows still on their devices
-      v.reshape(B, k, T // k, *v.shape[2:]).swapaxes(0, 1),
-      (None, "batch", "act_length") + (("act_embed",) if v.ndim == 3 else ()))
 
   def body(total, xs):
     a_BtD, y_Bt = xs
-    return total + _slice_loss(a_BtD.reshape(-1, D), b, y_Bt.reshape(-1), softcap, fp8,
+    return total + _slice_loss(a_BtD.reshape(-1, D), b, _flat(y_Bt), softcap, fp8,
                                x_BTD.dtype)[0], None
-  return jax.lax.scan(body, jnp.zeros([], jnp.float32), (stack(a), stack(targets_BT)))[0]
+  return jax.lax.scan(body, jnp.zeros([], jnp.float32), (_stack(a, k), _stack(targets_BT, k)))[0]
 
 
 def _operands(x_ND, w_DV, fp8):
@@ -149,7 +164,10 @@ def _slice_loss(a_MD, b_DV, y_M, softcap, fp8, dt):
 
 
 def _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k):
-  """The loss and the backward pass's residuals, the k slices unrolled one after another."""
+  """The loss and the backward pass's residuals, the k slices unrolled one after another (or
+  beyond UNROLL, _looped_forward's loop)."""
+  if k > UNROLL:
+    return _looped_forward(x_BTD, w_DV, targets_BT, softcap, fp8, k)
   parts = [_operands(_cut(x_BTD, k, i), w_DV, fp8) for i in range(k)]
   a, b = [p[0] for p in parts], parts[0][1]
   ys = [_cut(targets_BT, k, i) for i in range(k)]
@@ -166,13 +184,60 @@ def _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k):
   return total, ((tuple(a), b), tuple(zs), tuple(lses), tuple(ys), like)
 
 
+def _looped_forward(x_BTD, w_DV, targets_BT, softcap, fp8, k):
+  """_forward's loss and residuals with the slices as a loop: the kept z and log-sum-exp come
+  out stacked [k, ...], as many bytes as the unrolled slices keep."""
+  D = x_BTD.shape[-1]
+  a, b = _operands(x_BTD, w_DV, fp8)
+  a, ys = _stack(a, k), _stack(targets_BT, k)
+
+  def body(total, xs):
+    a_BtD, y_Bt = xs
+    loss, z_MV, lse_M = _slice_loss(a_BtD.reshape(-1, D), b, _flat(y_Bt), softcap, fp8,
+                                    x_BTD.dtype)
+    return total + loss, (z_MV, lse_M)
+  total, (zs, lses) = jax.lax.scan(body, jnp.zeros([], jnp.float32), (a, ys))
+  B, T, _ = x_BTD.shape
+  like = (jnp.zeros((0, B, T // k), x_BTD.dtype), jnp.zeros((0,), w_DV.dtype))  # shapes, 0 bytes
+  return total, ((a, b), zs, lses, ys, like)
+
+
 def _fused_fwd(x_BTD, w_DV, targets_BT, softcap, fp8, k):
   return _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k)
+
+
+def _slice_grads(z_MV, lse_M, y_M, a_MD, b, g, softcap, fp8, dt):
+  """(dx [M, D] in `dt`, this slice's float32 part of dW) from one slice's kept z and
+  log-sum-exp."""
+  l_MV, t_MV = _capped(z_MV, softcap, fp8)
+  hit_MV = jnp.arange(l_MV.shape[-1])[None, :] == y_M[:, None]
+  dl_MV = g * (jnp.exp(l_MV - lse_M[:, None]) - hit_MV)
+  # (1 - t)(1 + t), not 1 - t^2: exact where the cap saturates (|t| near 1), as autodiff's tanh
+  dz_MV = dl_MV * ((1 - t_MV) * (1 + t_MV)) if softcap else dl_MV
+  if fp8 is None:
+    dz = dz_MV.astype(dt)  # as autodiff rounds the gradient of z (x's dtype)
+    return (jnp.dot(dz, b.T, preferred_element_type=dt),
+            jnp.dot(a_MD.T, dz, preferred_element_type=jnp.float32))
+  x_s, w_s, grad_s, r = fp8  # z = z' r: its gradient is dz' / r, the weights' r dW_r
+  g_MV = _dequantize(_quantize((dz_MV / r).astype(dt), grad_s / r, E5M2), grad_s / r)
+  return (_dot32(g_MV, _dequantize(b, w_s * r).T).astype(dt),
+          _dot32(_dequantize(a_MD, x_s).T, g_MV) * r)
 
 
 def _fused_bwd(softcap, fp8, k, res, g):
   (a, b), zs, lses, ys, (x_like, w_like) = res
   _, B, t = x_like.shape
+  dt = x_like.dtype
+  if k > UNROLL:  # _looped_forward's stacked residuals, a loop again
+    D = a.shape[-1]
+
+    def body(dw, xs):
+      a_BtD, z_MV, lse_M, y_Bt = xs
+      dx, part = _slice_grads(z_MV, lse_M, _flat(y_Bt), a_BtD.reshape(-1, D), b, g, softcap,
+                              fp8, dt)
+      return dw + part, dx.reshape(B, t, D)
+    dw, dx_kBtD = jax.lax.scan(body, jnp.zeros(b.shape, jnp.float32), (a, zs, lses, ys))
+    return dx_kBtD.swapaxes(0, 1).reshape(B, k * t, D), dw.astype(w_like.dtype), None
   D = a[0].shape[-1]
   # On GPU and TPU a barrier keeps XLA from merging the soft-cap below with the forward's and
   # keeping float32 logits for it: the backward reads the head output z, half their size. The
@@ -184,26 +249,12 @@ def _fused_bwd(softcap, fp8, k, res, g):
       dw, z_MV = jax.lax.optimization_barrier((dw, z_MV))
     else:
       z_MV = barrier(z_MV)
-    l_MV, t_MV = _capped(z_MV, softcap, fp8)
-    y_M = ys[i]
-    hit_MV = jnp.arange(l_MV.shape[-1])[None, :] == y_M[:, None]
-    dl_MV = g * (jnp.exp(l_MV - lse_M[:, None]) - hit_MV)
-    # (1 - t)(1 + t), not 1 - t^2: exact where the cap saturates (|t| near 1), as autodiff's tanh
-    dz_MV = dl_MV * ((1 - t_MV) * (1 + t_MV)) if softcap else dl_MV
-    a_M = a[i]
-    if fp8 is None:
-      dz = dz_MV.astype(x_like.dtype)  # as autodiff rounds the gradient of z (x's dtype)
-      dxs.append(jnp.dot(dz, b.T, preferred_element_type=x_like.dtype))
-      dw = dw + jnp.dot(a_M.T, dz, preferred_element_type=jnp.float32)
-    else:
-      x_s, w_s, grad_s, r = fp8  # z = z' r: its gradient is dz' / r, the weights' r dW_r
-      g_MV = _dequantize(_quantize((dz_MV / r).astype(x_like.dtype), grad_s / r, E5M2),
-                         grad_s / r)
-      dxs.append(_dot32(g_MV, _dequantize(b, w_s * r).T).astype(x_like.dtype))
-      dw = dw + _dot32(_dequantize(a_M, x_s).T, g_MV) * r
+    dx, part = _slice_grads(z_MV, lse_M, ys[i], a[i], b, g, softcap, fp8, dt)
+    dxs.append(dx)
+    dw = dw + part
   # Each slice's [B * T / k, D] back in its rows' positions.
   dx = jnp.concatenate([d.reshape(B, t, D) for d in dxs], axis=1)
-  return dx.astype(x_like.dtype), dw.astype(w_like.dtype), None
+  return dx.astype(dt), dw.astype(w_like.dtype), None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
