@@ -15,15 +15,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The float32 agreement tests (1e-5 tolerances) assume full float32 matmuls: the CPU's default,
 # not a GPU's (TF32-like there: 1.4e-3 apart). JAX_PLATFORMS=cuda pytest runs them as written.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# One persistent compilation cache for the session, shared with the CLI runs the tests start:
-# many tests train the same tiny model, and each new process or jit object would compile its
-# programs again. A fresh folder per session (removed at exit): no stale entries across versions.
+# One persistent compilation cache for the session, shared with the CLI runs the tests start
+# and with the other pytest-xdist workers (they inherit this environment): many tests train the
+# same tiny model, and each new process or jit object would compile its programs again. A fresh
+# folder per session (removed at exit): no stale entries across versions. A size limit turns on
+# jax's file lock around each read and write: unlocked, a worker could read an entry another
+# process was still writing, and jax warns on stderr, where CLI tests count lines.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE = tempfile.mkdtemp(prefix="nanotext-tests-jax-cache-")
   atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+  os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 * 2**30)
 
 import pytest  # noqa: E402
 
