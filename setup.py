@@ -46,10 +46,8 @@ setup(
         "gpu-compile": ["jax-cuda13-plugin==0.10.2", "jax-cuda13-pjrt==0.10.2"],
         # The test suite: torch and transformers check the HF conversions, and every optional
         # path above is tested. Where a CUDA build of torch is not wanted, install a CPU one first.
-        # pytest-xdist runs the suite in two workers (README's Tests); filelock guards the shared
-        # compilation cache between its workers (tests/conftest.py).
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "filelock>=3.12", "torch", "transformers",
-                 "matplotlib>=3.8",
+        # pytest-xdist runs the suite in two workers (README's Tests).
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "torch", "transformers", "matplotlib>=3.8",
                  "tensorflow-datasets>=4.9.9", "huggingface_hub>=0.24"],
     },
 )

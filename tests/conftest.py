@@ -15,19 +15,23 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The float32 agreement tests (1e-5 tolerances) assume full float32 matmuls: the CPU's default,
 # not a GPU's (TF32-like there: 1.4e-3 apart). JAX_PLATFORMS=cuda pytest runs them as written.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# One persistent compilation cache for the session, shared with the CLI runs the tests start
-# and with the other pytest-xdist workers (they inherit this environment): many tests train the
-# same tiny model, and each new process or jit object would compile its programs again. A fresh
-# folder per session (removed at exit): no stale entries across versions. A size limit turns on
-# jax's file lock around each read and write: unlocked, a worker could read an entry another
-# process was still writing, and jax warns on stderr, where CLI tests count lines.
+# One persistent compilation cache for the session, shared with the CLI runs the tests start:
+# many tests train the same tiny model, and each new process or jit object would compile its
+# programs again. A fresh folder per session (removed at exit): no stale entries across versions.
+# Each pytest-xdist worker (they inherit this environment) takes a folder of its own inside it:
+# jax writes an entry in place, so a worker could read one another process is still writing and
+# print a warning where CLI tests count stderr lines (and jax's locked mode, a size limit, warned
+# on entries whose access-time file was not written yet: 66 warnings in one run).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE = tempfile.mkdtemp(prefix="nanotext-tests-jax-cache-")
   atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
-  os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 * 2**30)
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and os.path.basename(os.environ["JAX_COMPILATION_CACHE_DIR"]) != _WORKER:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"],
+                                                         _WORKER)
 
 import pytest  # noqa: E402
 
