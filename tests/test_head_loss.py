@@ -118,7 +118,7 @@ def test_sliced_as_a_loop_with_the_unrolled_results(fp8, monkeypatch):
     assert rel(a, b) < (1e-4 if fp8 else 1e-6), rel(a, b)
 
 
-def test_more_slices_than_unroll_trace_one_loop_body():
+def test_more_slices_than_unroll_trace_one_loop_body(monkeypatch):
   """speedrun.yml's head at 512 rows of 49,152 tokens per device: 1,536 slices, traced as one
   loop body (abstract shapes: nothing that size is made)."""
   from nanotext.model import head_loss
@@ -127,9 +127,8 @@ def test_more_slices_than_unroll_trace_one_loop_body():
   x = jax.ShapeDtypeStruct((B, T, D), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((D, V), jnp.float32)
   y = jax.ShapeDtypeStruct((B, T), jnp.int32)
-  from unittest import mock
-  with mock.patch.object(head_loss, "platform", lambda: "tpu"):
-    closed = jax.make_jaxpr(jax.grad(lambda x, w, y: head_loss_sum(x, w, y, softcap=15.0),
-                                     argnums=(0, 1)))(x, w, y)
+  monkeypatch.setattr(head_loss, "platform", lambda: "tpu")
+  closed = jax.make_jaxpr(jax.grad(lambda x, w, y: head_loss_sum(x, w, y, softcap=15.0),
+                                   argnums=(0, 1)))(x, w, y)
   text = str(closed)
   assert text.count("scan[") == 2 and text.count("dot_general") < 10

@@ -108,14 +108,7 @@ def _fused(x_BTD, w_DV, targets_BT, softcap, fp8, k):
   (unrolled, 64 slices of a 262,144-token validation row kept a TPU compiling for minutes)."""
   if k == 1:
     return _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k)[0]
-  D = x_BTD.shape[-1]
-  a, b = _operands(x_BTD, w_DV, fp8)
-
-  def body(total, xs):
-    a_BtD, y_Bt = xs
-    return total + _slice_loss(a_BtD.reshape(-1, D), b, _flat(y_Bt), softcap, fp8,
-                               x_BTD.dtype)[0], None
-  return jax.lax.scan(body, jnp.zeros([], jnp.float32), (_stack(a, k), _stack(targets_BT, k)))[0]
+  return _looped_forward(x_BTD, w_DV, targets_BT, softcap, fp8, k, keep=False)[0]
 
 
 def _operands(x_ND, w_DV, fp8):
@@ -184,9 +177,10 @@ def _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k):
   return total, ((tuple(a), b), tuple(zs), tuple(lses), tuple(ys), like)
 
 
-def _looped_forward(x_BTD, w_DV, targets_BT, softcap, fp8, k):
+def _looped_forward(x_BTD, w_DV, targets_BT, softcap, fp8, k, keep=True):
   """_forward's loss and residuals with the slices as a loop: the kept z and log-sum-exp come
-  out stacked [k, ...], as many bytes as the unrolled slices keep."""
+  out stacked [k, ...], as many bytes as the unrolled slices keep (`keep=False`: the loss and
+  None, nothing kept: evaluation)."""
   D = x_BTD.shape[-1]
   a, b = _operands(x_BTD, w_DV, fp8)
   a, ys = _stack(a, k), _stack(targets_BT, k)
@@ -195,11 +189,13 @@ def _looped_forward(x_BTD, w_DV, targets_BT, softcap, fp8, k):
     a_BtD, y_Bt = xs
     loss, z_MV, lse_M = _slice_loss(a_BtD.reshape(-1, D), b, _flat(y_Bt), softcap, fp8,
                                     x_BTD.dtype)
-    return total + loss, (z_MV, lse_M)
-  total, (zs, lses) = jax.lax.scan(body, jnp.zeros([], jnp.float32), (a, ys))
+    return total + loss, ((z_MV, lse_M) if keep else None)
+  total, kept = jax.lax.scan(body, jnp.zeros([], jnp.float32), (a, ys))
+  if not keep:
+    return total, None
   B, T, _ = x_BTD.shape
   like = (jnp.zeros((0, B, T // k), x_BTD.dtype), jnp.zeros((0,), w_DV.dtype))  # shapes, 0 bytes
-  return total, ((a, b), zs, lses, ys, like)
+  return total, ((a, b), *kept, ys, like)
 
 
 def _fused_fwd(x_BTD, w_DV, targets_BT, softcap, fp8, k):
