@@ -137,7 +137,9 @@ def test_data_path_matches_nothing(out):
 
 def test_output_dir_of_another_run(tmp_path):
   out = tmp_path / "run"
-  args = [*TINY, "train.steps=2", f"output_dir={out}"]
+  # conftest's tiny_run: its programs, compiled once in this worker, are in the compile cache
+  args = [*TINY, "train.steps=2", "train.eval_every=0", "sample.max_new_tokens=0",
+          f"output_dir={out}"]
   run(BASE, args, log=lambda line: None)
   before = snapshot(out)
   assert "config.yml" in before and "metrics.jsonl" in before

@@ -7,11 +7,10 @@ import os
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors.numpy import load_file
 
-from conftest import BASE, SPEEDRUN, TINY, extra, run_cli
-from nanotext import config, train, wiring
+from conftest import SPEEDRUN, TINY, extra, forward, run_cli
+from nanotext import config, train
 from nanotext.model import gpt
 from nanotext.convert import from_hf, load_params, params_only, to_hf
 from nanotext.convert.common import load_run
@@ -34,7 +33,7 @@ quiet = lambda *a, **k: None
 def nanotext_logits(run_dir, params, tokens):
   cfg = config.load(os.path.join(run_dir, "config.yml"))
   graphdef = gpt.abstract_model(cfg, "cpu")[0]
-  return np.asarray(nnx.merge(graphdef, params)(tokens))
+  return forward(graphdef, params, tokens)
 
 
 def hf_logits(model, tokens):

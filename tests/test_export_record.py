@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO, TINY, extra
+from conftest import REPO, TINY, extra, forward
 from nanotext import train
 from nanotext.convert.common import load_run
 from nanotext.convert.torch_export import export_torch
@@ -52,11 +52,10 @@ def test_exported_logits_match_the_records_module(record_run, tmp_path):
   tokens[[0, 100, 300, 301]] = 0  # documents, one starting on a block boundary (eot id 0)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(m, cfg.attention, rngs=nnx.Rngs(0))))
   state.replace_by_pure_dict(params)  # by name: a restored tree's "10" sorts before "2"
-  model = nnx.merge(graphdef, state)
   seg = np.cumsum(tokens == 0)[None].astype(np.int32)
   for W in (1, 3):  # the record's window in blocks: short layers W // 2 = 0 and 1
     windows = layer_windows(cfg.attention, m.num_layers, 128 * W)
-    ours = np.asarray(model(tokens[None], seg, windows, train=False))[0]
+    ours = forward(graphdef, state, tokens[None], seg, windows, train=False)[0]
     with torch.no_grad():
       theirs = ref(torch.as_tensor(tokens), W, 0).numpy()
     # The record's logits are ours plus 15 (30 sigmoid(z / 7.5) = 15 tanh(z / 15) + 15).

@@ -13,9 +13,8 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from flax import nnx
 
-from conftest import BASE, REPO, TINY
+from conftest import BASE, REPO, TINY, forward
 from test_cli_errors import snapshot
 from test_faults import ARGS, array_files, assert_one_error_line, copy_of, make_reference
 from test_faults_startup import immutable, train_cli
@@ -60,7 +59,7 @@ def saved_run(out, num_layers):
 
 def logits(graphdef, params):
   tokens = np.arange(32, dtype=np.int32)[None] * 7 % 512
-  return np.asarray(nnx.merge(graphdef, params)(tokens, train=False))
+  return forward(graphdef, params, tokens, train=False)
 
 
 def test_generate_restores_12_layers_in_their_order(tmp_path):

@@ -197,7 +197,7 @@ def test_muon_layer_decay_on_scanned_layers():
                          ov + [f"optim.muon_layer_decay={decay}"], devices=jax.devices()[:1])
     state = run.init_state()
     grads = jax.tree.map(jnp.ones_like, state["params"])
-    return run.tx.update(grads, state["opt_state"], state["params"])[0]
+    return jax.jit(run.tx.update)(grads, state["opt_state"], state["params"])[0]
   ref, dec = updates(1.0), updates(0.5)
   want = ref["blocks"]["mlp"]["fc"]["kernel"] * np.array([0.25, 0.5, 1.0])[:, None, None]
   np.testing.assert_allclose(dec["blocks"]["mlp"]["fc"]["kernel"], want, rtol=1e-6)

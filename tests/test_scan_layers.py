@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import BASE, SPEEDRUN, TINY, one_line_error, run_cli
+from conftest import BASE, SPEEDRUN, TINY, forward, one_line_error, run_cli
 from nanotext import params_from, trainer, wiring
 from nanotext.errors import UserError
 
@@ -60,8 +60,8 @@ def test_scanned_logits_and_losses_match_unrolled(name):
   unrolled, scanned = prepare(name, False), prepare(name, True)
   params = jax.device_get(nnx.state(unrolled.create_model()).to_pure_dict())
   tokens = np.asarray(next(unrolled.train_iter())["inputs"])
-  want = nnx.merge(unrolled.graphdef, params)(tokens)
-  got = nnx.merge(scanned.graphdef, stack_blocks(params))(tokens)
+  want = forward(unrolled.graphdef, params, tokens)
+  got = forward(scanned.graphdef, stack_blocks(params), tokens)
   np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
   ref, _ = train_losses(unrolled, params)
   loss, state = train_losses(scanned, stack_blocks(params))
