@@ -162,7 +162,7 @@ def test_muon_layer_decay_scales_each_block():
     run = tiny_port_run(f"optim.muon_layer_decay={decay}")
     state = run.init_state()
     grads = jax.tree.map(jnp.ones_like, state["params"])
-    up, _ = run.tx.update(grads, state["opt_state"], state["params"])
+    up, _ = jax.jit(run.tx.update)(grads, state["opt_state"], state["params"])
     return up
   ref, dec = updates(1.0), updates(0.5)
   for i in range(4):
