@@ -1,6 +1,7 @@
 """benchmarks/overhead.py, reference_step.py and convergence.py on tiny shapes."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -103,3 +104,34 @@ def test_long_attention_points_and_the_dense_path_it_will_not_compile():
   assert r["temp_gib"] > 0 and r["step_ms"] > 0
   skipped = long.point(49152, "xla", window=1792, heads=6, repeats=1, max_gib=4.0)
   assert skipped["skipped"] == "not compiled (about 162 GiB)"
+
+
+def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
+  """benchmarks/suite_compile_time.py as a pytest plugin in a session of its own: a test that
+  compiles two programs and one that compiles none, then the table of both."""
+  (tmp_path / "test_two.py").write_text(
+      "import jax, numpy as np\n\n"
+      "def test_compiles():\n"
+      "  jax.jit(lambda x: x + 1)(np.ones(3)).block_until_ready()\n"
+      "  jax.jit(lambda x: x * 2)(np.ones(4)).block_until_ready()\n\n"
+      "def test_compiles_nothing():\n"
+      "  pass\n")
+  times = tmp_path / "times.jsonl"
+  env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "benchmarks"),
+             NANOTEXT_SUITE_TIMES=str(times))
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "suite_compile_time",
+                         "-p", "no:xdist", "-p", "no:cacheprovider", "test_two.py"],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  rows = {r["test"]: r for r in map(json.loads, times.read_text().splitlines())}
+  assert rows["test_two.py::test_compiles"]["programs"] == 2
+  assert rows["test_two.py::test_compiles"]["compile"] > 0
+  assert rows["test_two.py::test_compiles_nothing"].get("programs", 0) == 0
+  out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "suite_compile_time.py"),
+                        str(times), "--tests", "1"], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.splitlines()
+  assert lines[0] == "| tests | wall | compile | trace | lower | programs |"
+  assert lines[2].startswith("| test_two.py |") and lines[2].endswith("| 2 |")
+  assert lines[3].startswith("| total |")
+  assert any(line.startswith("| test_two.py::test_compiles |") for line in lines[5:])

@@ -1,0 +1,90 @@
+"""Where the test suite's time goes: per test file, wall time against jax's own trace, lowering
+and XLA compile times, and the number of programs compiled (cache misses).
+
+As a pytest plugin, each process (an xdist worker too) appends one JSON line per test to FILE:
+
+  NANOTEXT_SUITE_TIMES=FILE PYTHONPATH=benchmarks python -m pytest -q -n 2 -p suite_compile_time
+
+then `python benchmarks/suite_compile_time.py FILE [--tests N]` prints the table. Only the
+pytest process's own programs are seen: a CLI test's subprocess compiles out of its sight (its
+time is in the wall column alone).
+"""
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+# jax.monitoring event (its last path component) -> column
+EVENTS = {"backend_compile_duration": "compile", "jaxpr_trace_duration": "trace",
+          "jaxpr_to_mlir_module_duration": "lower"}
+_current = {"test": None}
+_times = collections.defaultdict(collections.Counter)
+
+
+def _listen(event, duration, **kwargs):
+  column = EVENTS.get(event.rsplit("/", 1)[-1])
+  if column and _current["test"]:
+    _times[_current["test"]][column] += duration
+    if column == "compile":
+      _times[_current["test"]]["programs"] += 1
+
+
+def pytest_configure(config):
+  import jax
+  jax.monitoring.register_event_duration_secs_listener(_listen)
+
+
+def pytest_runtest_protocol(item, nextitem):
+  _current["test"] = item.nodeid
+  _times[item.nodeid]["wall"] -= time.perf_counter()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+  _times[nodeid]["wall"] += time.perf_counter()
+  _current["test"] = None
+
+
+def pytest_sessionfinish(session):
+  with open(os.environ.get("NANOTEXT_SUITE_TIMES", "suite_times.jsonl"), "a") as f:
+    for test, t in _times.items():
+      f.write(json.dumps({"test": test, **t}) + "\n")
+
+
+def table(rows, key) -> str:
+  cols = ["wall", "compile", "trace", "lower", "programs"]
+  sums = collections.defaultdict(collections.Counter)
+  for r in rows:
+    for c in cols:
+      sums[key(r["test"])][c] += r.get(c, 0)
+  total = collections.Counter()
+  for s in sums.values():
+    total.update(s)
+  lines = ["| " + " | ".join(["tests"] + cols) + " |", "| --- |" + " ---: |" * len(cols)]
+  for name, s in sorted(sums.items(), key=lambda kv: -kv[1]["wall"]) + [("total", total)]:
+    lines.append(f"| {name} | " + " | ".join(
+        f"{s[c]:.0f}" if c == "programs" else f"{s[c]:.1f}" for c in cols) + " |")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("file", help="the JSON lines the plugin wrote")
+  p.add_argument("--tests", type=int, default=0, help="also the N slowest tests")
+  args = p.parse_args(argv)
+  try:
+    with open(args.file) as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  except (OSError, ValueError) as e:
+    sys.exit(f"suite_compile_time: cannot read {args.file}: {e}")
+  print(table(rows, lambda test: test.split("::")[0]))
+  if args.tests:
+    slowest = sorted(rows, key=lambda r: -r.get("wall", 0))[:args.tests]
+    print()
+    print(table(slowest, lambda test: test))
+
+
+if __name__ == "__main__":
+  main()
