@@ -12,7 +12,7 @@ import resource
 import signal
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging as absl_logging
 
 from nanotext import errors, signals, xla_flags
 
@@ -37,6 +37,8 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
   signals.install()  # SIGTERM and Ctrl-C honoured even inside a long call into XLA
 
   def checked_main(args):
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every file it reads or writes at INFO
+      absl_logging.set_verbosity(absl_logging.WARNING)
     if jax:
       check_environment()
     main(args)

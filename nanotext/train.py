@@ -178,8 +178,6 @@ def main(args) -> None:
   if cpu_flags:
     print(f"XLA_FLAGS={cpu_flags} (CPU defaults; set XLA_FLAGS to choose your own)", flush=True)
   from nanotext.watch import NonFiniteError
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # orbax and grain log every step at INFO
   quiet_background_errors()
   try:
     path, overrides = parse_args(args)

@@ -77,6 +77,47 @@ def test_an_unread_orbax_write_task_is_not_logged():
   assert "mine()" in proc.stderr
 
 
+# A read coroutine in a file under orbax/ (as orbax's _read_array_index_and_device_put) and one
+# of ours, both suspended, then dropped: each raises again from its GeneratorExit as Python
+# collects it, which Python reports as "Exception ignored in: <coroutine ...>" on stderr.
+DROPPED_READS = """
+import sys
+from nanotext import errors
+if sys.argv[1] == "quiet":
+  errors.quiet_background_errors()
+SRC = (
+    "class Pending:\\n"
+    "  def __await__(self):\\n"
+    "    yield\\n"
+    "async def NAME():\\n"
+    "  try:\\n"
+    "    await Pending()\\n"
+    "  except BaseException as e:\\n"
+    "    raise Exception('Encountered error while reading array index') from e\\n")
+for name, path in (("read_array", "/x/orbax/checkpoint/serialization.py"), ("mine", "/x/mine.py")):
+  ns = {}
+  exec(compile(SRC.replace("NAME", name), path, "exec"), ns)
+  coroutine = ns[name]()
+  coroutine.send(None)
+  del coroutine
+"""
+
+
+@pytest.mark.fast
+def test_a_dropped_orbax_read_is_not_reported():
+  """A read that orbax abandoned (another array of a damaged step failed first: verify printed
+  its traceback in 1 of 5 runs) goes unreported; any other coroutine's is reported."""
+  seen = {}
+  for mode in ("quiet", "plain"):
+    proc = subprocess.run([sys.executable, "-c", DROPPED_READS, mode], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen[mode] = proc.stderr
+  assert "read_array" in seen["plain"] and "mine" in seen["plain"]  # what Python does
+  assert "read_array" not in seen["quiet"] and "Exception ignored in" in seen["quiet"]
+  assert "mine" in seen["quiet"]
+
+
 def test_the_tokenizer_file_under_a_file_size_limit(tmp_path):
   out = tmp_path / "tokenizer.json"
   assert_one_error_line(limited(2, "nanotext.data.tokenizer", "--train", "--vocab_size=300",

@@ -1,6 +1,6 @@
 """CLI of nanotext.convert; see the package docstring for the subcommands and their flags."""
 
-from absl import flags, logging
+from absl import flags
 
 from nanotext.errors import UserError
 from nanotext import convert
@@ -76,8 +76,6 @@ def main(args) -> None:
       raise UserError(f"{command} needs --{name}; {USAGE}")
   if positional and command != "from-hf":
     raise UserError(f"{command} takes no arguments besides flags, got {positional[0]!r}; {USAGE}")
-  if not logging.get_verbosity() < logging.INFO:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   if command == "from-hf":
     convert.from_hf(f.hf, f.out, positional, config_path=f.config, force=f.force)
   elif command == "to-hf":
