@@ -149,9 +149,10 @@ def quiet_background_errors() -> None:
 
   Orbax's writer threads log each failure with a full traceback, asyncio logs a failed write
   task nobody awaited when it is collected (when, depends on the load), and tensorstore
-  callbacks that outlive orbax's event loop print 'Event loop is closed' tracebacks; the run
-  itself reports the failure (CheckpointError), so the tracebacks go and the log lines stay one
-  line.
+  callbacks that outlive orbax's event loop print 'Event loop is closed' tracebacks, and reads
+  of a damaged checkpoint that orbax dropped raise again when collected; the run itself reports
+  the failure (CheckpointError), so the tracebacks go and the log lines stay one line. Installed
+  once per process, by run_cli (every tool's entry point).
   """
 
   class NoTraceback(pylogging.Filter):

@@ -10,7 +10,7 @@ import time
 from absl import flags, logging
 
 from nanotext import cli
-from nanotext.errors import ResourceError, UserError, fail, quiet_background_errors
+from nanotext.errors import ResourceError, UserError, fail
 from nanotext.generate import sample_text, encode_prompt
 from nanotext.xla_flags import maybe_set_cpu_flags
 
@@ -178,7 +178,6 @@ def main(args) -> None:
   if cpu_flags:
     print(f"XLA_FLAGS={cpu_flags} (CPU defaults; set XLA_FLAGS to choose your own)", flush=True)
   from nanotext.watch import NonFiniteError
-  quiet_background_errors()
   try:
     path, overrides = parse_args(args)
     run(path, overrides, log=lambda s: print(s, flush=True) if _is_main() else None,
