@@ -5,7 +5,9 @@ As a pytest plugin, each process (an xdist worker too) appends one JSON line per
 
   NANOTEXT_SUITE_TIMES=FILE PYTHONPATH=benchmarks python -m pytest -q -n 2 -p suite_compile_time
 
-then `python benchmarks/suite_compile_time.py FILE [--tests N]` prints the table. Only the
+then `python benchmarks/suite_compile_time.py FILE [--tests N] [--programs N]` prints the table
+(and the N slowest tests; the N programs, by name, that took the most XLA compile time, with how
+many times each compiled: one name compiled many times is a program the tests could share). Only the
 pytest process's own programs are seen: a CLI test's subprocess compiles out of its sight (its
 time is in the wall column alone).
 """
@@ -22,6 +24,7 @@ EVENTS = {"backend_compile_duration": "compile", "jaxpr_trace_duration": "trace"
           "jaxpr_to_mlir_module_duration": "lower"}
 _current = {"test": None}
 _times = collections.defaultdict(collections.Counter)
+_programs = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
 
 
 def _listen(event, duration, **kwargs):
@@ -32,9 +35,24 @@ def _listen(event, duration, **kwargs):
       _times[_current["test"]]["programs"] += 1
 
 
+def _named(compile_fn):
+  """compile_fn timed per program name (the module's sym_name: jit_train_step, ...)."""
+  def wrapper(backend, module, *args, **kwargs):
+    start = time.perf_counter()
+    try:
+      return compile_fn(backend, module, *args, **kwargs)
+    finally:
+      if _current["test"]:
+        name = str(module.operation.attributes["sym_name"]).strip('"')
+        _programs[_current["test"]][name].update(count=1, seconds=time.perf_counter() - start)
+  return wrapper
+
+
 def pytest_configure(config):
   import jax
+  from jax._src import compiler
   jax.monitoring.register_event_duration_secs_listener(_listen)
+  compiler.backend_compile_and_load = _named(compiler.backend_compile_and_load)
 
 
 def pytest_runtest_protocol(item, nextitem):
@@ -50,7 +68,8 @@ def pytest_runtest_logfinish(nodeid, location):
 def pytest_sessionfinish(session):
   with open(os.environ.get("NANOTEXT_SUITE_TIMES", "suite_times.jsonl"), "a") as f:
     for test, t in _times.items():
-      f.write(json.dumps({"test": test, **t}) + "\n")
+      named = {k: dict(v) for k, v in _programs.get(test, {}).items()}
+      f.write(json.dumps({"test": test, **t, "named": named}) + "\n")
 
 
 def table(rows, key) -> str:
@@ -69,10 +88,26 @@ def table(rows, key) -> str:
   return "\n".join(lines)
 
 
+def program_table(rows, n: int) -> str:
+  """The n program names with the most compile seconds: times compiled, seconds, test files."""
+  by_name = collections.defaultdict(collections.Counter)
+  files = collections.defaultdict(set)
+  for r in rows:
+    for name, c in r.get("named", {}).items():
+      by_name[name].update(c)
+      files[name].add(r["test"].split("::")[0].rsplit("/", 1)[-1])
+  lines = ["| program | compiled | seconds | test files |", "| --- | ---: | ---: | --- |"]
+  for name, c in sorted(by_name.items(), key=lambda kv: -kv[1]["seconds"])[:n]:
+    lines.append(f"| {name} | {c['count']} | {c['seconds']:.1f} | {len(files[name])} |")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("file", help="the JSON lines the plugin wrote")
   p.add_argument("--tests", type=int, default=0, help="also the N slowest tests")
+  p.add_argument("--programs", type=int, default=0,
+                 help="also the N program names with the most compile time")
   args = p.parse_args(argv)
   try:
     with open(args.file) as f:
@@ -84,6 +119,9 @@ def main(argv=None):
     slowest = sorted(rows, key=lambda r: -r.get("wall", 0))[:args.tests]
     print()
     print(table(slowest, lambda test: test))
+  if args.programs:
+    print()
+    print(program_table(rows, args.programs))
 
 
 if __name__ == "__main__":

@@ -111,9 +111,10 @@ def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
   compiles two programs and one that compiles none, then the table of both."""
   (tmp_path / "test_two.py").write_text(
       "import jax, numpy as np\n\n"
+      "def plus_one(x):\n  return x + 1\n\n"
       "def test_compiles():\n"
-      "  jax.jit(lambda x: x + 1)(np.ones(3)).block_until_ready()\n"
-      "  jax.jit(lambda x: x * 2)(np.ones(4)).block_until_ready()\n\n"
+      "  jax.jit(plus_one)(np.ones(3)).block_until_ready()\n"
+      "  jax.jit(plus_one)(np.ones(4)).block_until_ready()\n\n"
       "def test_compiles_nothing():\n"
       "  pass\n")
   times = tmp_path / "times.jsonl"
@@ -126,12 +127,16 @@ def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
   rows = {r["test"]: r for r in map(json.loads, times.read_text().splitlines())}
   assert rows["test_two.py::test_compiles"]["programs"] == 2
   assert rows["test_two.py::test_compiles"]["compile"] > 0
+  assert rows["test_two.py::test_compiles"]["named"]["jit_plus_one"]["count"] == 2
   assert rows["test_two.py::test_compiles_nothing"].get("programs", 0) == 0
   out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "suite_compile_time.py"),
-                        str(times), "--tests", "1"], capture_output=True, text=True, timeout=60)
+                        str(times), "--tests", "1", "--programs", "3"], capture_output=True,
+                       text=True, timeout=60)
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
   assert lines[0] == "| tests | wall | compile | trace | lower | programs |"
   assert lines[2].startswith("| test_two.py |") and lines[2].endswith("| 2 |")
   assert lines[3].startswith("| total |")
   assert any(line.startswith("| test_two.py::test_compiles |") for line in lines[5:])
+  assert lines[-3] == "| program | compiled | seconds | test files |"
+  assert lines[-1].startswith("| jit_plus_one | 2 | ") and lines[-1].endswith(" | 1 |")
