@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+import pytest
+
 # jax.monitoring event (its last path component) -> column
 EVENTS = {"backend_compile_duration": "compile", "jaxpr_trace_duration": "trace",
           "jaxpr_to_mlir_module_duration": "lower"}
@@ -55,14 +57,16 @@ def pytest_configure(config):
   compiler.backend_compile_and_load = _named(compiler.backend_compile_and_load)
 
 
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+  """Around each test where it runs (an xdist worker; its controller only relays reports)."""
   _current["test"] = item.nodeid
-  _times[item.nodeid]["wall"] -= time.perf_counter()
-
-
-def pytest_runtest_logfinish(nodeid, location):
-  _times[nodeid]["wall"] += time.perf_counter()
-  _current["test"] = None
+  start = time.perf_counter()
+  try:
+    yield
+  finally:
+    _times[item.nodeid]["wall"] += time.perf_counter() - start
+    _current["test"] = None
 
 
 def pytest_sessionfinish(session):

@@ -120,11 +120,16 @@ def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
   times = tmp_path / "times.jsonl"
   env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "benchmarks"),
              NANOTEXT_SUITE_TIMES=str(times))
+  # Under pytest-xdist (as the suite runs): tests run in a worker, reports reach the controller.
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "suite_compile_time",
-                         "-p", "no:xdist", "-p", "no:cacheprovider", "test_two.py"],
+                         "-n", "1", "-p", "no:cacheprovider", "test_two.py"],
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  rows = {r["test"]: r for r in map(json.loads, times.read_text().splitlines())}
+  rows = [json.loads(line) for line in times.read_text().splitlines()]
+  assert sorted(r["test"] for r in rows) == ["test_two.py::test_compiles",
+                                             "test_two.py::test_compiles_nothing"]
+  assert all(0 < r["wall"] < 300 for r in rows), rows  # one row per test, measured where it ran
+  rows = {r["test"]: r for r in rows}
   assert rows["test_two.py::test_compiles"]["programs"] == 2
   assert rows["test_two.py::test_compiles"]["compile"] > 0
   assert rows["test_two.py::test_compiles"]["named"]["jit_plus_one"]["count"] == 2
