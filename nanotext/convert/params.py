@@ -35,10 +35,12 @@ def params_only(run: str, out: str, *, step: int = -1, dtype: str = "", force: b
   out_abs = os.path.abspath(out)
   with staged_dir(out_abs, force=force, protect=(run,)) as tmp:
     shutil.copyfile(os.path.join(run, "config.yml"), os.path.join(tmp, "config.yml"))
-    ckptr = ocp.StandardCheckpointer()
+    # Synchronous: the async StandardCheckpointer's close() after a failed save (a full disk)
+    # raised again before draining its metadata writer, whose thread then wrote into the
+    # staged folder while staged_dir removed it (a '.out.tmp-*' left behind, now and then).
+    ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
     try:
-      ckptr.save(os.path.join(tmp, "params"), params)
-      ckptr.wait_until_finished()
+      ckptr.save(os.path.join(tmp, "params"), ocp.args.StandardSave(params))
     finally:
       ckptr.close()
     with open(os.path.join(tmp, "convert.json"), "w") as f:
