@@ -9,6 +9,17 @@ key strips as wide as the schedule's largest window: the same masks, wider float
 test_runtime_windows pins every step of the record's schedule to the per-stage programs within
 1e-5) on top of the fused head loss, the record's float32 rotary frequencies and the FP8 head's
 row-sum gradient scale.
+
+Across machines the curves agree only to rounding: XLA's CPU code follows the processor (vector
+width, FMA), and 20 steps of training amplify float32 rounding, more so under bf16 and the FP8
+head. Measured between an AVX2-only AMD EPYC (where they are recorded now) and the machine that
+recorded them before: base to 1.1e-7 at every step; speedrun and record equal for the first two
+steps, then up to 5e-5 by step 6 and 7.1e-4 (speedrun) and 3.1e-4 (record) by step 20. So base is
+pinned to 1e-5 throughout, and speedrun and record to 1e-6 for the init and first update, 3e-4 to
+step 6 and 2e-3 after (TOLERANCES). A change that only moves rounding in bf16 or FP8 (the FP8
+head's scale moved these curves 2.7e-4) is left to the step-by-step comparisons with the record
+(tests/test_record_training.py, tests/test_head_loss.py).
+Re-record with NANOTEXT_RECORD_GOLDEN=1 python -m pytest tests/test_golden.py -n 0.
 """
 
 import json
@@ -43,8 +54,13 @@ RECORD_TINY = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2", "m
                "optim.muon_momentum_warmup=10", "model.remat=none", "train.loss_chunk=0"]
 
 # {recipe: {"train_loss": [20 values], "val_loss": final}}, recorded as the docstring says.
-with open(os.path.join(os.path.dirname(__file__), "golden_curves.json")) as f:
+GOLDEN_PATH = os.path.join(os.path.dirname(__file__), "golden_curves.json")
+with open(GOLDEN_PATH) as f:
   GOLDEN = json.load(f)
+# rtol by recipe: [(up to step, rtol), ...] of the training losses, the validation loss at the
+# last (the docstring's measurements).
+ROUNDING = [(2, 1e-6), (6, 3e-4), (20, 2e-3)]
+TOLERANCES = {"base": [(20, 1e-5)], "speedrun": ROUNDING, "record": ROUNDING}
 RECIPES = {"base": (BASE, BASE_TINY), "speedrun": (SPEEDRUN, SPEEDRUN_TINY),
            "record": (os.path.join(REPO, "configs", "speedrun_record.yml"), RECORD_TINY)}
 
@@ -57,5 +73,23 @@ def test_golden_curve(name, tmp_path):
     rows = [json.loads(line) for line in f]
   losses = [r["loss"] for r in rows if "loss" in r]
   val = [r["val_loss"] for r in rows if "val_loss" in r]
-  np.testing.assert_allclose(losses, GOLDEN[name]["train_loss"], rtol=1e-4)
-  np.testing.assert_allclose(val, [GOLDEN[name]["val_loss"]], rtol=1e-4)
+  if os.environ.get("NANOTEXT_RECORD_GOLDEN"):
+    _record(name, {"train_loss": losses, "val_loss": val[0]})
+  want, start = GOLDEN[name]["train_loss"], 0
+  assert len(losses) == len(want) == TOLERANCES[name][-1][0]
+  for stop, rtol in TOLERANCES[name]:
+    np.testing.assert_allclose(losses[start:stop], want[start:stop], rtol=rtol,
+                               err_msg=f"steps {start}-{stop - 1}")
+    start = stop
+  np.testing.assert_allclose(val, [GOLDEN[name]["val_loss"]], rtol=TOLERANCES[name][-1][1])
+
+
+def _record(name: str, curve: dict) -> None:
+  """Write this recipe's curve into golden_curves.json (NANOTEXT_RECORD_GOLDEN=1)."""
+  with open(GOLDEN_PATH) as f:
+    golden = json.load(f)
+  golden[name] = curve
+  with open(GOLDEN_PATH, "w") as f:
+    json.dump(golden, f, indent=1)
+    f.write("\n")
+  GOLDEN[name] = curve

@@ -231,11 +231,16 @@ def test_bf16_recipe_and_fp8_head_track_the_record(warm):
   # entry in 32,000 two ulps apart) or a whole Adam step: lr 0.6 where one side's gradient summed to exactly zero
   # (no step) and the other's did not, 2 lr where the signs differ; such entries are rare
   # (measured 0.3%) and their gradients ~100x below the median.
+  # A rounding is measured at the entry's scale before the step too: a step that cancels most of
+  # an entry leaves its rounding at the old scale (on an AVX2-only AMD EPYC one value-table entry
+  # came out 0.00221 here and 0.00233 in the record: 8 bf16 ulps of the result, within two of
+  # the entry before the step).
   lr = rt.ADAM_LR["embed"]
   for name in [k for k in bf16["want"] if "embed" in k]:
     ours, theirs = bf16["after1"]["ours"][name], bf16["after1"]["theirs"][name]
     d = np.abs(ours - theirs)
-    rounding = d <= 2.0 ** -6 * np.maximum(np.abs(ours), np.abs(theirs))
+    scale = np.maximum(np.maximum(np.abs(ours), np.abs(theirs)), np.abs(bf16["start"][name]))
+    rounding = d <= 2.0 ** -6 * scale
     whole = (np.abs(d - lr) < 0.05) | (np.abs(d - 2 * lr) < 0.05)
     assert np.all(rounding | whole), name
     assert whole.mean() < 0.01, name
