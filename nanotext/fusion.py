@@ -9,7 +9,7 @@ import re
 _FUSIBLE = frozenset("""abs add and atan2 broadcast_in_dim cbrt ceil clamp concatenate
     convert_element_type copy copy_p cos cosh div dynamic_slice eq erf erf_inv exp exp2 expand_dims
     expm1 floor ge gt imag integer_pow iota is_finite le log log1p logistic lt max min mul ne neg
-    nextafter not or pad pow real reduce_precision rem reshape round rsqrt select_n shift_left
+    nextafter not or pad pow real reduce_precision rem reshape rev round rsqrt select_n shift_left
     shift_right_arithmetic shift_right_logical sign sin sinh slice split sqrt square squeeze
     stop_gradient sub tan tanh transpose xor""".split())
 _CALLS = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call")

@@ -116,6 +116,27 @@ def test_rope_is_relative_and_truncated_half_is_untouched():
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_is_the_records_rotation_bit_for_bit(dtype):
+  """apply_rope's reversed-halves form computes (x1 cos + x2 sin, x2 cos - x1 sin), the record's
+  split-and-concatenate, to the bit (eagerly: XLA may contract a product into an FMA), and its
+  gradient too."""
+  def split_form(x, freq):
+    theta = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * jnp.asarray(freq, jnp.float32)
+    cos, sin = jnp.cos(theta)[None, :, None], jnp.sin(theta)[None, :, None]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], -1).astype(x.dtype)
+  rng = np.random.default_rng(0)
+  x, g = (jnp.asarray(rng.standard_normal((2, 40, 3, 32)), dtype) for _ in range(2))
+  for freq in (rope_frequencies(32, 1024.0, True), rope_frequencies(32, 10000.0, False)):
+    for f in (apply_rope, split_form):
+      assert f(x, freq).dtype == dtype
+    np.testing.assert_array_equal(apply_rope(x, freq), split_form(x, freq))
+    grads = [jax.vjp(lambda x: f(x, freq), x)[1](g)[0] for f in (apply_rope, split_form)]
+    np.testing.assert_array_equal(*grads)
+
+
+@pytest.mark.fast
 def test_sliding_window_limits_attention():
   _, model = build(BASE, "attention.window=4", "model.positions=rope")
   a = tokens(1)

@@ -41,10 +41,21 @@ def linspace_f32(n: int) -> np.ndarray:
 
 
 def apply_rope(x_BTHK, freq):
-  """Rotate the two halves of each head's vector by position * frequency."""
-  t = jnp.arange(x_BTHK.shape[1], dtype=jnp.float32)
+  """Rotate the two halves (x1, x2) of each head's vector by position * frequency: (x1 cos + x2
+  sin, x2 cos - x1 sin).
+
+  Written on a [..., 2, K/2] view with the halves swapped by a reverse, not split and
+  concatenated: the same products and sums (bit for bit), but the backward pass is one
+  elementwise function of the output gradient, which a GPU compiler fuses into its neighbours;
+  split and concatenate made it store both gradient halves of q and k apart (4 extra [T, H, K/2]
+  writes per layer in the record's H100 program).
+  """
+  B, T, H, K = x_BTHK.shape
+  t = jnp.arange(T, dtype=jnp.float32)
   theta_TK = t[:, None] * jnp.asarray(freq, jnp.float32)[None, :]
-  cos, sin = jnp.cos(theta_TK)[None, :, None, :], jnp.sin(theta_TK)[None, :, None, :]
-  x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
-  y = jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
-  return y.astype(x_BTHK.dtype)
+  cos_T2K = jnp.cos(theta_TK)[None, :, None, None, :]
+  sign = np.array([1.0, -1.0], np.float32)[:, None]  # exact: sin for x1's row, -sin for x2's
+  sin_T2K = jnp.sin(theta_TK)[None, :, None, None, :] * sign
+  x = x_BTHK.astype(jnp.float32).reshape(B, T, H, 2, K // 2)
+  y = x * cos_T2K + x[..., ::-1, :] * sin_T2K
+  return y.reshape(B, T, H, K).astype(x_BTHK.dtype)
