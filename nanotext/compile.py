@@ -116,8 +116,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
   state = run.abstract_state()
   rec = {"name": name, "hbm_bytes_per_chip": memory_bytes, "platform": run.backend}
   if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
-    plan = run.memory
-    rec["estimate_bytes_per_chip"] = (plan.eval if name == "eval" else plan.train).total
+    rec["estimate_bytes_per_chip"] = planned_bytes(run, name, program)
   if name == "eval":
     jitted = trainer.make_eval_step(run, program.windows, runtime=program.runtime)
     args = (state["params"], eval_batch(run))
@@ -164,6 +163,20 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
   rec["fits"] = rec["headroom"] >= min_headroom
   rec["flops_analytic_per_chip"] = analytic_flops(run, program, train=train)
   return rec
+
+
+def planned_bytes(run, name: str, program) -> int:
+  """The memory plan's estimate of one program: the eval step, the train step at its widest
+  stage, or a shorter train.seq_len_start stage at its own row length (the plan chooses remat
+  and loss chunks for the widest; a shorter stage's program is smaller)."""
+  plan, t = run.memory, run.cfg.train
+  if name == "eval":
+    return plan.eval.total
+  if not program.seq_len or program.seq_len >= t.seq_len:
+    return plan.train.total
+  from nanotext import memory
+  model = memory.model_of(run.cfg, run.backend, dict(run.mesh.shape))
+  return model.train(run.cfg.model.remat, t.loss_chunk, program.seq_len).total
 
 
 def _first_line(e: Exception) -> str:

@@ -136,14 +136,15 @@ class Model:
     cpu16 = self.backend == "cpu" and aval.dtype.itemsize == 2
     return self.activation_bytes(aval) * (2 if cpu16 else 1)
 
-  def trace(self, remat: str, chunk: int) -> dict:
-    """{'block', 'loss', 'other': bytes the backward keeps, per device} and 'per_block'."""
-    key = (remat, chunk)
+  def trace(self, remat: str, chunk: int, length: int = 0) -> dict:
+    """{'block', 'loss', 'other': bytes the backward keeps, per device} and 'per_block', for
+    rows of `length` tokens (0: train.seq_len)."""
+    key = (remat, chunk, length or self.cfg.train.seq_len)
     if key not in self._traces:
-      self._traces[key] = self._trace(remat, chunk)
+      self._traces[key] = self._trace(*key)
     return self._traces[key]
 
-  def _trace(self, remat: str, chunk: int) -> dict:
+  def _trace(self, remat: str, chunk: int, length: int) -> dict:
     import jax
     import jax.numpy as jnp
     from nanotext import window_schedule
@@ -156,7 +157,7 @@ class Model:
 
     def loss(params, inputs, targets):
       return loss_fn(graphdef, params, inputs, targets, eot, windows, chunk, per_row=per_row)
-    tokens = jax.ShapeDtypeStruct((self.rows, cfg.train.seq_len), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((self.rows, length), jnp.int32)
     out = {"block": 0.0, "loss": 0.0, "other": 0.0, "kernel": 0.0}
     residuals = saved_residuals(loss, self.params, tokens, tokens, backend=self.backend)
     if self.backend == "cpu":  # kept as JAX saves them; bfloat16 math runs in float32 there
@@ -166,7 +167,7 @@ class Model:
       for where, size in kept_bytes(residuals, self.activation_bytes):
         out[where] += size
     if self.impl in FLASH_KERNELS:
-      out["kernel"] = self.flash_residuals(self.rows, cfg.train.seq_len)
+      out["kernel"] = self.flash_residuals(self.rows, length)
     out["block"] += out.pop("kernel")
     out["per_block"] = out["block"] / self.cfg.model.num_layers
     return out
@@ -237,17 +238,21 @@ class Model:
       return chunk * 4 * (4 if train else 2)  # scores, probabilities (+ their gradients)
     return 0.0  # flash-style kernels (splash, flash, cudnn): O(T) statistics, traced
 
-  def train(self, remat: str, chunk: int) -> Estimate:
-    """The train step at its widest stage (final windows, full rows)."""
+  def train(self, remat: str, chunk: int, length: int = 0) -> Estimate:
+    """The train step at its widest stage (final windows, full rows), or with `length` the
+    program of a train.seq_len_start warmup length: micro-batches of as many rows, each of
+    `length` tokens (trainer.make_train_step), at the final windows."""
     t = self.cfg.train
+    length = length or t.seq_len
     cpu = self.backend == "cpu"  # its compiler undoes remat (measured): every policy as none
-    kept = self.trace("none" if cpu else remat, chunk)
+    kept = self.trace("none" if cpu else remat, chunk, length)
     stored = kept["block"] + kept["other"]
     # At the loss: every kept activation, the loss's and the head's working set. Later, in a
     # block's backward under remat: its recomputed activations and their gradients.
-    loss_peak = kept["loss"] + self.head_bytes(self.rows, t.seq_len, chunk)
-    recompute = 2 * self.trace("none", chunk)["per_block"] if remat != "none" and not cpu else 0
-    attention = self.attention_bytes(self.rows, t.seq_len, train=True)
+    loss_peak = kept["loss"] + self.head_bytes(self.rows, length, chunk)
+    recompute = 2 * self.trace("none", chunk, length)["per_block"] \
+        if remat != "none" and not cpu else 0
+    attention = self.attention_bytes(self.rows, length, train=True)
     work = max(loss_peak, recompute + attention)
     return _estimate("train step", activations=stored, logits_and_loss=work if work == loss_peak
                      else 0, recompute_and_attention=0 if work == loss_peak else work,
