@@ -45,10 +45,11 @@ def apply_rope(x_BTHK, freq):
   sin, x2 cos - x1 sin).
 
   Written on a [..., 2, K/2] view with the halves swapped by a reverse, not split and
-  concatenated: the same products and sums (bit for bit), but the backward pass is one
-  elementwise function of the output gradient, which a GPU compiler fuses into its neighbours;
-  split and concatenate made it store both gradient halves of q and k apart (4 extra [T, H, K/2]
-  writes per layer in the record's H100 program).
+  concatenated: the same products and sums (bit-equal eagerly; a compiler may contract them into
+  FMAs otherwise, a last-bit difference), but the backward pass is one elementwise function of
+  the output gradient, which a GPU compiler fuses into its neighbours; split and concatenate made
+  it store both gradient halves of q and k apart (4 extra [T, H, K/2] writes per layer in the
+  record's H100 program).
   """
   B, T, H, K = x_BTHK.shape
   t = jnp.arange(T, dtype=jnp.float32)
