@@ -9,6 +9,8 @@ from flax import nnx
 from conftest import BASE, SPEEDRUN
 from nanotext import sharding, wiring
 from nanotext.model import count_params
+from nanotext.model import rope
+from nanotext.model.kernels.per_device import building_for
 from nanotext.model.rope import apply_rope, rope_frequencies
 
 SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
@@ -116,24 +118,21 @@ def test_rope_is_relative_and_truncated_half_is_untouched():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_rope_is_the_records_rotation_bit_for_bit(dtype):
-  """apply_rope's reversed-halves form computes (x1 cos + x2 sin, x2 cos - x1 sin), the record's
-  split-and-concatenate, to the bit (eagerly: XLA may contract a product into an FMA), and its
-  gradient too."""
-  def split_form(x, freq):
-    theta = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * jnp.asarray(freq, jnp.float32)
-    cos, sin = jnp.cos(theta)[None, :, None], jnp.sin(theta)[None, :, None]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], -1).astype(x.dtype)
+def test_rope_forms_are_the_same_rotation_bit_for_bit():
+  """The GPU's reversed-halves rotation computes what the split-and-concatenate one does (the
+  record's), to the bit eagerly (compiled, XLA may contract a product into an FMA), gradient too;
+  apply_rope takes the split form here (CPU) and the reversed one when building for a GPU."""
   rng = np.random.default_rng(0)
-  x, g = (jnp.asarray(rng.standard_normal((2, 40, 3, 32)), dtype) for _ in range(2))
+  x, g = (jnp.asarray(rng.standard_normal((2, 40, 3, 32)), jnp.float32) for _ in range(2))
   for freq in (rope_frequencies(32, 1024.0, True), rope_frequencies(32, 10000.0, False)):
-    for f in (apply_rope, split_form):
-      assert f(x, freq).dtype == dtype
-    np.testing.assert_array_equal(apply_rope(x, freq), split_form(x, freq))
-    grads = [jax.vjp(lambda x: f(x, freq), x)[1](g)[0] for f in (apply_rope, split_form)]
-    np.testing.assert_array_equal(*grads)
+    theta = jnp.arange(40, dtype=jnp.float32)[:, None] * jnp.asarray(freq, jnp.float32)
+    forms = (rope.rotate_reversed, rope.rotate_split)
+    np.testing.assert_array_equal(*(f(x, theta) for f in forms))
+    np.testing.assert_array_equal(*(jax.vjp(lambda x: f(x, theta), x)[1](g)[0] for f in forms))
+  prims = lambda: {e.primitive.name for e in jax.make_jaxpr(lambda x: apply_rope(x, freq))(x).eqns}
+  assert "rev" not in prims() and "concatenate" in prims()
+  with building_for("gpu"):
+    assert "rev" in prims() and "concatenate" not in prims()
 
 
 @pytest.mark.fast

@@ -3,6 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 
+from nanotext.model.kernels.per_device import platform
+
 
 def rope_frequencies(head_dim: int, base: float, truncate: bool,
                      spacing: str = "linspace") -> np.ndarray:
@@ -42,21 +44,32 @@ def linspace_f32(n: int) -> np.ndarray:
 
 def apply_rope(x_BTHK, freq):
   """Rotate the two halves (x1, x2) of each head's vector by position * frequency: (x1 cos + x2
-  sin, x2 cos - x1 sin).
+  sin, x2 cos - x1 sin), in float32, in the form the target compiles best (the same products
+  and sums either way: bit-equal eagerly, tests/test_model.py)."""
+  theta_TK = jnp.arange(x_BTHK.shape[1], dtype=jnp.float32)[:, None] * \
+      jnp.asarray(freq, jnp.float32)[None, :]
+  rotate = rotate_reversed if platform() == "gpu" else rotate_split
+  return rotate(x_BTHK.astype(jnp.float32), theta_TK).astype(x_BTHK.dtype)
 
-  Written on a [..., 2, K/2] view with the halves swapped by a reverse, not split and
-  concatenated: the same products and sums (bit-equal eagerly; a compiler may contract them into
-  FMAs otherwise, a last-bit difference), but the backward pass is one elementwise function of
-  the output gradient, which a GPU compiler fuses into its neighbours; split and concatenate made
-  it store both gradient halves of q and k apart (4 extra [T, H, K/2] writes per layer in the
-  record's H100 program).
-  """
+
+def rotate_split(x_BTHK, theta_TK):
+  """The halves split and concatenated (CPU and TPU: on a v6e-8 the reversed form's [..., 2, K/2]
+  arrays cost speedrun.yml's train step 71.6 ms more in the roofline estimate, 376.8 -> 448.2,
+  and 0.27 GiB)."""
+  cos, sin = jnp.cos(theta_TK)[None, :, None, :], jnp.sin(theta_TK)[None, :, None, :]
+  x1, x2 = jnp.split(x_BTHK, 2, axis=-1)
+  return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
+
+
+def rotate_reversed(x_BTHK, theta_TK):
+  """A [..., 2, K/2] view with the halves swapped by a reverse (GPU): its backward pass is one
+  elementwise function of the output gradient, which XLA's GPU compiler fuses into its
+  neighbours, where split and concatenate store q's and k's gradient halves apart (4 extra
+  [T, H, K/2] writes per layer in the record's H100 program: 1,117 -> 1,095 launches, 76.6 ->
+  75.5 ms estimated)."""
   B, T, H, K = x_BTHK.shape
-  t = jnp.arange(T, dtype=jnp.float32)
-  theta_TK = t[:, None] * jnp.asarray(freq, jnp.float32)[None, :]
   cos_T2K = jnp.cos(theta_TK)[None, :, None, None, :]
   sign = np.array([1.0, -1.0], np.float32)[:, None]  # exact: sin for x1's row, -sin for x2's
   sin_T2K = jnp.sin(theta_TK)[None, :, None, None, :] * sign
-  x = x_BTHK.astype(jnp.float32).reshape(B, T, H, 2, K // 2)
-  y = x * cos_T2K + x[..., ::-1, :] * sin_T2K
-  return y.reshape(B, T, H, K).astype(x_BTHK.dtype)
+  x = x_BTHK.reshape(B, T, H, 2, K // 2)
+  return (x * cos_T2K + x[..., ::-1, :] * sin_T2K).reshape(B, T, H, K)
