@@ -4,10 +4,10 @@ Recorded with seed 0 on 8 CPU devices (FSDP=8) on the embedded corpus. A change 
 optimizer, the schedules or the data order moves these curves; a refactor must not. A deliberate
 change of the math re-records them, and its commit says by how much they moved; float32 rounding
 changes move speedrun/record by a few 1e-4 over 20 steps (the FP8 head's e5m2 rounding and bf16
-amplify them). Last re-recorded on an AVX2-only AMD EPYC after rotary's reversed halves and the
-FP8 head's weight gradient summed inside its GEMMs (rounding only: speedrun moved 4.7e-4, record
-4.0e-4, base 0), on top of the runtime attention windows, the fused head loss, the record's
-float32 rotary frequencies and the FP8 head's row-sum gradient scale.
+amplify them). Last re-recorded on an AVX2-only AMD EPYC after the FP8 head's weight gradient was
+summed inside its GEMMs (rounding only: record moved 4.0e-4, speedrun 5.3e-5, base 0), on top of
+the runtime attention windows, the fused head loss, the record's float32 rotary frequencies and
+the FP8 head's row-sum gradient scale.
 
 Across machines the curves agree only to rounding: XLA's CPU code follows the processor (vector
 width, FMA), and 20 steps of training amplify float32 rounding, more so under bf16 and the FP8
