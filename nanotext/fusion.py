@@ -1,6 +1,7 @@
 """What a fusing compiler (GPU, TPU) materialises of a jaxpr: its kept values, the residuals a
 backward pass saves and the peak of live values in a forward pass (nanotext.memory's activations)."""
 
+import math
 import re
 
 
@@ -20,32 +21,43 @@ _CALLS = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call")
 # (measured on the record's programs: estimates 0.79x the compiler's total otherwise).
 REPEATED = {"gpu": frozenset("""convert_element_type broadcast_in_dim reshape squeeze expand_dims
     copy copy_p slice split""".split())}
+# A forward pass on a GPU (peak_live) is compiled with three more habits: XLA writes what a GEMM
+# reads (cuBLAS takes its operands from memory); it repeats in each reader an elementwise value
+# made from one large stored value, which is alive there anyway (a softmax's masked scores and
+# exponentials are recomputed from the scores by each of its fusions, and the probabilities the
+# next matmul reads are stored once, as bfloat16); and it fuses embedding lookups (gathers) into
+# their readers (value embeddings read by two blocks are looked up in each).
+FORWARD = {"gpu": frozenset({"operands", "recomputed", "lookups"})}
 
 
-def _fusible(eqn) -> bool:
+def _primitives(eqn) -> frozenset:
+  """The primitives `eqn` runs: itself, or for a call (jnp helpers such as where, pad, clip,
+  relu and take are small calls) those of its body."""
   name = eqn.primitive.name
-  if name in _FUSIBLE:
-    return True
-  if name in _CALLS:  # jnp helpers (where, pad, clip, relu) are small calls of fusible primitives
+  if name in _CALLS:
     inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in eqn.params),
                  None)
     inner = getattr(inner, "jaxpr", inner)
-    return inner is not None and all(_fusible(e) for e in inner.eqns)
-  return False
+    if inner is not None:
+      return frozenset().union(*(_primitives(e) for e in inner.eqns))
+  return frozenset({name})
 
 
 class _Graph:
   """A jaxpr seen as a fusing compiler sees it: which values are materialised ("anchors")."""
 
-  def __init__(self, jaxpr, repeated=frozenset()):
+  def __init__(self, jaxpr, repeated=frozenset(), forward=frozenset()):
     from jax.extend import core
     self.jaxpr, self.literal = jaxpr, core.Literal
     self.producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-    self.uses = {}
+    self.uses, self.dot_operands = {}, set()
     for e in jaxpr.eqns:
       for u in self.vars(e.invars):
         self.uses[u] = self.uses.get(u, 0) + 1
-    self.memo, self.repeated = {}, repeated
+        if "operands" in forward and e.primitive.name == "dot_general":
+          self.dot_operands.add(u)
+    self.memo, self.decided = {}, {}
+    self.repeated, self.forward = frozenset(repeated), frozenset(forward)
 
   def vars(self, xs):
     return [x for x in xs if not isinstance(x, self.literal)]
@@ -53,11 +65,41 @@ class _Graph:
   def kept(self, e) -> bool:
     """Whether eqn `e`'s outputs are materialised: not fusible, or read by several ops (then
     computed once and stored, not recomputed in each reader: measured on TPU, the soft-capped
-    float32 logits are kept beside the head's output)."""
-    if not _fusible(e):
+    float32 logits are kept beside the head's output), or, in a forward pass on GPU, by the
+    rules of FORWARD."""
+    if id(e) not in self.decided:
+      self.decided[id(e)] = self._kept(e)
+    return self.decided[id(e)]
+
+  def _kept(self, e) -> bool:
+    ops = _primitives(e)
+    lookup = "lookups" in self.forward and "gather" in ops and ops <= _FUSIBLE | {"gather"}
+    if not (lookup or ops <= _FUSIBLE) or any(v in self.dot_operands for v in e.outvars):
       return True
-    return e.primitive.name not in self.repeated and any(self.uses.get(v, 0) > 1
-                                                         for v in e.outvars)
+    if lookup or all(self.uses.get(v, 0) <= 1 for v in e.outvars):
+      return False
+    if "recomputed" not in self.forward:
+      return not ops <= self.repeated
+    if self._large_anchors(e) == 1:
+      return False  # recomputed by each reader from the one stored value it reads anyway
+    return not ops <= self.repeated or self._from_lookup(e)
+
+  def _from_lookup(self, e) -> bool:
+    """Whether `e` computes from an embedding lookup through values that are not stored (a
+    lookup's normalised rows, read by every block, are stored once)."""
+    for u in self.vars(e.invars):
+      p = self.producer.get(u)
+      if p is not None and not self.kept(p) and ("gather" in _primitives(p) or
+                                                 self._from_lookup(p)):
+        return True
+    return False
+
+  def _large_anchors(self, e) -> int:
+    """How many of the stored values `e` is made from are at least a quarter its size."""
+    size = lambda a: math.prod(a.shape) * a.dtype.itemsize
+    own = max(size(v.aval) for v in e.outvars)
+    found = {a for u in e.invars for a in self.anchors(u)}
+    return sum(4 * size(a.aval) >= own for a in found)
 
   def anchors(self, v) -> dict:
     """{materialised var: its eqn} that `v` is computed from through fusible ops."""
@@ -97,7 +139,7 @@ def peak_live(jaxpr, size_of, opaque=lambda eqn: False, backend: str = "") -> fl
   """Most bytes of materialised values alive at once while `jaxpr` runs in program order
   on `backend` (its arguments not counted): a forward pass's working set. An `opaque` eqn counts
   its outputs only, not what runs inside it."""
-  g = _Graph(jaxpr, REPEATED.get(backend, frozenset()))
+  g = _Graph(jaxpr, REPEATED.get(backend, frozenset()), FORWARD.get(backend, frozenset()))
   last = {}
   for i, e in enumerate(jaxpr.eqns):
     if g.kept(e):
