@@ -1,14 +1,14 @@
 """Fit before you fly: `python -m nanotext.compile CONFIG [key=value ...] --topology=NAME
-[--programs=all] [--json=FILE] [--min_headroom=0.1]`.
+[--programs=all] [--json=FILE] [--min_headroom=0.1] [--peak]`.
 
 Compiles every program a run would compile (the train programs: one per attention-window stage, or
 one for all stages with a kernel that takes the windows at run time; and the eval program) for a
 TPU slice (libtpu) or a GPU host (the jax CUDA plugin), on any machine, and prints per program the
 memory per device against what the device lets a program use, analytic and XLA FLOPs, the
 collectives, the kernel inventory (launches by kind, passes over logits-sized arrays) and a
-roofline estimate of the step, then one verdict line. Exit 0 if every program fits with the
-headroom asked for; 2 (one line naming the bytes and the keys that help) if one does not; 1 if
-one fails to compile.
+roofline estimate of the step (with --peak, the values alive at its peak), then one verdict
+line. Exit 0 if every program fits with the headroom asked for; 2 (one line naming the bytes
+and the keys that help) if one does not; 1 if one fails to compile.
 """
 
 import json
@@ -18,7 +18,7 @@ import time
 
 from absl import flags
 
-from nanotext import roofline, window_schedule as ws, metrics, topology
+from nanotext import hlo_memory, roofline, window_schedule as ws, metrics, topology
 from nanotext.errors import UserError, fail, os_error
 from nanotext.hlo import collectives
 
@@ -32,6 +32,8 @@ def define_flags():
   flags.DEFINE_string("json", "", "Write one JSON record per program to this file.")
   flags.DEFINE_string("hlo_dir", "", "Write each program's optimized HLO text to DIR/NAME.hlo "
                       "(what the kernel inventory and the estimate read).")
+  flags.DEFINE_bool("peak", False, "Also print the largest values alive at each program's peak, "
+                    "from a live-range walk of its scheduled HLO (where the memory goes).")
   flags.DEFINE_float("min_headroom", 0.10, "Fraction of HBM a program must leave free to count "
                      "as fitting: the compiler's accounting leaves out runtime buffers and "
                      "fragmentation.")
@@ -107,7 +109,7 @@ def eval_batch(run) -> dict:
 
 
 def compile_program(run, name, program, memory_bytes: int, min_headroom: float = 0.0,
-                    peaks=None, hlo_dir: str = "") -> dict:
+                    peaks=None, hlo_dir: str = "", peak: bool = False) -> dict:
   """Compile one program (a window_schedule.Program) for the run's devices; its record. An HBM
   overflow is a record too, and so is a failure at any stage (`error`, `stage`: trace, lowering
   or XLA)."""
@@ -157,6 +159,8 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
       atomic_write(path, [compiled.as_text().encode()])
     except OSError as e:
       raise os_error(e, f"cannot write --hlo_dir file '{path}'") from None
+  if peak:
+    rec["live_peak_bytes"], rec["live_at_peak"] = hlo_memory.record(compiled.as_text())
   rec.update(measure(compiled, peaks, *logits_size(run, train),
                      attention_flops(run, program, train)))
   rec["headroom"] = 1.0 - rec["total_bytes_per_chip"] / memory_bytes
@@ -287,6 +291,8 @@ def describe(rec) -> str:
       f"  collectives        {col}"]
   if "kernels" in rec:
     lines += kernel_lines(rec["kernels"], rec.get("platform", "gpu"))
+  if "live_peak_bytes" in rec:
+    lines += hlo_memory.lines(rec["live_peak_bytes"], rec["live_at_peak"], _gib)
   return "\n".join(lines)
 
 
@@ -328,7 +334,7 @@ def verdict(recs, target_name, min_headroom) -> tuple:
 
 
 def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, log=print,
-                hlo_dir=""):
+                hlo_dir="", peak=False):
   """Build the run for the target and compile the selected programs; (run, target, records)."""
   from nanotext import sharding, wiring
   target = topology.parse(target_name)
@@ -345,7 +351,7 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
   recs = []
   for name, program, steps in chosen:
     rec = compile_program(run, name, program, target.memory_bytes, min_headroom, target.peaks,
-                          hlo_dir)
+                          hlo_dir, peak)
     rec.update(steps=steps, windows=list(program.windows), runtime_windows=program.runtime,
                seq_len=program.seq_len, target=target.name)
     recs.append(rec)
@@ -354,7 +360,7 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
 
 
 USAGE = ("usage: python -m nanotext.compile CONFIG [key=value ...] --topology=NAME "
-         "[--programs=all] [--json=FILE] [--min_headroom=0.1]")
+         "[--programs=all] [--json=FILE] [--min_headroom=0.1] [--peak]")
 
 
 def main(args):
@@ -368,7 +374,7 @@ def main(args):
     raise UserError(f"--min_headroom={f.min_headroom} must be in [0, 1)")
   run, target, recs = run_compile(args[0], args[1:], f.topology, f.programs,
                                   f.min_headroom, log=lambda s: print(s, flush=True),
-                                  hlo_dir=f.hlo_dir)
+                                  hlo_dir=f.hlo_dir, peak=f.peak)
   if f.json:  # whole or not at all: a full disk is one line, no half-written file
     from nanotext.data.fileio import atomic_write
     try:

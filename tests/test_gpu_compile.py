@@ -155,9 +155,14 @@ def test_a_dense_attention_eval_is_planned_as_it_compiles():
 def test_cli_reports_kernels_and_writes_json(tmp_path):
   out = tmp_path / "h100.jsonl"
   proc = run_cli("nanotext.compile", SPEEDRUN, *SMALL, "--topology=h100", "--programs=eval",
-                 f"--json={out}")
+                 f"--json={out}", "--peak")
   assert proc.returncode == 0, proc.stderr
   assert "verdict: fits h100" in proc.stdout and "a roofline lower bound" in proc.stdout
-  assert "not priced" in proc.stdout
+  assert "not priced" in proc.stdout and "alive at the peak" in proc.stdout
   rec = json.loads(out.read_text())
   assert rec["name"] == "eval" and rec["kernels"]["launches"] > 0 and rec["target"] == "h100"
+  # --peak: the walk of the schedule against the compiler's temporaries (measured 0.96), the
+  # largest value first, named by the jax op that made it.
+  assert 0.7 <= rec["live_peak_bytes"] / rec["temp"] <= 1.1, rec
+  sizes = [b for b, _, _ in rec["live_at_peak"]]
+  assert sizes == sorted(sizes, reverse=True) and "eval_fn" in rec["live_at_peak"][0][2]

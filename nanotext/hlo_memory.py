@@ -1,0 +1,161 @@
+"""What a compiled program holds at once: a live-range walk over its scheduled HLO (the entry
+computation in the order XLA runs it), to read where a program's memory goes (`nanotext.compile
+--peak`). A reading aid, not the compiler's figure: it sees neither how buffer assignment packs
+buffers nor its fragmentation, so the compiler's temporaries are usually larger."""
+
+import dataclasses
+import re
+
+from nanotext import hlo
+
+# Values that are other values' buffers: views, tuples, loop state, the end of an async pair.
+_ALIASES = {"bitcast", "get-tuple-element", "tuple", "opt-barrier", "while", "call",
+            "conditional", "add-dependency", "domain"}
+_VIEWS = {"bitcast", "get-tuple-element", "tuple"}
+_NOT_TEMPORARY = {"parameter", "constant", "after-all", "partition-id", "replica-id"}
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+ROWS = 8  # values listed by nanotext.compile --peak
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  """One value alive at the peak."""
+  bytes: int
+  opcode: str
+  type: str
+  op_name: str  # the jax op that made it (metadata), '' if none
+
+
+def peak(text: str) -> tuple:
+  """(bytes, [Buffer] largest first) of the most the entry computation of scheduled HLO `text`
+  holds at once, beyond its arguments; a loop, call or branch adds its body's own peak while
+  it runs, and an instruction its unread outputs (scratch, such as a cuBLAS workspace)."""
+  comps, entry = hlo.parse(text)
+  return _peak(comps, entry, {})
+
+
+def record(text: str) -> tuple:
+  """(peak bytes, [[bytes, opcode, jax op], ...] of the ROWS largest values alive there): what
+  nanotext.compile --peak keeps in a program's JSON record."""
+  top, alive = peak(text)
+  return top, [[b.bytes, b.opcode, b.op_name] for b in alive[:ROWS]]
+
+
+def lines(top: int, rows: list, gib) -> list:
+  """The lines nanotext.compile --peak prints for `record`'s values (`gib` formats bytes)."""
+  return [f"  alive at the peak  {gib(top)} by a walk of the schedule (buffer assignment's "
+          "packing not seen), largest first:"] + \
+      [f"    {gib(b):>10}  {op:<14} {name or '(no jax op)'}" for b, op, name in rows]
+
+
+def _elements(type_: str) -> list:
+  """The top-level element types of a tuple type ([type_] for an array)."""
+  if not type_.startswith("("):
+    return [type_]
+  out, depth, start = [], 0, 1
+  for i, c in enumerate(type_):
+    depth += c in "([{"
+    depth -= c in ")]}"
+    if (c == "," and depth == 1) or (c == ")" and depth == 0):
+      out.append(type_[start:i].strip())
+      start = i + 1
+  return [t for t in out if t]
+
+
+def _buffers(ins) -> dict:
+  """{(name, index): bytes} of the buffers `ins` allocates (one per tuple element; an async
+  start's operands are not new, its result is)."""
+  parts = _elements(ins.type)
+  if ins.opcode.endswith("-start") and len(parts) > 1:
+    sizes = [hlo.shape_bytes(t) for t in parts]
+    k = max(range(len(parts)), key=sizes.__getitem__)
+    return {(ins.name, k): sizes[k]}
+  return {(ins.name, k): hlo.shape_bytes(t) for k, t in enumerate(parts)}
+
+
+def _in_place(ins, comps) -> int:
+  """1 + the operand a dynamic-update-slice (alone, or the root of a fusion) writes into, 0 if
+  `ins` is no such update."""
+  if ins.opcode == "dynamic-update-slice":
+    return 1
+  if ins.opcode != "fusion":
+    return 0
+  body = comps.get(ins.attr("calls"), [])
+  root = next((i for i in body if i.root), None)
+  if root is None or root.opcode != "dynamic-update-slice":
+    return 0
+  target = next((i for i in body if i.name == root.operands[0]), None)
+  if target is None or target.opcode != "parameter":
+    return 0
+  k = int(target.args.strip() or 0)
+  return k + 1 if k < len(ins.operands) else 0
+
+
+def _inner(comps, ins, memo) -> int:
+  """The peak of what `ins` runs inside it (loop body, called computation, largest branch)."""
+  names = []
+  if ins.opcode == "while":
+    names = [ins.attr("body")]
+  elif ins.opcode == "call":
+    names = [ins.attr("to_apply")]
+  elif ins.opcode == "conditional":
+    names = re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1]
+                       .split("}")[0]) if "branch_computations" in ins.attrs else \
+        [ins.attr("true_computation"), ins.attr("false_computation")]
+  return max((_peak(comps, n, memo)[0] for n in names if n in comps), default=0)
+
+
+def _peak(comps, name, memo) -> tuple:
+  if name in memo:
+    return memo[name]
+  memo[name] = (0, [])  # a computation that (oddly) reaches itself counts nothing more
+  instrs = comps.get(name, [])
+  owners, made, sizes = {}, {}, {}  # value -> buffers it is; buffer -> instr; buffer -> bytes
+  for ins in instrs:
+    if ins.opcode == "get-tuple-element" and ins.operands and ins.operands[0] in made:
+      k = int(ins.attr("index") or 0)  # one element of a multi-output instruction
+      owners[ins.name] = {(ins.operands[0], k)}
+    elif ins.opcode in _ALIASES or ins.opcode.endswith("-done"):
+      owners[ins.name] = set().union(*(owners.get(o, set()) for o in ins.operands))
+    elif _in_place(ins, comps):  # writes into the buffer it updates
+      owners[ins.name] = set(owners.get(ins.operands[_in_place(ins, comps) - 1], ()))
+    elif ins.opcode in _NOT_TEMPORARY:
+      owners[ins.name] = set()
+    else:
+      new = _buffers(ins)
+      owners[ins.name], made[ins.name] = set(new), ins
+      sizes.update(new)
+  last = {}
+  for i, ins in enumerate(instrs):
+    if ins.opcode in _VIEWS:
+      continue  # a view reads nothing: its readers read its buffers (one tuple element, say)
+    for o in ins.operands:
+      for b in owners.get(o, ()):
+        last[b] = i
+  for ins in instrs:
+    if ins.root:  # the outputs live to the end
+      for b in owners.get(ins.name, ()):
+        last[b] = len(instrs)
+  dies = {}
+  for b, i in last.items():
+    dies.setdefault(i, []).append(b)
+  alive, live, best, at = {}, 0, 0, {}
+  for i, ins in enumerate(instrs):
+    scratch = 0  # elements nothing reads (a cuBLAS workspace): alive while `ins` runs
+    if ins.name in made:
+      m = _OP_NAME.search(ins.attrs)
+      for b in owners[ins.name]:
+        if b not in last:
+          scratch += sizes[b]
+          continue
+        alive[b] = Buffer(sizes[b], ins.opcode, _elements(ins.type)[b[1]],
+                          m.group(1) if m else "")
+        live += sizes[b]
+    inner = scratch + _inner(comps, ins, memo)
+    if live + inner > best:
+      best, at = live + inner, dict(alive)
+    for b in dies.get(i, ()):
+      if b in alive:
+        live -= alive.pop(b).bytes
+  memo[name] = (best, sorted(at.values(), key=lambda b: -b.bytes))
+  return memo[name]

@@ -1,0 +1,90 @@
+"""nanotext.hlo_memory: what a scheduled HLO program holds at once (nanotext.compile --peak)."""
+
+import pytest
+
+from nanotext import hlo_memory
+
+pytestmark = pytest.mark.fast
+
+KB4 = 4096  # bytes of one f32[1024]
+
+PROGRAM = """HloModule m, is_scheduled=true
+
+%fused (p0: f32[1024], p1: f32[8], p2: s32[]) -> f32[1024] {
+  %p0 = f32[1024]{0} parameter(0)
+  %p1 = f32[8]{0} parameter(1)
+  %p2 = s32[] parameter(2)
+  ROOT %u = f32[1024]{0} dynamic-update-slice(%p0, %p1, %p2)
+}
+
+%two (q0: f32[1024]) -> (f32[1024], f32[8]) {
+  %q0 = f32[1024]{0} parameter(0)
+  %e = f32[1024]{0} exponential(%q0)
+  %n = f32[8]{0} slice(%q0), slice={[0:8]}
+  ROOT %r = (f32[1024]{0}, f32[8]{0}) tuple(%e, %n)
+}
+
+%body (s: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %s = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %v = f32[1024]{0} get-tuple-element(%s), index=1
+  %big = f32[4096]{0} broadcast(%v), dimensions={}
+  %w = f32[1024]{0} slice(%big), slice={[0:1024]}
+  ROOT %t = (s32[], f32[1024]{0}) tuple(%i, %w)
+}
+
+%cond (s: (s32[], f32[1024])) -> pred[] {
+  %s = (s32[], f32[1024]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[1024], k: s32[]) -> f32[1024] {
+  %a = f32[1024]{0} parameter(0)
+  %k = s32[] parameter(1)
+  %x = f32[1024]{0} exponential(%a), metadata={op_name="jit(f)/exp"}
+  %pair = (f32[1024]{0}, f32[8]{0}) fusion(%x), kind=kLoop, calls=%two
+  %y = f32[1024]{0} get-tuple-element(%pair), index=0
+  %small = f32[8]{0} slice(%y), slice={[0:8]}
+  %u = f32[1024]{0} fusion(%y, %small, %k), kind=kLoop, calls=%fused
+  %z = f32[1024]{0} add(%x, %u), metadata={op_name="jit(f)/add"}
+  %init = (s32[], f32[1024]{0}) tuple(%k, %z)
+  %loop = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[1024]{0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_the_peak_counts_what_is_alive_together_and_nothing_else():
+  """The loop's body makes 16 KB and 4 KB from its state while z (4 KB) is alive: the peak. Before
+  it, x, y and z are alive together where z is made (see the next test)."""
+  top, alive = hlo_memory.peak(PROGRAM)
+  body = 4 * KB4 + KB4  # the broadcast and the slice made from it
+  assert top == KB4 + body > 3 * KB4  # the loop's, above the point where z is made
+  assert [b.bytes for b in alive] == [KB4]  # z, alive across the loop
+  assert alive[0].op_name == "jit(f)/add" and alive[0].opcode == "add"
+
+
+def test_values_alive_together_before_the_loop():
+  """Without the loop the peak is where z is made: x, y (updated in place by the
+  dynamic-update-slice fusion: no new buffer) and z; the multi-output fusion's second output
+  is never read (scratch: alive only while the fusion runs)."""
+  text = PROGRAM.replace("  %loop = (s32[], f32[1024]{0}) while(%init), condition=%cond, "
+                         "body=%body\n", "").replace("get-tuple-element(%loop)",
+                                                     "get-tuple-element(%init)")
+  top, alive = hlo_memory.peak(text)
+  assert top == 3 * KB4  # the slice died into the update before z
+  assert sorted(b.op_name for b in alive if b.bytes == KB4) == ["", "jit(f)/add", "jit(f)/exp"]
+
+
+def test_an_async_start_counts_its_result_once():
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: f32[1024]) -> f32[4096] {
+  %a = f32[1024]{0} parameter(0)
+  %s = (f32[1024]{0}, f32[4096]{0}) all-gather-start(%a), dimensions={0}
+  %d = f32[4096]{0} all-gather-done(%s)
+  ROOT %e = f32[4096]{0} exponential(%d)
+}
+"""
+  top, _ = hlo_memory.peak(text)
+  assert top == 2 * 4 * KB4  # the gathered result and the output, not the operand again
