@@ -14,6 +14,7 @@ _ALIASES = {"bitcast", "get-tuple-element", "tuple", "opt-barrier", "while", "ca
 _VIEWS = {"bitcast", "get-tuple-element", "tuple"}
 _NOT_TEMPORARY = {"parameter", "constant", "after-all", "partition-id", "replica-id"}
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_SPACE = re.compile(r"\bS\((\d+)\)")
 ROWS = 8  # values listed by nanotext.compile --peak
 
 
@@ -62,15 +63,22 @@ def _elements(type_: str) -> list:
   return [t for t in out if t]
 
 
+def _device_bytes(type_: str) -> int:
+  """Bytes of an array type in the device's main memory: 0 for one a TPU keeps on chip (its
+  layout names a memory space, `S(1)`: VMEM; the compiler's HBM figures leave those out)."""
+  space = _SPACE.search(type_)
+  return 0 if space and space.group(1) != "0" else hlo.shape_bytes(type_)
+
+
 def _buffers(ins) -> dict:
   """{(name, index): bytes} of the buffers `ins` allocates (one per tuple element; an async
   start's operands are not new, its result is)."""
   parts = _elements(ins.type)
   if ins.opcode.endswith("-start") and len(parts) > 1:
-    sizes = [hlo.shape_bytes(t) for t in parts]
+    sizes = [_device_bytes(t) for t in parts]
     k = max(range(len(parts)), key=sizes.__getitem__)
     return {(ins.name, k): sizes[k]}
-  return {(ins.name, k): hlo.shape_bytes(t) for k, t in enumerate(parts)}
+  return {(ins.name, k): _device_bytes(t) for k, t in enumerate(parts)}
 
 
 def _in_place(ins, comps) -> int:
@@ -148,6 +156,8 @@ def _peak(comps, name, memo) -> tuple:
         if b not in last:
           scratch += sizes[b]
           continue
+        if not sizes[b]:
+          continue  # on chip
         alive[b] = Buffer(sizes[b], ins.opcode, _elements(ins.type)[b[1]],
                           m.group(1) if m else "")
         live += sizes[b]

@@ -88,3 +88,19 @@ ENTRY %main (a: f32[1024]) -> f32[4096] {
 """
   top, _ = hlo_memory.peak(text)
   assert top == 2 * 4 * KB4  # the gathered result and the output, not the operand again
+
+
+def test_what_a_tpu_keeps_on_chip_is_not_counted():
+  """A layout in memory space 1 (`S(1)`, a TPU's VMEM) is not device memory: the compiler's HBM
+  temporaries leave it out (the tiny configs' v6e-8 programs keep most of their values there)."""
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: f32[1024]) -> f32[1024] {
+  %a = f32[1024]{0} parameter(0)
+  %v = f32[1024]{0:T(256)S(1)} exponential(%a)
+  %h = f32[1024]{0:T(256)} negate(%v)
+  ROOT %e = f32[1024]{0} add(%h, %v)
+}
+"""
+  top, alive = hlo_memory.peak(text)
+  assert top == 2 * KB4 and [b.opcode for b in alive] == ["negate", "add"]
