@@ -159,10 +159,8 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
       atomic_write(path, [compiled.as_text().encode()])
     except OSError as e:
       raise os_error(e, f"cannot write --hlo_dir file '{path}'") from None
-  if peak:
-    rec["live_peak_bytes"], rec["live_at_peak"] = hlo_memory.record(compiled.as_text())
   rec.update(measure(compiled, peaks, *logits_size(run, train),
-                     attention_flops(run, program, train)))
+                     attention_flops(run, program, train), peak=peak))
   rec["headroom"] = 1.0 - rec["total_bytes_per_chip"] / memory_bytes
   rec["fits"] = rec["headroom"] >= min_headroom
   rec["flops_analytic_per_chip"] = analytic_flops(run, program, train=train)
@@ -188,9 +186,10 @@ def _first_line(e: Exception) -> str:
   return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_flops=0.0) -> dict:
-  """Per-chip memory, XLA's FLOPs and bytes accessed, collectives, Mosaic kernels, and with
-  `peaks` (roofline.Peaks) the kernel inventory and roofline estimate of roofline.inventory."""
+def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_flops=0.0,
+            peak=False) -> dict:
+  """Per-chip memory, XLA's FLOPs and bytes, collectives, Mosaic kernels; with `peaks` the
+  roofline.inventory of the kernels, with `peak` what is alive at the peak (hlo_memory)."""
   mem = compiled.memory_analysis()
   rec = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in
          ("argument", "output", "alias", "temp", "generated_code")}
@@ -209,6 +208,8 @@ def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_fl
     rec["kernels"] = roofline.inventory(text, peaks, logits_elements=logits,
                                    logits_bytes=logits_bytes, vocab=vocab,
                                    custom_flops=custom_flops)
+  if peak:
+    rec["live_peak_bytes"], rec["live_at_peak"] = hlo_memory.record(text)
   return rec
 
 

@@ -150,21 +150,22 @@ def peak_live(jaxpr, size_of, opaque=lambda eqn: False, backend: str = "") -> fl
   on `backend` (its arguments not counted): a forward pass's working set. An `opaque` eqn counts
   its outputs only, not what runs inside it."""
   g = _Graph(jaxpr, REPEATED.get(backend, frozenset()), FORWARD.get(backend, frozenset()))
-  last, readers = {}, {}
+  last, readers, twice = {}, {}, backend in SKIPS_TWICE
   for i, e in enumerate(jaxpr.eqns):
     if g.kept(e):
       for u in e.invars:
         for a in g.anchors(u):
           last[a] = i
-          readers.setdefault(a, set()).add(_block(e))
+          if twice:
+            readers.setdefault(a, set()).add(_block(e))
   for u in jaxpr.outvars:
     for a in g.anchors(u):
       last[a] = len(jaxpr.eqns)
   dies = {}
   for a, i in last.items():
     dies.setdefault(i, []).append(a)
-  copies = {a: 2 for a, blocks in readers.items() if backend in SKIPS_TWICE and
-            _block(g.producer[a]) is not None and len(blocks - {None, _block(g.producer[a])}) > 1}
+  copies = {a: 2 for a, blocks in readers.items()
+            if _block(g.producer[a]) is not None and len(blocks - {None, _block(g.producer[a])}) > 1}
   bytes_of = lambda v: size_of(v.aval) * copies.get(v, 1)
   live = peak = 0.0
   for i, e in enumerate(jaxpr.eqns):

@@ -188,11 +188,7 @@ def kernels(text: str) -> list:
         walk(ins.attr("to_apply"), times)
         continue
       if ins.opcode == "conditional":
-        branches = re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1]
-                              .split("}")[0]) if "branch_computations" in ins.attrs else \
-            [ins.attr("true_computation"), ins.attr("false_computation")]
-        for b in branches[:1]:  # one branch runs; the first stands for all
-          walk(b, times)
+        walk(branches(ins)[0], times)  # one branch runs; the first stands for all
         continue
       if ins.opcode in _FREE:
         continue
@@ -201,6 +197,13 @@ def kernels(text: str) -> list:
       out.append(k)
   walk(entry, 1)
   return out
+
+
+def branches(ins: Instr) -> list:
+  """The computations a conditional may run, in order."""
+  if "branch_computations" in ins.attrs:
+    return re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1].split("}")[0])
+  return [ins.attr("true_computation"), ins.attr("false_computation")]
 
 
 def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:

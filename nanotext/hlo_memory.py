@@ -107,9 +107,7 @@ def _inner(comps, ins, memo) -> int:
   elif ins.opcode == "call":
     names = [ins.attr("to_apply")]
   elif ins.opcode == "conditional":
-    names = re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1]
-                       .split("}")[0]) if "branch_computations" in ins.attrs else \
-        [ins.attr("true_computation"), ins.attr("false_computation")]
+    names = hlo.branches(ins)
   return max((_peak(comps, n, memo)[0] for n in names if n in comps), default=0)
 
 
@@ -125,8 +123,8 @@ def _peak(comps, name, memo) -> tuple:
       owners[ins.name] = {(ins.operands[0], k)}
     elif ins.opcode in _ALIASES or ins.opcode.endswith("-done"):
       owners[ins.name] = set().union(*(owners.get(o, set()) for o in ins.operands))
-    elif _in_place(ins, comps):  # writes into the buffer it updates
-      owners[ins.name] = set(owners.get(ins.operands[_in_place(ins, comps) - 1], ()))
+    elif k := _in_place(ins, comps):  # writes into the buffer it updates
+      owners[ins.name] = set(owners.get(ins.operands[k - 1], ()))
     elif ins.opcode in _NOT_TEMPORARY:
       owners[ins.name] = set()
     else:
