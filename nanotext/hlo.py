@@ -308,8 +308,10 @@ def _dot_flops(ins: Instr, types: dict) -> float:
 def _fusion_bytes(ins: Instr, operand_types, called) -> tuple:
   """(bytes a fusion moves, the types it touches whole): its result and what it reads of each
   operand (an operand only sliced or gathered from inside, maybe after a convert, counts what is
-  picked; a buffer updated in place counts the update twice, not the buffer)."""
+  picked, at the operand's width; a buffer updated in place counts the update twice, not the
+  buffer)."""
   params = {i.name: int(i.args) for i in called if i.opcode == "parameter"}
+  types = {i.name: i.type for i in called}
   users = {}
   for i in called:
     for o in i.operands:
@@ -321,14 +323,14 @@ def _fusion_bytes(ins: Instr, operand_types, called) -> tuple:
   for pname, index in params.items():
     if pname in in_place:
       continue
-    picked = _picked(pname, users)
+    picked = _picked(pname, users, types)
     if picked is None:
       touched.append(operand_types[index] if index < len(operand_types) else "")
       read += shape_bytes(touched[-1])
     else:
       read += picked
   if in_place and len(root.operands) > 1:
-    update = {i.name: i.type for i in called}.get(root.operands[1], "")
+    update = types.get(root.operands[1], "")
     written, touched = 2 * shape_bytes(update), touched + [update]
   else:
     written, touched = shape_bytes(ins.type), touched + [ins.type]
@@ -338,17 +340,20 @@ def _fusion_bytes(ins: Instr, operand_types, called) -> tuple:
 _VIEWS = ("convert", "bitcast", "reshape", "copy", "bitcast-convert")
 
 
-def _picked(name: str, users: dict):
+def _picked(name: str, users: dict, types: dict, scale: float = 1.0):
   """Bytes read of value `name` when every use only slices or gathers from it (through views);
-  None when some use reads it whole."""
+  None when some use reads it whole. `scale`: bytes in memory per byte of `name`'s type (a
+  slice of a bfloat16 parameter converted to float32 inside the fusion reads half its size)."""
   total = 0.0
   for u in users.get(name, []) or [None]:
     if u is None:
       return None
     if u.opcode in ("slice", "dynamic-slice", "gather") and u.operands[0] == name:
-      total += shape_bytes(u.type)
+      total += shape_bytes(u.type) * scale
     elif u.opcode in _VIEWS:
-      sub = _picked(u.name, users)
+      widths = [_dtype_bytes(d) for d, _ in shapes(types.get(name, ""))[:1] + shapes(u.type)[:1]]
+      sub = _picked(u.name, users, types, scale * widths[0] / widths[1]
+                    if u.opcode == "convert" and len(widths) == 2 else scale)
       if sub is None:
         return None
       total += sub

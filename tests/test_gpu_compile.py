@@ -107,12 +107,13 @@ def test_the_record_program_on_an_h100():
   slices = inv["gemm_calls"]["fp8"] // 3
   assert slices > 1 and inv["gemm_calls"]["fp8"] == 3 * slices  # the FP8 head, in slices
   assert inv["gemm_calls"]["f32"] == 0 and inv["scatters"] == 1
-  # 1,095 launches and 75.5 ms: the head's weight gradient summed inside its FP8 GEMMs (C, beta
+  # 1,095 launches and 73.0 ms: the head's weight gradient summed inside its FP8 GEMMs (C, beta
   # 1; 11 adds of [768, 50304] float32 gone), rotary's backward fused (4 half-gradient writes a
-  # layer gone). 1,128 and 78.1 ms before.
+  # layer gone). 1,128 and 78.1 ms before; 75.5 ms while the estimate priced the q/k/v slices
+  # of the bfloat16 QKV output at the float32 they are widened to in registers.
   assert inv["launches"] <= 1110
   assert inv["logits_passes"] <= 5.5  # f32 GEMM output read, z written, z read, dz written
-  assert inv["estimate_s"] <= 0.0765
+  assert inv["estimate_s"] <= 0.0740
   assert evaluation["kernels"]["logits_passes"] <= 1.5
 
 

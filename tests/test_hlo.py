@@ -102,8 +102,36 @@ def test_a_loop_body_counts_once_per_trip():
 
 def test_a_gather_through_a_convert_reads_what_it_picks():
   k = by_name()
-  assert k["picked"].bytes == 1024 * 2 + 1024 * 4 + 1024 * 4  # gathered bf16, indices, result
+  # the gathered float32 (what memory holds, not the bfloat16 it becomes), indices, result
+  assert k["picked"].bytes == 1024 * 4 + 1024 * 4 + 1024 * 4
   assert k["exp"].bytes == 2 * 1024 * 4096 * 4  # a whole read and a whole write
+
+
+SLICES = """HloModule jit_step, is_scheduled=true
+
+%fused_split (param_0: bf16[1024,3072]) -> (bf16[1024,1024], f32[1024]) {
+  %param_0 = bf16[1024,3072]{1,0} parameter(0)
+  %convert.1 = f32[1024,3072]{1,0} convert(%param_0)
+  %q = f32[1024,1024]{1,0} slice(%convert.1), slice={[0:1024], [0:1024]}
+  %k = f32[1024,1024]{1,0} slice(%convert.1), slice={[0:1024], [1024:2048]}
+  %qb = bf16[1024,1024]{1,0} convert(%q)
+  %c = f32[] constant(0)
+  %sum = f32[1024]{0} reduce(%k, %c), dimensions={1}, to_apply=%add
+  ROOT %t = (bf16[1024,1024]{1,0}, f32[1024]{0}) tuple(%qb, %sum)
+}
+
+ENTRY %main (x: bf16[1024,3072]) -> (bf16[1024,1024], f32[1024]) {
+  %x = bf16[1024,3072]{1,0} parameter(0)
+  ROOT %f = (bf16[1024,1024]{1,0}, f32[1024]{0}) fusion(%x), kind=kInput, calls=%fused_split
+}
+"""
+
+
+def test_slices_of_a_widened_operand_read_it_at_its_own_width():
+  # A bfloat16 operand widened to float32 inside the fusion, then split: the kernel reads two
+  # thirds of the bfloat16 array from memory (it widens in registers), and writes its results.
+  (k,) = hlo.kernels(SLICES)
+  assert k.bytes == 2 * 1024 * 1024 * 2 + (1024 * 1024 * 2 + 1024 * 4)
 
 
 def test_inventory_counts_and_prices():
