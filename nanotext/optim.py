@@ -121,10 +121,17 @@ def newton_schulz(g, coeffs, steps: int, dtype=jnp.bfloat16, eps: float = 1e-7):
   transpose = x.shape[0] >= x.shape[1]
   x = x.T if transpose else x
   x = (x / (jnp.linalg.norm(x) + eps)).astype(dtype)
-  for a, b, c in per_step:
+  # The iterations as one loop body, compiled once per matrix shape (unrolled, they were most
+  # of a TPU train program's optimizer compile). One quintic for every step (the record's):
+  # its coefficients are constants of the body; a per-step schedule is the loop's input.
+  same = all(tuple(t) == tuple(per_step[0]) for t in per_step)
+
+  def step(x, abc):
+    a, b, c = (float(v) for v in per_step[0]) if same else abc
     A = mm(x, x.T).astype(dtype)
-    B = (float(b) * A.astype(f32) + float(c) * mm(A, A)).astype(dtype)
-    x = (float(a) * x.astype(f32) + mm(B, x)).astype(dtype)
+    B = (b * A.astype(f32) + c * mm(A, A)).astype(dtype)
+    return (a * x.astype(f32) + mm(B, x)).astype(dtype), None
+  x = jax.lax.scan(step, x, jnp.asarray(per_step, f32))[0] if per_step else x
   return x.T if transpose else x
 
 
