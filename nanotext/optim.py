@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 
 from nanotext import config, sharding
+from nanotext.model.kernels.per_device import platform
 from nanotext.errors import UserError
 
 # Keller Jordan's quintic Newton-Schulz coefficients (modded-nanogpt `zeropower_via_newtonschulz5`).
@@ -123,15 +124,17 @@ def newton_schulz(g, coeffs, steps: int, dtype=jnp.bfloat16, eps: float = 1e-7):
   x = (x / (jnp.linalg.norm(x) + eps)).astype(dtype)
   # The iterations as one loop body, compiled once per matrix shape (unrolled, they were most
   # of a TPU train program's optimizer compile). One quintic for every step (the record's):
-  # its coefficients are constants of the body; a per-step schedule is the loop's input.
+  # its coefficients are constants of the body; a per-step schedule is the loop's input. A GPU
+  # unrolls them: it compiles them in seconds, and its loops wait on the host between trips.
   same = all(tuple(t) == tuple(per_step[0]) for t in per_step)
+  unroll = max(1, len(per_step)) if platform() == "gpu" else 1
 
   def step(x, abc):
     a, b, c = (float(v) for v in per_step[0]) if same else abc
     A = mm(x, x.T).astype(dtype)
     B = (b * A.astype(f32) + c * mm(A, A)).astype(dtype)
     return (a * x.astype(f32) + mm(B, x)).astype(dtype), None
-  x = jax.lax.scan(step, x, jnp.asarray(per_step, f32))[0] if per_step else x
+  x = jax.lax.scan(step, x, jnp.asarray(per_step, f32), unroll=unroll)[0] if per_step else x
   return x.T if transpose else x
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import REPO
 from nanotext import optim, wiring
+from nanotext.model.kernels import per_device
 
 RECORD = f"{REPO}/configs/speedrun_record.yml"
 A, B_, C = 3.4445, -4.7750, 2.0315
@@ -92,8 +93,13 @@ def test_newton_schulz_is_one_loop_body_whatever_its_steps(steps):
   # Unrolled, each step's three matmuls were compiled apart: most of the optimizer's share of a
   # TPU train program's compile (speedrun.yml at 2 layers for v6e-8: 234 -> 169 s of CPU).
   g = jax.ShapeDtypeStruct((64, 128), jnp.float32)
-  jaxpr = jax.make_jaxpr(lambda x: optim.newton_schulz(x, optim.NS_COEFFS, steps))(g).jaxpr
+  trace = lambda: jax.make_jaxpr(lambda x: optim.newton_schulz(x, optim.NS_COEFFS, steps))(g).jaxpr
+  unroll = lambda jaxpr: next(e for e in jaxpr.eqns if e.primitive.name == "scan").params["unroll"]
+  jaxpr = trace()
   assert _count(jaxpr, "scan") == 1 and _count(jaxpr, "dot_general") == 3
+  assert unroll(jaxpr) == 1  # the loop stays a loop
+  with per_device.building_for("gpu"):  # a GPU unrolls it: no trip waits on the host
+    assert unroll(trace()) == steps
 
 
 def bf16(x):
