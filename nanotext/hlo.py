@@ -351,9 +351,11 @@ def _picked(name: str, users: dict, types: dict, scale: float = 1.0):
     if u.opcode in ("slice", "dynamic-slice", "gather") and u.operands[0] == name:
       total += shape_bytes(u.type) * scale
     elif u.opcode in _VIEWS:
-      widths = [_dtype_bytes(d) for d, _ in shapes(types.get(name, ""))[:1] + shapes(u.type)[:1]]
-      sub = _picked(u.name, users, types, scale * widths[0] / widths[1]
-                    if u.opcode == "convert" and len(widths) == 2 else scale)
+      if u.opcode == "convert":  # the bytes in memory stay the source's width
+        src, dst = shapes(types.get(name, ""))[:1], shapes(u.type)[:1]
+        if src and dst:
+          scale *= _dtype_bytes(src[0][0]) / _dtype_bytes(dst[0][0])
+      sub = _picked(u.name, users, types, scale)
       if sub is None:
         return None
       total += sub

@@ -13,8 +13,8 @@ import optax
 from flax import nnx
 
 from nanotext import config, sharding
-from nanotext.model.kernels.per_device import platform
 from nanotext.errors import UserError
+from nanotext.model.kernels.per_device import platform
 
 # Keller Jordan's quintic Newton-Schulz coefficients (modded-nanogpt `zeropower_via_newtonschulz5`).
 NS_COEFFS = (3.4445, -4.7750, 2.0315)

@@ -12,22 +12,29 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from nanotext import optim, wiring
+from nanotext import fusion, optim, wiring
 from nanotext.model.kernels import per_device
 
 RECORD = f"{REPO}/configs/speedrun_record.yml"
 A, B_, C = 3.4445, -4.7750, 2.0315
 
 
+def ns_schedule(G, coeffs):
+  """Newton-Schulz on a wide G in float64 (no bfloat16 rounding), coefficients (a, b, c) of
+  their own at each step, in order."""
+  X = np.asarray(G, np.float64)
+  X = X / (np.linalg.norm(X) + 1e-7)
+  for a, b, c in coeffs:
+    Am = X @ X.T
+    X = a * X + (b * Am + c * Am @ Am) @ X
+  return X
+
+
 def ns_record(G, steps=5):
-  """The record's quintic Newton-Schulz in float64 (no bfloat16 rounding)."""
+  """The record's quintic Newton-Schulz in float64, on the wide orientation of G."""
   X = np.asarray(G, np.float64)
   tall = X.shape[-2] > X.shape[-1]
-  X = X.T if tall else X
-  X = X / (np.linalg.norm(X) + 1e-7)
-  for _ in range(steps):
-    Am = X @ X.T
-    X = A * X + (B_ * Am + C * Am @ Am) @ X
+  X = ns_schedule(X.T if tall else X, [(A, B_, C)] * steps)
   return X.T if tall else X
 
 
@@ -56,16 +63,6 @@ def test_newton_schulz_matches_the_records_iteration(shape):
   assert rel(old, want) > 0.025
 
 
-def ns_schedule(G, coeffs):
-  """ns_record with coefficients (a, b, c) of their own at each step, in order."""
-  X = np.asarray(G, np.float64)
-  X = X / (np.linalg.norm(X) + 1e-7)
-  for a, b, c in coeffs:
-    Am = X @ X.T
-    X = a * X + (b * Am + c * Am @ Am) @ X
-  return X
-
-
 @pytest.mark.fast
 def test_newton_schulz_takes_a_per_step_schedule_in_order():
   g = np.asarray(jax.random.normal(jax.random.key(1), (48, 96)))  # wide: no transpose
@@ -77,14 +74,8 @@ def test_newton_schulz_takes_a_per_step_schedule_in_order():
 
 def _count(jaxpr, name: str) -> int:
   """Eqns of primitive `name` in a jaxpr and the jaxprs inside it (a loop body once)."""
-  n = 0
-  for e in jaxpr.eqns:
-    n += e.primitive.name == name
-    for p in e.params.values():
-      inner = getattr(p, "jaxpr", p)
-      if hasattr(inner, "eqns"):
-        n += _count(inner, name)
-  return n
+  return sum((e.primitive.name == name) + sum(_count(j, name) for j in fusion._inner(e))
+             for e in jaxpr.eqns)
 
 
 @pytest.mark.fast
