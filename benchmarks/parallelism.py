@@ -129,7 +129,7 @@ def _local_bytes(tree) -> int:
 
 def measure_layout(path, overrides, name, shape, *, steps, timed_steps, repeats) -> dict:
   """Compile and run one layout; an invalid layout gives {'invalid': reason}."""
-  from nanotext import sharding, trainer, wiring
+  from nanotext import programs, sharding, trainer, wiring
   from nanotext.errors import UserError
 
   row = {"layout": name, "shape": shape}
@@ -143,7 +143,8 @@ def measure_layout(path, overrides, name, shape, *, steps, timed_steps, repeats)
   try:
     state = setup.init_state()
     t0 = time.perf_counter()
-    compiled = trainer.make_train_step(setup).lower(state, batches[0]).compile()
+    compiled = programs.compile_lowered(trainer.make_train_step(setup).lower(state, batches[0]),
+                                        setup.backend)
     row["compile_s"] = time.perf_counter() - t0
     row["state_bytes"] = _local_bytes((state["params"], state["opt_state"]))
     row["losses"] = []

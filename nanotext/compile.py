@@ -114,7 +114,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
   overflow is a record too, and so is a failure at any stage (`error`, `stage`: trace, lowering
   or XLA)."""
   from nanotext import gpus, trainer
-  from nanotext.programs import windows_args
+  from nanotext.programs import compile_lowered, windows_args
   state = run.abstract_state()
   rec = {"name": name, "hbm_bytes_per_chip": memory_bytes, "platform": run.backend}
   if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
@@ -135,7 +135,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
     stage = "lowering"
     lowered = traced.lower()
     stage = "XLA"
-    compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+    compiled = compile_lowered(lowered, run.backend, options)
   except UserError:
     raise
   except Exception as e:  # noqa: BLE001 -- an overflow or a failure is this program's result

@@ -17,6 +17,26 @@ from nanotext.wiring import Run
 from nanotext.model.kernels.dispatch import takes_runtime_window
 from nanotext.window_schedule import plan, stages, step_stage
 
+# Options every TPU program is compiled with, on a chip or for a description of one: libtpu
+# generates a kernel that comes out the same as another once, and stores it once (speedrun.yml
+# for v6e-8: program code 0.24 GiB -> 45 MiB per chip, and less compile time; RESULTS.md).
+TPU_OPTIONS = {"xla_tpu_enable_deduplicated_calls": True}
+
+
+def compile_lowered(lowered, backend: str, options: dict | None = None):
+  """`lowered.compile()` with `options`, plus TPU_OPTIONS on a TPU; a libtpu that does not know
+  one of those (another version) compiles without them."""
+  extra = TPU_OPTIONS if backend == "tpu" else {}
+  merged = {**(options or {}), **extra}
+  if not merged:
+    return lowered.compile()
+  try:
+    return lowered.compile(compiler_options=merged)
+  except Exception as e:  # noqa: BLE001 -- jax raises its runtime error type for an unknown option
+    if not extra or not any(f"No such compile option: '{k}'" in str(e) for k in extra):
+      raise
+  return lowered.compile(compiler_options=options) if options else lowered.compile()
+
 
 def windows_args(run: Run, program) -> tuple:
   """The abstract windows argument of `program` (a window_schedule.Program) for lowering: an
@@ -66,7 +86,7 @@ def compile_all(run: Run, jobs, log=print) -> list:
 
   def compile_one(key):
     t0 = time.perf_counter()
-    return lowered[key].compile(), time.perf_counter() - t0
+    return compile_lowered(lowered[key], run.backend), time.perf_counter() - t0
 
   with_len = {kind: len({p.seq_len for k, p in todo if k == kind}) > 1 for kind, _, _ in jobs}
   execs = {kind: {} for kind, _, _ in jobs}

@@ -77,6 +77,22 @@ def test_fsdp_shards_parameters_an_eighth_of_dp():
 
 
 @pytest.mark.tpu
+def test_a_kernel_that_repeats_is_generated_once_on_a_tpu(monkeypatch):
+  """programs.TPU_OPTIONS: four layers' identical kernels make less program code than without
+  the options; a libtpu that does not know an option compiles without it (the same program)."""
+  from nanotext import programs
+
+  def code_bytes():
+    _, _, recs = nt_compile.run_compile(BASE, SMALL + ["model.num_layers=4"], "v6e-8", "eval",
+                                        log=lambda s: None)
+    return recs[0]["generated_code"]
+  deduplicated = code_bytes()
+  monkeypatch.setattr(programs, "TPU_OPTIONS", {"xla_tpu_no_such_option": True})
+  plain = code_bytes()
+  assert deduplicated < 0.8 * plain, (deduplicated, plain)
+
+
+@pytest.mark.tpu
 def test_tpu_compile_uses_mosaic_kernels_and_reports(tmp_path):
   out = tmp_path / "fit.jsonl"
   proc = run_cli("nanotext.compile", BASE, *SMALL, "--topology=v5p-16",
