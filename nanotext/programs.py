@@ -27,15 +27,12 @@ def compile_lowered(lowered, backend: str, options: dict | None = None):
   """`lowered.compile()` with `options`, plus TPU_OPTIONS on a TPU; a libtpu that does not know
   one of those (another version) compiles without them."""
   extra = TPU_OPTIONS if backend == "tpu" else {}
-  merged = {**(options or {}), **extra}
-  if not merged:
-    return lowered.compile()
   try:
-    return lowered.compile(compiler_options=merged)
+    return lowered.compile(compiler_options={**(options or {}), **extra} or None)
   except Exception as e:  # noqa: BLE001 -- jax raises its runtime error type for an unknown option
-    if not extra or not any(f"No such compile option: '{k}'" in str(e) for k in extra):
+    if not any(f"No such compile option: '{k}'" in str(e) for k in extra):
       raise
-  return lowered.compile(compiler_options=options) if options else lowered.compile()
+  return lowered.compile(compiler_options=options)
 
 
 def windows_args(run: Run, program) -> tuple:

@@ -79,7 +79,7 @@ def test_fsdp_shards_parameters_an_eighth_of_dp():
 @pytest.mark.tpu
 def test_a_kernel_that_repeats_is_generated_once_on_a_tpu(monkeypatch):
   """programs.TPU_OPTIONS: four layers' identical kernels make less program code than without
-  the options; a libtpu that does not know an option compiles without it (the same program)."""
+  the options; a libtpu that does not know an option compiles without it."""
   from nanotext import programs
 
   def code_bytes():
