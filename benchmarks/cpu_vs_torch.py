@@ -42,11 +42,12 @@ def nanotext_stepper(config_path: str, overrides, impl: str):
   state = [setup.init_state()]
   batch = trainer.global_batch(setup, next(setup.train_iter()))
   step = trainer.make_train_step(setup).lower(state[0], batch).compile()
+  schedule = trainer.schedule_of(setup)
 
   def run(n):
     t0 = time.perf_counter()
     for _ in range(n):
-      state[0], m = step(state[0], batch)
+      state[0], m = step(state[0], batch, schedule)
     jax.block_until_ready(m)
     return time.perf_counter() - t0
   return run, cfg

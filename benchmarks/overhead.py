@@ -114,7 +114,9 @@ class Pair:
     self.tx = ref.make_optimizer(self.hp)
     self.opt_state = self.tx.init(self.params)
     t0 = time.perf_counter()
-    self.nt_step = trainer.make_train_step(self.setup).lower(self.state, self.batch).compile()
+    compiled = trainer.make_train_step(self.setup).lower(self.state, self.batch).compile()
+    schedule = trainer.schedule_of(self.setup)
+    self.nt_step = lambda state, batch: compiled(state, batch, schedule)
     self.nt_compile_s = time.perf_counter() - t0
     x, y = self.batch["inputs"], self.batch["targets"]
     t0 = time.perf_counter()

@@ -146,12 +146,14 @@ def measure_layout(path, overrides, name, shape, *, steps, timed_steps, repeats)
     compiled = programs.compile_lowered(trainer.make_train_step(setup).lower(state, batches[0]),
                                         setup.backend)
     row["compile_s"] = time.perf_counter() - t0
+    schedule = trainer.schedule_of(setup)
+    step = lambda state, batch: compiled(state, batch, schedule)
     row["state_bytes"] = _local_bytes((state["params"], state["opt_state"]))
     row["losses"] = []
     for b in batches[:steps]:  # fresh data each step, like training; doubles as warmup
-      state, m = compiled(state, b)
+      state, m = step(state, b)
       row["losses"].append(_scalar(m["loss"]))
-    row["step_s_all"] = _time_windows(compiled, state, batches[-1], timed_steps, repeats)
+    row["step_s_all"] = _time_windows(step, state, batches[-1], timed_steps, repeats)
   except Exception as e:  # a layout that does not fit in device memory is a result
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
@@ -163,14 +165,14 @@ def measure_layout(path, overrides, name, shape, *, steps, timed_steps, repeats)
   return row
 
 
-def _time_windows(compiled, state, batch, timed_steps, repeats) -> list:
+def _time_windows(step, state, batch, timed_steps, repeats) -> list:
   """Seconds per step of each timed window (the state is donated, so it is threaded through)."""
   import jax
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
     for _ in range(timed_steps):
-      state, m = compiled(state, batch)
+      state, m = step(state, batch)
     jax.block_until_ready((state, m))
     times.append((time.perf_counter() - t0) / timed_steps)
   return times

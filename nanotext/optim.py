@@ -52,7 +52,14 @@ def group_labels(state):
   return labels.to_pure_dict() if hasattr(labels, "to_pure_dict") else labels
 
 
-def lr_factor(optim_cfg, total_steps: int, xp=jnp):
+def schedule_values(optim_cfg, total_steps: int) -> tuple:
+  """(total steps, cooldown steps) of a run of `total_steps`, as Python floats: the numbers the
+  schedule divides by (the train step takes them as an argument, `lr_factor`)."""
+  span = optim_cfg.cooldown_frac * total_steps  # cooldown steps, fractional as the record's
+  return float(total_steps), float(int(span) if optim_cfg.cooldown_whole_steps else span)
+
+
+def lr_factor(optim_cfg, total_steps, xp=jnp):
   """Schedule multiplier: linear warmup, constant, then linear cooldown to final_lr_frac.
 
   The cooldown is the last cooldown_frac of the run's progress, as the record's get_lr
@@ -61,17 +68,26 @@ def lr_factor(optim_cfg, total_steps: int, xp=jnp):
   product is whole). Rounding the product to whole steps moves the cooldown's rates whenever it
   is fractional (at 12 steps 0.82 for the record's 0.85 at step 8), but is the JAX port's
   schedule (int(N * 0.4) warmdown steps): optim.cooldown_whole_steps.
-  `xp` is jnp inside optax, or numpy for host-side logging (no device work, no compilation).
+  `total_steps` is an int, or inside the train step its float32 [2] argument holding
+  schedule_values (so runs that differ only in train.steps share one compiled program; the
+  values are the same float32 numbers either way). `xp` is jnp inside optax, or numpy for
+  host-side logging (no device work, no compilation).
   """
   warmup = optim_cfg.warmup_steps
-  span = optim_cfg.cooldown_frac * total_steps  # cooldown steps, fractional as the record's
-  if optim_cfg.cooldown_whole_steps:
-    span = int(span)
+  if isinstance(total_steps, (int, np.integer)):
+    total, span = schedule_values(optim_cfg, int(total_steps))
+  else:
+    total, span = total_steps[0], total_steps[1]
   final = optim_cfg.final_lr_frac
+
   def factor(step):
     step = xp.asarray(step, xp.float32)
     up = xp.minimum(1.0, (step + 1) / warmup) if warmup else 1.0
-    frac_left = xp.clip((total_steps - step) / span, 0.0, 1.0) if span else 1.0
+    if isinstance(span, float):
+      frac_left = xp.clip((total - step) / span, 0.0, 1.0) if span else 1.0
+    else:  # traced: no cooldown where it is 0 steps long
+      frac_left = xp.where(span > 0, xp.clip((total - step) / xp.where(span > 0, span, 1.0),
+                                             0.0, 1.0), 1.0)
     down = final + (1 - final) * frac_left
     return up * down
   return factor
@@ -282,8 +298,9 @@ def in_float32(tx) -> optax.GradientTransformation:
   return optax.GradientTransformation(tx.init, update)
 
 
-def make_optimizer(optim_cfg, labels, total_steps: int) -> optax.GradientTransformation:
-  """The optimizer named by optim.name, over params whose groups are given by `labels`."""
+def make_optimizer(optim_cfg, labels, total_steps) -> optax.GradientTransformation:
+  """The optimizer named by optim.name, over params whose groups are given by `labels`, for a
+  run of `total_steps` (an int, or the train step's schedule argument: `lr_factor`)."""
   factor = lr_factor(optim_cfg, total_steps)
   clip = [optax.clip_by_global_norm(optim_cfg.grad_clip)] if optim_cfg.grad_clip else []
   if optim_cfg.name == "adamw":

@@ -45,14 +45,17 @@ def windows_args(run: Run, program) -> tuple:
 @dataclasses.dataclass
 class Programs:
   """Compiled step programs and the one serving each stage (windows, row length): calling it
-  with a stage runs that program, giving it the stage's windows where it takes them at run time."""
+  with a stage runs that program, giving it the train step's schedule argument and the stage's
+  windows where it takes them at run time."""
   plan: dict     # stage -> window_schedule.Program
   execs: dict    # Program -> compiled executable
   windows: dict  # per-layer windows -> replicated int32 [layers] device array (runtime programs)
+  extra: tuple = ()  # train programs: (trainer.schedule_of(run),)
 
   def __call__(self, stage, *args):
     program = self.plan[stage]
-    return self.execs[program](*args, *((self.windows[stage[0]],) if program.runtime else ()))
+    return self.execs[program](*args, *self.extra,
+                               *((self.windows[stage[0]],) if program.runtime else ()))
 
   def __len__(self) -> int:
     return len(self.execs)
@@ -101,7 +104,8 @@ def compile_all(run: Run, jobs, log=print) -> list:
     windows = {w: jax.make_array_from_callback((n_layers,), replicated,
                                                lambda i, w=w: np.asarray(w, np.int32)[i])
                for (w, _), p in stage_plan.items() if p.runtime}
-    out.append(Programs(stage_plan, execs[kind], windows))
+    out.append(Programs(stage_plan, execs[kind], windows,
+                        (trainer.schedule_of(run),) if kind == "train" else ()))
   return out
 
 

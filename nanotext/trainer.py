@@ -13,7 +13,7 @@ from nanotext.model.loss import loss_fn
 
 
 def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = False):
-  """jit(state, batch) -> (state, metrics), state donated, with gradient accumulation.
+  """A TrainStep: (state, batch) -> (state, metrics), state donated, with gradient accumulation.
 
   `windows` (a tuple of static per-layer ints, one attention.window_schedule stage) and
   `seq_len` (a train.seq_len_start warmup length; 0 = the batch's) are baked into the program.
@@ -28,7 +28,7 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
   were when train.on_nonfinite=skip (selected on device: no host sync); with abort the host
   stops the run when it reads the step's metrics, before that state is checkpointed.
   """
-  accum, graphdef, tx = run.cfg.train.grad_accum, run.graphdef, run.tx
+  accum, graphdef = run.cfg.train.grad_accum, run.graphdef
   skip = run.cfg.train.on_nonfinite == "skip"
   row_sum = run.cfg.train.loss_reduction == "row_sum"
 
@@ -45,7 +45,7 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
     a = a_BT.reshape(b // accum, accum, t).swapaxes(0, 1)
     return sharding.constrain(a, (None, "batch", "act_length"))
 
-  def step_fn(state, batch, *runtime_windows):
+  def step_fn(state, batch, schedule, *runtime_windows):
     live = runtime_windows[0] if runtime_windows else None
     B, T = batch["inputs"].shape
     cut = T // seq_len if seq_len and seq_len < T else 1
@@ -67,7 +67,7 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
         loss, grads = loss / n_micro, jax.tree.map(lambda g: g / n_micro, grads)
       # The logged norm is of the mean loss's gradient, whichever loss_reduction steps.
       grad_norm = optax.global_norm(grads) / (T // cut if row_sum else 1)
-      updates, opt_state = tx.update(grads, state["opt_state"], params)
+      updates, opt_state = run.tx_at(schedule).update(grads, state["opt_state"], params)
       new_params = optax.apply_updates(params, updates)
       if skip:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -78,8 +78,40 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
     return new_state(state["step"] + 1, new_params, opt_state), metrics
 
   batch_sh = {"inputs": run.batch_sharding, "targets": run.batch_sharding}
-  return jax.jit(step_fn, in_shardings=(run.state_shardings, batch_sh) + windows_sharding(run, runtime),
-                 out_shardings=(run.state_shardings, None), donate_argnums=0)
+  replicated = NamedSharding(run.mesh, P())
+  return TrainStep(jax.jit(step_fn, in_shardings=(run.state_shardings, batch_sh, replicated)
+                           + windows_sharding(run, runtime),
+                           out_shardings=(run.state_shardings, None), donate_argnums=0), run)
+
+
+class TrainStep:
+  """The jitted train step, called, traced and lowered as (state, batch[, windows]): it supplies
+  the program's schedule argument, the run's float32 [train.steps, cooldown steps]
+  (Run.schedule), so that runs differing only in train.steps share one compiled program. A
+  compiled step takes it explicitly: compiled(state, batch, schedule_of(run)[, windows])."""
+
+  def __init__(self, jitted, run: Run):
+    self.jitted, self.run, self._schedule = jitted, run, None
+
+  def __call__(self, state, batch, *windows):
+    if self._schedule is None:
+      self._schedule = schedule_of(self.run)
+    return self.jitted(state, batch, self._schedule, *windows)
+
+  def trace(self, state, batch, *windows):
+    return self.jitted.trace(state, batch, self._spec(), *windows)
+
+  def lower(self, state, batch, *windows):
+    return self.jitted.lower(state, batch, self._spec(), *windows)
+
+  def _spec(self):
+    return jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(self.run.mesh, P()))
+
+
+def schedule_of(run: Run) -> jax.Array:
+  """The run's schedule argument on its devices, replicated (no transfer per step)."""
+  values = run.schedule()
+  return jax.make_array_from_callback((2,), NamedSharding(run.mesh, P()), lambda i: values[i])
 
 
 def make_eval_step(run: Run, windows=None, runtime: bool = False):

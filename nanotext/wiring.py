@@ -11,6 +11,7 @@ import dataclasses
 from absl import logging
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.experimental import multihost_utils
@@ -40,6 +41,16 @@ class Run:
   num_params: int
   eot_id: int | None  # set when attention.doc_mask: documents start at this token
   memory: object = None  # the memory.Plan that checked (and chose) remat and loss chunks
+  labels: object = None  # each parameter's optimizer group (optim.group_labels)
+
+  def tx_at(self, schedule):
+    """The optimizer as the train step applies it: its schedule's numbers from `schedule`, the
+    step's float32 [total steps, cooldown steps] argument (optim.lr_factor)."""
+    return optim.make_optimizer(self.cfg.optim, self.labels, schedule)
+
+  def schedule(self) -> np.ndarray:
+    """The train step's schedule argument for this run's train.steps (optim.schedule_values)."""
+    return np.asarray(optim.schedule_values(self.cfg.optim, self.cfg.train.steps), np.float32)
 
   def create_model(self, seed=None) -> GPT:
     """A GPT of this run's config (parameters initialised from `seed`, an int or a traced
@@ -216,7 +227,8 @@ def build(cfg, mesh) -> Run:
   graphdef, abstract, impl = gpt.abstract_model(cfg, backend)
   check_divisible(cfg, abstract, rules)
   specs = sharding.param_specs(abstract).to_pure_dict()
-  tx = optim.make_optimizer(cfg.optim, optim.group_labels(abstract), cfg.train.steps)
+  labels = optim.group_labels(abstract)
+  tx = optim.make_optimizer(cfg.optim, labels, cfg.train.steps)
   param_sh = sharding.shardings_of(specs, mesh, rules)
   abstract_params = abstract.to_pure_dict()
   opt_shapes = jax.eval_shape(tx.init, abstract_params)
@@ -224,7 +236,8 @@ def build(cfg, mesh) -> Run:
   opt_sh = sharding.like_params(opt_shapes, param_sh, abstract_params, replicated)
   state_sh = new_state(replicated, param_sh, opt_sh)
   return Run(cfg, mesh, backend, impl, rules, graphdef, tx, state_sh,
-             sharding.batch_sharding(mesh, rules), count_params(abstract_params), eot_id)
+             sharding.batch_sharding(mesh, rules), count_params(abstract_params), eot_id,
+             labels=labels)
 
 
 def check_divisible(cfg, abstract, rules) -> None:

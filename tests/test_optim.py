@@ -80,6 +80,39 @@ def test_cooldown_whole_steps_is_the_ports_schedule():
                                rtol=1e-6)
   assert optim.lr_factor(cfg, 12, xp=np)(8) != pytest.approx(0.85)  # the fraction's value
 
+@pytest.mark.parametrize("overrides", [
+    ["optim.warmup_steps=10", "optim.cooldown_frac=0.45"],  # a fractional cooldown (the record's)
+    ["optim.cooldown_frac=0.4", "optim.cooldown_whole_steps=true"],  # whole steps (the port's)
+    ["optim.cooldown_frac=0.37", "optim.final_lr_frac=0.1"],
+    ["optim.cooldown_frac=0"]])  # no cooldown
+def test_the_schedule_as_the_train_steps_argument_is_the_same_float32_numbers(overrides):
+  """The train step takes [total, cooldown steps] as an argument (one program for every
+  train.steps): its schedule equals, bit for bit, the one with them as constants (the host's,
+  for the log, to float32 rounding)."""
+  cfg = optim_cfg(BASE, *overrides)
+  for n in (1, 12, 75, 1770):
+    steps = jnp.arange(n + 1, dtype=jnp.int32)
+    const = jax.jit(jax.vmap(optim.lr_factor(cfg, n)))(steps)
+    arg = jax.jit(lambda s, sched: jax.vmap(optim.lr_factor(cfg, sched))(s))(
+        steps, jnp.asarray(optim.schedule_values(cfg, n), jnp.float32))
+    host = [optim.lr_factor(cfg, n, xp=np)(s) for s in range(n + 1)]
+    np.testing.assert_array_equal(np.asarray(arg), np.asarray(const), err_msg=f"{overrides} {n}")
+    np.testing.assert_allclose(np.asarray(arg), np.asarray(host, np.float32), rtol=1e-6)
+
+
+def test_runs_that_differ_only_in_train_steps_share_one_train_program():
+  from conftest import TINY
+  from nanotext import trainer
+  texts = []
+  for steps in (4, 6, 1000):
+    run = wiring.prepare(SPEEDRUN, TINY + ["model.mlp_dim=0", f"train.steps={steps}"])
+    batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=run.batch_sharding)
+             for k in ("inputs", "targets")}
+    texts.append(trainer.make_train_step(run).lower(run.abstract_state(), batch).as_text())
+    np.testing.assert_array_equal(run.schedule(), np.float32([steps, 0.4 * steps]))
+  assert texts[0] == texts[1] == texts[2]
+
+
 def test_muon_momentum_warmup():
   m = optim.muon_momentum(optim_cfg())
   np.testing.assert_allclose([m(0), m(150), m(300), m(1000)], [0.85, 0.90, 0.95, 0.95],
