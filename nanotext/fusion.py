@@ -145,10 +145,12 @@ def _inner(e) -> list:
   return out
 
 
-def peak_live(jaxpr, size_of, opaque=lambda eqn: False, backend: str = "") -> float:
+def peak_live(jaxpr, size_of, opaque=lambda eqn: False, backend: str = "",
+              accumulated=lambda eqn: False) -> float:
   """Most bytes of materialised values alive at once while `jaxpr` runs in program order
   on `backend` (its arguments not counted): a forward pass's working set. An `opaque` eqn counts
-  its outputs only, not what runs inside it."""
+  its outputs only, not what runs inside it; an `accumulated` one holds its outputs twice while
+  it runs (a sum of partial products and the next partial product)."""
   g = _Graph(jaxpr, REPEATED.get(backend, frozenset()), FORWARD.get(backend, frozenset()))
   last, readers, twice = {}, {}, backend in SKIPS_TWICE
   for i, e in enumerate(jaxpr.eqns):
@@ -173,8 +175,8 @@ def peak_live(jaxpr, size_of, opaque=lambda eqn: False, backend: str = "") -> fl
       continue
     size = sum(bytes_of(v) for v in e.outvars if v in last)
     inner = 0.0 if opaque(e) else \
-        max((peak_live(j, size_of, opaque, backend) for j in _inner(e)), default=0.0)
-    peak = max(peak, live + inner + size)
+        max((peak_live(j, size_of, opaque, backend, accumulated) for j in _inner(e)), default=0.0)
+    peak = max(peak, live + inner + size * (2 if accumulated(e) else 1))
     live += size - sum(bytes_of(a) for a in dies.get(i, ()))
   return peak
 

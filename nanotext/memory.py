@@ -74,6 +74,15 @@ def nbytes(x) -> int:
 _MODELS: dict = {}
 
 
+def head_matmul(eqn, d_model: int, vocab: int) -> bool:
+  """Whether `eqn` is the head's matmul: [.., d_model] x [d_model, vocab] (either layout)."""
+  if eqn.primitive.name != "dot_general":
+    return False
+  (_, contracted), _ = eqn.params["dimension_numbers"]
+  rhs = eqn.invars[1].aval.shape
+  return vocab in rhs and len(contracted) == 1 and rhs[contracted[0]] == d_model
+
+
 def model_of(cfg, backend: str, mesh_sizes: dict) -> "Model":
   """Model(cfg, backend, mesh_sizes), kept for the next run of the same model and training
   (tests and benchmarks build many runs that differ only in where they write)."""
@@ -100,6 +109,12 @@ class Model:
     self.cfg, self.backend, self.mesh_sizes = cfg, backend, dict(mesh_sizes)
     self.graphdef, abstract, self.impl = abstract_model(cfg, backend)
     rules = sharding.parse_rules(cfg.mesh.rules)
+    # A TPU runs a matmul whose contracting dimension is split over devices as a windowed
+    # einsum, adding each device's partial product into an accumulator: the head's output is
+    # held twice while it runs (modded_nanogpt_jax.yml's v6e-8 eval: two [16384, 50304] bf16
+    # buffers at its peak, in the compiler's buffer assignment).
+    self.head_accumulates = backend == "tpu" and \
+        sharding.shard_count(("embed",), rules, mesh_sizes) > 1
     self.params = abstract.to_pure_dict()
     specs = sharding.param_specs(abstract).to_pure_dict()
     shards = jax.tree.map(lambda s: sharding.shard_count(tuple(s), rules, mesh_sizes), specs,
@@ -275,8 +290,11 @@ class Model:
         closed = jax.make_jaxpr(lambda p, x, y: loss_fn(
             graphdef, p, x, y, eot, windows, chunk, train=False))(self.params, tokens, tokens)
       flash = self.impl in FLASH_KERNELS  # traced as blocked: its work inside is not theirs
+      m = self.cfg.model
+      head = lambda e: self.head_accumulates and head_matmul(e, m.d_model, m.vocab_size)
       self._traces[("eval", chunk)] = peak_live(
-          closed.jaxpr, self.stored_bytes, lambda e: flash and scope(e) == "kernel", self.backend)
+          closed.jaxpr, self.stored_bytes, lambda e: flash and scope(e) == "kernel", self.backend,
+          accumulated=head)
     return _estimate("eval step", parameters=self.param_bytes, batch=2 * 4 * rows * length,
                      gathered_parameters=self.gathered_bytes,
                      gemm_workspace=self.workspace_bytes(),

@@ -127,6 +127,30 @@ def test_the_speedrun_recipe_recomputes_on_a_v6e_chip_and_not_on_an_h100():
 
 
 @pytest.mark.fast
+def test_a_tpu_eval_holds_the_heads_output_twice_where_its_contracting_dim_is_split():
+  """A TPU adds each device's partial product of a matmul whose contracting dim is split into an
+  accumulator (a windowed einsum): while the head runs, its output is alive twice. Only the head
+  (found by its [d_model, vocab] weight), only on a TPU, only where embed is split (FSDP)."""
+  import jax.numpy as jnp
+  from nanotext.fusion import peak_live
+  d, v, n = 64, 512, 256
+  def head(x, w):
+    return jnp.sum(jax.nn.logsumexp(jnp.dot(x, w), axis=-1))
+  jaxpr = jax.make_jaxpr(head)(jnp.ones((n, d)), jnp.ones((d, v))).jaxpr
+  size = lambda a: a.size * a.dtype.itemsize
+  matmuls = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert len(matmuls) == 1 and memory.head_matmul(matmuls[0], d, v)
+  assert not memory.head_matmul(matmuls[0], d, 1024)  # another vocabulary: not the head
+  once = peak_live(jaxpr, size)
+  twice = peak_live(jaxpr, size, accumulated=lambda e: memory.head_matmul(e, d, v))
+  assert n * v * 4 <= once < twice == 2 * n * v * 4  # the float32 [n, v] output, twice at the dot
+  model = lambda backend, fsdp: memory.Model(
+      config.load(BASE, TINY), backend, mesh_sizes(fsdp=fsdp))
+  assert model("tpu", 8).head_accumulates
+  assert not model("tpu", 1).head_accumulates and not model("gpu", 8).head_accumulates
+
+
+@pytest.mark.fast
 def test_a_resumed_run_keeps_its_choice_where_it_fits():
   prefer = {"model.remat": "dots", "train.loss_chunk": 128, "train.eval_loss_chunk": 0}
   cfg, plan = planned(SPEEDRUN, SMALL_SPEEDRUN, 64 * GIB, backend="tpu", prefer=prefer)
