@@ -31,7 +31,9 @@ def define_flags():
                       "(train window stages), eval, or program names as printed (train@1792).")
   flags.DEFINE_string("json", "", "Write one JSON record per program to this file.")
   flags.DEFINE_string("hlo_dir", "", "Write each program's optimized HLO text to DIR/NAME.hlo "
-                      "(what the kernel inventory and the estimate read).")
+                      "(what the kernel inventory and the estimate read), and the compiler's "
+                      "own dumps to DIR/NAME/: its buffer assignment and memory-usage report "
+                      "(which buffers make up the memory figure).")
   flags.DEFINE_bool("peak", False, "Also print the largest values alive at each program's peak, "
                     "from a live-range walk of its scheduled HLO (where the memory goes).")
   flags.DEFINE_float("min_headroom", 0.10, "Fraction of HBM a program must leave free to count "
@@ -128,6 +130,9 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
     args = (state, abstract_batch(run))
   args += windows_args(run, program)
   options = gpus.COMPILER_OPTIONS if run.backend == "gpu" else None
+  if hlo_dir:  # XLA's dumps, as compile options: libtpu does not read XLA_FLAGS
+    options = {**(options or {}), "xla_dump_to": os.path.join(hlo_dir, name),
+               "xla_dump_hlo_as_text": True}
   t0, cpu0 = time.perf_counter(), time.process_time()
   stage = "trace"
   try:

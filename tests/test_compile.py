@@ -94,11 +94,16 @@ def test_a_kernel_that_repeats_is_generated_once_on_a_tpu(monkeypatch):
 
 @pytest.mark.tpu
 def test_tpu_compile_uses_mosaic_kernels_and_reports(tmp_path):
-  out = tmp_path / "fit.jsonl"
+  out, hlo = tmp_path / "fit.jsonl", tmp_path / "hlo"
   proc = run_cli("nanotext.compile", BASE, *SMALL, "--topology=v5p-16",
-                 f"--json={out}")
+                 f"--json={out}", f"--hlo_dir={hlo}")
   assert proc.returncode == 0, proc.stderr
   assert "verdict: fits v5p-16" in proc.stdout
+  # The optimized HLO, and libtpu's own buffer assignment and memory report of each program.
+  for name in ("train", "eval"):
+    assert "ENTRY" in (hlo / f"{name}.hlo").read_text()
+    (report,) = (hlo / name).glob("*memory-usage-report.txt")
+    assert "Total bytes" in report.read_text()
   recs = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["name"] for r in recs] == ["train", "eval"]
   for r in recs:
