@@ -31,9 +31,7 @@ def define_flags():
                       "(train window stages), eval, or program names as printed (train@1792).")
   flags.DEFINE_string("json", "", "Write one JSON record per program to this file.")
   flags.DEFINE_string("hlo_dir", "", "Write each program's optimized HLO text to DIR/NAME.hlo "
-                      "(what the kernel inventory and the estimate read), and the compiler's "
-                      "own dumps to DIR/NAME/: its buffer assignment and memory-usage report "
-                      "(which buffers make up the memory figure).")
+                      "and XLA's dumps (buffer assignment, memory-usage report) to DIR/NAME/.")
   flags.DEFINE_bool("peak", False, "Also print the largest values alive at each program's peak, "
                     "from a live-range walk of its scheduled HLO (where the memory goes).")
   flags.DEFINE_float("min_headroom", 0.10, "Fraction of HBM a program must leave free to count "
@@ -113,8 +111,7 @@ def eval_batch(run) -> dict:
 def compile_program(run, name, program, memory_bytes: int, min_headroom: float = 0.0,
                     peaks=None, hlo_dir: str = "", peak: bool = False) -> dict:
   """Compile one program (a window_schedule.Program) for the run's devices; its record. An HBM
-  overflow is a record too, and so is a failure at any stage (`error`, `stage`: trace, lowering
-  or XLA)."""
+  overflow, or a failure at any stage (`error`, `stage`: trace, lowering, XLA), is one too."""
   from nanotext import gpus, trainer
   from nanotext.programs import compile_lowered, windows_args
   state = run.abstract_state()
@@ -130,9 +127,8 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
     args = (state, abstract_batch(run))
   args += windows_args(run, program)
   options = gpus.COMPILER_OPTIONS if run.backend == "gpu" else None
-  if hlo_dir:  # XLA's dumps, as compile options: libtpu does not read XLA_FLAGS
-    options = {**(options or {}), "xla_dump_to": os.path.join(hlo_dir, name),
-               "xla_dump_hlo_as_text": True}
+  if hlo_dir:  # XLA's own dumps, as options: libtpu reads no XLA_FLAGS
+    options = dict(options or {}, xla_dump_to=f"{hlo_dir}/{name}", xla_dump_hlo_as_text=True)
   t0, cpu0 = time.perf_counter(), time.process_time()
   stage = "trace"
   try:
@@ -159,8 +155,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
   if hlo_dir:
     from nanotext.data.fileio import atomic_write
     path = os.path.join(hlo_dir, f"{name}.hlo")
-    try:
-      os.makedirs(hlo_dir, exist_ok=True)
+    try:  # (atomic_write makes the folder)
       atomic_write(path, [compiled.as_text().encode()])
     except OSError as e:
       raise os_error(e, f"cannot write --hlo_dir file '{path}'") from None
