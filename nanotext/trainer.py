@@ -78,8 +78,8 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
     return new_state(state["step"] + 1, new_params, opt_state), metrics
 
   batch_sh = {"inputs": run.batch_sharding, "targets": run.batch_sharding}
-  replicated = NamedSharding(run.mesh, P())
-  return TrainStep(jax.jit(step_fn, in_shardings=(run.state_shardings, batch_sh, replicated)
+  return TrainStep(jax.jit(step_fn, in_shardings=(run.state_shardings, batch_sh,
+                                                  schedule_spec(run).sharding)
                            + windows_sharding(run, runtime),
                            out_shardings=(run.state_shardings, None), donate_argnums=0), run)
 
@@ -99,19 +99,21 @@ class TrainStep:
     return self.jitted(state, batch, self._schedule, *windows)
 
   def trace(self, state, batch, *windows):
-    return self.jitted.trace(state, batch, self._spec(), *windows)
+    return self.jitted.trace(state, batch, schedule_spec(self.run), *windows)
 
   def lower(self, state, batch, *windows):
-    return self.jitted.lower(state, batch, self._spec(), *windows)
+    return self.jitted.lower(state, batch, schedule_spec(self.run), *windows)
 
-  def _spec(self):
-    return jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(self.run.mesh, P()))
+
+def schedule_spec(run: Run) -> jax.ShapeDtypeStruct:
+  """The train step's schedule argument, abstract: float32 [2], replicated."""
+  return jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(run.mesh, P()))
 
 
 def schedule_of(run: Run) -> jax.Array:
-  """The run's schedule argument on its devices, replicated (no transfer per step)."""
-  values = run.schedule()
-  return jax.make_array_from_callback((2,), NamedSharding(run.mesh, P()), lambda i: values[i])
+  """The run's schedule argument on its devices (no transfer per step)."""
+  spec, values = schedule_spec(run), run.schedule()
+  return jax.make_array_from_callback(spec.shape, spec.sharding, lambda i: values[i])
 
 
 def make_eval_step(run: Run, windows=None, runtime: bool = False):

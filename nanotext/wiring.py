@@ -35,18 +35,22 @@ class Run:
   impl: str  # the attention kernel resolved for that platform
   rules: tuple
   graphdef: object
-  tx: object
+  labels: object  # each parameter's optimizer group (optim.group_labels)
   state_shardings: dict
   batch_sharding: NamedSharding
   num_params: int
   eot_id: int | None  # set when attention.doc_mask: documents start at this token
   memory: object = None  # the memory.Plan that checked (and chose) remat and loss chunks
-  labels: object = None  # each parameter's optimizer group (optim.group_labels)
 
-  def tx_at(self, schedule):
-    """The optimizer as the train step applies it: its schedule's numbers from `schedule`, the
-    step's float32 [total steps, cooldown steps] argument (optim.lr_factor)."""
-    return optim.make_optimizer(self.cfg.optim, self.labels, schedule)
+  @property
+  def tx(self):
+    """The optimizer of a run of train.steps (its state's layout, host-side use)."""
+    return self.tx_at(self.cfg.train.steps)
+
+  def tx_at(self, total_steps):
+    """The optimizer for `total_steps`: an int, or the train step's float32 [total steps,
+    cooldown steps] argument (optim.lr_factor)."""
+    return optim.make_optimizer(self.cfg.optim, self.labels, total_steps)
 
   def schedule(self) -> np.ndarray:
     """The train step's schedule argument for this run's train.steps (optim.schedule_values)."""
@@ -235,9 +239,8 @@ def build(cfg, mesh) -> Run:
   replicated = NamedSharding(mesh, P())
   opt_sh = sharding.like_params(opt_shapes, param_sh, abstract_params, replicated)
   state_sh = new_state(replicated, param_sh, opt_sh)
-  return Run(cfg, mesh, backend, impl, rules, graphdef, tx, state_sh,
-             sharding.batch_sharding(mesh, rules), count_params(abstract_params), eot_id,
-             labels=labels)
+  return Run(cfg, mesh, backend, impl, rules, graphdef, labels, state_sh,
+             sharding.batch_sharding(mesh, rules), count_params(abstract_params), eot_id)
 
 
 def check_divisible(cfg, abstract, rules) -> None:
