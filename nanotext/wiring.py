@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 from nanotext import (checkpoint, config, device_memory, memory_plan, metrics, optim, params_from,
                       rundir, sharding, watch, window_schedule)
 from nanotext.errors import UserError
-from nanotext.model import attention, count_params, GPT, gpt, loss
+from nanotext.model import attention, count_params, GPT, gpt, Keys, loss
 from nanotext.data import pipeline, registry
 from nanotext.data.fingerprint import fingerprint_change
 from nanotext.data.prepare import default_dir
@@ -61,7 +61,7 @@ class Run:
     one; default cfg.seed)."""
     seed = self.cfg.seed if seed is None else seed
     return GPT(self.cfg.model, self.cfg.attention, impl=self.impl,
-               rngs=nnx.Rngs(jax.random.key(seed)))
+               rngs=Keys(jax.random.key(seed)))
 
   def init_state(self):
     """Params and optimizer state created directly in their shardings (no host copy). The

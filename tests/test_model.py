@@ -176,3 +176,26 @@ def test_shared_lookup_is_one_float32_scatter():
   count = lambda f: len(re.findall(r" scatter\(", jax.jit(jax.grad(f)).lower(tables).compile()
                                    .as_text()))
   assert (count(ours), count(plain)) == (1, 3)
+
+
+SCANNED = ["model.scan_layers=true", "model.tie_embeddings=false"]  # a head made after the blocks
+
+
+@pytest.mark.parametrize("path,extra", [(BASE, []), (SPEEDRUN, ["model.num_layers=4"]),
+                                        (BASE, SCANNED)])
+def test_init_keys_are_nnx_rngs_sequence(path, extra):
+  """Models are built with layers.Keys (a Python count: no traced count per parameter); their
+  parameters are those nnx.Rngs(key) gives, in a jitted init with a traced seed (as
+  Run.init_state), scanned layers (nnx.split_rngs, and what is made after them) included."""
+  from nanotext import config
+  from nanotext.model import GPT, Keys
+  cfg = config.load(path, SMALL + extra)
+
+  def params(rngs_of, seed):
+    return nnx.state(GPT(cfg.model, cfg.attention, rngs=rngs_of(jax.random.key(seed))))
+  by_keys = jax.jit(lambda s: params(Keys, s))
+  by_rngs = jax.jit(lambda s: params(nnx.Rngs, s))
+  for seed in (0, 3):
+    got, want = by_keys(seed), by_rngs(seed)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -1,5 +1,6 @@
 """flax.nnx model family."""
 
 from nanotext.model.gpt import GPT, count_params
+from nanotext.model.layers import Keys
 
-__all__ = ["GPT", "count_params"]
+__all__ = ["GPT", "Keys", "count_params"]

@@ -11,8 +11,8 @@ from nanotext.window_schedule import layer_windows
 from nanotext.model.attention import CausalSelfAttention
 from nanotext.model.head_loss import head_loss_sum
 from nanotext.model.kernels.dispatch import resolve_impl
-from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul, init_array,
-                                   lookup, param, proj_std, scaled_sum, weight_std)
+from nanotext.model.layers import (Embed, Keys, Linear, Norm, fp8_head_scales, fp8_matmul,
+                                   init_array, lookup, param, proj_std, scaled_sum, weight_std)
 
 
 CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
@@ -82,8 +82,8 @@ def abstract_model(cfg, backend: str):
                       seq_len=cfg.train.seq_len, window=cfg.attention.window,
                       block_windows=cfg.attention.block_windows,
                       doc_mask=cfg.attention.doc_mask)
-  graphdef, abstract = nnx.split(nnx.eval_shape(
-      lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=nnx.Rngs(cfg.seed))))  # no arrays
+  build = lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=Keys(jax.random.key(cfg.seed)))
+  graphdef, abstract = nnx.split(nnx.eval_shape(build))  # no arrays
   return graphdef, abstract, impl
 
 
@@ -161,7 +161,7 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
   """Decoder-only transformer: tokens [B, T] -> logits [B, T, V] (float32)."""
 
-  def __init__(self, cfg, attn_cfg, *, impl: str = "xla", rngs: nnx.Rngs):
+  def __init__(self, cfg, attn_cfg, *, impl: str = "xla", rngs: Keys | nnx.Rngs):
     self.softcap = float(cfg.logit_softcap)
     # The record keeps 50,257-row bf16 tables and pads only the head (to 50,304).
     rows = cfg.embed_rows if cfg.embed_rows > 0 else cfg.vocab_size  # -1 left by an unfinalized cfg
@@ -310,6 +310,9 @@ def remat_block(policy: str, window: int):
 
 def stacked_blocks(cfg, attn_cfg, impl, rngs) -> Block:
   """num_layers Blocks created at once (nnx.vmap): each parameter gets a leading `layers` axis."""
+  if isinstance(rngs, Keys):
+    rngs = rngs.split()
+
   @nnx.split_rngs(splits=cfg.num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
   def make(rngs):
