@@ -1,4 +1,4 @@
-"""benchmarks/overhead.py, reference_step.py and convergence.py on tiny shapes."""
+"""benchmarks/overhead.py, reference_step.py, convergence.py and build_time.py on tiny shapes."""
 
 import importlib.util
 import json
@@ -26,6 +26,7 @@ def _load(name):
 overhead = _load("overhead")
 convergence = _load("convergence")
 reference = _load("reference_step")
+build_time = _load("build_time")
 
 # GPT-2 as configs/base.yml, only small; a short warmup so the timed steps cross the schedule.
 SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
@@ -145,3 +146,11 @@ def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
   assert any(line.startswith("| test_two.py::test_compiles |") for line in lines[5:])
   assert lines[-3] == "| program | compiled | seconds | test files |"
   assert lines[-1].startswith("| jit_plus_one | 2 | ") and lines[-1].endswith(" | 1 |")
+
+
+def test_build_time_times_each_phase_and_tabulates():
+  got = build_time.times(BASE, "v6e-8", SMALL)
+  assert set(got) == {"model", "init trace", "plan"} and all(t > 0 for t in got.values())
+  text = build_time.table({(BASE, "a"): [got, got], (BASE, "b"): [got]}, ["a", "b"])
+  assert text.splitlines()[0] == "| config | tree | model, s | init trace, s | plan, s |"
+  assert text.count("| `base.yml` |") == 2
