@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from conftest import BASE, SPEEDRUN
-from nanotext import sharding, wiring
-from nanotext.model import count_params
+from nanotext import config, sharding, wiring
+from nanotext.model import GPT, Keys, count_params
 from nanotext.model import rope
 from nanotext.model.kernels.per_device import building_for
 from nanotext.model.rope import apply_rope, rope_frequencies
@@ -187,8 +187,6 @@ def test_init_keys_are_nnx_rngs_sequence(path, extra):
   """Models are built with layers.Keys (a Python count: no traced count per parameter); their
   parameters are those nnx.Rngs(key) gives, in a jitted init with a traced seed (as
   Run.init_state), scanned layers (nnx.split_rngs, and what is made after them) included."""
-  from nanotext import config
-  from nanotext.model import GPT, Keys
   cfg = config.load(path, SMALL + extra)
 
   def params(rngs_of, seed):
