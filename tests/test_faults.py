@@ -120,32 +120,60 @@ def saving(out) -> list:
   return [n for n in os.listdir(os.path.join(out, "checkpoints")) if "orbax-checkpoint-tmp" in n]
 
 
+def value_spans(step_dir) -> dict:
+  """{data file: [(offset, length), ...]}: the stored chunks a restore of the step's `state`
+  reads, from its OCDBT b-tree. Bytes elsewhere in a data file (b-tree nodes the merged
+  manifest no longer points to) are never read: damage there is no damage."""
+  import tensorstore as ts
+  state = os.path.join(step_dir, "state")
+  kv = ts.KvStore.open(f"file://{state}/").result()
+  spans, todo = {}, [ts.ocdbt.dump(kv).result()["versions"][-1]["root"]]
+
+  def refs(x):  # every location string inside a dumped manifest or node
+    if isinstance(x, dict):
+      return [r for v in x.values() for r in refs(v)]
+    if isinstance(x, list):
+      return [r for v in x for r in refs(v)]
+    return [x] if isinstance(x, str) and x.startswith(("btreenode:", "value:")) else []
+
+  while todo:
+    for ref in refs(todo.pop()):
+      kind, rest = ref.split(":", 1)
+      if kind == "btreenode":
+        todo.append(ts.ocdbt.dump(kv, ref).result())
+      else:  # "value:<prefix>:<file>:<offset>:<length>"
+        name, offset, length = rest.replace(":", "", 1).rsplit(":", 2)
+        spans.setdefault(os.path.join(state, name), []).append((int(offset), int(length)))
+  return spans
+
+
 def array_files(step_dir) -> list:
-  """The files of a step's `state` item that hold array chunks (OCDBT data files of 64 KiB or
-  more; the small ones are b-tree nodes, some not read at all once the manifests are merged)."""
-  out = []
-  for dirpath, _, files in os.walk(os.path.join(step_dir, "state")):
-    out += [os.path.join(dirpath, f) for f in files if os.path.basename(dirpath) == "d"]
-  return sorted((f for f in out if os.path.getsize(f) >= 1 << 16), key=os.path.getsize,
-                reverse=True)
+  """The data files of a step's `state` item that hold array chunks, largest first."""
+  return sorted(value_spans(step_dir), key=os.path.getsize, reverse=True)
+
+
+def read_bytes(step_dir, victim, count) -> list:
+  """`count` distinct random offsets in `victim` that a restore reads."""
+  offsets = np.concatenate([np.arange(o, o + n) for o, n in value_spans(step_dir)[victim]])
+  return sorted(int(at) for at in RNG.choice(offsets, count, replace=False))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_damaged_newest_step_falls_back_to_the_newest_intact_one(reference, tmp_path, damage):
   out = copy_of(reference, tmp_path)
   before = step_files(out)
-  files = array_files(os.path.join(out, "checkpoints", "6"))
+  where = os.path.join(out, "checkpoints", "6")
+  files = array_files(where)
   assert files, "no array files found"
   victim = files[RNG.integers(len(files))]
-  size = os.path.getsize(victim)
   with open(victim, "r+b") as f:
-    if damage == "truncate":
-      f.truncate(int(RNG.integers(size // 4, size)))
-    else:  # bytes overwritten in place: the file still parses, only the checksums notice
-      for at in RNG.choice(size, 4, replace=False):
-        f.seek(int(at))
+    if damage == "truncate":  # cut inside a chunk: a cut in the unread tail would lose nothing
+      f.truncate(read_bytes(where, victim, 1)[0])
+    else:  # bytes of chunks overwritten in place: the file still parses, the checksums notice
+      for at in read_bytes(where, victim, 4):
+        f.seek(at)
         byte = f.read(1)[0]
-        f.seek(int(at))
+        f.seek(at)
         f.write(bytes([byte ^ 0xFF]))
   _, lines = quiet_run(out)
   warnings = [l for l in lines if l.startswith("warning:")]
@@ -328,9 +356,11 @@ def test_verify_finds_damage_in_an_older_step_and_moves_nothing(reference, tmp_p
   assert clean.returncode == 0 and clean.stderr == "", clean.stderr  # no orbax INFO logs
   assert [l.split()[:3] for l in clean.stdout.splitlines()[1:]] == \
       [["step", s, "intact"] for s in ("6", "4", "2")]
-  victim = array_files(os.path.join(out, "checkpoints", "2"))[0]
-  with open(victim, "r+b") as f:
-    f.seek(os.path.getsize(victim) // 2)
+  where = os.path.join(out, "checkpoints", "2")
+  victim = array_files(where)[0]
+  offset, length = value_spans(where)[victim][0]
+  with open(victim, "r+b") as f:  # into a chunk: bytes past the chunks are never read
+    f.seek(offset + length // 2)
     f.write(b"\xde\xad\xbe\xef")
   before = step_files(out)
   proc = run_cli("nanotext.verify", out)
