@@ -49,6 +49,15 @@ TINY = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.he
         "checkpoint.every=0"]
 
 
+def compiling_env() -> dict:
+  """This environment without the shared compilation cache: a process started with it compiles
+  its programs, so a signal sent while it compiles cannot land after them (a cache hit loads
+  a program in a moment)."""
+  cache = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+  return {k: v for k, v in os.environ.items() if k not in cache}
+
+
 def train_command(pause: str | None = None) -> list:
   """The train CLI, or with `pause` ("STEP:MARKER") tests/pause_in_save.py holding that save."""
   if not pause:
@@ -98,6 +107,24 @@ def one_line_error(proc, *needles):
   assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), proc.stderr
   for n in needles:
     assert n in lines[0], lines[0]
+
+
+@pytest.fixture
+def restore_jax_cache_config():
+  """For a test whose run sets train.compile_cache_dir in-process: the worker's cache settings
+  as they were afterwards (its later compiles would go to the test's folder)."""
+  import jax
+  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+          "jax_persistent_cache_min_entry_size_bytes")
+  saved = {k: getattr(jax.config, k) for k in keys}
+  yield
+  for k, v in saved.items():
+    jax.config.update(k, v)
+  try:  # forget a cache this process may have opened in the test's directory
+    from jax._src import compilation_cache
+    compilation_cache.reset_cache()
+  except (ImportError, AttributeError):
+    pass
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 `python tests/pause_in_save.py STEP MARKER CONFIG [key=value ...]` runs
 `python -m nanotext.train CONFIG [key=value ...]` in this process; the save of STEP writes MARKER
-(this pid) and waits, up to a minute or until MARKER.go exists, so a test's signal or kill lands
+(this pid) and waits, up to ten minutes or until MARKER.go exists, so a test's signal or kill lands
 inside a save without polling for it. The production save carries no hook: the data item's
 handler is wrapped from here.
 """
@@ -23,7 +23,7 @@ def install(step: int, marker: str) -> None:
       return
     with open(marker, "w") as f:
       f.write(str(os.getpid()))
-    deadline = time.time() + 60
+    deadline = time.time() + 600  # a loaded machine's test may take minutes to get there
     while not os.path.exists(marker + ".go") and time.time() < deadline:
       time.sleep(0.05)
 

@@ -66,7 +66,7 @@ def start(out, devices: int, pause: str | None = None):
                           env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def wait_for(proc, condition, what: str, timeout: float = 120):
+def wait_for(proc, condition, what: str, timeout: float = 300):
   """Poll every 10 ms until `condition()`; fails if the process ends first."""
   deadline = time.time() + timeout
   while not condition():

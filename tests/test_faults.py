@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import BASE, REPO, TINY, one_line_error, run_cli, train_command
+from conftest import BASE, REPO, TINY, compiling_env, one_line_error, run_cli, train_command
 from nanotext import checkpoint
 from nanotext.errors import UserError
 from nanotext.train import run
 
-RNG = np.random.default_rng(11)  # one seed for every random choice below
+SEED = 11  # each test's random choices: np.random.default_rng(SEED), its own, whatever ran before
 ARGS = [o for o in TINY if not o.startswith(("train.steps", "train.eval_every",
                                              "checkpoint.every"))] + [
     "train.steps=6", "checkpoint.every=2", "checkpoint.keep=10", "train.eval_every=0",
@@ -101,12 +101,12 @@ def copy_of(reference, tmp_path) -> str:
   return out
 
 
-def start(out, *extra, pause_at=None):
+def start(out, *extra, pause_at=None, env=None):
   """`python -m nanotext.train` in the background; with pause_at, it waits inside that save."""
   marker = f"{out}.marker"
   log = open(f"{out}.log", "ab")
   proc = subprocess.Popen(train_command(pause_at and f"{pause_at}:{marker}") + [
-      BASE, *ARGS, f"output_dir={out}", *extra], cwd=REPO, stdout=log, stderr=log)
+      BASE, *ARGS, f"output_dir={out}", *extra], cwd=REPO, stdout=log, stderr=log, env=env)
   if pause_at is not None:
     deadline = time.time() + 300
     while not os.path.exists(marker):
@@ -152,25 +152,26 @@ def array_files(step_dir) -> list:
   return sorted(value_spans(step_dir), key=os.path.getsize, reverse=True)
 
 
-def read_bytes(step_dir, victim, count) -> list:
+def read_bytes(rng, step_dir, victim, count) -> list:
   """`count` distinct random offsets in `victim` that a restore reads."""
   offsets = np.concatenate([np.arange(o, o + n) for o, n in value_spans(step_dir)[victim]])
-  return sorted(int(at) for at in RNG.choice(offsets, count, replace=False))
+  return sorted(int(at) for at in rng.choice(offsets, count, replace=False))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_damaged_newest_step_falls_back_to_the_newest_intact_one(reference, tmp_path, damage):
+  rng = np.random.default_rng(SEED)
   out = copy_of(reference, tmp_path)
   before = step_files(out)
   where = os.path.join(out, "checkpoints", "6")
   files = array_files(where)
   assert files, "no array files found"
-  victim = files[RNG.integers(len(files))]
+  victim = files[rng.integers(len(files))]
   with open(victim, "r+b") as f:
     if damage == "truncate":  # cut inside a chunk: a cut in the unread tail would lose nothing
-      f.truncate(read_bytes(where, victim, 1)[0])
+      f.truncate(read_bytes(rng, where, victim, 1)[0])
     else:  # bytes of chunks overwritten in place: the file still parses, the checksums notice
-      for at in read_bytes(where, victim, 4):
+      for at in read_bytes(rng, where, victim, 4):
         f.seek(at)
         byte = f.read(1)[0]
         f.seek(at)
@@ -199,7 +200,7 @@ def test_nothing_intact_is_refused_with_one_line_and_nothing_moved(reference, tm
 
 def test_a_kill_during_a_save_resumes_bitwise(reference, tmp_path):
   out = str(tmp_path / "run")
-  pause = int(RNG.choice([2, 4]))
+  pause = int(np.random.default_rng(SEED).choice([2, 4]))
   proc, marker = start(out, pause_at=pause)
   before = step_files(out)
   assert saving(out) and all(int(k.split(os.sep)[0]) < pause for k in before)
@@ -336,7 +337,9 @@ def test_ctrl_c_during_compilation_stops_cleanly(tmp_path):
   """Before the first step there is nothing to save: Ctrl-C stops at once, in one line, and the
   output_dir the run created is gone again (tests/test_faults_startup.py: more signal cases)."""
   out = str(tmp_path / "run")
-  proc, _ = start(out, "train.steps=50")
+  # Not from the cache (the reference compiled these programs): loaded from it, they could be
+  # done, and the first step with them, before the signal lands under load.
+  proc, _ = start(out, "train.steps=50", env=compiling_env())
   deadline = time.time() + 300
   while "model:" not in open(f"{out}.log").read():  # compilation starts right after this line
     assert proc.poll() is None and time.time() < deadline, open(f"{out}.log").read()[-3000:]

@@ -189,7 +189,9 @@ def test_verify_beside_a_run_that_is_training_raises_no_false_alarm(tmp_path):
   out = tmp_path / "run"
   log = open(tmp_path / "train.log", "wb")
   proc = subprocess.Popen([sys.executable, "-m", "nanotext.train", BASE, *ARGS, f"output_dir={out}",
-                           "train.steps=400", "checkpoint.every=1", "checkpoint.keep=2"],
+                           # steps it never reaches (it is killed below): a run that ended
+                           # during a verify's start-up would not be "training into it"
+                           "train.steps=100000", "checkpoint.every=1", "checkpoint.keep=2"],
                           cwd=REPO, stdout=log, stderr=log)
   try:
     while not (out / "checkpoints").is_dir() or not any(

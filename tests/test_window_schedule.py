@@ -113,21 +113,6 @@ def test_a_short_window_layer_cannot_see_beyond_its_window():
   assert not np.allclose(la[:, p + 8:p + 16], lc[:, p + 8:p + 16])
 
 
-@pytest.fixture
-def restore_jax_cache_config():
-  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-          "jax_persistent_cache_min_entry_size_bytes")
-  saved = {k: getattr(jax.config, k) for k in keys}
-  yield
-  for k, v in saved.items():
-    jax.config.update(k, v)
-  try:  # forget a cache this process may have opened in the test's directory
-    from jax._src import compilation_cache
-    compilation_cache.reset_cache()
-  except (ImportError, AttributeError):
-    pass
-
-
 def test_run_switches_windows_without_compiling_and_profiles(tmp_path, restore_jax_cache_config):
   out, cache = tmp_path / "run", tmp_path / "cache"
   lines = []
