@@ -58,6 +58,21 @@ def compiling_env() -> dict:
   return {k: v for k, v in os.environ.items() if k not in cache}
 
 
+def saved_run(path, overrides, out, step: int = 3):
+  """A run directory as training leaves one, without training: config.yml and a checkpoint of
+  the fresh state at `step`; (run, host params). For tests of tools that read a run."""
+  import jax
+  from nanotext import checkpoint, config, wiring
+  run = wiring.prepare(path, [*overrides, f"output_dir={out}"])
+  state = run.init_state()
+  config.save(run.cfg, os.path.join(out, "config.yml"))
+  manager = checkpoint.make_manager(out, keep=1)
+  checkpoint.save(manager, step, state, {}, {})
+  checkpoint.wait(manager)
+  manager.close()
+  return run, jax.device_get(state["params"])
+
+
 def train_command(pause: str | None = None) -> list:
   """The train CLI, or with `pause` ("STEP:MARKER") tests/pause_in_save.py holding that save."""
   if not pause:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import SPEEDRUN, TINY, extra, forward, run_cli
+from conftest import SPEEDRUN, TINY, extra, forward, run_cli, saved_run
 from nanotext import config, train
 from nanotext.model import gpt
 from nanotext.convert import from_hf, load_params, params_only, to_hf
@@ -73,9 +73,9 @@ def base_run(tiny_run):
 
 @pytest.fixture(scope="module")
 def speedrun_run(tmp_path_factory):
+  """A speedrun run directory (not trained: what is refused is its config)."""
   out = str(tmp_path_factory.mktemp("speedrun") / "run")
-  train.run(SPEEDRUN, TINY + FAST + ["model.mlp_dim=256", f"output_dir={out}"],
-            log=quiet)
+  saved_run(SPEEDRUN, TINY + FAST + ["model.mlp_dim=256"], out)
   return out
 
 

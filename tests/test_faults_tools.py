@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import BASE, REPO, TINY, forward
+from conftest import BASE, REPO, TINY, forward, saved_run
 from test_cli_errors import snapshot
 from test_faults import ARGS, array_files, assert_one_error_line, copy_of, make_reference
 from test_faults_startup import immutable, train_cli
-from nanotext import checkpoint, config, config_file, generate, verify, wiring
+from nanotext import checkpoint, config, config_file, generate, verify
 from nanotext.errors import UserError
 
 reference = pytest.fixture(scope="module", name="reference")(make_reference)
@@ -44,19 +44,6 @@ def with_tokenizer(out):
 
 # --- generate ---------------------------------------------------------------------------------
 
-def saved_run(out, num_layers):
-  """A run directory holding config.yml and a checkpoint of fresh (not trained) params."""
-  run = wiring.prepare(BASE, TINY + [f"model.num_layers={num_layers}", "model.d_model=32",
-                                     "model.head_dim=16", f"output_dir={out}"])
-  state = run.init_state()
-  config.save(run.cfg, os.path.join(out, "config.yml"))
-  manager = checkpoint.make_manager(out, keep=1)
-  checkpoint.save(manager, 3, state, {}, {})
-  checkpoint.wait(manager)
-  manager.close()
-  return run, jax.device_get(state["params"])
-
-
 def logits(graphdef, params):
   tokens = np.arange(32, dtype=np.int32)[None] * 7 % 512
   return forward(graphdef, params, tokens, train=False)
@@ -66,7 +53,8 @@ def test_generate_restores_12_layers_in_their_order(tmp_path):
   """Saved trees key layers by strings: restored without the model's tree they came back as
   '0', '1', '10', '11', '2', ... and merged by position, so 12 layers ran permuted."""
   out = str(tmp_path / "run")
-  run, params = saved_run(out, 12)
+  run, params = saved_run(BASE, TINY + ["model.num_layers=12", "model.d_model=32",
+                                       "model.head_dim=16"], out)
   want = logits(run.graphdef, params)
   step, graphdef, got = generate.restore(out, config.load(os.path.join(out, "config.yml")))
   assert step == 3
