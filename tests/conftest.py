@@ -98,7 +98,13 @@ def mesh(devices=None, **sizes):
   return sharding.make_mesh(mesh_sizes(**sizes), jax.devices()[:n] if devices is None else devices)
 
 
-def run_cli(*args, env=None, timeout=300):
+# How long a CLI process a test starts may take before it counts as hung. A bound on hangs, not a
+# timing: the record's 49,152-token row (about 1 min quiet) took over 300 s with the suite
+# running three times over on 2 cores (load 13-14).
+PROCESS_TIMEOUT_S = 900
+
+
+def run_cli(*args, env=None, timeout=PROCESS_TIMEOUT_S):
   """Run `python -m ARGS...` from the repo root; returns the CompletedProcess."""
   full_env = dict(os.environ, **(env or {}))
   return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=full_env,

@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import BASE, REPO, TINY, run_cli
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, run_cli
 from nanotext import checkpoint, config, distributed, wiring
 from nanotext.errors import UserError
 from nanotext.train import run
 
-TIMEOUT_S = 240  # both processes, start to finish; about 35 s when the machine is idle
+TIMEOUT_S = PROCESS_TIMEOUT_S  # both processes, start to finish; about 35 s when idle
 # Losses agree to float32 rounding, not bit for bit: process i holds every i-th sequence of the
 # global batch, so the rows sit in another order and the mean-loss and gradient reductions add
 # in another order (observed: at most ~2e-7 relative after 4 steps).
