@@ -53,9 +53,7 @@ def compiling_env() -> dict:
   """This environment without the shared compilation cache: a process started with it compiles
   its programs, so a signal sent while it compiles cannot land after them (a cache hit loads
   a program in a moment)."""
-  cache = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
-  return {k: v for k, v in os.environ.items() if k not in cache}
+  return {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
 
 
 def saved_run(path, overrides, out, step: int = 3):

@@ -147,14 +147,15 @@ def value_spans(step_dir) -> dict:
   return spans
 
 
-def array_files(step_dir) -> list:
-  """The data files of a step's `state` item that hold array chunks, largest first."""
-  return sorted(value_spans(step_dir), key=os.path.getsize, reverse=True)
+def array_files(step_dir, spans=None) -> list:
+  """The data files of a step's `state` item that hold array chunks, largest first (`spans`:
+  its value_spans, if already read)."""
+  return sorted(spans or value_spans(step_dir), key=os.path.getsize, reverse=True)
 
 
-def read_bytes(rng, step_dir, victim, count) -> list:
-  """`count` distinct random offsets in `victim` that a restore reads."""
-  offsets = np.concatenate([np.arange(o, o + n) for o, n in value_spans(step_dir)[victim]])
+def read_bytes(rng, spans, count) -> list:
+  """`count` distinct random offsets among a file's `spans` [(offset, length), ...]."""
+  offsets = np.concatenate([np.arange(o, o + n) for o, n in spans])
   return sorted(int(at) for at in rng.choice(offsets, count, replace=False))
 
 
@@ -164,14 +165,15 @@ def test_a_damaged_newest_step_falls_back_to_the_newest_intact_one(reference, tm
   out = copy_of(reference, tmp_path)
   before = step_files(out)
   where = os.path.join(out, "checkpoints", "6")
-  files = array_files(where)
+  spans = value_spans(where)
+  files = array_files(where, spans)
   assert files, "no array files found"
   victim = files[rng.integers(len(files))]
   with open(victim, "r+b") as f:
     if damage == "truncate":  # cut inside a chunk: a cut in the unread tail would lose nothing
-      f.truncate(read_bytes(rng, where, victim, 1)[0])
+      f.truncate(read_bytes(rng, spans[victim], 1)[0])
     else:  # bytes of chunks overwritten in place: the file still parses, the checksums notice
-      for at in read_bytes(rng, where, victim, 4):
+      for at in read_bytes(rng, spans[victim], 4):
         f.seek(at)
         byte = f.read(1)[0]
         f.seek(at)
@@ -360,8 +362,9 @@ def test_verify_finds_damage_in_an_older_step_and_moves_nothing(reference, tmp_p
   assert [l.split()[:3] for l in clean.stdout.splitlines()[1:]] == \
       [["step", s, "intact"] for s in ("6", "4", "2")]
   where = os.path.join(out, "checkpoints", "2")
-  victim = array_files(where)[0]
-  offset, length = value_spans(where)[victim][0]
+  spans = value_spans(where)
+  victim = array_files(where, spans)[0]
+  offset, length = spans[victim][0]
   with open(victim, "r+b") as f:  # into a chunk: bytes past the chunks are never read
     f.seek(offset + length // 2)
     f.write(b"\xde\xad\xbe\xef")
