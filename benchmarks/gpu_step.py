@@ -206,7 +206,7 @@ def table(r: dict) -> str:
   if est:
     rows.append(("roofline estimate of the step (not a measurement)",
                  f"{1e3 * est['estimate_s']:.1f} ms, {est['launches']} launches "
-                 f"({1e3 * est['estimate_s'] / r['step_s']:.0%} of the measured step)"))
+                 f"({est['estimate_s'] / r['step_s']:.0%} of the measured step)"))
   gaps = r.get("gaps")
   if gaps:
     rows.append(("kernels per step (trace)", f"{gaps['kernels']:.0f}: {gaps['busy_ms']:.1f} ms "
