@@ -13,7 +13,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The float32 agreement tests (1e-5 tolerances) assume full float32 matmuls: the CPU's default,
-# not a GPU's (TF32-like there: 1.4e-3 apart). JAX_PLATFORMS=cuda pytest runs them as written.
+# not a GPU's (TF32-like there: 1.4e-3 apart). JAX_PLATFORMS=cuda,cpu pytest runs them as written.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # One persistent compilation cache for the session, shared with the CLI runs the tests start:
 # many tests train the same tiny model, and each new process or jit object would compile its
@@ -198,13 +198,13 @@ def extra(marker: str):
 
 def pytest_collection_modifyitems(config, items):
   """Skip, with a reason, a test whose extra is missing (see EXTRAS), and `gpu`-marked tests
-  where jax has no GPU backend (JAX_PLATFORMS=cuda pytest -m gpu runs them)."""
+  where jax has no GPU backend (JAX_PLATFORMS=cuda,cpu pytest -m gpu runs them)."""
   import jax
   on_gpu = jax.default_backend() == "gpu"
   reasons = {m: _missing(m) for m in EXTRAS}
   for item in items:
     if "gpu" in item.keywords and not on_gpu:
-      item.add_marker(pytest.mark.skip(reason="needs a GPU: run with JAX_PLATFORMS=cuda"))
+      item.add_marker(pytest.mark.skip(reason="needs a GPU: run with JAX_PLATFORMS=cuda,cpu"))
     for marker, reason in reasons.items():
       if reason and item.get_closest_marker(marker) is not None:
         item.add_marker(pytest.mark.skip(reason=reason))

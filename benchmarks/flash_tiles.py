@@ -1,0 +1,80 @@
+"""flash_gpu's tile sizes at the record's shape: `python benchmarks/flash_tiles.py [ROUNDS]
+[--small]` (made for a GPU; --small runs a tiny shape, interpreted, anywhere).
+
+One layer's attention, forward + backward, at the record's per-GPU work: one 49,152-token row,
+6 heads of 128, bf16, documents of about 1,000 tokens, the final block window (1792 tokens in
+128-token blocks) and the first one (128). Each variant of `flash_gpu.Tiles` is checked against
+the default (its gradients), then timed in rounds, variants interleaved; the table gives
+each one's median and its ratio to the default's median.
+"""
+
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanotext.model.kernels import flash_gpu  # noqa: E402
+
+T_ = flash_gpu.Tiles
+VARIANTS = {
+    "default": T_(),
+    "warps8": T_(num_warps=8),
+    "stages3": T_(num_stages=3),
+    "bwd 128x64": T_(block_q_bwd=128),
+    "bwd 128x64 stages3": T_(block_q_bwd=128, num_stages=3),
+    "fwd 128x128": T_(block_k=128),
+    "bwd 128x128": T_(block_q_bwd=128, block_k_bwd=128),
+}
+
+
+def main(rounds: int, small: bool) -> None:
+  B, T, H, K = (1, 1024, 1, 32) if small else (1, 49152, 6, 128)
+  keys = jax.random.split(jax.random.key(0), 5)
+  q, k, v, g = (jax.random.normal(key, (B, T, H, K), jnp.bfloat16) for key in keys[:4])
+  seg = jnp.cumsum(jax.random.uniform(keys[4], (B, T)) < 1 / 1000, axis=1).astype(jnp.int32)
+  rows = []
+  for window in (1792, 128):
+    fns, ref = {}, None
+    for name, tiles in VARIANTS.items():
+      def loss(q, k, v, tiles=tiles):
+        out = flash_gpu.flash_gpu_attention(q, k, v, scale=K ** -0.5, window=window,
+                                            segment_ids_BT=seg, block=128, tiles=tiles)
+        return (out.astype(jnp.float32) * g).sum()
+      fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+      try:
+        got = jax.block_until_ready(fn(q, k, v))
+      except Exception as e:  # a tile Triton cannot build (shared memory, registers)
+        rows.append((window, name, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}",
+                     ""))
+        continue
+      ref = got if name == "default" else ref
+      err = max(float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max() /
+                      (jnp.abs(b.astype(jnp.float32)).max() + 1e-30))
+                for a, b in zip(got[1], ref[1]))
+      fns[name] = (fn, err)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+      for name, (fn, _) in fns.items():
+        t0 = time.perf_counter()
+        for _ in range(5):
+          out = fn(q, k, v)
+        jax.block_until_ready(out)
+        times[name].append((time.perf_counter() - t0) / 5)
+    base = statistics.median(times["default"])
+    for name, (fn, err) in fns.items():
+      med = statistics.median(times[name])
+      rows.append((window, name, f"{1e3 * med:.2f} ms ({med / base:.2f})", f"{err:.1e}"))
+  print(f"| window | tiles | fwd+bwd median (/ default) | gradients' max diff / max, vs default |\n"
+        f"| --- | --- | --- | --- |")
+  for row in rows:
+    print("| " + " | ".join(str(x) for x in row) + " |")
+
+
+if __name__ == "__main__":
+  args = [a for a in sys.argv[1:] if not a.startswith("--")]
+  main(int(args[0]) if args else 5, "--small" in sys.argv)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Everything a session with a lent GPU measures, in one call (GPUs are lent for minutes):
+#   bash benchmarks/gpu_lease.sh OUT_DIR
+# run from the repository root on the GPU machine. Wheels in .whl/ (what its image lacks: grain,
+# array-record, portpicker, ml-collections, tensorboardX) are installed first. Each step has its
+# own time limit and log (OUT_DIR/NAME.log); OUT_DIR/summary.txt lists each step's exit status.
+# The record-shape step (issue 24, item 6) goes first; if flash_gpu fails there, cudnn is timed.
+set -u
+out=${1:?usage: bash benchmarks/gpu_lease.sh OUT_DIR}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$out/pip.log" 2>&1 || echo "pip: failed" >>"$out/summary.txt"
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  python3 -c 'import sys, jax, flax, optax, orbax.checkpoint, grain
+print(sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__, "optax",
+      optax.__version__, jax.devices())'
+} >"$out/env.txt" 2>&1
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log, and note the exit status
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
+  return $rc
+}
+
+RECORD=(configs/speedrun_record.yml train.batch_size=1 train.steps=150)
+step record 240 python3 benchmarks/gpu_step.py "${RECORD[@]}" --schedule --trace \
+  --steps 10 --repeats 3 --json "$out/record.json" ||
+  step record_cudnn 150 python3 benchmarks/gpu_step.py "${RECORD[@]}" attention.impl=cudnn \
+    --steps 10 --repeats 3 --json "$out/record_cudnn.json"
+step gpu_tier 120 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -m gpu tests/test_gpu.py -n 0 \
+  -p no:cacheprovider
+step speedrun 150 python3 benchmarks/gpu_step.py configs/speedrun.yml train.batch_size=1 \
+  --steps 10 --repeats 3 --json "$out/speedrun.json"
+step flash_tiles 200 python3 benchmarks/flash_tiles.py 5
+exit 0
