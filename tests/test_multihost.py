@@ -23,6 +23,9 @@ TIMEOUT_S = PROCESS_TIMEOUT_S  # both processes, start to finish; about 35 s whe
 RTOL = 1e-5
 
 
+PORT_TAKEN = "Failed to start RPC server"  # process 0's line when its coordinator cannot bind
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -34,8 +37,9 @@ def metrics_of(out):
     return [json.loads(line) for line in f]
 
 
-def launch_two(overrides, timeout=TIMEOUT_S) -> list:
-  """Run processes 0 and 1 of one distributed run; returns their combined outputs."""
+def launch_two(overrides, timeout=TIMEOUT_S, tries=3) -> list:
+  """Run processes 0 and 1 of one distributed run; returns their combined outputs. A port that
+  another program took between free_port() and the coordinator's bind is tried again."""
   address = f"127.0.0.1:{free_port()}"
   # distributed.local_device_count beats the 8 devices conftest puts in XLA_FLAGS.
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -51,6 +55,10 @@ def launch_two(overrides, timeout=TIMEOUT_S) -> list:
   try:
     for p in procs:
       outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+      if tries > 1 and p is procs[0] and PORT_TAKEN in outputs[0]:
+        procs[1].kill()
+        procs[1].communicate()
+        return launch_two(overrides, timeout, tries - 1)
   except subprocess.TimeoutExpired:
     for p in procs:
       p.kill()
