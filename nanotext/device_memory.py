@@ -8,21 +8,22 @@ import resource
 import numpy as np
 
 from nanotext import gpus, topology
+from nanotext.errors import UserError
+
+# Host RAM the plan takes as free, in GiB, instead of MemAvailable: CPU plans that do not move
+# with what else the machine is running (the test suite sets it; cgroup and ulimit still apply).
+HOST_MEMORY_ENV = "NANOTEXT_HOST_MEMORY_GIB"
 
 
 def host_available() -> tuple:
   """(bytes this process may still allocate, where that comes from): the least of free RAM
-  (MemAvailable), the cgroup's limit and the address-space limit (`ulimit -v`) left."""
+  (MemAvailable, or $NANOTEXT_HOST_MEMORY_GIB), the cgroup's limit and the address-space limit
+  (`ulimit -v`) left."""
   found = []
-  try:
-    with open("/proc/meminfo") as f:
-      info = dict(line.split(":", 1) for line in f)
-    found.append((int(info["MemAvailable"].split()[0]) * 1024, "available host RAM"))
-  except (OSError, KeyError, ValueError):
-    try:
-      found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM"))
-    except (ValueError, OSError, AttributeError):
-      pass
+  if os.environ.get(HOST_MEMORY_ENV):
+    found.append((_env_bytes(), f"{HOST_MEMORY_ENV}={os.environ[HOST_MEMORY_ENV]}"))
+  else:
+    found += _free_ram()
   try:
     with open("/sys/fs/cgroup/memory.max") as f:
       limit = f.read().strip()
@@ -36,6 +37,32 @@ def host_available() -> tuple:
   if soft != resource.RLIM_INFINITY:
     found.append((soft - _vm_size(), f"the address-space limit left (ulimit -v {soft // 1024})"))
   return min(found) if found else (None, "unknown")
+
+
+def _env_bytes() -> int:
+  """$NANOTEXT_HOST_MEMORY_GIB in bytes; UserError unless it is a positive number."""
+  text = os.environ[HOST_MEMORY_ENV]
+  try:
+    gib = float(text)
+  except ValueError:
+    gib = 0.0
+  if not gib > 0 or gib == float("inf"):
+    raise UserError(f"{HOST_MEMORY_ENV}={text!r} is not a positive number of GiB; set it to the "
+                    "host RAM the memory plan may use (e.g. 16), or unset it to use what is free")
+  return int(gib * 2**30)
+
+
+def _free_ram() -> list:
+  """[(bytes, what)]: MemAvailable, else the free pages; [] if neither can be read."""
+  try:
+    with open("/proc/meminfo") as f:
+      info = dict(line.split(":", 1) for line in f)
+    return [(int(info["MemAvailable"].split()[0]) * 1024, "available host RAM")]
+  except (OSError, KeyError, ValueError):
+    try:
+      return [(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM")]
+    except (ValueError, OSError, AttributeError):
+      return []
 
 
 def _vm_size() -> int:

@@ -15,6 +15,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The float32 agreement tests (1e-5 tolerances) assume full float32 matmuls: the CPU's default,
 # not a GPU's (TF32-like there: 1.4e-3 apart). JAX_PLATFORMS=cuda,cpu pytest runs them as written.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# CPU memory plans (remat, loss chunks) against a fixed 16 GiB of host RAM, not MemAvailable: a
+# second suite beside this one halves what is free, and a plan, hence a program, would follow it.
+os.environ.setdefault("NANOTEXT_HOST_MEMORY_GIB", "16")
 # One persistent compilation cache for the session, shared with the CLI runs the tests start:
 # many tests train the same tiny model, and each new process or jit object would compile its
 # programs again. A fresh folder per session (removed at exit): no stale entries across versions.

@@ -227,6 +227,28 @@ def test_capacity_respects_the_address_space_limit(monkeypatch):
   assert limit <= 10 * GIB and ("ulimit -v" in what or limit < 10 * GIB)
 
 
+
+@pytest.mark.fast
+def test_host_memory_can_be_pinned_so_that_cpu_plans_ignore_the_neighbours(monkeypatch):
+  """$NANOTEXT_HOST_MEMORY_GIB replaces MemAvailable (which other work on the machine moves);
+  an address-space limit still applies; a value that is not a positive number is one UserError."""
+  import resource
+  monkeypatch.setenv(device_memory.HOST_MEMORY_ENV, "1.5")
+  monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
+  monkeypatch.setattr(device_memory, "_free_ram", lambda: pytest.fail("read MemAvailable"))
+  limit, what = device_memory.host_available()
+  assert (limit, what) in [(3 * GIB // 2, "NANOTEXT_HOST_MEMORY_GIB=1.5")] or \
+      "cgroup" in what  # a cgroup limit below 1.5 GiB wins
+  devices = jax.devices()[:4]
+  assert device_memory.capacity(devices)[0] in (3 * GIB // 8, limit // 4)
+  monkeypatch.setattr(resource, "getrlimit", lambda which: (GIB, resource.RLIM_INFINITY))
+  monkeypatch.setattr(device_memory, "_vm_size", lambda: GIB // 2)
+  assert device_memory.host_available()[0] <= GIB // 2
+  for bad in ("lots", "0", "-2", "inf", "nan"):
+    monkeypatch.setenv(device_memory.HOST_MEMORY_ENV, bad)
+    with pytest.raises(UserError, match=f"NANOTEXT_HOST_MEMORY_GIB='{bad}' is not a positive"):
+      device_memory.host_available()
+
 # The CLI: one line, exit 2, in seconds (issue 21's cases). Each run is a fresh process.
 TINY21 = ["model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.head_dim=0",
           "model.align=0", "train.batch_size=4", "train.seq_len=32", "train.eval_batches=1",
