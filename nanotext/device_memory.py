@@ -19,11 +19,8 @@ def host_available() -> tuple:
   """(bytes this process may still allocate, where that comes from): the least of free RAM
   (MemAvailable, or $NANOTEXT_HOST_MEMORY_GIB), the cgroup's limit and the address-space limit
   (`ulimit -v`) left."""
-  found = []
-  if os.environ.get(HOST_MEMORY_ENV):
-    found.append((_env_bytes(), f"{HOST_MEMORY_ENV}={os.environ[HOST_MEMORY_ENV]}"))
-  else:
-    found += _free_ram()
+  pinned = os.environ.get(HOST_MEMORY_ENV)
+  found = [(_gib_bytes(pinned), f"{HOST_MEMORY_ENV}={pinned}")] if pinned else _free_ram()
   try:
     with open("/sys/fs/cgroup/memory.max") as f:
       limit = f.read().strip()
@@ -39,9 +36,8 @@ def host_available() -> tuple:
   return min(found) if found else (None, "unknown")
 
 
-def _env_bytes() -> int:
-  """$NANOTEXT_HOST_MEMORY_GIB in bytes; UserError unless it is a positive number."""
-  text = os.environ[HOST_MEMORY_ENV]
+def _gib_bytes(text: str) -> int:
+  """$NANOTEXT_HOST_MEMORY_GIB's `text` in bytes; UserError unless it is a positive number."""
   try:
     gib = float(text)
   except ValueError:
