@@ -1,9 +1,9 @@
 """flash_gpu's tile sizes at the record's shape: `python benchmarks/flash_tiles.py [ROUNDS]
-[--small]` (made for a GPU; --small runs a tiny shape, interpreted, anywhere).
+[--small] [--wide]` (made for a GPU; --small runs a tiny shape, interpreted, anywhere).
 
 One layer's attention, forward + backward, at the record's per-GPU work: one 49,152-token row,
-6 heads of 128, bf16, documents of about 1,000 tokens, the final block window (1792 tokens in
-128-token blocks) and the first one (128). Each variant of `flash_gpu.Tiles` is checked against
+6 heads of 128 (--wide: speedrun.yml's 4 heads of 256), bf16, documents of about 1,000 tokens,
+the final block window (1792 tokens in 128-token blocks) and the first one (128). Each variant of `flash_gpu.Tiles` is checked against
 the default (its gradients), then timed in rounds, variants interleaved; the table gives
 each one's median and its ratio to the default's median.
 """
@@ -30,17 +30,30 @@ VARIANTS = {
     "fwd 128x128": T_(block_k=128),
     "bwd 128x128": T_(block_q_bwd=128, block_k_bwd=128),
 }
+# At head_dim 256 the default is 8 warps; smaller tiles keep 4 warps' registers in bounds.
+WIDE = {
+    "default": T_(),
+    "warps4": T_(num_warps=4),
+    "warps4 fwd 64x64": T_(num_warps=4, block_q=64),
+    "warps4 bwd 32x64": T_(num_warps=4, block_q_bwd=32),
+    "warps4 bwd 64x32": T_(num_warps=4, block_k_bwd=32),
+    "stages1": T_(num_stages=1),
+    "fwd 64x64": T_(block_q=64),
+}
 
 
-def main(rounds: int, small: bool) -> None:
+def main(rounds: int, small: bool, wide: bool = False) -> None:
   B, T, H, K = (1, 1024, 1, 32) if small else (1, 49152, 6, 128)
+  if wide:
+    H, K = (1, 64) if small else (4, 256)
+  variants = WIDE if wide else VARIANTS
   keys = jax.random.split(jax.random.key(0), 5)
   q, k, v, g = (jax.random.normal(key, (B, T, H, K), jnp.bfloat16) for key in keys[:4])
   seg = jnp.cumsum(jax.random.uniform(keys[4], (B, T)) < 1 / 1000, axis=1).astype(jnp.int32)
   rows = []
   for window in (1792, 128):
     fns, ref = {}, None
-    for name, tiles in VARIANTS.items():
+    for name, tiles in variants.items():
       def loss(q, k, v, tiles=tiles):
         out = flash_gpu.flash_gpu_attention(q, k, v, scale=K ** -0.5, window=window,
                                             segment_ids_BT=seg, block=128, tiles=tiles)
@@ -77,4 +90,4 @@ def main(rounds: int, small: bool) -> None:
 
 if __name__ == "__main__":
   args = [a for a in sys.argv[1:] if not a.startswith("--")]
-  main(int(args[0]) if args else 5, "--small" in sys.argv)
+  main(int(args[0]) if args else 5, "--small" in sys.argv, "--wide" in sys.argv)

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Everything a session with a lent GPU measures, in one call (GPUs are lent for minutes):
-#   bash benchmarks/gpu_lease.sh OUT_DIR
-# run from the repository root on the GPU machine. Wheels in .whl/ (what its image lacks: grain,
+#   bash benchmarks/gpu_lease.sh OUT_DIR [STEP ...]
+# run from the repository root on the GPU machine; STEPs name the steps to run (all if none:
+# record gpu_tier learning speedrun flash_tiles_wide flash_tiles; their limits add up to more
+# than one 600 s device call, so split them over two calls when the lease allows). Wheels in .whl/ (what its image lacks: grain,
 # array-record, portpicker, ml-collections, tensorboardX) are installed first. Each step has its
 # own time limit and log (OUT_DIR/NAME.log); OUT_DIR/summary.txt lists each step's exit status.
 # The record-shape step (issue 24, item 6) goes first; if flash_gpu fails there, cudnn is timed.
 set -u
-out=${1:?usage: bash benchmarks/gpu_lease.sh OUT_DIR}
+out=${1:?usage: bash benchmarks/gpu_lease.sh OUT_DIR [STEP ...]}
+shift
+only=" $* "
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -24,6 +28,7 @@ print(sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__, 
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log, and note the exit status
   local name=$1 limit=$2 t0=$SECONDS
   shift 2
+  [[ "$only" == "  " || "$only" == *" $name "* ]] || return 0
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   echo "$name: exit $rc after $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
@@ -37,7 +42,15 @@ step record 240 python3 benchmarks/gpu_step.py "${RECORD[@]}" --schedule --trace
     --steps 10 --repeats 3 --json "$out/record_cudnn.json"
 step gpu_tier 120 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -m gpu tests/test_gpu.py -n 0 \
   -p no:cacheprovider
+# The real-shape learning check: 30 steps of the 150-step schedule at one 49,152-token row, the
+# record's 12 layers of 768 (FP8 and bf16 heads, and the PyTorch record on the same rows), on the
+# embedded Shakespeare corpus: the GPU machine has no FineWeb, so the head is its 8,192 wide.
+step learning 300 python3 benchmarks/learning_check.py --steps=150 --run_steps=30 \
+  --set=train.batch_size=1 --set=data.source=shakespeare --set=data.tokenizer=shakespeare \
+  --set=model.vocab_size=8192 --set=train.eval_seq_len=0 --torch_device=cuda
 step speedrun 150 python3 benchmarks/gpu_step.py configs/speedrun.yml train.batch_size=1 \
   --steps 10 --repeats 3 --json "$out/speedrun.json"
+# speedrun.yml's heads are 256 wide and run at 8 warps: does 4 win there too, as at 128?
+step flash_tiles_wide 150 python3 benchmarks/flash_tiles.py 5 --wide
 step flash_tiles 200 python3 benchmarks/flash_tiles.py 5
 exit 0
