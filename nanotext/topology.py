@@ -119,13 +119,19 @@ def devices(sl) -> list:
   """The target's device descriptions (compile-only: no chip is touched)."""
   if sl.platform == "gpu":
     return gpus.devices(sl)
-  if not host_has_tpu():
+  on_tpu = host_has_tpu()
+  if not on_tpu:
     # libtpu's lockfile guards real chips; a host without any has nothing to guard, and without
     # this a CPU-only JAX process in the same environment (which loads libtpu too) would block us.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   # No GCE metadata server to ask off Cloud TPU: say what we compile for instead of warnings.
+  # Off a TPU host the accelerator type is always this target's, never one left in the
+  # environment by an earlier compile of this process or of the one that started it.
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", sl.name)
+  if on_tpu:
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", sl.name)
+  else:
+    os.environ["TPU_ACCELERATOR_TYPE"] = sl.name
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   try:  # only to tell "not installed" apart from other failures
     importlib.import_module("libtpu")

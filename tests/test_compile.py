@@ -57,6 +57,26 @@ def test_without_libtpu_says_how_to_install(monkeypatch):
     topology.devices(topology.parse("v6e-8"))
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("on_tpu", [False, True])
+def test_the_accelerator_type_is_the_targets_off_a_tpu_host(monkeypatch, on_tpu):
+  """A type left in the environment (an earlier compile in this process, or in the one that
+  started it) does not describe another target; on a TPU host the host's own type stays."""
+  from jax.experimental import topologies
+  seen = []
+  monkeypatch.setattr(topology, "host_has_tpu", lambda: on_tpu)
+  monkeypatch.setattr(topologies, "get_topology_desc", lambda **kw: seen.append(
+      (kw["topology_name"], topology.os.environ["TPU_ACCELERATOR_TYPE"])) or
+      type("Desc", (), {"devices": []})())
+  for key in ("TPU_SKIP_MDS_QUERY", "TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD"):
+    monkeypatch.delenv(key, raising=False)
+  monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-16")
+  for name in ("v6e-8", "v4-8"):
+    topology.devices(topology.parse(name))
+  assert seen == ([("v6e:2x4", "v5p-16"), ("v4:2x2x1", "v5p-16")] if on_tpu else
+                  [("v6e:2x4", "v6e-8"), ("v4:2x2x1", "v4-8")])
+
+
 def test_unknown_topology_exits_2():
   proc = run_cli("nanotext.compile", BASE, *SMALL, "--topology=v6e-9")
   assert proc.returncode == 2, proc.stderr
