@@ -154,3 +154,20 @@ def test_build_time_times_each_phase_and_tabulates():
   text = build_time.table({(BASE, "a"): [got, got], (BASE, "b"): [got]}, ["a", "b"])
   assert text.splitlines()[0] == "| config | tree | model, s | init trace, s | plan, s |"
   assert text.count("| `base.yml` |") == 2
+
+
+@pytest.mark.fast
+def test_gpu_lease_names_its_steps_and_runs_only_those_asked(tmp_path):
+  """benchmarks/gpu_lease.sh: its usage lists every step it has (the record_cudnn fallback
+  aside), and naming steps runs only those; here none of them (no GPU needed)."""
+  script = os.path.join(REPO, "benchmarks", "gpu_lease.sh")
+  text = open(script).read()
+  listed = text.split("all if none:\n# ", 1)[1].split(";", 1)[0].split()
+  steps = [line.split()[1] for line in text.splitlines() if line.lstrip().startswith("step ")]
+  assert listed == [s for s in steps if s != "record_cudnn"] and "learning" in listed
+  out = tmp_path / "out"
+  proc = subprocess.run(["bash", script, str(out), "no_such_step"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert (out / "env.txt").exists() and not (out / "summary.txt").exists()
+  assert not [f for f in os.listdir(out) if f.endswith(".log")]
