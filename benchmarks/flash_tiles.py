@@ -3,9 +3,9 @@
 
 One layer's attention, forward + backward, at the record's per-GPU work: one 49,152-token row,
 6 heads of 128 (--wide: speedrun.yml's 4 heads of 256), bf16, documents of about 1,000 tokens,
-the final block window (1792 tokens in 128-token blocks) and the first one (128). Each variant of `flash_gpu.Tiles` is checked against
-the default (its gradients), then timed in rounds, variants interleaved; the table gives
-each one's median and its ratio to the default's median.
+the final block window (1792 tokens in 128-token blocks) and the first one (128). Each variant
+of `flash_gpu.Tiles` is checked against the default (its gradients), then timed in rounds,
+variants interleaved; the table gives each one's median and its ratio to the default's median.
 """
 
 import os

@@ -5,8 +5,8 @@
 # record gpu_tier learning speedrun flash_tiles_wide flash_tiles; their limits add up to more
 # than one 600 s device call, so split them over two calls when the lease allows). Wheels in
 # .whl/ (what its image lacks: grain, array-record, portpicker, ml-collections, tensorboardX)
-# are installed first. Each step has its
-# own time limit and log (OUT_DIR/NAME.log); OUT_DIR/summary.txt lists each step's exit status.
+# are installed first. Each step has its own time limit and log (OUT_DIR/NAME.log);
+# OUT_DIR/summary.txt lists each step's exit status.
 # The record-shape step (issue 24, item 6) goes first; if flash_gpu fails there, cudnn is timed.
 set -u
 out=${1:?usage: bash benchmarks/gpu_lease.sh OUT_DIR [STEP ...]}

@@ -125,9 +125,9 @@ def devices(sl) -> list:
     # this a CPU-only JAX process in the same environment (which loads libtpu too) would block us.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   # No GCE metadata server to ask off Cloud TPU: say what we compile for instead of warnings.
-  # Off a TPU host the accelerator type is always this target's, never one left in the
-  # environment by an earlier compile of this process or of the one that started it.
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  # Off a TPU host the accelerator type is always this target's, never one left in the
+  # environment by an earlier compile in this process or in the one that started it.
   if on_tpu:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", sl.name)
   else:
