@@ -5,6 +5,7 @@ it. libtpu compiles run one after another in this process and its subprocesses.
 """
 
 import json
+import os
 import sys
 import types
 
@@ -68,7 +69,7 @@ def test_the_accelerator_type_is_the_targets_off_a_tpu_host(monkeypatch, on_tpu)
   monkeypatch.setattr(topology, "host_has_tpu", lambda: on_tpu)
   monkeypatch.setitem(sys.modules, "libtpu", types.ModuleType("libtpu"))  # not needed installed
   monkeypatch.setattr(topologies, "get_topology_desc", lambda **kw: seen.append(
-      (kw["topology_name"], topology.os.environ["TPU_ACCELERATOR_TYPE"])) or
+      (kw["topology_name"], os.environ["TPU_ACCELERATOR_TYPE"])) or
       type("Desc", (), {"devices": []})())
   for key in ("TPU_SKIP_MDS_QUERY", "TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD"):
     monkeypatch.delenv(key, raising=False)
