@@ -22,6 +22,13 @@ def head_inputs(N=4096, D=768, V=50304):
   return x, w, jax.random.randint(ky, (N,), 0, V)
 
 
+def on_gpu_and_cpu(fn, *args):
+  """jax.value_and_grad of `fn` over every argument, once on the GPU and once on the CPU."""
+  vg = jax.value_and_grad(fn, argnums=tuple(range(len(args))))
+  cpu_dev = jax.devices("cpu")[0]
+  return jax.jit(vg)(*args), jax.jit(vg, device=cpu_dev)(*jax.device_put(args, cpu_dev))
+
+
 def test_fp8_head_compiles_to_fp8_gemms():
   """XLA rewrites the dequantise -> dot pattern of the FP8 head into cuBLASLt FP8 GEMMs: the
   forward and both backward matmuls (H100 and newer; an older GPU has no FP8 GEMM)."""
@@ -38,11 +45,8 @@ def test_fp8_head_compiles_to_fp8_gemms():
 def test_fused_head_loss_agrees_with_the_cpu():
   """The same loss and gradients on the GPU as on the CPU (float32 matmuls at 'highest')."""
   x, w, y = head_inputs(N=1024, V=8192)
-  fn = lambda x, w: head_loss_sum(x.astype(jnp.float32), w, y, softcap=15.0)
-  gpu = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(x, w)
-  cpu_dev = jax.devices("cpu")[0]
-  cpu = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), device=cpu_dev)(
-      jax.device_put(x, cpu_dev), jax.device_put(w, cpu_dev))
+  gpu, cpu = on_gpu_and_cpu(
+      lambda x, w: head_loss_sum(x.astype(jnp.float32), w, y, softcap=15.0), x, w)
   np.testing.assert_allclose(gpu[0], cpu[0], rtol=1e-5)
   for a, b in zip(gpu[1], cpu[1]):
     rtol = 1e-2 if a.dtype == jnp.bfloat16 else 1e-3  # one bf16 ulp is 2^-7 = 0.8%
@@ -61,11 +65,8 @@ def test_fp8_head_agrees_with_the_cpu_at_the_record_row():
   wrong scale or saturation would move most entries.
   """
   x, w, y = head_inputs(N=49152, V=8192)
-  fn = lambda x, w: head_loss_sum(x, w, y, softcap=15.0, fp8=fp8_head_scales(x.shape[1], 1))
-  gpu = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(x, w)
-  cpu_dev = jax.devices("cpu")[0]
-  cpu = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), device=cpu_dev)(
-      jax.device_put(x, cpu_dev), jax.device_put(w, cpu_dev))
+  gpu, cpu = on_gpu_and_cpu(
+      lambda x, w: head_loss_sum(x, w, y, softcap=15.0, fp8=fp8_head_scales(x.shape[1], 1)), x, w)
   np.testing.assert_allclose(gpu[0], cpu[0], rtol=1e-4)
   (dx, dx_cpu), (dw, dw_cpu) = ((np.asarray(a, np.float32), np.asarray(b, np.float32))
                                 for a, b in zip(gpu[1], cpu[1]))
