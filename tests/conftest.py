@@ -59,13 +59,22 @@ def compiling_env() -> dict:
   return {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
 
 
-def saved_run(path, overrides, out, step: int = 3):
+def saved_run(path, overrides, out, step: int = 3, noise: float = 0.0):
   """A run directory as training leaves one, without training: config.yml and a checkpoint of
-  the fresh state at `step`; (run, host params). For tests of tools that read a run."""
+  the fresh state at `step`; (run, host params). For tests of tools that read a run. `noise`
+  > 0 adds N(0, noise) to every parameter (seeded), so none sits at a zero or shared init value,
+  as after training, without compiling a train step."""
   import jax
+  import numpy as np
   from nanotext import checkpoint, config, wiring
   run = wiring.prepare(path, [*overrides, f"output_dir={out}"])
   state = run.init_state()
+  if noise:
+    rng = np.random.default_rng(0)
+    moved = lambda x: jax.device_put(  # on the host: no program compiled per parameter shape
+        (np.asarray(x, np.float32) + noise * rng.standard_normal(x.shape)).astype(x.dtype),
+        x.sharding)
+    state = {**state, "params": jax.tree.map(moved, state["params"])}
   config.save(run.cfg, os.path.join(out, "config.yml"))
   manager = checkpoint.make_manager(out, keep=1)
   checkpoint.save(manager, step, state, {}, {})
