@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import BASE, SPEEDRUN, TINY, forward, one_line_error, run_cli
+from conftest import BASE, SPEEDRUN, TINY, forward, one_line_error, run_cli, saved_run
 from nanotext import params_from, trainer, wiring
 from nanotext.errors import UserError
 
@@ -154,12 +154,11 @@ def test_load_params_from_converts_between_unrolled_and_scanned(tmp_path):
   unstacks a scanned one's (here from a params-only folder), placed on the target's mesh."""
   from nanotext import checkpoint
   from nanotext.convert import params_only
-  from nanotext.train import run
-  common = TINY + EXACT + ["train.steps=2", "checkpoint.every=2", "sample.max_new_tokens=0"]
+  common = TINY + EXACT  # checkpoints as runs leave them (saved_run: no train step compiled)
   flat = lambda tree: {"/".join(str(getattr(k, "key", k)) for k in p): np.asarray(v)
                        for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
   unrolled_run = str(tmp_path / "unrolled")
-  run(BASE, common + [f"output_dir={unrolled_run}"], log=lambda s: None)
+  saved_run(BASE, common, unrolled_run, noise=0.02)
   saved = jax.device_get(checkpoint.latest_params(unrolled_run)[1])
   scanned = prepare("base", True, n_devices=8)
   _, got = params_from.load(unrolled_run, scanned.abstract_state()["params"])
@@ -172,7 +171,7 @@ def test_load_params_from_converts_between_unrolled_and_scanned(tmp_path):
       scanned.abstract_state()["params"]["blocks"]["mlp"]["fc"]["kernel"].sharding
 
   scanned_run = str(tmp_path / "scanned")
-  run(BASE, common + [f"output_dir={scanned_run}", "model.scan_layers=true"], log=lambda s: None)
+  saved_run(BASE, common + ["model.scan_layers=true"], scanned_run, noise=0.02)
   folder = params_only(scanned_run, str(tmp_path / "params"), log=lambda s: None)
   stacked_saved = jax.device_get(checkpoint.latest_params(scanned_run)[1])
   unrolled = prepare("base", False)
