@@ -242,14 +242,14 @@ def test_kernels_read_only_the_tiles_of_their_tables(monkeypatch):
 
 @pytest.mark.slow
 def test_record_config_trains_with_it_to_the_blocked_kernels_losses(tmp_path):
-  """The record config shrunk (block windows 128 -> 512, documents, one 1,024-token row per
-  device) trains through flash_gpu (interpreted) in one runtime-window program, with the blocked
+  """The record config shrunk (2 layers: one long window, one short; block windows 128 -> 512,
+  documents, one 1,024-token row per device) trains through flash_gpu (interpreted) in one runtime-window program, with the blocked
   kernel's losses (float32)."""
   import json
   import os
   from conftest import REPO
   from nanotext.train import run
-  over = ["model.num_layers=4", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
+  over = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
           "model.mlp_dim=256", "model.align=0", "model.dtype=float32", "model.vocab_size=8192",
           "data.source=shakespeare", "data.tokenizer=shakespeare", "train.seq_len=1024",
           "train.batch_size=8", "train.eval_seq_len=0", "train.eval_batches=1",
