@@ -243,7 +243,8 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(referenc
     quiet_run(out, "overwrite=true", "data.source=bin", "data.train_files=/nonexistent/*.bin",
               "data.val_files=/nonexistent/*.bin")
   # 2. Killed inside the new run's first save: the next start puts the old run back.
-  proc, _ = start(out, "overwrite=true", "model.d_model=32", pause_at=2)
+  # Another seed: another run, whose programs (the seed is an argument) the reference compiled.
+  proc, _ = start(out, "overwrite=true", "seed=1", pause_at=2)
   assert os.path.isdir(os.path.join(out, ".overwritten"))
   proc.kill()
   proc.wait(timeout=60)
@@ -252,7 +253,7 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(referenc
   assert any("resumed from the checkpoint of step 6" in l for l in lines)
   assert step_files(out) == before and not os.path.exists(os.path.join(out, ".overwritten"))
   with open(os.path.join(out, "config.yml")) as f:
-    assert yaml.safe_load(f)["model"]["d_model"] == 64  # the old run's, not the overwrite's
+    assert yaml.safe_load(f)["seed"] == 0  # the old run's, not the overwrite's
   assert_same_as(reference, out)
 
 
