@@ -103,9 +103,9 @@ def test_eval_at_start_validates_the_initial_weights_once(tmp_path):
   exactly ln(vocab); a resumed run does not validate step 0 again."""
   # No window schedule: its stages follow train.steps, so the resume (4 steps) would compile
   # programs of its own; with one stage it runs the first run's.
-  common = TINY + SMALL + ["train.seq_len=256", "train.eval_every=2", "train.eval_at_start=true",
-                           "attention.window_schedule=false", "checkpoint.every=2",
-                           f"output_dir={tmp_path}"]
+  common = TINY + SMALL + ["model.num_layers=2", "train.seq_len=256", "train.eval_every=2",
+                           "train.eval_at_start=true", "attention.window_schedule=false",
+                           "checkpoint.every=2", f"output_dir={tmp_path}"]
   run(RECORD, common + ["train.steps=2"], log=lambda s: None)
   run(RECORD, common + ["train.steps=4"], log=lambda s: None)
   with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
