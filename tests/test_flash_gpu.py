@@ -208,10 +208,16 @@ def test_lowers_to_three_triton_kernels_for_cuda(monkeypatch):
                                         block=128)
     return out.astype(jnp.float32).sum()
   target = "__gpu$xla.gpu.triton"
-  exported = export.export(
-      jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
-      disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
-          x, x, x, seg, jax.ShapeDtypeStruct((), jnp.int32))
+  # The GPU the kernels are lowered for: jax 0.11's Triton lowering asks the mesh for one where
+  # no GPU is attached (0.10 lowered for any).
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                     platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=h100)):
+    exported = export.export(
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
+            x, x, x, seg, jax.ShapeDtypeStruct((), jnp.int32))
   text = exported.mlir_module()
   assert text.count(f"custom_call @{target}") == 3
   for name in ("flash_gpu_forward", "flash_gpu_dq", "flash_gpu_dkv"):
