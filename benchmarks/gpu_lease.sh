@@ -38,7 +38,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log, and note the ex
 
 RECORD=(configs/speedrun_record.yml train.batch_size=1 train.steps=150)
 step record 240 python3 benchmarks/gpu_step.py "${RECORD[@]}" --schedule --trace \
-  --steps 10 --repeats 3 --json "$out/record.json" ||
+  --steps 10 --repeats 3 --json "$out/record.json" --hlo "$out/record.hlo" ||
   step record_cudnn 150 python3 benchmarks/gpu_step.py "${RECORD[@]}" attention.impl=cudnn \
     --steps 10 --repeats 3 --json "$out/record_cudnn.json"
 step gpu_tier 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -m gpu tests/test_gpu.py -n 0 \

@@ -1,5 +1,5 @@
 """Step benchmark on any backend (made for the GPU): `python benchmarks/gpu_step.py CONFIG
-[key=value ...] [--steps 10] [--repeats 3] [--schedule] [--trace] [--json FILE]`.
+[key=value ...] [--steps 10] [--repeats 3] [--schedule] [--trace] [--json FILE] [--hlo FILE]`.
 
 Builds the run exactly as training does (wiring), on synthetic batches, and prints one table:
 compile time per train program, time from start to the first finished step, the step time at
@@ -7,7 +7,8 @@ the final attention windows (median of --repeats windows of --steps steps), with
 mean step over every step of the window schedule (train.steps, each step on its own stage's
 program, as the trainer runs them), tokens/s, MFU against the device's peak, peak device memory
 (the allocator's peak where the backend reports one, else the compiled program's), and with
---trace the top kernels by time from a profiler trace of --trace_steps steps.
+--trace the top kernels by time from a profiler trace of --trace_steps steps, each with the jax
+op it came from. --hlo FILE writes the timed program's HLO as the device compiled it.
 
 The record's figures on one H100 (train_gpt.py @ 587b45fb, one 49,152-token row per step): 124.9
 ms at the final windows, 115.2 ms over a 150-step schedule, 88 s to the first step, 29.7 GiB.
@@ -30,7 +31,7 @@ T_START = time.perf_counter()
 
 
 def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, trace_steps=0,
-            top=12) -> dict:
+            top=12, hlo="") -> dict:
   """Compile and time a config's train step(s) on synthetic data; see the module docstring."""
   import jax
   from nanotext import metrics, trainer, window_schedule, wiring
@@ -70,8 +71,13 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
     jax.block_until_ready(m)
     schedule_s = (time.perf_counter() - t0) / n
   final_exec = programs.execs[programs.plan[final]]
-  kernels, gaps = (top_kernels(step, state, trace_steps, top, hlo_ops(final_exec))
-                   if trace_steps else ([], None))
+  text = final_exec.as_text()
+  if hlo:
+    with open(hlo, "w") as f:
+      f.write(text)
+  ops = op_names(text)
+  kernels, gaps, sources = (top_kernels(step, state, trace_steps, top, ops)
+                            if trace_steps else ([], None, {}))
   tokens = cfg.train.batch_size * cfg.train.seq_len
   flops = metrics.flops_per_token(cfg.model, final[1], final[0]) * tokens
   peak = cfg.metrics.peak_flops * jax.device_count()
@@ -83,12 +89,13 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
           "schedule_step_s": schedule_s, "tokens_per_s": tokens / step_s,
           "mfu": flops / step_s / peak, "peak_flops": peak, "peak_bytes": peak_bytes(final_exec),
           "kernels": kernels, "traced": bool(trace_steps), "gaps": gaps,
-          "estimate": estimate(run, final_exec)}
+          "kernel_ops": {name: sources[name] for name, _, _ in kernels if name in sources},
+          "estimate": estimate(run, text)}
 
 
-def estimate(run, compiled) -> dict | None:
-  """nanotext.compile's roofline estimate of the program just timed, for the device it ran on
-  (None where the device's peaks are unknown, e.g. a CPU)."""
+def estimate(run, text: str) -> dict | None:
+  """nanotext.compile's roofline estimate of the program just timed (its HLO text), for the
+  device it ran on (None where the device's peaks are unknown, e.g. a CPU)."""
   import jax
   from nanotext import compile as nt_compile, gpus, roofline, topology
   kind = jax.devices()[0].device_kind
@@ -97,7 +104,7 @@ def estimate(run, compiled) -> dict | None:
     return None
   peaks = gpu.peaks if gpu else roofline.Peaks(bf16=chip.peak_flops, bandwidth=chip.hbm_bw)
   program = max(nt_compile.programs(run.cfg, run.impl)[:-1], key=lambda p: p[2][1])[1]
-  return roofline.inventory(compiled.as_text(), peaks, **dict(zip(
+  return roofline.inventory(text, peaks, **dict(zip(
       ("logits_elements", "logits_bytes", "vocab"), nt_compile.logits_size(run, True))),
       custom_flops=nt_compile.attention_flops(run, program, True))
 
@@ -113,14 +120,38 @@ def peak_bytes(compiled) -> int:
              - mem.alias_size_in_bytes) if mem is not None else 0
 
 
-def hlo_ops(compiled) -> set:
-  """The instruction names of a compiled program (what a host trace names its ops by)."""
-  return set(re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", compiled.as_text(), re.M))
+def op_names(text: str) -> dict:
+  """{instruction name: the jax op that made it} of a compiled program's HLO text (its op_name
+  metadata, the jit's name dropped; "" where it has none), each name also as a GPU trace names
+  the instruction's kernel (`loop_convert_fusion.23` -> `loop_convert_fusion_23`)."""
+  out = {}
+  for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=(.*)$", text, re.M):
+    op = re.search(r'op_name="(?:jit\([^)]*\)/)?([^"]*)"', m.group(2))
+    name, source = m.group(1), op.group(1) if op else ""
+    out[name] = source
+    out.setdefault(name.replace(".", "_"), source)
+  return out
 
 
-def top_kernels(step, state, n_steps: int, top: int, ops: set) -> tuple:
+def kernel_sources(events: list, ops: dict) -> dict:
+  """{kernel name: the jax op it ran} for a trace's kernels: through the HLO op a device event
+  names in its args (cuBLAS and other library kernels), else the instruction of the kernel's own
+  name (XLA's fusions); kernels matched by neither are left out."""
+  out = {}
+  for e in events:
+    name = e.get("name", "")
+    if e.get("ph") != "X" or name in out:
+      continue
+    hlo = (e.get("args") or {}).get("hlo_op", "")
+    source = ops.get(hlo) or ops.get(name)
+    if source:
+      out[name] = source
+  return out
+
+
+def top_kernels(step, state, n_steps: int, top: int, ops: dict) -> tuple:
   """([(name, ms per step, share)] of the `top` kernels by time in a profiler trace of n steps,
-  stream_gaps of the trace).
+  stream_gaps of the trace, kernel_sources of the trace with `ops` (op_names)).
 
   Reads jax.profiler's perfetto trace: device kernels where the trace has a device process
   (GPU/TPU: '/device:...'), else the spans named after one of the program's instructions `ops`,
@@ -134,11 +165,12 @@ def top_kernels(step, state, n_steps: int, top: int, ops: set) -> tuple:
       jax.block_until_ready(m)
     files = glob.glob(os.path.join(where, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
-      return [], None
+      return [], None, {}
     with gzip.open(files[0]) as f:
       events = json.load(f)
   events = events.get("traceEvents", events) if isinstance(events, dict) else events
-  return kernel_table(events, n_steps, top, ops), stream_gaps(events, n_steps)
+  return (kernel_table(events, n_steps, top, set(ops)), stream_gaps(events, n_steps),
+          kernel_sources(events, ops))
 
 
 def stream_gaps(events: list, n_steps: int) -> dict | None:
@@ -211,7 +243,9 @@ def table(r: dict) -> str:
   if gaps:
     rows.append(("kernels per step (trace)", f"{gaps['kernels']:.0f}: {gaps['busy_ms']:.1f} ms "
                  f"in kernels, {gaps['gap_ms']:.1f} ms between them"))
-  rows += [(f"kernel: `{name[:60]}`", f"{ms:.2f} ms/step ({100 * share:.1f}%)")
+  sources = r.get("kernel_ops", {})
+  rows += [(f"kernel: `{name[:60]}`", f"{ms:.2f} ms/step ({100 * share:.1f}%)" +
+            (f", from `{sources[name][-80:]}`" if sources.get(name) else ""))
            for name, ms, share in r["kernels"]]
   if r.get("traced") and not r["kernels"]:
     # XLA's CPU runtime does not always name its ops in the trace (seen: 8 host devices, a
@@ -227,10 +261,11 @@ def main(argv):
   f = flags.FLAGS
   if len(argv) < 2:
     fail("usage: python benchmarks/gpu_step.py CONFIG [key=value ...] [--steps N] [--schedule] "
-         "[--trace]")
+         "[--trace] [--hlo FILE]")
   try:
     r = measure(argv[1], argv[2:], steps=f.steps, repeats=f.repeats, warmup=f.warmup,
-                schedule=f.schedule, trace_steps=f.trace_steps if f.trace else 0, top=f.top)
+                schedule=f.schedule, trace_steps=f.trace_steps if f.trace else 0, top=f.top,
+                hlo=f.hlo)
   except UserError as e:
     fail(str(e))
   print(table(r))
@@ -249,6 +284,8 @@ def define_flags():
   flags.DEFINE_integer("trace_steps", 3, "Steps in the profiler trace.")
   flags.DEFINE_integer("top", 12, "Kernels listed.")
   flags.DEFINE_string("json", "", "Also write the result as JSON to this file.")
+  flags.DEFINE_string("hlo", "", "Also write the timed program's HLO text (as the device "
+                      "compiled it: its kernels' names are the trace's) to this file.")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,11 @@ TOY = ["model.num_layers=2", "model.d_model=64", "model.num_heads=1", "model.hea
 
 
 @pytest.mark.slow
-def test_measure_reports_every_figure():
+def test_measure_reports_every_figure(tmp_path):
+  hlo = tmp_path / "step.hlo"
   r = gpu_step.measure(RECORD, TOY, steps=1, repeats=2, warmup=0, schedule=True, trace_steps=1,
-                       top=5)
+                       top=5, hlo=str(hlo))
+  assert "ENTRY" in hlo.read_text()  # the timed program, as compiled
   assert r["step_s"] > 0 and r["schedule_step_s"] > 0 and 0 < r["mfu"] < 1
   assert len(r["compiled"]) == 1 and "runtime" in r["compiled"][0]  # one program, all windows
   assert r["to_first_step_s"] > 0
@@ -57,6 +59,39 @@ def test_kernel_table_on_a_host_counts_only_the_programs_instructions():
                    {"ph": "X", "pid": 1, "tid": 1, "name": "ThunkExecutor::Execute", "dur": 9e3}]
   rows = gpu_step.kernel_table(events, n_steps=1, top=5, ops={"fusion.3", "dot.1", "while.2"})
   assert rows == [("fusion.3", 6.0, 0.75), ("dot.1", 2.0, 0.25)]
+
+
+@pytest.mark.fast
+def test_kernels_are_traced_back_to_the_jax_ops_that_made_them():
+  """A fusion's kernel by its own name (dots as underscores on a GPU), a library kernel (cuBLAS)
+  by the HLO op its trace event names."""
+  text = "\n".join([
+      "ENTRY %main {",
+      '  %loop_convert_fusion.23 = bf16[8]{0} fusion(%p), kind=kLoop, calls=%fc, '
+      'metadata={op_name="jit(step_fn)/jvp(loss)/convert_element_type" stack_frame_id=3}',
+      '  %custom-call.5 = (f32[8]{0}, s8[0]{0}) custom-call(%a, %b), '
+      'custom_call_target="__cublas$lt$matmul$f8", metadata={op_name="jit(step_fn)/jvp(loss)/dot"}',
+      "  ROOT %tuple.1 = (bf16[8]{0}) tuple(%loop_convert_fusion.23)",
+      "}"])
+  ops = gpu_step.op_names(text)
+  assert ops["loop_convert_fusion.23"] == ops["loop_convert_fusion_23"] == \
+      "jvp(loss)/convert_element_type"
+  assert ops["tuple.1"] == ""
+  events = [{"ph": "X", "name": "loop_convert_fusion_23", "dur": 1.0},
+            {"ph": "X", "name": "nvjet_sm90_qqsss", "dur": 1.0, "args": {"hlo_op": "custom-call.5"}},
+            {"ph": "X", "name": "memcpy", "dur": 1.0, "args": {"hlo_op": "tuple.1"}},
+            {"ph": "X", "name": "cutlass_kernel", "dur": 1.0}]
+  assert gpu_step.kernel_sources(events, ops) == {
+      "loop_convert_fusion_23": "jvp(loss)/convert_element_type",
+      "nvjet_sm90_qqsss": "jvp(loss)/dot"}
+  r = {"config": "x", "device": "d", "devices": 1, "backend": "gpu", "jax": "0.11.2", "params": 1,
+       "attention": "flash_gpu", "compiled": [], "to_first_step_s": 1.0, "step_s": 0.1,
+       "step_s_all": [0.1], "schedule_step_s": None, "tokens_per_s": 1.0, "mfu": 0.3,
+       "peak_flops": 1e15, "peak_bytes": 1, "kernels": [("nvjet_sm90_qqsss", 4.0, 0.5)],
+       "kernel_ops": {"nvjet_sm90_qqsss": "jvp(loss)/dot"}, "traced": True, "gaps": None,
+       "estimate": None}
+  assert "| kernel: `nvjet_sm90_qqsss` | 4.00 ms/step (50.0%), from `jvp(loss)/dot` |" in \
+      gpu_step.table(r)
 
 
 def test_stream_gaps_are_the_idle_time_between_kernels_on_a_stream():
