@@ -249,8 +249,8 @@ def test_kernels_read_only_the_tiles_of_their_tables(monkeypatch):
 @pytest.mark.slow
 def test_record_config_trains_with_it_to_the_blocked_kernels_losses(tmp_path):
   """The record config shrunk (2 layers: one long window, one short; block windows 128 -> 512,
-  documents, one 1,024-token row per device) trains through flash_gpu (interpreted) in one runtime-window program, with the blocked
-  kernel's losses (float32)."""
+  documents, one 1,024-token row per device) trains through flash_gpu (interpreted) in one
+  runtime-window program, with the blocked kernel's losses (float32)."""
   import json
   import os
   from conftest import REPO

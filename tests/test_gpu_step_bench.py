@@ -78,7 +78,8 @@ def test_kernels_are_traced_back_to_the_jax_ops_that_made_them():
       "jvp(loss)/convert_element_type"
   assert ops["tuple.1"] == ""
   events = [{"ph": "X", "name": "loop_convert_fusion_23", "dur": 1.0},
-            {"ph": "X", "name": "nvjet_sm90_qqsss", "dur": 1.0, "args": {"hlo_op": "custom-call.5"}},
+            {"ph": "X", "name": "nvjet_sm90_qqsss", "dur": 1.0,
+             "args": {"hlo_op": "custom-call.5"}},
             {"ph": "X", "name": "memcpy", "dur": 1.0, "args": {"hlo_op": "tuple.1"}},
             {"ph": "X", "name": "cutlass_kernel", "dur": 1.0}]
   assert gpu_step.kernel_sources(events, ops) == {
