@@ -88,8 +88,32 @@ def test_cudnn_compiles_or_says_why_in_one_line():
                                        "attention.doc_mask=false"], "eval")
   except UserError as e:
     assert "cudnn" in str(e).lower() and "\n" not in str(e)
+    assert "backend is cpu" not in str(e)  # the target is the H100, not this CPU host
   else:
     assert "error" not in recs["eval"], recs["eval"]
+
+
+@pytest.mark.fast
+def test_the_cudnn_kernel_asks_the_target_not_the_host():
+  """Traced for a GPU on a CPU host (nanotext.compile --topology=h100), the cuDNN kernel is the
+  GPU's: it asked the host's default backend, and where cuDNN's wheels were installed (the
+  `auto` choice for a dense config then) compiling for an H100 failed with 'the backend is
+  cpu'."""
+  import functools
+  import jax
+  import jax.numpy as jnp
+  from nanotext.model.kernels import cudnn, per_device
+  x = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+  attend = functools.partial(cudnn.cudnn_attention, scale=0.125)
+  with pytest.raises(UserError, match="the backend is cpu"):
+    jax.eval_shape(attend, x, x, x)
+  with per_device.building_for("gpu"):
+    try:
+      jax.eval_shape(attend, x, x, x)
+    except UserError as e:
+      pytest.fail(f"refused a GPU target: {e}")
+    except Exception:  # noqa: BLE001 -- jax's own cuDNN checks, where cuDNN is not installed
+      pass
 
 
 @pytest.mark.gpu_compile
@@ -130,7 +154,8 @@ def test_each_row_length_is_planned_at_its_own_length():
            "model.vocab_size=1024", "model.mlp_dim=1024", "train.batch_size=16",
            "train.grad_accum=1", "train.seq_len=2048", "train.seq_len_start=1024",
            "train.seq_len_step=1024", "train.steps=8", "data.source=synthetic",
-           "data.tokenizer=none", "data.eot_id=0"]
+           "data.tokenizer=none", "data.eot_id=0",
+           "attention.impl=xla"]  # what `auto` picks where cuDNN is not installed: dense
   _, _, recs = nt_compile.run_compile(f"{REPO}/configs/modded_nanogpt_jax.yml", small, "h100",
                                       "first,last", log=lambda s: None)
   first, last = (r["estimate_bytes_per_chip"] / r["total_bytes_per_chip"] for r in recs)
@@ -149,7 +174,8 @@ def test_a_dense_attention_eval_is_planned_as_it_compiles():
   small = ["model.num_layers=4", "model.d_model=256", "model.num_heads=4", "model.head_dim=64",
            "model.vocab_size=1024", "model.mlp_dim=1024", "train.batch_size=16",
            "train.seq_len=2048", "train.steps=8", "data.source=synthetic",
-           "data.tokenizer=none", "data.eot_id=0"]
+           "data.tokenizer=none", "data.eot_id=0",
+           "attention.impl=xla"]  # what `auto` picks where cuDNN is not installed
   r = compiled(f"{REPO}/configs/modded_nanogpt_jax.yml", small, "eval")["eval"]
   assert 0.85 <= r["estimate_bytes_per_chip"] / r["total_bytes_per_chip"] <= 1.15, r
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from nanotext.errors import UserError
+from nanotext.model.kernels.per_device import platform
 from nanotext.model.kernels.xla import xla_attention
 
 
@@ -35,7 +36,7 @@ def cudnn_attention(q_BTHK, k_BTHK, v_BTHK, *, scale, window=0, segment_ids_BT=N
   masks go through the public `mask=` argument, which jax turns into an additive [B, 1, T, T] bias:
   correct, but it is read by the kernel (memory O(B T^2), and T must be even for training).
   """
-  backend = jax.default_backend()
+  backend = platform()  # the target's: a CPU host compiling for a GPU builds the GPU program
   if backend != "gpu":
     raise UserError(f"attention.impl=cudnn needs an NVIDIA GPU with cuDNN, but the backend is "
                     f"{backend}; use attention.impl=xla or auto")
