@@ -209,11 +209,16 @@ def branches(ins: Instr) -> list:
 def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
   operand_types = [types.get(o, "") for o in ins.operands]
   called = comps.get(ins.attr("calls"), [])
-  cublas = ins.opcode == "custom-call" and "cublas" in custom_call_target(ins)
+  # The library call a fusion wraps (XLA 0.11's dynamic-slice fusion: a cuBLAS call reading a
+  # slice of its operand in place, the head's GEMM in a loop over slices), else the call itself.
+  call = next((i for i in called if i.opcode == "custom-call"), None) \
+      if ins.opcode == "fusion" and "custom_fusion" in ins.attrs else ins
+  cublas = call is not None and call.opcode == "custom-call" and \
+      "cublas" in custom_call_target(call)
   # A cuBLAS result comes with a workspace buffer: not data the kernel touches.
   results = _first(ins.type) if cublas else ins.type
   if ins.opcode == "fusion":
-    moved, touched = _fusion_bytes(ins, operand_types, called)
+    moved, touched = _fusion_bytes(ins, operand_types, called, results)
   else:
     touched = [results] + operand_types
     moved = sum(shape_bytes(t) for t in touched)
@@ -221,16 +226,16 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
   largest = max((math.prod(d) for d in arrays), default=0)
   dims = frozenset(n for d in arrays for n in d)
   kind, flops, math_kind = "other", 0.0, "bf16"
-  if ins.opcode == "custom-call":
-    target = custom_call_target(ins)
-    if cublas:
-      flops = _gemm_flops(ins, operand_types)
-      math_kind = "fp8" if "f8" in target else _math(operand_types[:2])
-      kind = "gemm-fp8" if math_kind == "fp8" else "gemm"
-    elif target.startswith("__cudnn"):
-      kind = "cudnn"
-    else:
-      kind = "custom"  # Pallas (Triton on GPU, Mosaic on TPU) and other opaque kernels
+  if cublas:
+    target = custom_call_target(call)
+    inner = {i.name: i.type for i in called}
+    call_types = [inner.get(o, "") for o in call.operands] if call is not ins else operand_types
+    flops = _gemm_flops(call, call_types)
+    math_kind = "fp8" if "f8" in target else _math(call_types[:2])
+    kind = "gemm-fp8" if math_kind == "fp8" else "gemm"
+  elif ins.opcode == "custom-call":
+    # Pallas (Triton on GPU, Mosaic on TPU) and other opaque kernels
+    kind = "cudnn" if custom_call_target(ins).startswith("__cudnn") else "custom"
   elif ins.opcode == "fusion":
     ops = {i.opcode for i in called}
     if "scatter" in ops:
@@ -305,11 +310,11 @@ def _dot_flops(ins: Instr, types: dict) -> float:
   return 2.0 * math.prod(out[0][1]) * k
 
 
-def _fusion_bytes(ins: Instr, operand_types, called) -> tuple:
-  """(bytes a fusion moves, the types it touches whole): its result and what it reads of each
-  operand (an operand only sliced or gathered from inside, maybe after a convert, counts what is
-  picked, at the operand's width; a buffer updated in place counts the update twice, not the
-  buffer)."""
+def _fusion_bytes(ins: Instr, operand_types, called, results: str = "") -> tuple:
+  """(bytes a fusion moves, the types it touches whole): its result (`results` where that is not
+  the whole of its type: a wrapped cuBLAS call's workspace) and what it reads of each operand (an
+  operand only sliced or gathered from inside, maybe after a convert, counts what is picked, at
+  the operand's width; a buffer updated in place counts the update twice, not the buffer)."""
   params = {i.name: int(i.args) for i in called if i.opcode == "parameter"}
   types = {i.name: i.type for i in called}
   users = {}
@@ -333,7 +338,8 @@ def _fusion_bytes(ins: Instr, operand_types, called) -> tuple:
     update = types.get(root.operands[1], "")
     written, touched = 2 * shape_bytes(update), touched + [update]
   else:
-    written, touched = shape_bytes(ins.type), touched + [ins.type]
+    results = results or ins.type
+    written, touched = shape_bytes(results), touched + [results]
   return read + written, touched
 
 
