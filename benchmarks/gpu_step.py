@@ -75,8 +75,7 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
   if hlo:
     with open(hlo, "w") as f:
       f.write(text)
-  ops = op_names(text)
-  kernels, gaps, sources = (top_kernels(step, state, trace_steps, top, ops)
+  kernels, gaps, sources = (top_kernels(step, state, trace_steps, top, op_names(text))
                             if trace_steps else ([], None, {}))
   tokens = cfg.train.batch_size * cfg.train.seq_len
   flops = metrics.flops_per_token(cfg.model, final[1], final[0]) * tokens
@@ -124,12 +123,12 @@ def op_names(text: str) -> dict:
   """{instruction name: the jax op that made it} of a compiled program's HLO text (its op_name
   metadata, the jit's name dropped; "" where it has none), each name also as a GPU trace names
   the instruction's kernel (`loop_convert_fusion.23` -> `loop_convert_fusion_23`)."""
+  from nanotext import hlo
   out = {}
-  for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=(.*)$", text, re.M):
-    op = re.search(r'op_name="(?:jit\([^)]*\)/)?([^"]*)"', m.group(2))
-    name, source = m.group(1), op.group(1) if op else ""
-    out[name] = source
-    out.setdefault(name.replace(".", "_"), source)
+  for ins in (i for comp in hlo.parse(text)[0].values() for i in comp):
+    op = re.search(r'op_name="(?:jit\([^)]*\)/)?([^"]*)"', ins.attrs)
+    out[ins.name] = op.group(1) if op else ""
+    out.setdefault(ins.name.replace(".", "_"), out[ins.name])
   return out
 
 

@@ -66,7 +66,7 @@ def test_kernels_are_traced_back_to_the_jax_ops_that_made_them():
   """A fusion's kernel by its own name (dots as underscores on a GPU), a library kernel (cuBLAS)
   by the HLO op its trace event names."""
   text = "\n".join([
-      "ENTRY %main {",
+      "ENTRY %main (p: bf16[8], a: f8e4m3fn[8], b: f8e4m3fn[8]) -> (bf16[8]) {",
       '  %loop_convert_fusion.23 = bf16[8]{0} fusion(%p), kind=kLoop, calls=%fc, '
       'metadata={op_name="jit(step_fn)/jvp(loss)/convert_element_type" stack_frame_id=3}',
       '  %custom-call.5 = (f32[8]{0}, s8[0]{0}) custom-call(%a, %b), '
