@@ -4,6 +4,7 @@ fast tier's end-to-end file (tests/test_faults_tools.py: the same tools under da
 
 import os
 import shutil
+import threading
 
 import jax
 import numpy as np
@@ -14,7 +15,7 @@ from nanotext import checkpoint, config, integrity, loop, programs, plot, trees,
 from nanotext.convert import __main__ as convert_cli
 from nanotext.convert import hf, hf_tokenizer, params, torch_export
 from nanotext.data import fileio
-from nanotext.errors import UserError
+from nanotext.errors import ResourceError, UserError
 from nanotext.train import run
 
 pytestmark = pytest.mark.fast
@@ -113,3 +114,28 @@ def test_an_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path):
   with pytest.raises(OSError):
     fileio.atomic_write(path, failing())
   assert open(path, "rb").read() == b"old" and os.listdir(tmp_path) == ["f"]
+
+
+def test_a_failed_conversion_outlasts_a_writer_still_finishing_in_it(tmp_path):
+  """A failed orbax save returns while tensorstore still writes its other files (CI once found
+  a '.out.tmp-*' left): staged_dir waits for them and leaves the folder of --out empty."""
+  from nanotext.convert.common import staged_dir
+  started, raised = threading.Event(), threading.Event()
+
+  def late_writer(tmp):
+    with open(os.path.join(tmp, "first"), "wb"):  # held open while the save fails
+      started.set()
+      raised.wait(30)
+      os.makedirs(os.path.join(tmp, "d"), exist_ok=True)
+      with open(os.path.join(tmp, "d", "late"), "wb") as f:
+        f.write(b"x")
+
+  with pytest.raises(ResourceError, match="No space left"):
+    with staged_dir(str(tmp_path / "out"), force=False) as tmp:
+      writer = threading.Thread(target=late_writer, args=(tmp,))
+      writer.start()
+      started.wait(30)
+      raised.set()
+      raise OSError(28, "No space left on device")
+  writer.join()
+  assert os.listdir(tmp_path) == []

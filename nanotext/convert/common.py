@@ -11,6 +11,7 @@ import jax
 from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.trees import stack_blocks, unstack_blocks
 from nanotext import probes, rundir
+from nanotext.data import fileio
 
 
 def load_run(run: str, step: int = -1):
@@ -151,6 +152,10 @@ def staged_dir(out: str, *, force: bool, protect=()):
   try:
     with writing(out):
       yield tmp
+  except BaseException:
+    fileio.remove_tree(tmp)  # a failed orbax save may still be writing into it
+    raise
+  try:
     if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
       old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
       os.replace(out, os.path.join(old, name))  # aside first: rename cannot replace a full folder

@@ -2,6 +2,8 @@
 append is whole or not there."""
 
 import os
+import shutil
+import time
 import uuid
 
 
@@ -37,3 +39,39 @@ def append_whole(fd: int, data: bytes) -> None:
     except OSError:
       pass
     raise
+
+
+def _open_under(path: str) -> bool:
+  """Whether this process holds a file open inside `path` (Linux /proc; False elsewhere)."""
+  prefix = os.path.abspath(path) + os.sep
+  try:
+    fds = os.listdir("/proc/self/fd")
+  except OSError:
+    return False
+  for fd in fds:
+    try:
+      if os.readlink(f"/proc/self/fd/{fd}").startswith(prefix):
+        return True
+    except OSError:
+      pass  # closed since the listing
+  return False
+
+
+def remove_tree(path: str, settle_s: float = 0.5, limit_s: float = 60.0) -> None:
+  """Remove `path` for good, outlasting writers of this process still finishing in it.
+
+  A failed orbax save returns while tensorstore's threads still write the save's other files;
+  one landing while rmtree walks the tree left a folder behind. So: remove, and again, until
+  nothing is open inside, the path is gone and it stays gone for `settle_s`.
+  """
+  deadline = time.monotonic() + limit_s
+  quiet_since = None
+  while time.monotonic() < deadline:
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path) or _open_under(path):
+      quiet_since = None
+    elif quiet_since is None:
+      quiet_since = time.monotonic()
+    elif time.monotonic() - quiet_since >= settle_s:
+      return
+    time.sleep(0.05)
