@@ -19,7 +19,6 @@ import glob
 import gzip
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -126,8 +125,7 @@ def op_names(text: str) -> dict:
   from nanotext import hlo
   out = {}
   for ins in (i for comp in hlo.parse(text)[0].values() for i in comp):
-    op = re.search(r'op_name="(?:jit\([^)]*\)/)?([^"]*)"', ins.attrs)
-    out[ins.name] = op.group(1) if op else ""
+    out[ins.name] = hlo.op_name(ins)
     out.setdefault(ins.name.replace(".", "_"), out[ins.name])
   return out
 

@@ -302,7 +302,7 @@ def kernel_lines(inv: dict, platform: str) -> list:
   ops, not launches: its count includes scalar loop bookkeeping and DMA starts)."""
   g = inv["gemm_calls"]
   parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
-  slow = ", ".join(f"{name} {1e3 * sec:.2f}" for name, _, sec in inv["slowest"][:4])
+  slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} launches)" for op, s, n in inv["slowest_ops"][:3])
   return [
       f"  kernels per step   {inv['launches']} {'launches' if platform == 'gpu' else 'ops'}: "
       f"GEMMs {g['bf16']} bf16, {g['f32']} "
@@ -312,7 +312,7 @@ def kernel_lines(inv: dict, platform: str) -> list:
       f"  logits             {inv['logits_passes']:.1f} passes over the bf16 logits by "
       f"{inv['logits_kernels']} kernels, besides {inv['logits_gemms']} GEMMs",
       f"  step estimate      {1e3 * inv['estimate_s']:.1f} ms, a roofline lower bound, not a "
-      f"measured time ({parts} ms); slowest: {slow} ms",
+      f"measured time ({parts} ms); slowest passes by jax op: {slow}",
       f"  not priced         {roofline.UNPRICED}"]
 
 

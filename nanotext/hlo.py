@@ -168,6 +168,7 @@ class Kernel:
   dims: frozenset = frozenset()  # every dimension size of the arrays it touches whole
   count: int = 1
   math: str = "bf16"  # the peak its FLOPs run at: bf16, fp8, f32
+  op: str = ""  # the jax op that made it (op_name(ins)), '' where the HLO does not say
 
 
 def kernels(text: str) -> list:
@@ -257,7 +258,13 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
     kind = "collective"
   elif ins.opcode in ("copy", "copy-start"):
     kind = "copy"
-  return Kernel(ins.name, kind, flops, moved, largest, dims, math=math_kind)
+  return Kernel(ins.name, kind, flops, moved, largest, dims, math=math_kind, op=op_name(ins))
+
+
+def op_name(ins: Instr) -> str:
+  """The jax op an instruction came from (its op_name metadata, the jit's name dropped)."""
+  m = re.search(r'op_name="(?:jit\([^)]*\)/)?([^"]*)"', ins.attrs)
+  return m.group(1) if m else ""
 
 
 def custom_call_target(ins: Instr) -> str:

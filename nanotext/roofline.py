@@ -5,7 +5,9 @@ launch gaps, atomics, kernels running below peak or FLOPs inside custom kernels 
 prices those analytically). Never a measured time.
 """
 
+import collections
 import dataclasses
+import re
 
 from nanotext.hlo import Kernel, kernels
 
@@ -40,7 +42,9 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
   touch the logits, and their bytes over `logits_bytes` (one read of the whole bf16 logits) say
   how many passes over the logits the step makes besides its GEMMs. `custom_flops`: the
   analytic FLOPs of the custom kernels (attention), which their HLO does not show; they are
-  priced as a whole at the bf16 peak, or at their bytes where that is slower.
+  priced as a whole at the bf16 peak, or at their bytes where that is slower. `slowest_ops`:
+  the non-GEMM launches summed by the jax op that made them, every layer's as one
+  (block_3 -> block_N): (op, seconds, launches), slowest first.
   """
   ks = kernels(text)
   count = lambda *kinds: sum(k.count for k in ks if k.kind in kinds)
@@ -58,6 +62,12 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
                         and not k.kind.startswith("gemm") and k not in big)}
   slow = sorted((k for k in ks if k.kind not in ("custom", "cudnn")),
                 key=lambda k: -seconds(k, peaks))[:top]
+  passes = collections.defaultdict(lambda: [0.0, 0])  # non-GEMM launches by jax op, any layer
+  for k in ks:
+    if k.kind not in ("custom", "cudnn") and not k.kind.startswith("gemm"):
+      group = passes[re.sub(r"_\d+\b", "_N", k.op) or "(no op name)"]
+      group[0] += seconds(k, peaks)
+      group[1] += k.count
   return {"launches": sum(k.count for k in ks), "gemm_calls": gemms,
           "gemm_flops": sum(k.count * k.flops for k in ks if k.kind.startswith("gemm")),
           "custom_kernels": count("custom"), "cudnn_calls": count("cudnn"),
@@ -68,4 +78,6 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
           "logits_passes": sum(k.count * k.bytes for k in big if not k.kind.startswith("gemm"))
                            / logits_bytes if logits_bytes else 0.0,
           "estimate_s": sum(parts.values()), "estimate_parts_s": parts,
-          "slowest": [(k.name, k.kind, seconds(k, peaks)) for k in slow]}
+          "slowest": [(k.name, k.kind, seconds(k, peaks)) for k in slow],
+          "slowest_ops": sorted(((op, sec, n) for op, (sec, n) in passes.items()),
+                                key=lambda row: -row[1])[:top]}

@@ -169,6 +169,54 @@ def test_a_cublas_call_fused_with_the_slice_it_reads_is_a_gemm():
   assert roofline.inventory(SLICED_GEMM, PEAKS)["gemm_calls"]["bf16"] == 1
 
 
+LAYERS = """HloModule jit_step, is_scheduled=true
+
+%sq (p: bf16[1024,256]) -> bf16[1024,256] {
+  %p = bf16[1024,256]{1,0} parameter(0)
+  ROOT %m = bf16[1024,256]{1,0} multiply(%p, %p)
+}
+
+%body (arg: (s32[], bf16[1024,256])) -> (s32[], bf16[1024,256]) {
+  %arg = (s32[], bf16[1024,256]{1,0}) parameter(0)
+  %gte = bf16[1024,256]{1,0} get-tuple-element(%arg), index=1
+  %sq.2 = bf16[1024,256]{1,0} fusion(%gte), kind=kLoop, calls=%sq, metadata={op_name="jit(step_fn)/while/body/jvp(block_2)/mlp/square"}
+  ROOT %t = (s32[], bf16[1024,256]{1,0}) tuple(%gte, %sq.2)
+}
+
+%cond (arg.1: (s32[], bf16[1024,256])) -> pred[] {
+  %arg.1 = (s32[], bf16[1024,256]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (h: bf16[1024,256], w: bf16[256,256], i: s32[]) -> bf16[1024,256] {
+  %h = bf16[1024,256]{1,0} parameter(0)
+  %w = bf16[256,256]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %sq.0 = bf16[1024,256]{1,0} fusion(%h), kind=kLoop, calls=%sq, metadata={op_name="jit(step_fn)/jvp(block_0)/mlp/square"}
+  %sq.1 = bf16[1024,256]{1,0} fusion(%sq.0), kind=kLoop, calls=%sq, metadata={op_name="jit(step_fn)/jvp(block_11)/mlp/square"}
+  %dot.1 = bf16[1024,256]{1,0} dot(%sq.1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step_fn)/jvp(block_0)/mlp/dot_general"}
+  %other = bf16[1024,256]{1,0} fusion(%dot.1), kind=kLoop, calls=%sq
+  %init = (s32[], bf16[1024,256]{1,0}) tuple(%i, %other)
+  %loop = (s32[], bf16[1024,256]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = bf16[1024,256]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_passes_are_summed_by_the_jax_op_of_every_layer():
+  """The estimate's slowest passes by jax op: every layer's (block_0, block_11, a loop's block_2
+  three times) as one row, the jit's name dropped, GEMMs left out, an unnamed fusion on its own."""
+  inv = roofline.inventory(LAYERS, PEAKS)
+  one = 2 * 1024 * 256 * 2 / PEAKS.bandwidth  # read and write a bf16 [1024, 256]
+  rows = {op: (sec, n) for op, sec, n in inv["slowest_ops"]}
+  assert set(rows) == {"jvp(block_N)/mlp/square", "while/body/jvp(block_N)/mlp/square",
+                       "(no op name)"}
+  assert rows["jvp(block_N)/mlp/square"] == (pytest.approx(2 * one), 2)
+  assert rows["while/body/jvp(block_N)/mlp/square"] == (pytest.approx(3 * one), 3)
+  assert rows["(no op name)"] == (pytest.approx(one), 1)
+  assert [op for op, _, _ in inv["slowest_ops"]][0] == "while/body/jvp(block_N)/mlp/square"
+
+
 def test_inventory_counts_and_prices():
   inv = roofline.inventory(PROGRAM, PEAKS, logits_elements=1024 * 4096, logits_bytes=1024 * 4096 * 2,
                       custom_flops=1e9)
