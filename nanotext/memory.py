@@ -174,7 +174,8 @@ class Model:
       return loss_fn(graphdef, params, inputs, targets, eot, windows, chunk, per_row=per_row)
     tokens = jax.ShapeDtypeStruct((self.rows, length), jnp.int32)
     out = {"block": 0.0, "loss": 0.0, "other": 0.0, "kernel": 0.0}
-    residuals = saved_residuals(loss, self.params, tokens, tokens, backend=self.backend)
+    with building_for(self.backend):  # the target's program (matmuls, rotary, head slices)
+      residuals = saved_residuals(loss, self.params, tokens, tokens, backend=self.backend)
     if self.backend == "cpu":  # kept as JAX saves them; bfloat16 math runs in float32 there
       for aval, eqn, _ in residuals:
         out[scope(eqn)] += self.stored_bytes(aval)

@@ -11,8 +11,8 @@ from flax import nnx
 from nanotext import config, sharding
 from nanotext.errors import UserError
 from nanotext.model.kernels.dispatch import IMPLS, dot_product_attention
-from nanotext.model.layers import (Linear, StackedLinear, init_array, param, proj_std, rms_norm,
-                                   scaled_sum, weight_std)
+from nanotext.model.layers import (Linear, StackedLinear, init_array, matmul, param, proj_std,
+                                   rms_norm, scaled_sum, weight_std)
 from nanotext.model.rope import apply_rope, rope_frequencies
 
 
@@ -91,7 +91,7 @@ class CausalSelfAttention(nnx.Module):
     names = ("batch", "act_length", "act_heads", "act_kv")
     if self.fused_qkv:
       x = x_BTD.astype(self.dtype)
-      q, k, v = jnp.split(x @ self.qkv.value.astype(self.dtype).T, 3, axis=-1)
+      q, k, v = jnp.split(matmul(x, self.qkv.value.astype(self.dtype).T), 3, axis=-1)
     elif self.merged_qkv:
       q, k, v = self.qkv(x_BTD)
     else:

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from nanotext import sharding
+from nanotext.model.kernels.per_device import platform
 
 
 ROLES = ("matrix", "embed", "head", "scalar")  # optimizer groups: nanotext.optim reads `role`
@@ -75,6 +76,17 @@ def init_array(rngs, shape, std, dtype, dist: str = "normal"):
   return (std * jax.random.normal(rngs.params(), shape)).astype(dtype)
 
 
+def matmul(x, w):
+  """x [..., in] @ w [in, out] in x's dtype. On CPU a 16-bit product runs as float32 math rounded
+  once: jax 0.11's CPU backend summed the weight gradient of a 16-bit x [B, T, in] (a dot over
+  batch and time) in bf16, 2-3% off float64 (benchmarks/RESULTS.md, "Under jax 0.11.2"). A
+  program built for a GPU or TPU (per_device.platform) is the plain x @ w."""
+  if x.dtype.itemsize != 2 or platform() != "cpu":
+    return x @ w
+  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 class Linear(nnx.Module):
   """y = x @ W (+ b), with W of shape [in, out] tagged (in_axis, out_axis)."""
 
@@ -85,7 +97,7 @@ class Linear(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, x):
-    y = x.astype(self.dtype) @ self.kernel.value.astype(self.dtype)
+    y = matmul(x.astype(self.dtype), self.kernel.value.astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias.value.astype(self.dtype)
     return y
@@ -108,7 +120,7 @@ class StackedLinear(nnx.Module):
     # its gradient back), about 4 ms of a record step.
     n, d_in, d_out = self.kernel.value.shape
     w = self.kernel.value.astype(self.dtype).transpose(1, 0, 2).reshape(d_in, n * d_out)
-    y = x.astype(self.dtype) @ w
+    y = matmul(x.astype(self.dtype), w)
     if self.bias is not None:
       y = y + self.bias.value.astype(self.dtype).reshape(n * d_out)
     return tuple(jnp.split(y, n, axis=-1))  # split, not slices: its gradient is one concatenate
@@ -158,7 +170,7 @@ class Embed(nnx.Module):
     return lookup((self,), tokens_BT)[0]
 
   def attend(self, x_BTD):
-    return x_BTD.astype(self.dtype) @ self.embedding.value.astype(self.dtype).T
+    return matmul(x_BTD.astype(self.dtype), self.embedding.value.astype(self.dtype).T)
 
 
 def lookup(embeds, tokens_BT) -> tuple:
