@@ -60,8 +60,6 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
            "logits passes": sum(seconds(k, peaks) for k in big if not k.kind.startswith("gemm")),
            "other": sum(seconds(k, peaks) for k in ks if k.kind not in ("custom", "cudnn")
                         and not k.kind.startswith("gemm") and k not in big)}
-  slow = sorted((k for k in ks if k.kind not in ("custom", "cudnn")),
-                key=lambda k: -seconds(k, peaks))[:top]
   passes = collections.defaultdict(lambda: [0.0, 0])  # non-GEMM launches by jax op, any layer
   for k in ks:
     if k.kind not in ("custom", "cudnn") and not k.kind.startswith("gemm"):
@@ -78,6 +76,5 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
           "logits_passes": sum(k.count * k.bytes for k in big if not k.kind.startswith("gemm"))
                            / logits_bytes if logits_bytes else 0.0,
           "estimate_s": sum(parts.values()), "estimate_parts_s": parts,
-          "slowest": [(k.name, k.kind, seconds(k, peaks)) for k in slow],
           "slowest_ops": sorted(((op, sec, n) for op, (sec, n) in passes.items()),
                                 key=lambda row: -row[1])[:top]}
