@@ -220,8 +220,8 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
   results = _first(ins.type) if cublas else ins.type
   if ins.opcode == "fusion":
     moved, touched = _fusion_bytes(ins, operand_types, called, results)
-  else:
-    touched = [results] + operand_types
+  else:  # an array passed twice (a kernel reading two parts of it) is read once at most
+    touched = [results] + [types.get(o, "") for o in dict.fromkeys(ins.operands)]
     moved = sum(shape_bytes(t) for t in touched)
   arrays = [d for t in touched for _, d in shapes(t)]
   largest = max((math.prod(d) for d in arrays), default=0)

@@ -29,6 +29,7 @@ def seconds(k: Kernel, peaks: Peaks) -> float:
   return k.count * max(k.flops / peaks.flops_per_s(k.math), k.bytes / peaks.bandwidth)
 
 
+ATTENTION = "attention_kernel"  # the jax scope of the attention kernels (model/attention.py)
 UNPRICED = ("launch gaps between kernels, atomics (scatter-adds), kernels running below peak, "
             "and the FLOPs inside custom kernels beyond the analytic attention count")
 
@@ -50,9 +51,13 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
   count = lambda *kinds: sum(k.count for k in ks if k.kind in kinds)
   gemms = {m: sum(k.count for k in ks if k.kind.startswith("gemm") and k.math == m)
            for m in ("bf16", "f32", "fp8")}
-  custom = [k for k in ks if k.kind in ("custom", "cudnn")]
+  # The attention kernels as a whole at the analytic FLOPs (their HLO does not show them); a
+  # custom kernel named outside attention (elementwise work, kernels/qk_rope.py) at its bytes.
+  own = lambda k: k.kind in ("custom", "cudnn") and k.op and ATTENTION not in k.op
+  custom = [k for k in ks if k.kind in ("custom", "cudnn") and not own(k)]
   custom_s = max(sum(k.count * k.bytes for k in custom) / peaks.bandwidth,
                  custom_flops / peaks.bf16) if custom else 0.0
+  custom_s += sum(seconds(k, peaks) for k in ks if own(k))
   big = [k for k in ks if logits_elements and k.largest * 2 >= logits_elements
          and (not vocab or vocab in k.dims)]
   parts = {"gemm": sum(seconds(k, peaks) for k in ks if k.kind.startswith("gemm")),

@@ -142,13 +142,13 @@ def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(("batch", "act_length"), rules))
 
 
-def per_device(fn, args, in_axes, out_axes):
+def per_device(fn, args, in_axes, out_axes, out_shape=None):
   """Run `fn` per device (shard_map) over the active mesh, or plainly outside `use_rules`.
 
   Each argument is split along its logical axes (`in_axes`, one tuple per argument, None =
   whole) where its size divides evenly, else kept whole (e.g. sampling with batch 1); the
-  output, shaped like the first argument, is split by `out_axes`. For opaque kernels (Pallas)
-  that the SPMD partitioner cannot split by itself.
+  output (or each output), shaped like the first argument or `out_shape`, is split by
+  `out_axes`. For opaque kernels (Pallas) that the SPMD partitioner cannot split by itself.
   """
   if not _active_rules:
     return fn(*args)
@@ -165,7 +165,8 @@ def per_device(fn, args, in_axes, out_axes):
         out.append(None)
     return P(*out)
   in_specs = tuple(spec(a, x.shape) for a, x in zip(in_axes, args))
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec(out_axes, args[0].shape),
+  out_specs = spec(out_axes, out_shape or args[0].shape)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                        check_vma=False)(*args)
 
 

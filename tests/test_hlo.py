@@ -57,7 +57,7 @@ ENTRY %main (x: f8e4m3fn[1024,64], w: f8e4m3fn[4096,64], y: s32[1024], h: bf16[1
   %table = f32[4096,64]{1,0} constant({...})
   %g = f32[1024,64]{1,0} constant({...})
   %scat = f32[4096,64]{1,0} fusion(%table, %y, %g), kind=kInput, calls=%fused_scatter
-  %flash = (bf16[1024,64]{1,0}) custom-call(%h, %h, %h), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="x" /*comment*/}
+  %flash = (bf16[1024,64]{1,0}) custom-call(%h, %h, %h), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jvp(block_0)/attention/attention_kernel/x" /*comment*/}
   %init = (s32[], bf16[1024,64]{1,0}) tuple(%y, %h)
   %loop = (s32[], bf16[1024,64]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
   %ar = f32[4096,64]{1,0} all-reduce-start(%scat), to_apply=%add
@@ -228,10 +228,28 @@ def test_inventory_counts_and_prices():
   assert inv["logits_passes"] == 4  # f32 read and write: twice bf16's bytes each
   assert inv["estimate_parts_s"]["logits passes"] == pytest.approx(
       2 * 1024 * 4096 * 4 / PEAKS.bandwidth)
-  # The custom kernel at its analytic FLOPs, which outweigh its bytes (4 bf16 [1024, 64] arrays).
-  assert 4 * 1024 * 64 * 2 / PEAKS.bandwidth < 1e9 / PEAKS.bf16
+  # The custom kernel at its analytic FLOPs, which outweigh its bytes (2 bf16 [1024, 64] arrays:
+  # the one it reads three times, and its output).
+  assert 2 * 1024 * 64 * 2 / PEAKS.bandwidth < 1e9 / PEAKS.bf16
   assert inv["estimate_parts_s"]["custom"] == pytest.approx(1e9 / PEAKS.bf16)
   assert inv["estimate_s"] == pytest.approx(sum(inv["estimate_parts_s"].values()))
+
+
+def test_a_custom_kernel_outside_attention_is_priced_at_its_own_bytes():
+  """An elementwise Pallas kernel (kernels/qk_rope.py) does not hide under the attention
+  kernels' FLOPs: it costs its own bytes, its operand passed twice read once."""
+  text = """HloModule m
+
+ENTRY %main (a: bf16[1024,64], w: bf16[1024,3,64]) -> bf16[1024,64] {
+  %a = bf16[1024,64]{1,0} parameter(0)
+  %w = bf16[1024,3,64]{2,1,0} parameter(1)
+  %flash = bf16[1024,64]{1,0} custom-call(%a, %a, %a), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/jvp(block_0)/attention/attention_kernel/flash_gpu_forward/pallas_call"}
+  ROOT %norm = (bf16[1024,64]{1,0}, bf16[1024,64]{1,0}) custom-call(%w, %w), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/jvp(block_0)/attention/qk_norm_rope/pallas_call"}
+}
+"""
+  inv = roofline.inventory(text, PEAKS, custom_flops=1e9)
+  own = (1024 * 3 * 64 + 2 * 1024 * 64) * 2 / PEAKS.bandwidth
+  assert inv["estimate_parts_s"]["custom"] == pytest.approx(1e9 / PEAKS.bf16 + own)
 
 
 def test_collectives_count_an_async_pair_once():

@@ -10,6 +10,7 @@ from flax import nnx
 
 from nanotext import config, sharding
 from nanotext.errors import UserError
+from nanotext.model.kernels import qk_rope
 from nanotext.model.kernels.dispatch import IMPLS, dot_product_attention
 from nanotext.model.layers import (Linear, StackedLinear, init_array, matmul, param, proj_std,
                                    rms_norm, scaled_sum, weight_std)
@@ -89,11 +90,19 @@ class CausalSelfAttention(nnx.Module):
     B, T, _ = x_BTD.shape
     shape = (B, T, self.num_heads, self.head_dim)
     names = ("batch", "act_length", "act_heads", "act_kv")
+    qkv = None  # q, k, v side by side [B, T, 3 * H * K], where one matmul makes them
     if self.fused_qkv:
-      x = x_BTD.astype(self.dtype)
-      q, k, v = jnp.split(matmul(x, self.qkv.value.astype(self.dtype).T), 3, axis=-1)
+      qkv = matmul(x_BTD.astype(self.dtype), self.qkv.value.astype(self.dtype).T)
     elif self.merged_qkv:
-      q, k, v = self.qkv(x_BTD)
+      qkv = self.qkv.joined(x_BTD)
+    freq = rope_frequencies(self.head_dim, *self.rope) if self.rope is not None else None
+    # QK-norm and rotation in one pass each way (a GPU kernel), reading q and k in place
+    fused = self.qk_norm and freq is not None and qkv is not None and \
+        qk_rope.applies(T, self.head_dim)
+    if fused:
+      q, k, v = qk_rope.norm_rope(qkv.reshape(B, T, 3, *shape[2:]), freq, self.qk_eps)
+    elif qkv is not None:
+      q, k, v = jnp.split(qkv, 3, axis=-1)
     else:
       q, k, v = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
     q, k, v = (sharding.constrain(a.reshape(shape), names) for a in (q, k, v))
@@ -106,10 +115,9 @@ class CausalSelfAttention(nnx.Module):
       # Layers without a value embedding still scale v by lambdas[0], as the record does.
       v = scaled_sum((lam[0],), (v,)) if ve_BTD is None else \
           scaled_sum((lam[0], lam[1]), (v, ve_BTD.reshape(shape)))
-    if self.qk_norm:
+    if self.qk_norm and not fused:
       q, k = rms_norm(q, self.qk_eps), rms_norm(k, self.qk_eps)
-    if self.rope is not None:
-      freq = rope_frequencies(self.head_dim, *self.rope)
+    if freq is not None and not fused:
       q, k = apply_rope(q, freq), apply_rope(k, freq)
     scale = self.scale
     if self.scale_param is not None:
