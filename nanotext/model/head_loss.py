@@ -117,7 +117,10 @@ def _operands(x_ND, w_DV, fp8):
   if fp8 is None:
     return x_ND, w_DV.astype(x_ND.dtype)
   x_s, w_s, _, r = fp8
-  return _quantize(x_ND, x_s, E4M3), _quantize(w_DV * r, w_s * r, E4M3)
+  w8 = _quantize(w_DV * r, w_s * r, E4M3)
+  if platform() == "gpu":  # FSDP gathers the codes, not dequantized float32 weights: cuBLASLt's
+    w8 = sharding.constrain(w8, (None, "vocab"))  # FP8 GEMM must see the dequantize at its input
+  return _quantize(x_ND, x_s, E4M3), w8
 
 
 def _product(a_ND, b_DV, fp8, dt):
