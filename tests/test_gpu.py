@@ -125,3 +125,32 @@ def test_flash_gpu_on_the_gpu_agrees_with_einsum(window, block):
   for name, a, b in flash_against_einsum(window, block):
     assert np.isfinite(a).all(), name
     np.testing.assert_allclose(a, b, atol=2e-2 * np.abs(b).max(), err_msg=name)
+
+
+def test_qk_rope_kernel_on_the_gpu_agrees_with_the_xla_path():
+  """kernels/qk_rope.py compiled by Triton (its CPU tests interpret it) at the record's shape:
+  q and k normalised and rotated, and the gradient of the whole QKV output, against rms_norm and
+  apply_rope on the CPU (where XLA rounds as the program says: a GPU may keep the norm's output
+  in float32): at most one bf16 step apart, in under 1 element in 1,000."""
+  from nanotext.model.kernels import qk_rope
+  from nanotext.model.rope import apply_rope, rope_frequencies
+  qkv = (3 * jax.random.normal(jax.random.key(0), (1, 49152, 3, 6, 128))).astype(jnp.bfloat16)
+  freq = rope_frequencies(128, 1024, True)
+  gs = [jax.random.normal(jax.random.key(i + 1), (1, 49152, 6, 128)) for i in range(3)]
+
+  def xla(x):
+    q, k = (apply_rope(rms_norm(x[:, :, i]), freq) for i in (0, 1))
+    return q, k, x[:, :, 2]
+
+  def run(fn, device=None):
+    loss = lambda x, *gs: sum(jnp.sum(o.astype(jnp.float32) * g) for o, g in zip(fn(x), gs))
+    args = jax.device_put((qkv, *gs), device)
+    return jax.jit(fn, device=device)(args[0]), jax.jit(jax.grad(loss), device=device)(*args)
+  assert qk_rope.applies(49152, 128)  # the GPU program takes the kernel
+  got = run(lambda x: qk_rope.norm_rope(x, freq, 1e-6))
+  want = run(xla, jax.devices("cpu")[0])
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    g, w = np.float32(g), np.float32(w)
+    step = np.spacing(np.abs(w).astype(jnp.bfloat16).astype(np.float32)) * 2**16
+    apart = np.abs(g - w) / np.maximum(step, np.finfo(np.float32).tiny)
+    assert apart.max() <= 1 and (apart > 0).mean() < 1e-3, (apart.max(), (apart > 0).mean())
