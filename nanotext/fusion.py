@@ -21,7 +21,8 @@ _CALLS = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call")
 # (measured on the record's programs: estimates 0.79x the compiler's total otherwise).
 REPEATED = {"gpu": frozenset("""convert_element_type broadcast_in_dim reshape squeeze expand_dims
     copy copy_p slice split""".split())}
-# A forward pass on a GPU (peak_live) is compiled with three more habits: XLA writes what a GEMM
+# A forward pass on a GPU (peak_live, and the forward part of a train step, whose values the
+# backward pass keeps: saved_residuals) is compiled with three more habits: XLA writes what a GEMM
 # reads (cuBLAS takes its operands from memory); it repeats in each reader an elementwise value
 # made from one large stored value, which is alive there anyway (a softmax's masked scores and
 # exponentials are recomputed from the scores by each of its fusions, and the probabilities the
@@ -128,7 +129,7 @@ def saved_residuals(fn, *args, backend: str = "") -> list:
   from."""
   import jax
   closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
-  g = _Graph(closed.jaxpr, REPEATED.get(backend, frozenset()))
+  g = _Graph(closed.jaxpr, REPEATED.get(backend, frozenset()), FORWARD.get(backend, frozenset()))
   n = len(jax.tree.leaves(shapes[1]))
   return [(v.aval, g.producer[v], g.anchors(v)) for v in g.vars(g.jaxpr.outvars[-n:])
           if v in g.producer]
