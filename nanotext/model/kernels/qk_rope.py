@@ -4,10 +4,11 @@
 Left to XLA, rms_norm then apply_rope (model/layers.py, model/rope.py) on q and k take two
 passes forward (the norm's statistics, then norm and rotation) and two backward (the norm's
 row sum, then the rest), plus a concatenation of the gradients: at the record's shape on an
-H100 about 1.7 GB of traffic a layer where one read and one write of q and k each way is 0.6
-(benchmarks/RESULTS.md). A head's 128 values fit one program's registers, so here one kernel
-reads a tile of q and k and writes them normalised and rotated, and one kernel does the
-backward pass. The arithmetic is the XLA path's, roundings included: the norm's output is
+H100 about 1.7 GB of traffic a layer as the HLO counts it, where these kernels move about 1.0
+(forward: q and k read and written; backward: their gradients and q and k read, the whole QKV
+gradient written; benchmarks/RESULTS.md). A head's 128 values fit one program's registers, so
+here one kernel reads a tile of q and k and writes them normalised and rotated, and one kernel
+does the backward pass. The arithmetic is the XLA path's, roundings included: the norm's output is
 rounded to the model dtype before the rotation, and so is its gradient on the way back.
 """
 
