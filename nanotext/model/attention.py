@@ -94,14 +94,14 @@ class CausalSelfAttention(nnx.Module):
     if self.fused_qkv:
       qkv = matmul(x_BTD.astype(self.dtype), self.qkv.value.astype(self.dtype).T)
     elif self.merged_qkv:
-      qkv = self.qkv.joined(x_BTD)
+      qkv = self.qkv(x_BTD)
     freq = rope_frequencies(self.head_dim, *self.rope) if self.rope is not None else None
     # QK-norm and rotation in one pass each way (a GPU kernel), reading q and k in place
     fused = self.qk_norm and freq is not None and qkv is not None and \
         qk_rope.applies(T, self.head_dim)
     if fused:
       q, k, v = qk_rope.norm_rope(qkv.reshape(B, T, 3, *shape[2:]), freq, self.qk_eps)
-    elif qkv is not None:
+    elif qkv is not None:  # split, not slices: its gradient is one concatenate
       q, k, v = jnp.split(qkv, 3, axis=-1)
     else:
       q, k, v = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
@@ -115,10 +115,11 @@ class CausalSelfAttention(nnx.Module):
       # Layers without a value embedding still scale v by lambdas[0], as the record does.
       v = scaled_sum((lam[0],), (v,)) if ve_BTD is None else \
           scaled_sum((lam[0], lam[1]), (v, ve_BTD.reshape(shape)))
-    if self.qk_norm and not fused:
-      q, k = rms_norm(q, self.qk_eps), rms_norm(k, self.qk_eps)
-    if freq is not None and not fused:
-      q, k = apply_rope(q, freq), apply_rope(k, freq)
+    if not fused:  # the XLA path: CPU, TPU, and shapes the kernel does not take
+      if self.qk_norm:
+        q, k = rms_norm(q, self.qk_eps), rms_norm(k, self.qk_eps)
+      if freq is not None:
+        q, k = apply_rope(q, freq), apply_rope(k, freq)
     scale = self.scale
     if self.scale_param is not None:
       q, scale = q * self.scale_param.value.astype(q.dtype)[0], 1.0

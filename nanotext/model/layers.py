@@ -104,7 +104,8 @@ class Linear(nnx.Module):
 
 
 class StackedLinear(nnx.Module):
-  """n projections of one input in one [n, in, out] parameter (merged QKV): n outputs [..., out]."""
+  """n projections of one input in one [n, in, out] parameter (merged QKV): the n outputs side by
+  side, [..., n * out]."""
 
   def __init__(self, n, d_in, d_out, axes, *, std, bias, param_dtype, dtype, rngs, dist="normal"):
     # The stack axis is unsharded (None): Muon treats such a parameter as n separate matrices.
@@ -115,11 +116,6 @@ class StackedLinear(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, x):
-    return tuple(jnp.split(self.joined(x), self.kernel.value.shape[0], axis=-1))  # split, not
-    # slices: its gradient is one concatenate
-
-  def joined(self, x):
-    """The n outputs side by side, [..., n * out]."""
     # One [in, n * out] matmul whose output splits along its last axis: an [n, ..., out] result
     # put the stack axis outermost, and a GPU transposed each layer's output to get there (and
     # its gradient back), about 4 ms of a record step.

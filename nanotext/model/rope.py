@@ -46,10 +46,13 @@ def apply_rope(x_BTHK, freq):
   """Rotate the two halves (x1, x2) of each head's vector by position * frequency: (x1 cos + x2
   sin, x2 cos - x1 sin), in float32, in the form the target compiles best (the same products
   and sums either way: bit-equal eagerly, tests/test_model.py)."""
-  theta_TK = jnp.arange(x_BTHK.shape[1], dtype=jnp.float32)[:, None] * \
-      jnp.asarray(freq, jnp.float32)[None, :]
   rotate = rotate_reversed if platform() == "gpu" else rotate_split
-  return rotate(x_BTHK.astype(jnp.float32), theta_TK).astype(x_BTHK.dtype)
+  return rotate(x_BTHK.astype(jnp.float32), angles(x_BTHK.shape[1], freq)).astype(x_BTHK.dtype)
+
+
+def angles(length: int, freq):
+  """[length, K / 2] float32 rotation angles: position times frequency."""
+  return jnp.arange(length, dtype=jnp.float32)[:, None] * jnp.asarray(freq, jnp.float32)[None, :]
 
 
 def rotate_split(x_BTHK, theta_TK):

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from nanotext import sharding
+from nanotext.model import rope
 from nanotext.model.kernels.per_device import platform
 
 TILE = 64  # tokens per program: a [64, head_dim] tile of q and one of k
@@ -39,8 +40,7 @@ def norm_rope(qkv_BT3HK, freq, eps: float):
   [K / 2] angular frequencies of model/rope.py (zero for pairs that do not rotate). The kernels
   read q and k where the projection wrote them and write the gradient of all three in place:
   no copy made or kept, no concatenation."""
-  T = qkv_BT3HK.shape[1]
-  theta_TK = jnp.arange(T, dtype=jnp.float32)[:, None] * jnp.asarray(freq, jnp.float32)[None, :]
+  theta_TK = rope.angles(qkv_BT3HK.shape[1], freq)  # the XLA path's angles, so its cos and sin
   tables = (lax.stop_gradient(jnp.cos(theta_TK)), lax.stop_gradient(jnp.sin(theta_TK)))
   local = functools.partial(_norm_rope, eps=float(eps), interpret=platform() != "gpu")
   return sharding.per_device(
