@@ -67,7 +67,7 @@ class _Graph:
         self.uses[u] = self.uses.get(u, 0) + 1
         if "operands" in forward and e.primitive.name == "dot_general":
           self.dot_operands.add(u)
-    self.memo, self.decided = {}, {}
+    self.memo, self.decided, self.read = {}, {}, {}
     self.repeated, self.forward = frozenset(repeated), frozenset(forward)
 
   def vars(self, xs):
@@ -112,6 +112,19 @@ class _Graph:
     found = {a for u in e.invars for a in self.anchors(u)}
     return sum(4 * size(a.aval) >= own for a in found)
 
+  def arguments(self, e) -> set:
+    """The jaxpr's arguments eqn `e` reads, directly or through ops fused into it."""
+    if id(e) not in self.read:
+      out = set()
+      for u in self.vars(e.invars):
+        p = self.producer.get(u)
+        if p is None:
+          out.add(u)
+        elif not self.kept(p):
+          out |= self.arguments(p)
+      self.read[id(e)] = out
+    return self.read[id(e)]
+
   def anchors(self, v) -> dict:
     """{materialised var: its eqn} that `v` is computed from through fusible ops."""
     if isinstance(v, self.literal) or v not in self.producer:
@@ -147,13 +160,17 @@ def _inner(e) -> list:
 
 
 def peak_live(jaxpr, size_of, opaque=lambda eqn: False, backend: str = "",
-              accumulated=lambda eqn: False) -> float:
+              accumulated=lambda eqn: False, arg_bytes=None) -> float:
   """Most bytes of materialised values alive at once while `jaxpr` runs in program order
   on `backend` (its arguments not counted): a forward pass's working set. An `opaque` eqn counts
   its outputs only, not what runs inside it; an `accumulated` one holds its outputs twice while
-  it runs (a sum of partial products and the next partial product)."""
+  it runs (a sum of partial products and the next partial product). `arg_bytes` (one number per
+  invar) are copies of arguments made where first read and freed after their last reader: an
+  FSDP-sharded parameter gathered for the ops that use it."""
   g = _Graph(jaxpr, REPEATED.get(backend, frozenset()), FORWARD.get(backend, frozenset()))
   last, readers, twice = {}, {}, backend in SKIPS_TWICE
+  copy = {v: b for v, b in zip(jaxpr.invars, arg_bytes or ()) if b}
+  first = {}
   for i, e in enumerate(jaxpr.eqns):
     if g.kept(e):
       for u in e.invars:
@@ -161,19 +178,25 @@ def peak_live(jaxpr, size_of, opaque=lambda eqn: False, backend: str = "",
           last[a] = i
           if twice:
             readers.setdefault(a, set()).add(_block(e))
+      for a in g.arguments(e) & copy.keys():
+        first.setdefault(a, i)
+        last[a] = i
   for u in jaxpr.outvars:
     for a in g.anchors(u):
       last[a] = len(jaxpr.eqns)
-  dies = {}
+  dies, made = {}, {}
   for a, i in last.items():
     dies.setdefault(i, []).append(a)
+  for a, i in first.items():
+    made[i] = made.get(i, 0.0) + copy[a]
   copies = {a: 2 for a, blocks in readers.items()
             if _block(g.producer[a]) is not None and len(blocks - {None, _block(g.producer[a])}) > 1}
-  bytes_of = lambda v: size_of(v.aval) * copies.get(v, 1)
+  bytes_of = lambda v: copy[v] if v in copy else size_of(v.aval) * copies.get(v, 1)
   live = peak = 0.0
   for i, e in enumerate(jaxpr.eqns):
     if not g.kept(e):
       continue
+    live += made.get(i, 0.0)
     size = sum(bytes_of(v) for v in e.outvars if v in last)
     inner = 0.0 if opaque(e) else \
         max((peak_live(j, size_of, opaque, backend, accumulated) for j in _inner(e)), default=0.0)
