@@ -176,6 +176,24 @@ def test_a_gathered_parameter_is_alive_from_its_first_reader_to_its_last():
 
 
 @pytest.mark.fast
+def test_a_gpu_train_step_holds_the_heads_and_one_blocks_gathered_weights():
+  """Under FSDP a GPU train step holds at its loss the head's gathered weight (the tied table)
+  and one block's, not every parameter; TPU and CPU plans count every parameter gathered."""
+  def gathered(path, backend, overrides=()):
+    m = memory.Model(config.load(path, TINY + list(overrides)), backend, mesh_sizes(fsdp=8))
+    return m, dict(m.static())["gathered_parameters"]
+  for path, extra in ((BASE, ()), (SPEEDRUN, ("model.value_embeds=0",))):
+    m, gpu = gathered(path, "gpu", extra)
+    head = "embed" if m.cfg.model.tie_embeddings else "head"
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(m.params)[0]]
+    of = lambda prefix: sum(b for p, b in zip(paths, m.gathered_leaves) if p.startswith(prefix))
+    assert of(f"['{head}']") > 0 and of("['blocks'][0]") > 0, path
+    assert gpu == pytest.approx(of(f"['{head}']") + of("['blocks'][0]")), path
+    assert of("['blocks'][1]") > 0 and gpu <= m.gathered_bytes - of("['blocks'][1]"), path
+    assert gathered(path, "tpu", extra)[1] == m.gathered_bytes
+
+
+@pytest.mark.fast
 def test_a_resumed_run_keeps_its_choice_where_it_fits():
   prefer = {"model.remat": "dots", "train.loss_chunk": 128, "train.eval_loss_chunk": 0}
   cfg, plan = planned(SPEEDRUN, SMALL_SPEEDRUN, 64 * GIB, backend="tpu", prefer=prefer)
