@@ -125,10 +125,9 @@ class Model:
     split_only = sharding.as_compute_sees_weights(mesh_sizes)
     used = jax.tree.map(lambda s: sharding.shard_count(tuple(s), rules, split_only), specs,
                         is_leaf=lambda x: isinstance(x, P))
-    self.gathered_bytes = per_device(self.params, used) - self.param_bytes
     self.gathered_leaves = [nbytes(x) / u - nbytes(x) / n for x, u, n in zip(
         jax.tree.leaves(self.params), jax.tree.leaves(used), jax.tree.leaves(shards))]
-    self.gathered_at_loss = self._gathered_at_loss()
+    self.gathered_bytes = sum(self.gathered_leaves)
     tx = optim.make_optimizer(cfg.optim, optim.group_labels(abstract), cfg.train.steps)
     opt = jax.eval_shape(tx.init, self.params)
     self.opt_bytes = per_device(opt, sharding.like_params(opt, shards, self.params, 1))
@@ -149,18 +148,13 @@ class Model:
     10 all-gathers, twice its bf16 weights; every parameter gathered at once was 1.24x the
     compiler for shakespeare.yml)."""
     import jax
-    head = ("embed" if self.cfg.model.tie_embeddings else "head",)
-    blocks, at_loss = {}, 0.0
-    for (path, _), b in zip(jax.tree_util.tree_flatten_with_path(self.params)[0],
-                            self.gathered_leaves):
-      keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-      if keys[0] in head:
-        at_loss += b
-      elif keys[0] == "blocks":  # [i] unrolled; scanned, one stack of num_layers
-        layer = keys[1] if isinstance(keys[1], int) else None
-        blocks[layer] = blocks.get(layer, 0.0) + \
-            (b if layer is not None else b / self.cfg.model.num_layers)
-    return at_loss + max(blocks.values(), default=0.0)
+    tree = jax.tree.unflatten(jax.tree.structure(self.params), self.gathered_leaves)
+    total = lambda t: sum(jax.tree.leaves(t))
+    head = total(tree["embed" if self.cfg.model.tie_embeddings else "head"])
+    blocks = tree["blocks"]  # {i: block} unrolled; scanned, one stack of num_layers blocks
+    if self.cfg.model.scan_layers:
+      return head + total(blocks) / self.cfg.model.num_layers
+    return head + max(map(total, blocks.values()), default=0.0)
 
   def activation_bytes(self, aval) -> float:
     """Per device: activations are traced at one device's rows; tensor-parallel dims split."""
@@ -235,7 +229,7 @@ class Model:
     accum_grads = self.param_bytes if t.grad_accum > 1 else 0  # the running sum beside each's
     return {"parameters": self.param_bytes, "optimizer_state": self.opt_bytes,
             "gradients": self.param_bytes + accum_grads,
-            "gathered_parameters": self.gathered_at_loss if self.backend == "gpu"
+            "gathered_parameters": self._gathered_at_loss() if self.backend == "gpu"
             else self.gathered_bytes,
             "batch": 2 * 4 * self.rows * t.grad_accum * t.seq_len,
             "gemm_workspace": self.workspace_bytes()}
