@@ -128,19 +128,30 @@ def test_flash_gpu_on_the_gpu_agrees_with_einsum(window, block):
 
 
 def test_qk_rope_kernel_on_the_gpu_agrees_with_the_xla_path():
-  """kernels/qk_rope.py compiled by Triton (its CPU tests interpret it) at the record's shape:
-  q and k normalised and rotated, and the gradient of the whole QKV output, against rms_norm and
-  apply_rope on the CPU (where XLA rounds as the program says: a GPU may keep the norm's output
-  in float32): at most one bf16 step apart, in under 1 element in 1,000."""
+  """kernels/qk_rope.py compiled by Triton at the record's shape: q and k normalised and rotated,
+  and the gradient of the whole QKV output, against the XLA path on the CPU with the norm's
+  bf16 rounding made explicit (`lax.reduce_precision`, which autodiff applies to the cotangent
+  too). Left implicit, XLA may skip it (`xla_allow_excess_precision`): the CPU's fusions do at
+  this shape under jax 0.10.2, 16% of q's entries a bf16 step or more from the rounded
+  arithmetic, and the first version of this test failed on that (2026-11-28, an H200). Apart
+  in under 1 element in 1,000, and everywhere within 2 bf16 steps at the largest entry of its
+  head's row: on the H200, 2e-5 of the entries apart, 1 step of the row's largest (2 in one
+  gradient entry of 28 million); the worst at their own magnitude were sums cancelling to near
+  zero (7.8e-8 against 1.0e-7 in a row up to 2.6). A wrong table, rounding or index is apart
+  in a tenth of the entries or more."""
+  from jax import lax
+
   from nanotext.model.kernels import qk_rope
-  from nanotext.model.rope import apply_rope, rope_frequencies
+  from nanotext.model.rope import angles, rope_frequencies, rotate_split
   qkv = (3 * jax.random.normal(jax.random.key(0), (1, 49152, 3, 6, 128))).astype(jnp.bfloat16)
   freq = rope_frequencies(128, 1024, True)
   gs = [jax.random.normal(jax.random.key(i + 1), (1, 49152, 6, 128)) for i in range(3)]
 
   def xla(x):
-    q, k = (apply_rope(rms_norm(x[:, :, i]), freq) for i in (0, 1))
-    return q, k, x[:, :, 2]
+    def norm_rope(v):
+      n = lax.reduce_precision(rms_norm(v.astype(jnp.float32)), exponent_bits=8, mantissa_bits=7)
+      return rotate_split(n, angles(v.shape[1], freq)).astype(v.dtype)
+    return norm_rope(x[:, :, 0]), norm_rope(x[:, :, 1]), x[:, :, 2]
 
   def run(fn, device=None):
     loss = lambda x, *gs: sum(jnp.sum(o.astype(jnp.float32) * g) for o, g in zip(fn(x), gs))
@@ -151,6 +162,7 @@ def test_qk_rope_kernel_on_the_gpu_agrees_with_the_xla_path():
   want = run(xla, jax.devices("cpu")[0])
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     g, w = np.float32(g), np.float32(w)
-    step = np.spacing(np.abs(w).astype(jnp.bfloat16).astype(np.float32)) * 2**16
-    apart = np.abs(g - w) / np.maximum(step, np.finfo(np.float32).tiny)
-    assert apart.max() <= 1 and (apart > 0).mean() < 1e-3, (apart.max(), (apart > 0).mean())
+    bf16_step = lambda a: np.spacing(np.abs(a).astype(jnp.bfloat16).astype(np.float32)) * 2**16
+    apart = np.abs(g - w) > 0
+    of_row = np.abs(g - w) / bf16_step(np.abs(w).max(-1, keepdims=True))
+    assert apart.mean() < 1e-3 and of_row.max() <= 2, (apart.mean(), of_row.max())
