@@ -1,7 +1,8 @@
 """Does the flagship learn like the record? Per-step losses: FP8 head, bf16 head, PyTorch record.
 
   python benchmarks/learning_check.py [--config=configs/speedrun_record.yml] [--steps=150]
-      [--set=key=value ...] [--torch=auto|on|off] [--torch_device=auto|cpu|cuda]
+      [--set=key=value ...] [--torch=auto|on|off] [--torch_device=auto|cpu|cuda] [--plot=PNG]
+  python benchmarks/learning_check.py --from_table=LOG [--plot=PNG]   # a past run's table again
 
 From one initial state (nanotext's init of the config), the same rows for every run: nanotext
 with model.fp8_head=true, nanotext with the head in the model dtype, and, where torch is
@@ -9,7 +10,8 @@ installed, benchmarks/record_torch.py (the record's training step re-derived, in
 with the FP8 head) from the same weights (nanotext's export-torch mapping). train.steps is the
 schedule's length (lr cooldown, window growth): --steps sets it, --run_steps runs only the
 first steps of it (each window size of the schedule is its own compiled program). Prints a
-markdown table of the losses and the largest relative differences.
+markdown table of the losses and their relative differences (largest, mean, signed mean);
+--plot draws the curves and the differences.
 
 The real shape (one 49,152-token row per step, 150 steps of the window schedule, on one GPU):
 
@@ -148,8 +150,40 @@ def table(columns: dict, reference: str, skip: int) -> str:
       line = f"max |{k} - {reference}| / {reference}: {max_rel(columns[k], columns[reference]):.2e}"
       if n > skip:
         line += f" (steps {skip + 1}-{n}: {max_rel(columns[k], columns[reference], skip):.2e})"
-      out.append(line)
+      d = np.asarray(columns[k], np.float64) / np.asarray(columns[reference], np.float64) - 1
+      out.append(line + f"; mean {np.mean(np.abs(d)):.2e}, signed mean {np.mean(d):+.2e}")
   return "\n".join(out)
+
+
+def read_table(path: str) -> dict:
+  """The columns of a table this script printed (its log), by name."""
+  lines = [ln.strip() for ln in open(path) if ln.startswith("| ")]
+  names = [c.strip() for c in lines[0].strip("|").split("|")][1:]
+  rows = [[float(c) for c in ln.strip("|").split("|")[1:]] for ln in lines[2:]]
+  return {n: [r[i] for r in rows] for i, n in enumerate(names)}
+
+
+def plot(columns: dict, reference: str, out: str, title: str) -> None:
+  """The loss of every column per step, and each one's relative difference from `reference`."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
+                                    gridspec_kw={"height_ratios": [2, 1]})
+  steps = np.arange(1, len(columns[reference]) + 1)
+  want = np.asarray(columns[reference], np.float64)
+  for name, losses in columns.items():
+    top.plot(steps, losses, label=name, lw=1.2)
+    if name != reference:
+      bottom.plot(steps, 100 * (np.asarray(losses) / want - 1), label=name, lw=1)
+  top.set_ylabel("training loss")
+  top.legend()
+  top.set_title(title, fontsize=9)
+  bottom.axhline(0, color="k", lw=0.6)
+  bottom.set_ylabel(f"% from {reference}")
+  bottom.set_xlabel("step")
+  fig.tight_layout()
+  fig.savefig(out, dpi=110)
 
 
 def main(argv):
@@ -157,6 +191,13 @@ def main(argv):
   FLAGS = flags.FLAGS
   import jax
   from nanotext.errors import UserError, fail
+  if FLAGS.from_table:  # a past run's printed table: its summary (and --plot) again
+    columns = read_table(FLAGS.from_table)
+    reference = "record (torch)" if "record (torch)" in columns else "nanotext bf16 head"
+    print(table(columns, reference, FLAGS.skip))
+    if FLAGS.plot:
+      plot(columns, reference, FLAGS.plot, FLAGS.title or FLAGS.from_table)
+    return
   try:
     overrides = list(FLAGS.set) + [f"train.steps={FLAGS.steps}"]
     run_fp8 = make_run(FLAGS.config, overrides + ["model.fp8_head=true"])
@@ -191,6 +232,9 @@ def main(argv):
     print(f"record (torch, {device}): {time.perf_counter() - t0:.0f} s", flush=True)
   reference = "record (torch)" if "record (torch)" in columns else "nanotext bf16 head"
   print(table(columns, reference, FLAGS.skip))
+  if FLAGS.plot:
+    plot(columns, reference, FLAGS.plot, FLAGS.title or (
+        f"{FLAGS.config} {' '.join(overrides)} on {jax.devices()[0].device_kind}"))
 
 
 if __name__ == "__main__":
@@ -202,4 +246,8 @@ if __name__ == "__main__":
   flags.DEFINE_enum("torch", "auto", ["auto", "on", "off"], "the PyTorch record reference")
   flags.DEFINE_enum("torch_device", "auto", ["auto", "cpu", "cuda"], "where it runs")
   flags.DEFINE_integer("skip", 5, "the first steps left out of the second difference")
+  flags.DEFINE_string("plot", "", "also draw the curves and their differences to this PNG")
+  flags.DEFINE_string("title", "", "the plot's title (default: the run)")
+  flags.DEFINE_string("from_table", "", "read the columns from this script's printed table "
+                      "(a log) instead of training")
   app.run(main)

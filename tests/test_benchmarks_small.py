@@ -171,3 +171,19 @@ def test_gpu_lease_names_its_steps_and_runs_only_those_asked(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert (out / "env.txt").exists() and not (out / "summary.txt").exists()
   assert not [f for f in os.listdir(out) if f.endswith(".log")]
+
+
+@pytest.mark.fast
+def test_learning_check_reads_back_its_table_and_plots_it(tmp_path):
+  """benchmarks/learning_check.py --from_table: the columns of a printed table come back as
+  printed (a GPU run's log, re-summarised and drawn here), and --plot writes a PNG."""
+  lc = _load("learning_check")
+  columns = {"nanotext FP8": [9.0, 5.5, 4.0], "record (torch)": [9.0, 5.0, 4.4]}
+  printed = lc.table(columns, "record (torch)", 1)
+  assert "max |nanotext FP8 - record (torch)| / record (torch): 1.00e-01" in printed
+  assert "mean 6.36e-02, signed mean +3.03e-03" in printed  # (0 + 0.1 -+ 0.0909) / 3
+  log = tmp_path / "learning.log"
+  log.write_text("a header line\n" + printed + "\n")
+  assert lc.read_table(str(log)) == columns
+  lc.plot(columns, "record (torch)", str(tmp_path / "curves.png"), "title")
+  assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
