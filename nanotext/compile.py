@@ -91,10 +91,9 @@ def abstract_batch(run, evaluation: bool = False) -> dict:
   """ShapeDtypeStructs of one global batch (validation rows are train.eval_seq_len long),
   sharded as the data pipeline delivers it."""
   import jax
-  import jax.numpy as jnp
   t = run.cfg.train
   shape = (t.batch_size, (t.eval_seq_len or t.seq_len) if evaluation else t.seq_len)
-  spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=run.batch_sharding)
+  spec = jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=run.batch_sharding)
   return {"inputs": spec, "targets": spec}
 
 
@@ -300,15 +299,16 @@ def describe(rec) -> str:
 def kernel_lines(inv: dict, platform: str) -> list:
   """The kernel inventory and the roofline estimate of roofline.inventory, as printed (a TPU runs
   ops, not launches: its count includes scalar loop bookkeeping and DMA starts)."""
-  g = inv["gemm_calls"]
+  g, fast = inv["gemm_calls"], inv.get("fp8_fast_accum", 0)  # cuBLASLt's fast accumulation
   parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
   slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} launches)" for op, s, n in inv["slowest_ops"][:3])
   return [
       f"  kernels per step   {inv['launches']} {'launches' if platform == 'gpu' else 'ops'}: "
-      f"GEMMs {g['bf16']} bf16, {g['f32']} "
-      f"f32, {g['fp8']} FP8 | custom (Pallas/Mosaic) {inv['custom_kernels']} | cuDNN "
-      f"{inv['cudnn_calls']} | fusions {inv['fusions']} | scatters {inv['scatters']} | "
-      f"collectives {inv['collective_launches']} | copies {inv['copies']}",
+      f"GEMMs {g['bf16']} bf16, {g['f32']} f32, {g['fp8']} FP8"
+      + (f" ({fast} fast-accumulating)" if fast else "") + f" | custom (Pallas/Mosaic) "
+      f"{inv['custom_kernels']} | cuDNN {inv['cudnn_calls']} | fusions {inv['fusions']} | "
+      f"scatters {inv['scatters']} | collectives {inv['collective_launches']} | copies "
+      f"{inv['copies']}",
       f"  logits             {inv['logits_passes']:.1f} passes over the bf16 logits by "
       f"{inv['logits_kernels']} kernels, besides {inv['logits_gemms']} GEMMs",
       f"  step estimate      {1e3 * inv['estimate_s']:.1f} ms, a roofline lower bound, not a "

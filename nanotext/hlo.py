@@ -169,6 +169,7 @@ class Kernel:
   count: int = 1
   math: str = "bf16"  # the peak its FLOPs run at: bf16, fp8, f32
   op: str = ""  # the jax op that made it (op_name(ins)), '' where the HLO does not say
+  fast_accum: bool = False  # an FP8 GEMM at the default precision: cuBLASLt's fast accumulation
 
 
 def kernels(text: str) -> list:
@@ -226,7 +227,7 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
   arrays = [d for t in touched for _, d in shapes(t)]
   largest = max((math.prod(d) for d in arrays), default=0)
   dims = frozenset(n for d in arrays for n in d)
-  kind, flops, math_kind = "other", 0.0, "bf16"
+  kind, flops, math_kind, fast = "other", 0.0, "bf16", False
   if cublas:
     target = custom_call_target(call)
     inner = {i.name: i.type for i in called}
@@ -234,6 +235,9 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
     flops = _gemm_flops(call, call_types)
     math_kind = "fp8" if "f8" in target else _math(call_types[:2])
     kind = "gemm-fp8" if math_kind == "fp8" else "gemm"
+    precision = call.config().get("gemm_backend_config", {}).get("precision_config", {})
+    fast = kind == "gemm-fp8" and set(precision.get("operand_precision", [])) <= {"DEFAULT"} \
+        and precision.get("algorithm", "ALG_UNSET") == "ALG_UNSET"
   elif ins.opcode == "custom-call":
     # Pallas (Triton on GPU, Mosaic on TPU) and other opaque kernels
     kind = "cudnn" if custom_call_target(ins).startswith("__cudnn") else "custom"
@@ -258,7 +262,8 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
     kind = "collective"
   elif ins.opcode in ("copy", "copy-start"):
     kind = "copy"
-  return Kernel(ins.name, kind, flops, moved, largest, dims, math=math_kind, op=op_name(ins))
+  return Kernel(ins.name, kind, flops, moved, largest, dims, math=math_kind, op=op_name(ins),
+                fast_accum=fast)
 
 
 def op_name(ins: Instr) -> str:

@@ -72,6 +72,7 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
       group[0] += seconds(k, peaks)
       group[1] += k.count
   return {"launches": sum(k.count for k in ks), "gemm_calls": gemms,
+          "fp8_fast_accum": sum(k.count for k in ks if k.fast_accum),
           "gemm_flops": sum(k.count * k.flops for k in ks if k.kind.startswith("gemm")),
           "custom_kernels": count("custom"), "cudnn_calls": count("cudnn"),
           "fusions": count("fusion"), "scatters": count("scatter"), "copies": count("copy"),

@@ -64,14 +64,18 @@ def test_without_the_plugin_says_how_to_install(monkeypatch):
 @pytest.mark.gpu_compile
 @pytest.mark.parametrize("impl,fp8", [("flash_gpu", True), ("blocked", False), ("xla", True)])
 def test_every_kernel_path_compiles_for_an_h100(impl, fp8):
-  # 2 layers (one long window, one short): the kernels asserted do not depend on depth.
-  recs = compiled(SPEEDRUN, SMALL + ["model.num_layers=2", f"attention.impl={impl}",
-                                     f"model.fp8_head={fp8}".lower()])
+  # 2 layers (one long window, one short): the kernels asserted do not depend on depth. At the
+  # run's matmul precision (conftest's `highest` would make every FP8 GEMM an exact one).
+  with jax.default_matmul_precision("default"):
+    recs = compiled(SPEEDRUN, SMALL + ["model.num_layers=2", f"attention.impl={impl}",
+                                       f"model.fp8_head={fp8}".lower()])
   train, evaluation = recs["train"], recs["eval"]
   for r in (train, evaluation):
     assert "error" not in r and r["fits"], r
   inv = train["kernels"]
   assert inv["gemm_calls"]["fp8"] == (3 if fp8 else 0)  # the head's forward and two backward
+  # cuBLASLt's fast accumulation in the forward GEMM only, as the record's use_fast_accum
+  assert inv["fp8_fast_accum"] == (1 if fp8 else 0)
   # The token and value tables' backward: one scatter (the blocked kernel gathers key strips,
   # and their gradient scatters too).
   assert inv["scatters"] == 1 if impl != "blocked" else inv["scatters"] > 1

@@ -219,8 +219,8 @@ def _slice_grads(z_MV, lse_M, y_M, a_MD, b, g, softcap, fp8, dt):
             jnp.dot(a_MD.T, dz, preferred_element_type=jnp.float32))
   x_s, w_s, grad_s, r = fp8  # z = z' r: its gradient is dz' / r, the weights' r dW_r
   g_MV = _dequantize(_quantize((dz_MV / r).astype(dt), grad_s / r, E5M2), grad_s / r)
-  return (_dot32(g_MV, _dequantize(b, w_s * r).T).astype(dt),
-          _dot32(_dequantize(a_MD, x_s * r).T, g_MV))
+  return (_dot32(g_MV, _dequantize(b, w_s * r).T, exact=True).astype(dt),
+          _dot32(_dequantize(a_MD, x_s * r).T, g_MV, exact=True))
 
 
 def _fused_bwd(softcap, fp8, k, res, g):

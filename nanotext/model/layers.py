@@ -235,8 +235,12 @@ def _dequantize(q, scale):
   return q.astype(jnp.float32) * jnp.float32(scale)
 
 
-def _dot32(a, b):
-  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+def _dot32(a, b, exact: bool = False):
+  """a @ b summed in float32. `exact` on a GPU: an FP8 GEMM without cuBLASLt's fast
+  accumulation, which XLA takes at the default precision (the record's backward GEMMs pass
+  `use_fast_accum=False`, its forward True); elsewhere the same program either way."""
+  precision = jax.lax.Precision.HIGHEST if exact and platform() == "gpu" else None
+  return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -259,8 +263,8 @@ def _fp8_fwd(x_ND, w_DV, x_s, w_s, grad_s):
 def _fp8_bwd(x_s, w_s, grad_s, res, g_NV):
   x8, w8, x_like, w_like = res
   g = _dequantize(_quantize(g_NV, grad_s, E5M2), grad_s)
-  dx = _dot32(g, _dequantize(w8, w_s).T).astype(x_like.dtype)
-  dw = _dot32(_dequantize(x8, x_s).T, g)
+  dx = _dot32(g, _dequantize(w8, w_s).T, exact=True).astype(x_like.dtype)
+  dw = _dot32(_dequantize(x8, x_s).T, g, exact=True)
   return dx, dw.astype(w_like.dtype)
 
 
