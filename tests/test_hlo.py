@@ -90,6 +90,18 @@ def test_kernel_kinds_and_what_launches():
   assert k["ar"].kind == "collective" and k["exp"].kind == "fusion"
 
 
+def test_an_fp8_gemm_at_the_default_precision_accumulates_fast():
+  """cuBLASLt's FP8 fast accumulation is XLA's choice at DEFAULT operand precision (the record
+  asks for it forward only); HIGHEST turns it off; a bf16 GEMM has none."""
+  assert by_name()["cublas-gemm.3"].fast_accum and not by_name()["cublas-gemm.9"].fast_accum
+  exact = PROGRAM.replace('"rhs_batch_dimensions":[]}', '"rhs_batch_dimensions":[]},'
+                          '"precision_config":{"operand_precision":["HIGHEST","HIGHEST"]}')
+  assert exact != PROGRAM
+  assert not {k.name: k for k in hlo.kernels(exact)}["cublas-gemm.3"].fast_accum
+  inv = roofline.inventory(PROGRAM, PEAKS)
+  assert inv["fp8_fast_accum"] == 1 and roofline.inventory(exact, PEAKS)["fp8_fast_accum"] == 0
+
+
 def test_gemm_flops_and_bytes_leave_out_the_workspace():
   g = by_name()["cublas-gemm.3"]
   assert g.flops == 2 * 1024 * 4096 * 64
