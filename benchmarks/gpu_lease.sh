@@ -14,8 +14,13 @@ shift
 only=" $* "
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >"$out/pip.log" 2>&1 || echo "pip: failed" >>"$out/summary.txt"
+  # pip.log is kept only when the install fails: the device tool brings back 8 files at most
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl >"$out/pip.log" 2>&1; then
+    rm -f "$out/pip.log"
+  else
+    echo "pip: failed" >>"$out/summary.txt"
+  fi
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
