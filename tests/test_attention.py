@@ -44,10 +44,14 @@ def reference(q_BTHK, k_BTHK, v_BTHK, *, scale, window=0, segment_ids_BT=None):
 
 
 def forward_and_grads(fn, q, k, v, g, **kw):
-  """fn's output and d(sum(out * g))/d(q, k, v)."""
-  out = fn(q, k, v, **kw)
-  grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, **kw) * g), argnums=(0, 1, 2))(q, k, v)
-  return out, grads
+  """fn's output and d(sum(out * g))/d(q, k, v), as one compiled program (run op by op, a
+  kernel's loop over blocks compiles each op of each block as a program of its own)."""
+  seg = kw.pop("segment_ids_BT", None)
+
+  def both(q, k, v, g, seg):
+    f = lambda q, k, v: fn(q, k, v, segment_ids_BT=seg, **kw)
+    return f(q, k, v), jax.grad(lambda *a: jnp.sum(f(*a) * g), argnums=(0, 1, 2))(q, k, v)
+  return jax.jit(both)(q, k, v, g, seg)
 
 
 def max_errors(a, b):

@@ -103,9 +103,11 @@ def ref_mask(T, seg, window, block):
 
 
 def out_and_grads(fn, q, k, v, g):
-  out = fn(q, k, v)
-  grads = jax.grad(lambda *a: jnp.sum(fn(*a) * g), argnums=(0, 1, 2))(q, k, v)
-  return [out, *grads]
+  """fn's output and d(sum(out * g))/d(q, k, v), as one compiled program (op by op, each op of
+  each block would compile as a program of its own)."""
+  def both(q, k, v, g):
+    return [fn(q, k, v), *jax.grad(lambda *a: jnp.sum(fn(*a) * g), argnums=(0, 1, 2))(q, k, v)]
+  return jax.jit(both)(q, k, v, g)
 
 
 def assert_close(a, b, tol=2e-5):
