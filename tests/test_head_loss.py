@@ -108,7 +108,7 @@ def test_sliced_as_a_loop_with_the_unrolled_results(fp8, monkeypatch):
     monkeypatch.setattr(head_loss, "UNROLL", unroll)
     loss = lambda x, w: head_loss._fused(x, w, y, 15.0, scales, 4) / 512
     closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
-    return closed, jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+    return closed, jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
   (looped_jaxpr, looped), (unrolled_jaxpr, unrolled) = grads(0), grads(4)
   assert "scan" in str(looped_jaxpr) and "scan" not in str(unrolled_jaxpr)
   np.testing.assert_allclose(looped[0], unrolled[0], rtol=1e-6)

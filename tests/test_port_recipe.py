@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from conftest import REPO, TINY, one_line_error, run_cli
 from nanotext import config, optim, trainer, window_schedule, wiring
@@ -96,7 +97,8 @@ def test_a_short_stage_is_the_same_tokens_in_shorter_rows():
   params = state["params"]
   _, m_short = trainer.make_train_step(run, None, 32)(jax.tree.map(jnp.copy, state), batch)
   cut = {k: v.reshape(8, 32) for k, v in batch.items()}
-  want = trainer.loss_fn(run.graphdef, params, cut["inputs"], cut["targets"], train=True)
+  loss = jax.jit(lambda p, x, y: trainer.loss_fn(run.graphdef, p, x, y, train=True))
+  want = loss(params, cut["inputs"], cut["targets"])  # one program, not one per op
   # The mean of four micro-batch means against one mean: float32 summation order only.
   np.testing.assert_allclose(float(m_short["loss"]), float(want), rtol=1e-5)
 
@@ -107,19 +109,20 @@ def test_value_residual_and_learned_scale():
     for blk in model.blocks:
       blk.attn.o.kernel.value = 0.1 * jnp.ones_like(blk.attn.o.kernel.value)
     return model
+  hidden = nnx.jit(lambda m: m.hidden(tokens))  # one program, not one per op
   model = opened(tiny_port_run().create_model())
-  h0 = np.asarray(model.hidden(tokens))
+  h0 = np.asarray(hidden(model))
   # The first layer's own v is v1: its lambda changes nothing; a later layer's does.
   model.blocks[0].attn.v_residual.value = jnp.array([0.9])
-  np.testing.assert_allclose(model.hidden(tokens), h0, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(hidden(model), h0, rtol=1e-6, atol=1e-6)
   model.blocks[2].attn.v_residual.value = jnp.array([0.9])
-  assert not np.allclose(model.hidden(tokens), h0, rtol=1e-4, atol=1e-4)
+  assert not np.allclose(hidden(model), h0, rtol=1e-4, atol=1e-4)
   # The learned scale starts at attn_scale: the same function as the fixed scale.
   a = opened(tiny_port_run().create_model(seed=3))
   b = opened(tiny_port_run("model.attn_scale_learned=false").create_model(seed=3))
-  np.testing.assert_allclose(a.hidden(tokens), b.hidden(tokens), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(hidden(a), hidden(b), rtol=1e-5, atol=1e-6)
   a.blocks[1].attn.scale_param.value = jnp.array([0.5])
-  assert not np.allclose(a.hidden(tokens), b.hidden(tokens), rtol=1e-4, atol=1e-4)
+  assert not np.allclose(hidden(a), hidden(b), rtol=1e-4, atol=1e-4)
 
 
 def test_rope_arange_spacing_is_the_ports():
