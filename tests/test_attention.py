@@ -46,12 +46,12 @@ def reference(q_BTHK, k_BTHK, v_BTHK, *, scale, window=0, segment_ids_BT=None):
 def forward_and_grads(fn, q, k, v, g, **kw):
   """fn's output and d(sum(out * g))/d(q, k, v), as one compiled program (run op by op, a
   kernel's loop over blocks compiles each op of each block as a program of its own)."""
-  seg = kw.pop("segment_ids_BT", None)
+  arrays = {k: kw.pop(k) for k in ["segment_ids_BT"] if kw.get(k) is not None}  # jit inputs
 
-  def both(q, k, v, g, seg):
-    f = lambda q, k, v: fn(q, k, v, segment_ids_BT=seg, **kw)
+  def both(q, k, v, g, arrays):
+    f = lambda q, k, v: fn(q, k, v, **arrays, **kw)
     return f(q, k, v), jax.grad(lambda *a: jnp.sum(f(*a) * g), argnums=(0, 1, 2))(q, k, v)
-  return jax.jit(both)(q, k, v, g, seg)
+  return jax.jit(both)(q, k, v, g, arrays)
 
 
 def max_errors(a, b):

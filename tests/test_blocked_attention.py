@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from test_attention import forward_and_grads
 from nanotext import window_schedule
 from nanotext.model.kernels import splash
 from nanotext.model.kernels.blocked import blocked_attention, key_blocks
@@ -103,11 +104,9 @@ def ref_mask(T, seg, window, block):
 
 
 def out_and_grads(fn, q, k, v, g):
-  """fn's output and d(sum(out * g))/d(q, k, v), as one compiled program (op by op, each op of
-  each block would compile as a program of its own)."""
-  def both(q, k, v, g):
-    return [fn(q, k, v), *jax.grad(lambda *a: jnp.sum(fn(*a) * g), argnums=(0, 1, 2))(q, k, v)]
-  return jax.jit(both)(q, k, v, g)
+  """[out, dq, dk, dv] of fn (test_attention.forward_and_grads: one compiled program)."""
+  out, grads = forward_and_grads(fn, q, k, v, g)
+  return [out, *grads]
 
 
 def assert_close(a, b, tol=2e-5):
