@@ -96,7 +96,10 @@ def test_applies_only_to_a_gpu_program_it_can_tile():
 def test_the_records_layers_train_the_same_through_it(monkeypatch):
   """The speedrun model (merged QKV, QK-norm, half-truncated rotation, value embeddings mixed
   into v) in bf16: loss and every parameter's gradient through the kernel equal the XLA path's
-  (measured: the loss to the bit, the gradients to 2.1e-4 of their largest element)."""
+  but for bf16 sums taken in another order (measured: the loss to the bit; the gradients within
+  2.1e-4 of their largest element on an Intel Xeon with AVX-512, and on an AVX2-only AMD EPYC
+  within 6.9e-3 of it and 8.8e-4 in norm, the first block's QKV, where the most layers' rounding
+  has added up; one bf16 step is 3.9e-3 of a value)."""
   run = wiring.prepare(SPEEDRUN, [
       "model.num_layers=4", "model.d_model=128", "model.num_heads=2", "model.head_dim=64",
       "model.mlp_dim=256", "model.vocab_size=256", "model.align=0", "model.embed_rows=256",
@@ -120,7 +123,9 @@ def test_the_records_layers_train_the_same_through_it(monkeypatch):
   assert float(l_got) == pytest.approx(float(l_want), rel=1e-6)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want)):
     g, w = np.float32(g), np.float32(w)
-    assert np.abs(g - w).max() <= 1e-3 * np.abs(w).max() + 1e-12, jax.tree_util.keystr(path)
+    # A wrong rotation, norm or gradient route is off by whole percents at least.
+    assert np.abs(g - w).max() <= 2e-2 * np.abs(w).max() + 1e-12, jax.tree_util.keystr(path)
+    assert np.linalg.norm(g - w) <= 3e-3 * np.linalg.norm(w) + 1e-12, jax.tree_util.keystr(path)
 
 
 @pytest.mark.fast
