@@ -7,9 +7,11 @@ As a pytest plugin, each process (an xdist worker too) appends one JSON line per
 
 then `python benchmarks/suite_compile_time.py FILE [--tests N] [--programs N]` prints the table
 (and the N slowest tests; the N programs, by name, that took the most XLA compile time, with how
-many times each compiled: one name compiled many times is a program the tests could share). Only the
-pytest process's own programs are seen: a CLI test's subprocess compiles out of its sight (its
-time is in the wall column alone).
+many times each compiled: one name compiled many times is a program the tests could share). The
+processes a test starts (CLI runs) are seen too: the plugin puts benchmarks/suite_children on
+PYTHONPATH, whose sitecustomize.py writes a line per process (its CPU seconds and jax's compile
+seconds, in the table's last three columns; their wall is inside the test's). A test that sets
+PYTHONPATH for its process itself hides that process.
 """
 
 import argparse
@@ -50,9 +52,18 @@ def _named(compile_fn):
   return wrapper
 
 
+CHILDREN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite_children")
+
+
 def pytest_configure(config):
   import jax
   from jax._src import compiler
+  # Inherited by the workers and, through them, by what each test starts; the test's own name
+  # reaches a process as PYTEST_CURRENT_TEST, which pytest sets while a test runs (not left from
+  # an outer session this one runs in).
+  os.environ.pop("PYTEST_CURRENT_TEST", None)
+  os.environ["PYTHONPATH"] = os.pathsep.join(
+      [CHILDREN] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
   jax.monitoring.register_event_duration_secs_listener(_listen)
   compiler.backend_compile_and_load = _named(compiler.backend_compile_and_load)
 
@@ -76,19 +87,28 @@ def pytest_sessionfinish(session):
       f.write(json.dumps({"test": test, **t, "named": named}) + "\n")
 
 
+COLUMNS = ["wall", "compile", "trace", "lower", "programs", "processes", "their CPU",
+           "their compile"]
+
+
 def table(rows, key) -> str:
-  cols = ["wall", "compile", "trace", "lower", "programs"]
+  """Per key(test): the tests' own columns, and the processes they started (rows with
+  "child")."""
   sums = collections.defaultdict(collections.Counter)
   for r in rows:
-    for c in cols:
-      sums[key(r["test"])][c] += r.get(c, 0)
+    s = sums[key(r["test"])]
+    if "child" in r:
+      s.update({"processes": 1, "their CPU": r.get("cpu", 0), "their compile": r.get("compile", 0)})
+    else:
+      s.update({c: r.get(c, 0) for c in COLUMNS[:5]})
   total = collections.Counter()
   for s in sums.values():
     total.update(s)
-  lines = ["| " + " | ".join(["tests"] + cols) + " |", "| --- |" + " ---: |" * len(cols)]
+  whole = lambda c: c in ("programs", "processes")
+  lines = ["| " + " | ".join(["tests"] + COLUMNS) + " |", "| --- |" + " ---: |" * len(COLUMNS)]
   for name, s in sorted(sums.items(), key=lambda kv: -kv[1]["wall"]) + [("total", total)]:
     lines.append(f"| {name} | " + " | ".join(
-        f"{s[c]:.0f}" if c == "programs" else f"{s[c]:.1f}" for c in cols) + " |")
+        f"{s[c]:.0f}" if whole(c) else f"{s[c]:.1f}" for c in COLUMNS) + " |")
   return "\n".join(lines)
 
 
@@ -120,7 +140,9 @@ def main(argv=None):
     sys.exit(f"suite_compile_time: cannot read {args.file}: {e}")
   print(table(rows, lambda test: test.split("::")[0]))
   if args.tests:
-    slowest = sorted(rows, key=lambda r: -r.get("wall", 0))[:args.tests]
+    tests = [r for r in rows if "child" not in r]
+    slowest = {r["test"] for r in sorted(tests, key=lambda r: -r.get("wall", 0))[:args.tests]}
+    slowest = [r for r in rows if r["test"] in slowest]
     print()
     print(table(slowest, lambda test: test))
   if args.programs:

@@ -109,15 +109,20 @@ def test_long_attention_points_and_the_dense_path_it_will_not_compile():
 
 def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
   """benchmarks/suite_compile_time.py as a pytest plugin in a session of its own: a test that
-  compiles two programs and one that compiles none, then the table of both."""
+  compiles two programs, one that compiles none, and one that starts two processes (one
+  compiles a program and ends with os._exit, as the CLI's errors do), then the table."""
   (tmp_path / "test_two.py").write_text(
-      "import jax, numpy as np\n\n"
+      "import jax, numpy as np, subprocess, sys\n\n"
       "def plus_one(x):\n  return x + 1\n\n"
       "def test_compiles():\n"
       "  jax.jit(plus_one)(np.ones(3)).block_until_ready()\n"
       "  jax.jit(plus_one)(np.ones(4)).block_until_ready()\n\n"
       "def test_compiles_nothing():\n"
-      "  pass\n")
+      "  pass\n\n"
+      "def test_starts_processes():\n"
+      "  code = 'import jax, os; jax.jit(lambda x: x + 2)(1.0).block_until_ready(); os._exit(2)'\n"
+      "  assert subprocess.run([sys.executable, '-c', code]).returncode == 2\n"
+      "  assert subprocess.run([sys.executable, '-c', 'pass']).returncode == 0\n")
   times = tmp_path / "times.jsonl"
   env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "benchmarks"),
              NANOTEXT_SUITE_TIMES=str(times))
@@ -127,9 +132,16 @@ def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   rows = [json.loads(line) for line in times.read_text().splitlines()]
+  children = sorted((r for r in rows if "child" in r), key=lambda r: r.get("programs", 0))
+  rows = [r for r in rows if "child" not in r]
   assert sorted(r["test"] for r in rows) == ["test_two.py::test_compiles",
-                                             "test_two.py::test_compiles_nothing"]
+                                             "test_two.py::test_compiles_nothing",
+                                             "test_two.py::test_starts_processes"]
   assert all(0 < r["wall"] < 300 for r in rows), rows  # one row per test, measured where it ran
+  # Each process the test started, the one that compiled and left by os._exit included.
+  assert [r["test"] for r in children] == ["test_two.py::test_starts_processes"] * 2, children
+  assert children[0].get("programs", 0) == 0 and children[1]["programs"] == 1, children
+  assert children[1]["compile"] > 0 and children[1]["cpu"] > 0 and "-c" in children[1]["child"]
   rows = {r["test"]: r for r in rows}
   assert rows["test_two.py::test_compiles"]["programs"] == 2
   assert rows["test_two.py::test_compiles"]["compile"] > 0
@@ -140,10 +152,13 @@ def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
                        text=True, timeout=60)
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
-  assert lines[0] == "| tests | wall | compile | trace | lower | programs |"
-  assert lines[2].startswith("| test_two.py |") and lines[2].endswith("| 2 |")
+  assert lines[0] == ("| tests | wall | compile | trace | lower | programs | processes | "
+                      "their CPU | their compile |")
+  cells = [c.strip() for c in lines[2].split("|")[1:-1]]
+  assert cells[0] == "test_two.py" and cells[5:7] == ["2", "2"], lines[2]  # programs, processes
+  assert float(cells[7]) > 0  # the processes' CPU
   assert lines[3].startswith("| total |")
-  assert any(line.startswith("| test_two.py::test_compiles |") for line in lines[5:])
+  assert any(line.startswith("| test_two.py::") for line in lines[5:])
   assert lines[-3] == "| program | compiled | seconds | test files |"
   assert lines[-1].startswith("| jit_plus_one | 2 | ") and lines[-1].endswith(" | 1 |")
 
