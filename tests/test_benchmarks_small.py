@@ -109,8 +109,9 @@ def test_long_attention_points_and_the_dense_path_it_will_not_compile():
 
 def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
   """benchmarks/suite_compile_time.py as a pytest plugin in a session of its own: a test that
-  compiles two programs, one that compiles none, and one that starts two processes (one
-  compiles a program and ends with os._exit, as the CLI's errors do), then the table."""
+  compiles two programs, one that compiles none, and one that starts processes (one compiles a
+  program and ends with os._exit, as the CLI's errors do; one runs under a file-size limit, as
+  the fault tests do, which its line must not disturb), then the table."""
   (tmp_path / "test_two.py").write_text(
       "import jax, numpy as np, subprocess, sys\n\n"
       "def plus_one(x):\n  return x + 1\n\n"
@@ -122,7 +123,11 @@ def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
       "def test_starts_processes():\n"
       "  code = 'import jax, os; jax.jit(lambda x: x + 2)(1.0).block_until_ready(); os._exit(2)'\n"
       "  assert subprocess.run([sys.executable, '-c', code]).returncode == 2\n"
-      "  assert subprocess.run([sys.executable, '-c', 'pass']).returncode == 0\n")
+      "  assert subprocess.run([sys.executable, '-c', 'pass']).returncode == 0\n"
+      "  # under a file-size limit its line cannot be written: nothing on stderr, exit 0\n"
+      "  code = 'import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (1, 1))'\n"
+      "  r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)\n"
+      "  assert (r.returncode, r.stderr) == (0, '')\n")
   times = tmp_path / "times.jsonl"
   env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "benchmarks"),
              NANOTEXT_SUITE_TIMES=str(times))
