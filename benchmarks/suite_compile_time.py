@@ -16,6 +16,7 @@ PYTHONPATH for its process itself hides that process.
 
 import argparse
 import collections
+import importlib.util
 import json
 import os
 import sys
@@ -23,16 +24,21 @@ import time
 
 import pytest
 
-# jax.monitoring event (its last path component) -> column
-EVENTS = {"backend_compile_duration": "compile", "jaxpr_trace_duration": "trace",
-          "jaxpr_to_mlir_module_duration": "lower"}
+CHILDREN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite_children")
+# Loaded by path: tests load this file by path too, without benchmarks/ on sys.path.
+_spec = importlib.util.spec_from_file_location("suite_jax_events",
+                                               os.path.join(CHILDREN, "jax_events.py"))
+_events = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_events)
+event_column = _events.column
+
 _current = {"test": None}
 _times = collections.defaultdict(collections.Counter)
 _programs = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
 
 
 def _listen(event, duration, **kwargs):
-  column = EVENTS.get(event.rsplit("/", 1)[-1])
+  column = event_column(event)
   if column and _current["test"]:
     _times[_current["test"]][column] += duration
     if column == "compile":
@@ -52,9 +58,6 @@ def _named(compile_fn):
   return wrapper
 
 
-CHILDREN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite_children")
-
-
 def pytest_configure(config):
   import jax
   from jax._src import compiler
@@ -62,8 +65,8 @@ def pytest_configure(config):
   # reaches a process as PYTEST_CURRENT_TEST, which pytest sets while a test runs (not left from
   # an outer session this one runs in).
   os.environ.pop("PYTEST_CURRENT_TEST", None)
-  os.environ["PYTHONPATH"] = os.pathsep.join(
-      [CHILDREN] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+  paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  os.environ["PYTHONPATH"] = os.pathsep.join([CHILDREN] + [p for p in paths if p != CHILDREN])
   jax.monitoring.register_event_duration_secs_listener(_listen)
   compiler.backend_compile_and_load = _named(compiler.backend_compile_and_load)
 

@@ -46,7 +46,8 @@ def reference(q_BTHK, k_BTHK, v_BTHK, *, scale, window=0, segment_ids_BT=None):
 def forward_and_grads(fn, q, k, v, g, **kw):
   """fn's output and d(sum(out * g))/d(q, k, v), as one compiled program (run op by op, a
   kernel's loop over blocks compiles each op of each block as a program of its own)."""
-  arrays = {k: kw.pop(k) for k in ["segment_ids_BT"] if kw.get(k) is not None}  # jit inputs
+  arrays = {name: kw.pop(name) for name in ["segment_ids_BT"]  # jit inputs, where given
+            if kw.get(name) is not None}
 
   def both(q, k, v, g, arrays):
     f = lambda q, k, v: fn(q, k, v, **arrays, **kw)

@@ -15,15 +15,14 @@ import os
 import sys
 import time
 
-EVENTS = {"backend_compile_duration": "compile", "jaxpr_trace_duration": "trace",
-          "jaxpr_to_mlir_module_duration": "lower"}
+from jax_events import column as event_column  # this folder is on PYTHONPATH
 
 
 def _install(out: str, test: str) -> None:
   start, sums = time.perf_counter(), collections.Counter()
 
   def listen(event, duration, **kwargs):
-    column = EVENTS.get(event.rsplit("/", 1)[-1])
+    column = event_column(event)
     if column:
       sums[column] += duration
       sums["programs"] += column == "compile"
