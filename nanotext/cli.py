@@ -23,12 +23,15 @@ HELP = ("-h", "-?", "-help", "--help", "--helpshort", "--helpfull")
 MIN_ADDRESS_SPACE, PER_CORE = 1.5 * 2**30, 256 * 2**20
 
 
-def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = False) -> None:
+def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = False,
+        precheck=None) -> None:
   """Run `main(args)` as this process's program; never returns.
 
   `doc` follows the usage line in --help; `describe(args)`, when given, returns the whole help
   text instead (a tool with subcommands describes the one named). `jax`: the tool starts a jax
-  backend, so the environment that would make XLA abort is checked first."""
+  backend, so the environment that would make XLA abort is checked first. `precheck(args)`, run
+  before anything imports jax (a second or more), refuses bad arguments early: a config file
+  that is missing or malformed, an unknown key, a value of the wrong type."""
   argv = list(sys.argv if argv is None else argv)
   describe = describe or (lambda args: help_text(usage, doc))
   # A file-size limit (ulimit -f) is then EFBIG from the write, said in one line, not a kill
@@ -39,6 +42,8 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
   def checked_main(args):
     if not flags.FLAGS["verbosity"].present:  # orbax logs every file it reads or writes at INFO
       absl_logging.set_verbosity(absl_logging.WARNING)
+    if precheck:
+      precheck(args)
     if jax:
       check_environment()
     main(args)

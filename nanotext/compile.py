@@ -19,6 +19,7 @@ import time
 from absl import flags
 
 from nanotext import hlo_memory, roofline, window_schedule as ws, metrics, topology
+from nanotext.compile_report import describe, gib as _gib, verdict
 from nanotext.errors import UserError, fail, os_error
 from nanotext.hlo import collectives
 
@@ -39,7 +40,6 @@ def define_flags():
                      "fragmentation.")
 
 
-GIB = 2**30
 _OOM_RE = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT])\) exceeds available "
                      r"HBM \(([0-9.]+)([KMGT])\)")
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -247,93 +247,6 @@ def analytic_flops(run, program, *, train: bool) -> float:
   return per_token * tokens / run.mesh.size / (1 if train else 3)
 
 
-def _gib(b) -> str:
-  return f"{b / GIB:.2f} GiB" if b >= GIB / 10 else f"{b / 2**20:.1f} MiB"
-
-
-def _si(x) -> str:
-  return "n/a" if x != x else f"{x:.3g}"
-
-
-def describe(rec) -> str:
-  """The lines printed for one program."""
-  steps = rec.get("steps")
-  head = f"{rec['name']}" + (f" (steps {steps[0]}-{steps[1]})" if steps else "")
-  if rec.get("error"):
-    return f"{head}: FAILED at the {rec['stage']} stage after {rec['compile_s']:.1f} s: " \
-        f"{rec['error']}"
-  cpu = f", {rec['compile_cpu_s']:.0f} s of CPU" if "compile_cpu_s" in rec else ""
-  head += f": compiled in {rec['compile_s']:.1f} s{cpu}"
-  est = f" (planned {_gib(rec['estimate_bytes_per_chip'])})" \
-      if "estimate_bytes_per_chip" in rec else ""
-  if rec.get("overflow"):
-    return (f"{head}\n  memory per device  needs {_gib(rec['total_bytes_per_chip'])}{est} of "
-            f"{_gib(rec['hbm_bytes_per_chip'])}: does NOT fit (the compiler refused it)")
-  col = " | ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
-                   for k, v in rec["collectives"].items() if v["count"]) or "none"
-  xla = rec["flops_xla_per_chip"]
-  if xla != xla and "kernels" in rec:  # a GPU executable has no cost analysis: its GEMMs' FLOPs
-    xla, what = rec["kernels"]["gemm_flops"], "GEMMs in the HLO"
-  else:
-    what = "XLA"
-  ratio = xla / rec["flops_analytic_per_chip"]
-  accessed = rec["bytes_accessed_per_chip"]
-  accessed = f" | bytes accessed {_si(accessed)}" if accessed == accessed else ""
-  verdict = "fits" if rec["fits"] else "does NOT fit"
-  lines = [
-      head,
-      f"  memory per device  args {_gib(rec['argument'])} | outputs {_gib(rec['output'])} "
-      f"(aliased {_gib(rec['alias'])}) | temps {_gib(rec['temp'])} | code "
-      f"{_gib(rec['generated_code'])} | total {_gib(rec['total_bytes_per_chip'])}{est} of "
-      f"{_gib(rec['hbm_bytes_per_chip'])}, {100 * rec['headroom']:.1f}% headroom: {verdict}",
-      f"  FLOPs per device   analytic {_si(rec['flops_analytic_per_chip'])} | {what} "
-      f"{_si(xla)} ({ratio:.2f}x){accessed}",
-      f"  collectives        {col}"]
-  if "kernels" in rec:
-    lines += kernel_lines(rec["kernels"], rec.get("platform", "gpu"))
-  if "live_peak_bytes" in rec:
-    lines += hlo_memory.lines(rec["live_peak_bytes"], rec["live_at_peak"], _gib)
-  return "\n".join(lines)
-
-
-def kernel_lines(inv: dict, platform: str) -> list:
-  """The kernel inventory and the roofline estimate of roofline.inventory, as printed (a TPU runs
-  ops, not launches: its count includes scalar loop bookkeeping and DMA starts)."""
-  g, fast = inv["gemm_calls"], inv.get("fp8_fast_accum", 0)  # cuBLASLt's fast accumulation
-  fp8 = f"{g['fp8']} FP8" + (f" ({fast} fast-accumulating)" if fast else "")
-  parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
-  slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} launches)" for op, s, n in inv["slowest_ops"][:3])
-  return [
-      f"  kernels per step   {inv['launches']} {'launches' if platform == 'gpu' else 'ops'}: "
-      f"GEMMs {g['bf16']} bf16, {g['f32']} f32, {fp8} | custom (Pallas/Mosaic) "
-      f"{inv['custom_kernels']} | cuDNN {inv['cudnn_calls']} | fusions {inv['fusions']} | "
-      f"scatters {inv['scatters']} | collectives {inv['collective_launches']} | copies "
-      f"{inv['copies']}",
-      f"  logits             {inv['logits_passes']:.1f} passes over the bf16 logits by "
-      f"{inv['logits_kernels']} kernels, besides {inv['logits_gemms']} GEMMs",
-      f"  step estimate      {1e3 * inv['estimate_s']:.1f} ms, a roofline lower bound, not a "
-      f"measured time ({parts} ms); slowest passes by jax op: {slow}",
-      f"  not priced         {roofline.UNPRICED}"]
-
-
-def verdict(recs, target_name, min_headroom) -> tuple:
-  """(ok, line): the summary line; `ok` is False if any program does not fit or failed."""
-  failed = [r["name"] for r in recs if r.get("error")]
-  if failed:
-    return False, (f"{', '.join(failed)} failed to compile for {target_name} (the lines above "
-                   "say at which stage)")
-  worst = max(recs, key=lambda r: r["total_bytes_per_chip"])
-  hbm = worst["hbm_bytes_per_chip"]
-  if all(r["fits"] for r in recs):
-    return True, (f"verdict: fits {target_name}: {len(recs)} program(s), largest {worst['name']} "
-                  f"at {_gib(worst['total_bytes_per_chip'])} of {_gib(hbm)} per device "
-                  f"({100 * (1 - worst['total_bytes_per_chip'] / hbm):.1f}% headroom, "
-                  f">= {100 * min_headroom:.0f}% asked)")
-  bad = [r["name"] for r in recs if not r["fits"]]
-  return False, (f"{', '.join(bad)}: needs up to {_gib(worst['total_bytes_per_chip'])} per device "
-                 f"but {target_name} has {_gib(hbm)} and {100 * min_headroom:.0f}% is kept free")
-
-
 def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, log=print,
                 hlo_dir="", peak=False):
   """Build the run for the target and compile the selected programs; (run, target, records)."""
@@ -364,8 +277,9 @@ USAGE = ("usage: python -m nanotext.compile CONFIG [key=value ...] --topology=NA
          "[--programs=all] [--json=FILE] [--min_headroom=0.1] [--peak]")
 
 
-def main(args):
-  """The CLI: `args` are CONFIG and its overrides (absl has taken the flags)."""
+def precheck(args):
+  """The flags, the target's name and the config, checked before jax loads."""
+  from nanotext import config
   f = flags.FLAGS
   if not args:
     raise UserError(USAGE)
@@ -373,6 +287,13 @@ def main(args):
     raise UserError(f"--topology is required; known: {', '.join(topology.known())}")
   if not 0 <= f.min_headroom < 1:
     raise UserError(f"--min_headroom={f.min_headroom} must be in [0, 1)")
+  topology.parse(f.topology)
+  config.load(args[0], args[1:])
+
+
+def main(args):
+  """The CLI: `args` are CONFIG and its overrides (absl has taken the flags)."""
+  f = flags.FLAGS
   run, target, recs = run_compile(args[0], args[1:], f.topology, f.programs,
                                   f.min_headroom, log=lambda s: print(s, flush=True),
                                   hlo_dir=f.hlo_dir, peak=f.peak)
@@ -397,4 +318,4 @@ if __name__ == "__main__":
   # This process only compiles: it never opens the host's accelerators (chips a run may be using).
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   define_flags()
-  cli.run(main, USAGE, __doc__, jax=True)
+  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck)

@@ -93,10 +93,10 @@ def restore(out: str, cfg, step: int = -1, *, checked: bool = False) -> tuple:
   return step, graphdef, in_model_order(abstract_params, params, f"{out} step {step}")
 
 
-def main(argv) -> None:
-  from nanotext import config, rundir, wiring
-  from nanotext.data.tokenizer import get_tokenizer
-
+def parse(argv) -> tuple:
+  """(output_dir, step, config path, sample.* overrides) from `key=value` arguments, and the
+  run's config checked for them (its file, keys and types), all before jax loads."""
+  from nanotext import config, rundir
   args = dict(config.parse_override(a) for a in argv)
   allowed = {"output_dir", "prompt", "max_new_tokens", "temperature", "top_k", "seed", "step"}
   for k in args:
@@ -113,6 +113,14 @@ def main(argv) -> None:
     raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, or leave it out "
                     "for the newest")
   overrides = [f"sample.{k}={v}" for k, v in args.items()]
+  config.load(cfg_path, overrides)
+  return out, step, cfg_path, overrides
+
+
+def main(argv) -> None:
+  from nanotext import wiring
+  from nanotext.data.tokenizer import get_tokenizer
+  out, step, cfg_path, overrides = parse(argv)
   cfg = wiring.load(cfg_path, overrides)  # checked as train checks it
   tokenizer = get_tokenizer(cfg.data.tokenizer)
   encode_prompt(tokenizer, cfg.sample.prompt)  # before the checkpoint is read
@@ -123,4 +131,4 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
   from nanotext import cli
-  cli.run(main, USAGE, __doc__, jax=True)
+  cli.run(main, USAGE, __doc__, jax=True, precheck=parse)

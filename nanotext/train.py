@@ -33,6 +33,12 @@ def parse_args(argv) -> tuple:
   return path, args + list(_SET.value)
 
 
+def precheck(args) -> None:
+  """The config file, its keys and their types, checked before jax loads (run checks it all)."""
+  from nanotext import config
+  config.load(*parse_args(args))
+
+
 def enable_compile_cache(path: str) -> None:
   """JAX's persistent compilation cache in `path`: later runs reuse every compiled program.
 
@@ -213,4 +219,4 @@ def _is_main() -> bool:
 
 
 if __name__ == "__main__":
-  cli.run(main, USAGE, __doc__, jax=True)
+  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck)

@@ -2,6 +2,7 @@
 exit 0, an unknown flag one `nanotext: error:` line and exit 2, dashed flag names accepted."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -83,3 +84,30 @@ def test_bytes_that_are_not_utf8_are_one_line_in_every_tool(tool, tmp_path):
   assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), stderr
   assert "not UTF-8" in lines[0] and "\\xff" in lines[0]
   assert os.listdir(tmp_path) == []
+
+
+def bad_configs(tmp) -> dict:
+  """Each tool that reads a config, given a mistake in it that only the file and its keys show."""
+  run = os.path.join(tmp, "run")
+  os.makedirs(run)
+  shutil.copy(os.path.join(REPO, "configs", "base.yml"), os.path.join(run, "config.yml"))
+  return {"train": ["nanotext.train", "configs/base.yml", "model.num_layerz=2"],
+          "compile": ["nanotext.compile", "configs/base.yml", "train.steps=many",
+                      "--topology=h100"],
+          "generate": ["nanotext.generate", f"output_dir={run}", "max_new_tokens=many"]}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("tool", ["train", "compile", "generate"])
+def test_a_bad_config_is_refused_before_jax_loads(tool, tmp_path):
+  """A typo in a key or a value is one line before the tool imports jax (a second or more of
+  start-up): a `jax` package that fails on import, first on the path, is never reached."""
+  fake = tmp_path / "fake"
+  (fake / "jax").mkdir(parents=True)
+  (fake / "jax" / "__init__.py").write_text("raise SystemExit('jax was imported')\n")
+  args = bad_configs(str(tmp_path))[tool]
+  proc = run_cli(*args, env={"PYTHONPATH": str(fake)}, timeout=120)
+  assert proc.returncode == 2, (proc.stdout, proc.stderr)
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), proc.stderr
+  assert ("num_layerz" if tool == "train" else "expects an integer") in lines[0]

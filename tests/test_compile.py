@@ -14,7 +14,7 @@ import pytest
 
 from conftest import BASE, SPEEDRUN, run_cli
 from nanotext import compile as nt_compile
-from nanotext import topology
+from nanotext import compile_report, topology
 from nanotext.errors import UserError
 
 # Splash needs seq_len a multiple of 128; one layer keeps each TPU compile to seconds.
@@ -45,6 +45,22 @@ def test_programs_follow_the_window_schedule():
       ["train@128", "train@1792", "eval"]
   with pytest.raises(UserError, match="unknown program"):
     nt_compile.select(progs, "train@999")
+
+
+@pytest.mark.fast
+def test_verdict_names_the_largest_program_or_those_that_failed():
+  rec = lambda name, gib, fits: {"name": name, "total_bytes_per_chip": gib * 2**30,
+                                 "hbm_bytes_per_chip": 16 * 2**30, "fits": fits}
+  ok, line = compile_report.verdict([rec("train", 9.6, True), rec("eval", 1.0, True)], "v6e-8",
+                                    0.1)
+  assert ok and line == ("verdict: fits v6e-8: 2 program(s), largest train at 9.60 GiB of "
+                         "16.00 GiB per device (40.0% headroom, >= 10% asked)")
+  ok, line = compile_report.verdict([rec("train", 15.0, False), rec("eval", 1.0, True)], "h100",
+                                    0.1)
+  assert not ok and line.startswith("train: needs up to 15.00 GiB per device but h100 has")
+  ok, line = compile_report.verdict([{**rec("eval", 1.0, True), "error": "x"}], "h100", 0.1)
+  assert not ok and line.startswith("eval failed to compile for h100")
+  assert compile_report.gib(3 * 2**20) == "3.0 MiB" and compile_report.gib(2**30) == "1.00 GiB"
 
 
 def test_lockfile_message_is_one_clear_line():

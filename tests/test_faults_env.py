@@ -4,6 +4,7 @@ Each is one `nanotext: error:` line naming the variable or the limit, exit 2 for
 1 for a resource, and nothing created in output_dir (no lock left behind)."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -25,6 +26,22 @@ def tool(name, out):
           "compile": ["nanotext.compile", BASE, *TINY, "--topology=v6e-8"]}[name]
 
 
+def aimed(name, tmp_path) -> tuple:
+  """(command line, files under tmp_path before it runs). generate checks the run's config.yml
+  before the environment (its arguments are read before jax loads): it gets a run folder with
+  one, so the environment is what it refuses."""
+  out = tmp_path / "run"
+  if name == "generate":
+    out.mkdir()
+    shutil.copy(BASE, out / "config.yml")
+  return tool(name, out), files(tmp_path)
+
+
+def files(folder) -> list:
+  return sorted(os.path.relpath(os.path.join(d, f), folder)
+                for d, _, names in os.walk(folder) for f in names + [""])
+
+
 def cli_run(args, env=None, shell=""):
   cmd = [sys.executable, "-m", *args]
   if shell:
@@ -41,9 +58,10 @@ TOOLS = ["train", "generate", "verify", "convert", "compile"]
 def test_jax_platforms_naming_a_missing_backend(tmp_path, name, platform):
   if cli.present(platform):
     pytest.skip(f"this machine has a {platform} device")
-  proc = cli_run(tool(name, tmp_path / "run"), env={"JAX_PLATFORMS": platform})
+  args, before = aimed(name, tmp_path)
+  proc = cli_run(args, env={"JAX_PLATFORMS": platform})
   assert_one_error_line(proc, 2, f"JAX_PLATFORMS={platform}")
-  assert os.listdir(tmp_path) == []
+  assert files(tmp_path) == before
 
 
 def test_jax_platforms_naming_no_backend_at_all(tmp_path):
@@ -57,9 +75,10 @@ def test_jax_platforms_naming_no_backend_at_all(tmp_path):
 def test_an_unknown_flag_in_xla_flags(tmp_path, name):
   """XLA aborts the process on it (its own fatal line, exit 1): checked before jax starts."""
   flags = os.environ["XLA_FLAGS"] + " --xla_no_such_flag=1"
-  proc = cli_run(tool(name, tmp_path / "run"), env={"XLA_FLAGS": flags})
+  args, before = aimed(name, tmp_path)
+  proc = cli_run(args, env={"XLA_FLAGS": flags})
   assert_one_error_line(proc, 2, "XLA_FLAGS", "--xla_no_such_flag")
-  assert os.listdir(tmp_path) == []
+  assert files(tmp_path) == before
 
 
 def test_known_xla_flags_pass():
@@ -72,9 +91,10 @@ def test_known_xla_flags_pass():
 def test_a_small_address_space_limit(tmp_path, name):
   """`ulimit -v` of 1.5 GiB: XLA aborted in pthread_create with a thread dump and left the
   lock. Refused up front: a resource, exit 1."""
-  proc = cli_run(tool(name, tmp_path / "run"), shell="ulimit -v 1500000")
+  args, before = aimed(name, tmp_path)
+  proc = cli_run(args, shell="ulimit -v 1500000")
   assert_one_error_line(proc, 1, "ulimit -v 1500000")
-  assert os.listdir(tmp_path) == []
+  assert files(tmp_path) == before
 
 
 def test_a_thread_refused_under_the_limit_is_one_line(monkeypatch):

@@ -1,0 +1,94 @@
+"""What `python -m nanotext.compile` prints: one block per compiled program (memory, FLOPs,
+collectives, the kernel inventory and the roofline estimate) and the verdict line."""
+
+from nanotext import hlo_memory, roofline
+
+GIB = 2**30
+
+
+def gib(b) -> str:
+  """Bytes as GiB, or MiB below a tenth of one."""
+  return f"{b / GIB:.2f} GiB" if b >= GIB / 10 else f"{b / 2**20:.1f} MiB"
+
+
+def _si(x) -> str:
+  return "n/a" if x != x else f"{x:.3g}"
+
+
+def describe(rec) -> str:
+  """The lines printed for one program."""
+  steps = rec.get("steps")
+  head = f"{rec['name']}" + (f" (steps {steps[0]}-{steps[1]})" if steps else "")
+  if rec.get("error"):
+    return f"{head}: FAILED at the {rec['stage']} stage after {rec['compile_s']:.1f} s: " \
+        f"{rec['error']}"
+  cpu = f", {rec['compile_cpu_s']:.0f} s of CPU" if "compile_cpu_s" in rec else ""
+  head += f": compiled in {rec['compile_s']:.1f} s{cpu}"
+  est = f" (planned {gib(rec['estimate_bytes_per_chip'])})" \
+      if "estimate_bytes_per_chip" in rec else ""
+  if rec.get("overflow"):
+    return (f"{head}\n  memory per device  needs {gib(rec['total_bytes_per_chip'])}{est} of "
+            f"{gib(rec['hbm_bytes_per_chip'])}: does NOT fit (the compiler refused it)")
+  col = " | ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
+                   for k, v in rec["collectives"].items() if v["count"]) or "none"
+  xla = rec["flops_xla_per_chip"]
+  if xla != xla and "kernels" in rec:  # a GPU executable has no cost analysis: its GEMMs' FLOPs
+    xla, what = rec["kernels"]["gemm_flops"], "GEMMs in the HLO"
+  else:
+    what = "XLA"
+  ratio = xla / rec["flops_analytic_per_chip"]
+  accessed = rec["bytes_accessed_per_chip"]
+  accessed = f" | bytes accessed {_si(accessed)}" if accessed == accessed else ""
+  verdict = "fits" if rec["fits"] else "does NOT fit"
+  lines = [
+      head,
+      f"  memory per device  args {gib(rec['argument'])} | outputs {gib(rec['output'])} "
+      f"(aliased {gib(rec['alias'])}) | temps {gib(rec['temp'])} | code "
+      f"{gib(rec['generated_code'])} | total {gib(rec['total_bytes_per_chip'])}{est} of "
+      f"{gib(rec['hbm_bytes_per_chip'])}, {100 * rec['headroom']:.1f}% headroom: {verdict}",
+      f"  FLOPs per device   analytic {_si(rec['flops_analytic_per_chip'])} | {what} "
+      f"{_si(xla)} ({ratio:.2f}x){accessed}",
+      f"  collectives        {col}"]
+  if "kernels" in rec:
+    lines += kernel_lines(rec["kernels"], rec.get("platform", "gpu"))
+  if "live_peak_bytes" in rec:
+    lines += hlo_memory.lines(rec["live_peak_bytes"], rec["live_at_peak"], gib)
+  return "\n".join(lines)
+
+
+def kernel_lines(inv: dict, platform: str) -> list:
+  """The kernel inventory and the roofline estimate of roofline.inventory, as printed (a TPU runs
+  ops, not launches: its count includes scalar loop bookkeeping and DMA starts)."""
+  g, fast = inv["gemm_calls"], inv.get("fp8_fast_accum", 0)  # cuBLASLt's fast accumulation
+  fp8 = f"{g['fp8']} FP8" + (f" ({fast} fast-accumulating)" if fast else "")
+  parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
+  slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} launches)" for op, s, n in inv["slowest_ops"][:3])
+  return [
+      f"  kernels per step   {inv['launches']} {'launches' if platform == 'gpu' else 'ops'}: "
+      f"GEMMs {g['bf16']} bf16, {g['f32']} f32, {fp8} | custom (Pallas/Mosaic) "
+      f"{inv['custom_kernels']} | cuDNN {inv['cudnn_calls']} | fusions {inv['fusions']} | "
+      f"scatters {inv['scatters']} | collectives {inv['collective_launches']} | copies "
+      f"{inv['copies']}",
+      f"  logits             {inv['logits_passes']:.1f} passes over the bf16 logits by "
+      f"{inv['logits_kernels']} kernels, besides {inv['logits_gemms']} GEMMs",
+      f"  step estimate      {1e3 * inv['estimate_s']:.1f} ms, a roofline lower bound, not a "
+      f"measured time ({parts} ms); slowest passes by jax op: {slow}",
+      f"  not priced         {roofline.UNPRICED}"]
+
+
+def verdict(recs, target_name, min_headroom) -> tuple:
+  """(ok, line): the summary line; `ok` is False if any program does not fit or failed."""
+  failed = [r["name"] for r in recs if r.get("error")]
+  if failed:
+    return False, (f"{', '.join(failed)} failed to compile for {target_name} (the lines above "
+                   "say at which stage)")
+  worst = max(recs, key=lambda r: r["total_bytes_per_chip"])
+  hbm = worst["hbm_bytes_per_chip"]
+  if all(r["fits"] for r in recs):
+    return True, (f"verdict: fits {target_name}: {len(recs)} program(s), largest {worst['name']} "
+                  f"at {gib(worst['total_bytes_per_chip'])} of {gib(hbm)} per device "
+                  f"({100 * (1 - worst['total_bytes_per_chip'] / hbm):.1f}% headroom, "
+                  f">= {100 * min_headroom:.0f}% asked)")
+  bad = [r["name"] for r in recs if not r["fits"]]
+  return False, (f"{', '.join(bad)}: needs up to {gib(worst['total_bytes_per_chip'])} per device "
+                 f"but {target_name} has {gib(hbm)} and {100 * min_headroom:.0f}% is kept free")
