@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import BASE, REPO, SPEEDRUN
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, SPEEDRUN
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # overhead.py imports reference_step by name
 
@@ -56,7 +56,7 @@ def test_reference_schedule_matches_nanotext():
 
 def test_overhead_refuses_other_architectures():
   proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "overhead.py"), SPEEDRUN],
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.startswith("nanotext: error: ") and proc.stderr.count("\n") == 1, proc.stderr
 
@@ -134,7 +134,8 @@ def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
   # Under pytest-xdist (as the suite runs): tests run in a worker, reports reach the controller.
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "suite_compile_time",
                          "-n", "1", "-p", "no:cacheprovider", "test_two.py"],
-                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                        cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=PROCESS_TIMEOUT_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   rows = [json.loads(line) for line in times.read_text().splitlines()]
   children = sorted((r for r in rows if "child" in r), key=lambda r: r.get("programs", 0))

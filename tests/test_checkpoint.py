@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import nan_poison
-from conftest import BASE, REPO, TINY, train_command
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, train_command
 from nanotext import checkpoint, params_from, trainer, wiring
 from nanotext.errors import UserError
 from nanotext.train import run
@@ -66,7 +66,7 @@ def start(out, devices: int, pause: str | None = None):
                           env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def wait_for(proc, condition, what: str, timeout: float = 300):
+def wait_for(proc, condition, what: str, timeout: float = PROCESS_TIMEOUT_S):
   """Poll every 10 ms until `condition()`; fails if the process ends first."""
   deadline = time.time() + timeout
   while not condition():
@@ -95,7 +95,7 @@ def test_sigterm_then_sigkill_resumes_bitwise_exactly(tmp_path, devices):
   wait_for(proc, lambda: max(train_losses(broken), default=0) >= 6
            if os.path.exists(os.path.join(broken, "metrics.jsonl")) else False, "step 6")
   proc.send_signal(signal.SIGTERM)
-  assert proc.wait(timeout=120) == 0
+  assert proc.wait(timeout=PROCESS_TIMEOUT_S) == 0
   with open(f"{broken}.log") as f:
     log = f.read()
   assert "received SIGTERM: saved the checkpoint of step" in log, log[-2000:]
@@ -105,15 +105,16 @@ def test_sigterm_then_sigkill_resumes_bitwise_exactly(tmp_path, devices):
   # gets a chance to clean up. The trainer writes the marker inside that save and waits there.
   marker, pause = f"{broken}.marker", (stopped // 4 + 1) * 4  # the next checkpoint.every=4
   proc = start(broken, devices, pause=f"{pause}:{marker}")
-  wait_for(proc, lambda: os.path.exists(marker), f"the save of step {pause}", timeout=300)
+  wait_for(proc, lambda: os.path.exists(marker), f"the save of step {pause}",
+           timeout=PROCESS_TIMEOUT_S)
   assert saving_now(broken)
   proc.kill()
   assert proc.wait(timeout=60) == -signal.SIGKILL
   assert steps_on_disk(broken)[-1] == stopped, "the save of the killed run completed"
   # 3. The same command again finishes the run from the newest complete checkpoint.
   proc = start(broken, devices)
-  assert proc.wait(timeout=180) == 0, open(f"{broken}.log").read()[-3000:]
-  assert reference.wait(timeout=180) == 0, open(f"{straight}.log").read()[-3000:]
+  assert proc.wait(timeout=PROCESS_TIMEOUT_S) == 0, open(f"{broken}.log").read()[-3000:]
+  assert reference.wait(timeout=PROCESS_TIMEOUT_S) == 0, open(f"{straight}.log").read()[-3000:]
   with open(f"{broken}.log") as f:
     assert f.read().count("resumed from the checkpoint of step") == 2
   assert not saving_now(broken)
@@ -146,7 +147,7 @@ def test_nonfinite_loss_aborts_before_the_bad_state_is_saved(tmp_path):
           "train.log_every=100", "sample.max_new_tokens=0"]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   proc = subprocess.run([sys.executable, "tests/nan_poison.py", "6", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=180)
+                        capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
   assert proc.returncode == 1, proc.stderr[-3000:]
   err = [l for l in proc.stderr.splitlines() if l.startswith("nanotext: error:")]
   assert len(err) == 1 and "step 6 has a non-finite loss" in err[0], proc.stderr[-3000:]

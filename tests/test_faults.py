@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import BASE, REPO, TINY, compiling_env, one_line_error, run_cli, train_command
+from conftest import (BASE, PROCESS_TIMEOUT_S, REPO, TINY, compiling_env, one_line_error, run_cli,
+                      train_command)
 from nanotext import checkpoint
 from nanotext.errors import UserError
 from nanotext.train import run
@@ -108,7 +109,7 @@ def start(out, *extra, pause_at=None, env=None):
   proc = subprocess.Popen(train_command(pause_at and f"{pause_at}:{marker}") + [
       BASE, *ARGS, f"output_dir={out}", *extra], cwd=REPO, stdout=log, stderr=log, env=env)
   if pause_at is not None:
-    deadline = time.time() + 300
+    deadline = time.time() + PROCESS_TIMEOUT_S
     while not os.path.exists(marker):
       assert proc.poll() is None, open(f"{out}.log").read()[-3000:]
       assert time.time() < deadline, "the run never reached the save"
@@ -228,7 +229,7 @@ def test_sigterm_in_the_final_save_and_a_concurrent_start(reference, tmp_path):
   proc.send_signal(signal.SIGTERM)  # after the loop, while the final save is written
   time.sleep(0.5)
   open(marker + ".go", "w").close()
-  assert proc.wait(timeout=120) == 0
+  assert proc.wait(timeout=PROCESS_TIMEOUT_S) == 0
   log = open(f"{out}.log").read()
   assert "Traceback" not in log and "received SIGTERM after the last step" in log, log[-2000:]
   assert not saving(out) and not os.path.exists(os.path.join(out, ".lock"))
@@ -281,7 +282,7 @@ def test_a_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
   assert any("resumed from the checkpoint of step 2" in l for l in lines)
 
 
-def cli(args, timeout=300):
+def cli(args, timeout=PROCESS_TIMEOUT_S):
   return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True,
                         timeout=timeout)
 
@@ -319,7 +320,7 @@ def test_a_failing_disk_is_one_line_and_releases_the_lock(tmp_path):
   # SIGXFSZ). Set by the shell, not a preexec_fn: forking a process that runs JAX can deadlock.
   proc = subprocess.run(["bash", "-c", 'ulimit -f 256 && exec "$0" "$@"', sys.executable, "-m",
                          "nanotext.train", BASE, *ARGS, f"output_dir={out}"], cwd=REPO,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
   assert_one_error_line(proc, 1, "checkpoint")
   assert not os.path.exists(os.path.join(out, ".lock"))
 
@@ -331,7 +332,7 @@ def test_metrics_that_cannot_grow_mid_run_are_one_line(tmp_path):
   proc = subprocess.run(["bash", "-c", 'ulimit -f 4 && exec "$0" "$@"', sys.executable, "-m",
                          "nanotext.train", BASE, *ARGS, f"output_dir={out}", "train.steps=80",
                          "checkpoint.every=0"], cwd=REPO, capture_output=True, text=True,
-                        timeout=300)
+                        timeout=PROCESS_TIMEOUT_S)
   assert_one_error_line(proc, 1, "metrics.jsonl", "File too large")
   assert not os.path.exists(os.path.join(out, ".lock"))
 
@@ -343,12 +344,12 @@ def test_ctrl_c_during_compilation_stops_cleanly(tmp_path):
   # Not from the cache (the reference compiled these programs): loaded from it, they could be
   # done, and the first step with them, before the signal lands under load.
   proc, _ = start(out, "train.steps=50", env=compiling_env())
-  deadline = time.time() + 300
+  deadline = time.time() + PROCESS_TIMEOUT_S
   while "model:" not in open(f"{out}.log").read():  # compilation starts right after this line
     assert proc.poll() is None and time.time() < deadline, open(f"{out}.log").read()[-3000:]
     time.sleep(0.05)
   proc.send_signal(signal.SIGINT)
-  assert proc.wait(timeout=300) == 130, open(f"{out}.log").read()[-3000:]
+  assert proc.wait(timeout=PROCESS_TIMEOUT_S) == 130, open(f"{out}.log").read()[-3000:]
   log = open(f"{out}.log").read()
   assert "stopped by SIGINT before the first step" in log and "Traceback" not in log
   assert not os.path.exists(out)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BASE, REPO, TINY, train_command
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, train_command
 from test_faults import assert_one_error_line
 from nanotext import checkpoint
 from nanotext.data import binfile
@@ -76,19 +76,19 @@ def test_a_shard_truncated_during_a_run(tmp_path):
                                          f"data.val_files={val}", f"output_dir={out}"]
   proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
-  deadline = time.time() + 300
+  deadline = time.time() + PROCESS_TIMEOUT_S
   while not marker.exists():  # the run waits inside its save of step 2
     assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
     time.sleep(0.05)
   os.truncate(train, binfile.HEADER_BYTES + 5000)
   (tmp_path / "marker.go").touch()
-  stdout, stderr = proc.communicate(timeout=300)
+  stdout, stderr = proc.communicate(timeout=PROCESS_TIMEOUT_S)
   assert_one_error_line(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), 2,
                         f"shard '{train}' changed")
   assert "Fatal Python error" not in stderr
   steps = [n for n in os.listdir(out / "checkpoints") if n.isdigit()]
   assert steps and not os.path.exists(out / ".lock")
   shutil.copyfile(kept, train)  # in place, as it was: the data fingerprint matches again
-  again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+  again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "resumed from the checkpoint of step" in again.stdout

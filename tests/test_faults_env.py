@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import BASE, REPO, TINY
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY
 from test_faults import assert_one_error_line
 from nanotext import cli, errors, xla_flags
 
@@ -46,7 +46,7 @@ def cli_run(args, env=None, shell=""):
   cmd = [sys.executable, "-m", *args]
   if shell:
     cmd = ["bash", "-c", f'{shell} && exec "$0" "$@"', *cmd]
-  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S,
                         env=dict(os.environ, **(env or {})))
 
 
@@ -116,6 +116,6 @@ def test_no_accelerator_starts_the_cpu_without_plugin_noise():
             "import jax; print(jax.devices()[0].platform)")
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
   proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
-                        timeout=300, env=env)
+                        timeout=PROCESS_TIMEOUT_S, env=env)
   assert proc.returncode == 0 and proc.stdout.strip() == "cpu", proc.stderr
   assert "Traceback" not in proc.stderr and "TPU_" not in proc.stderr, proc.stderr

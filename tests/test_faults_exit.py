@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import BASE, REPO, TINY
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY
 from nanotext import signals
 
 # A tool whose main leaves a non-daemon thread running (as orbax, grain or a metrics writer
@@ -69,7 +69,7 @@ def signalled(script, args, signum, marker, env=None):
   proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           env=dict(os.environ, **(env or {})))
-  deadline = time.time() + 300
+  deadline = time.time() + PROCESS_TIMEOUT_S
   while not os.path.exists(marker):
     assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
     time.sleep(0.05)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import BASE, REPO, TINY
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY
 from test_faults import assert_one_error_line
 from test_plot import fake_run
 from nanotext import errors, metrics
@@ -21,7 +21,7 @@ RUN = [BASE, *TINY, "train.steps=2", "train.eval_every=0", "sample.max_new_token
 def limited(kib: int, *args):
   """`python -m ARGS` under `ulimit -f KIB` (1 KiB blocks)."""
   cmd = ["bash", "-c", f'ulimit -f {kib} && exec "$0" "$@"', sys.executable, "-m", *args]
-  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def run_dir(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("limits") / "run")
   proc = subprocess.run([sys.executable, "-m", "nanotext.train", *RUN, "checkpoint.every=2",
                          f"output_dir={out}"], cwd=REPO, capture_output=True, text=True,
-                        timeout=300)
+                        timeout=PROCESS_TIMEOUT_S)
   assert proc.returncode == 0, proc.stderr
   return out
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import BASE, REPO, compiling_env
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, compiling_env
 from test_cli_errors import snapshot
 from test_faults import (ARGS, array_files, assert_one_error_line, assert_same_as, copy_of,
                          make_reference, quiet_run, start)
@@ -63,7 +63,7 @@ def test_glob_characters_in_the_readers_paths_are_refused(reference, tmp_path):
   for cmd in (["nanotext.generate", f"output_dir={link}"], ["nanotext.verify", str(link)],
               ["nanotext.convert", "params-only", f"--run={link}", f"--out={tmp_path / 'p'}"]):
     proc = subprocess.run([sys.executable, "-m", *cmd], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=PROCESS_TIMEOUT_S)
     assert_one_error_line(proc, 2, "glob")
 
 
@@ -178,12 +178,12 @@ def test_paths_with_percent_braces_and_spaces_work_in_every_tool(tmp_path,
             f"profile.dir={tmp_path / 'p %d'}", f"train.compile_cache_dir={tmp_path / 'c {}'}")
   assert os.listdir(tmp_path / "p %d") and os.listdir(tmp_path / "c {}")
   ok = subprocess.run([sys.executable, "-m", "nanotext.verify", out], cwd=REPO,
-                      capture_output=True, text=True, timeout=300)
+                      capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
   assert ok.returncode == 0 and "step       2  intact" in ok.stdout, ok.stderr
   folder = str(tmp_path / "p {1} %")
   conv = subprocess.run([sys.executable, "-m", "nanotext.convert", "params-only", f"--run={out}",
                          f"--out={folder}"], cwd=REPO, capture_output=True, text=True,
-                        timeout=300)
+                        timeout=PROCESS_TIMEOUT_S)
   assert conv.returncode == 0, conv.stderr
   assert params_from.load(folder, checkpoint.latest_params(out)[1])[0] == folder
 
@@ -222,13 +222,13 @@ def start_and_signal(out, sig, *extra):
     proc = subprocess.Popen([sys.executable, "-m", "nanotext.train", BASE, *ARGS, *SLOW_COMPILE,
                              f"output_dir={out}", *extra], cwd=REPO, stdout=f, stderr=f,
                             env=compiling_env())
-  deadline = time.time() + 300
+  deadline = time.time() + PROCESS_TIMEOUT_S
   while "model:" not in open(log).read():
     assert proc.poll() is None and time.time() < deadline, open(log).read()[-3000:]
     time.sleep(0.05)
   time.sleep(0.5)  # into the restore or the compilation
   proc.send_signal(sig)
-  status = proc.wait(timeout=300)
+  status = proc.wait(timeout=PROCESS_TIMEOUT_S)
   return status, open(log).read()
 
 
@@ -291,7 +291,7 @@ def test_a_second_ctrl_c_does_not_wait_for_the_save(reference, tmp_path):
   # A second SIGINT counts once Python has run the handler for the first; two that arrive
   # before it runs are one (a loaded machine left 0.5 s between them too short). So Ctrl-C
   # again until the run ends: the save stays held, so an exit at all is one without waiting.
-  deadline = time.time() + 300
+  deadline = time.time() + PROCESS_TIMEOUT_S
   while proc.poll() is None:
     assert time.time() < deadline, "the run did not stop"
     proc.send_signal(signal.SIGINT)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import BASE, REPO, TINY, forward, saved_run
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, forward, saved_run
 from test_cli_errors import snapshot
 from test_faults import ARGS, array_files, assert_one_error_line, copy_of, make_reference
 from test_faults_startup import immutable, train_cli
@@ -28,7 +28,7 @@ def cli(*args, env=None, shell=""):
   cmd = [sys.executable, "-m", *args]
   if shell:
     cmd = ["bash", "-c", f'{shell} && exec "$0" "$@"', *cmd]
-  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S,
                         env=dict(os.environ, **(env or {})))
 
 
@@ -126,7 +126,7 @@ def test_a_damaged_tokenizer_is_one_line(reference, tmp_path):
               [sys.executable, "-m", "nanotext.train", "configs/base.yml", *ARGS,
                "data.tokenizer=shakespeare", "model.vocab_size=8192",
                f"output_dir={tmp_path / 'new'}"]):
-    proc = subprocess.run(cmd, cwd=pkg, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=pkg, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
     assert_one_error_line(proc, 2, "tokenizer.json' is damaged", "--train")
   assert not (tmp_path / "new").exists()
 
