@@ -19,7 +19,7 @@ import time
 from absl import flags
 
 from nanotext import hlo_memory, roofline, window_schedule as ws, metrics, topology
-from nanotext.compile_report import describe, gib as _gib, verdict
+from nanotext.compile_report import describe, gib, verdict
 from nanotext.errors import UserError, fail, os_error
 from nanotext.hlo import collectives
 
@@ -255,7 +255,7 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
   devices = topology.devices(target)
   run = wiring.prepare(path, overrides, devices=devices)
   log(f"compiling {path} for {target.name} ({len(devices)} x {devices[0].device_kind}, "
-      f"{_gib(target.memory_bytes)} each: {target.memory_what}): mesh "
+      f"{gib(target.memory_bytes)} each: {target.memory_what}): mesh "
       f"{sharding.describe(run.mesh)}, attention {run.impl}, {run.cfg.train.batch_size} x "
       f"{run.cfg.train.seq_len} tokens per step, grad_accum {run.cfg.train.grad_accum}, remat "
       f"{run.cfg.model.remat}, loss_chunk {run.cfg.train.loss_chunk}")
