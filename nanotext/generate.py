@@ -94,8 +94,7 @@ def restore(out: str, cfg, step: int = -1, *, checked: bool = False) -> tuple:
 
 
 def parse(argv) -> tuple:
-  """(output_dir, step, config path, sample.* overrides) from `key=value` arguments, and the
-  run's config checked for them (its file, keys and types), all before jax loads."""
+  """(output_dir, step, config path, sample.* overrides) from `key=value` arguments."""
   from nanotext import config, rundir
   args = dict(config.parse_override(a) for a in argv)
   allowed = {"output_dir", "prompt", "max_new_tokens", "temperature", "top_k", "seed", "step"}
@@ -113,8 +112,13 @@ def parse(argv) -> tuple:
     raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, or leave it out "
                     "for the newest")
   overrides = [f"sample.{k}={v}" for k, v in args.items()]
-  config.load(cfg_path, overrides)
   return out, step, cfg_path, overrides
+
+
+def precheck(argv) -> None:
+  """The arguments and the run's config for them (file, keys, types), checked before jax loads."""
+  from nanotext import config
+  config.load(*parse(argv)[2:])
 
 
 def main(argv) -> None:
@@ -131,4 +135,4 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
   from nanotext import cli
-  cli.run(main, USAGE, __doc__, jax=True, precheck=parse)
+  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck)

@@ -38,8 +38,9 @@ def aimed(name, tmp_path) -> tuple:
 
 
 def files(folder) -> list:
-  return sorted(os.path.relpath(os.path.join(d, f), folder)
-                for d, _, names in os.walk(folder) for f in names + [""])
+  """Every folder and file under `folder`, as relative paths."""
+  return sorted(os.path.relpath(os.path.join(d, name), folder)
+                for d, dirs, names in os.walk(folder) for name in dirs + names)
 
 
 def cli_run(args, env=None, shell=""):
