@@ -253,6 +253,22 @@ class Model:
     return rows * positions * vocab * item * chunked + head_loss.working_bytes(
         rows, positions, vocab, item, m.fp8_head, self.backend)
 
+  def head_outputs_freed(self, rows: int, length: int, chunk: int) -> float:
+    """The kept head outputs z a one-GPU train step never holds at once. The loss's cotangent
+    is known before the step runs, so each head slice's backward may run right after its
+    forward and free its z; on one GPU XLA's schedule does (the record's H100 step holds one of
+    its 12 slices' z at its peak; counting all 12 planned it 1.14x the compiler). With
+    collectives to overlap it holds several (the record on h100-8: 4 of 12, and 4 slices'
+    FP8 gradients), and a TPU every slice's rounded gradient (speedrun.yml on v6e-8): those,
+    the CPU and a chunked loss are planned as traced."""
+    one_device = math.prod(self.mesh_sizes.values()) == 1
+    if self.backend != "gpu" or not one_device or 0 < chunk < length:
+      return 0.0
+    m = self.cfg.model
+    vocab = m.vocab_size // self.split[m.vocab_size]
+    k = head_loss.slices(rows, length, vocab, self.backend)
+    return rows * length * vocab * np.dtype(m.dtype).itemsize * (k - 1) / k
+
   def attention_bytes(self, rows: int, length: int, train: bool) -> float:
     """Temporaries of one layer's attention kernel beyond its traced residuals."""
     m, a = self.cfg.model, self.cfg.attention
@@ -284,7 +300,8 @@ class Model:
     stored = kept["block"] + kept["other"]
     # At the loss: every kept activation, the loss's and the head's working set. Later, in a
     # block's backward under remat: its recomputed activations and their gradients.
-    loss_peak = kept["loss"] + self.head_bytes(self.rows, length, chunk)
+    loss_peak = kept["loss"] - self.head_outputs_freed(self.rows, length, chunk) \
+        + self.head_bytes(self.rows, length, chunk)
     recompute = 2 * self.trace("none", chunk, length)["per_block"] \
         if remat != "none" and not cpu else 0
     attention = self.attention_bytes(self.rows, length, train=True)

@@ -134,7 +134,8 @@ def test_the_record_program_on_an_h100():
   train, evaluation = recs["train"], recs["eval"]
   for r in (train, evaluation):
     assert "error" not in r and r["headroom"] >= 0.10, r
-    # The memory plan within 15% of what the compiler allocates.
+    # The memory plan within 15% of what the compiler allocates (train 0.93, eval 1.10; the
+    # train plan was 1.14 while it held every head slice's output at the loss).
     assert 0.85 <= r["estimate_bytes_per_chip"] / r["total_bytes_per_chip"] <= 1.15, r
   inv = train["kernels"]
   slices = inv["gemm_calls"]["fp8"] // 3
