@@ -94,7 +94,10 @@ def test_newton_schulz_is_one_loop_body_whatever_its_steps(steps):
 
 
 def bf16(x):
-  return np.asarray(x, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
+  """x rounded as a float32 kernel stores a bf16 tensor: to float32, then to bf16. Rounded from
+  float64 at once (ml_dtypes 0.7 does; 0.6 went through float32), a value near a bf16 tie rounds
+  the other way, and Adam's bf16 moments carry the ulp into updates 2-16 ulps apart."""
+  return np.asarray(x, np.float64).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
 def record_adam(p, g, state, lr, t, betas=(0.8, 0.95), eps=1e-10, round_=lambda x: x):
