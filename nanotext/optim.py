@@ -15,6 +15,7 @@ from flax import nnx
 from nanotext import config, sharding
 from nanotext.errors import UserError
 from nanotext.model.kernels.per_device import platform
+from nanotext.model.layers import matmul
 
 # Keller Jordan's quintic Newton-Schulz coefficients (modded-nanogpt `zeropower_via_newtonschulz5`).
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -147,7 +148,7 @@ def newton_schulz(g, coeffs, steps: int, dtype=jnp.bfloat16, eps: float = 1e-7):
 
   def step(x, abc):
     a, b, c = (float(v) for v in per_step[0]) if same else abc
-    A = mm(x, x.T).astype(dtype)
+    A = matmul(x, x.T)  # rounded once, as mm(x, x.T).astype(dtype): a GPU's GEMM writes dtype
     B = (b * A.astype(f32) + c * mm(A, A)).astype(dtype)
     return (a * x.astype(f32) + mm(B, x)).astype(dtype), None
   x = jax.lax.scan(step, x, jnp.asarray(per_step, f32), unroll=unroll)[0] if per_step else x
