@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from conftest import BASE, REPO, SPEEDRUN, run_cli
+from conftest import REPO, SPEEDRUN, run_cli
 from nanotext import compile as nt_compile
 from nanotext import gpus, topology
 from nanotext.errors import UserError
