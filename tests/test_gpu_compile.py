@@ -245,11 +245,10 @@ def test_newton_schulz_writes_x_xt_as_bfloat16_on_an_h100():
   itself: no float32 [n, n] output and convert kernel per iteration (the record's H100 step:
   1,042 -> 1,027 launches, 71.6 -> 71.1 ms estimated). A @ A and B @ X keep float32 outputs:
   they are combined in float32 before their one rounding."""
-  import re
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from nanotext import optim
+  from nanotext import hlo, optim
   from nanotext.model.kernels import per_device
   mesh = Mesh(np.array(gpus.devices(gpus.parse("h100"))[:1]), ("x",))
   g = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P()))
@@ -257,9 +256,11 @@ def test_newton_schulz_writes_x_xt_as_bfloat16_on_an_h100():
     lowered = jax.jit(lambda g: optim.newton_schulz(g, optim.NS_COEFFS, 5)).trace(g).lower(
         lowering_platforms=("cuda",))
   text = lowered.compile(compiler_options=gpus.COMPILER_OPTIONS).as_text()
-  outputs = re.findall(r"= \((\w+)\[(\d+),(\d+)\]\{[^}]*\}, s8\[\d+\]\{0\}\) custom-call\(.*"
-                       r"custom_call_target=\"__cublas", text)
+  comps, _ = hlo.parse(text)
+  # Each cuBLAS call's result (dtype, dims); its workspace comes after it.
+  outputs = [hlo.shapes(ins.type)[0] for body in comps.values() for ins in body
+             if hlo.custom_call_target(ins).startswith("__cublas")]
   assert len(outputs) == 15, outputs  # 3 GEMMs an iteration, unrolled
-  square = [dtype for dtype, m, n in outputs if m == n == "256"]  # X X^T and A @ A: [256, 256]
+  square = [dtype for dtype, dims in outputs if dims == (256, 256)]  # X X^T and A @ A
   assert sorted(square) == ["bf16"] * 5 + ["f32"] * 5, outputs
-  assert all(dtype == "f32" for dtype, m, n in outputs if n == "512"), outputs  # B @ X
+  assert all(dtype == "f32" for dtype, dims in outputs if dims == (256, 512)), outputs  # B @ X
