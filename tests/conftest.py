@@ -16,10 +16,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # not a GPU's (TF32-like there: 1.4e-3 apart). JAX_PLATFORMS=cuda,cpu pytest runs them as written.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # One thread in PyTorch's OpenMP pool and NumPy's BLAS, here and in the CLI runs the tests start:
-# pytest-xdist runs two workers on two cores, and a pool of two spinning threads beside the other
-# worker made the record's bf16 reference (tests/test_record_training.py) 10-15x slower: one
-# 4,096-token step took 1.3 s with one thread and 13-21 s with two, at load 7 (benchmarks/
-# RESULTS.md, "Test suite time"). JAX's CPU backend has a thread pool of its own.
+# pytest-xdist runs two workers on two cores. Beside a loaded machine (load 7) a pool of two
+# threads made the record's bf16 reference (tests/test_record_training.py) 10-15x slower: one
+# 4,096-token step took 1.3 s with one thread and 13-21 s with two. Under .ci/run's two workers
+# alone it changes nothing (91.2 s against 91.9 s for the bf16 comparison; a quiet run of one
+# file gives up the second core: 0.7 s a step there). The references' sums then also do not
+# depend on the core count (benchmarks/RESULTS.md, "Test suite time"). JAX's CPU backend has a
+# thread pool of its own.
 for _pool in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
   os.environ.setdefault(_pool, "1")
 # CPU memory plans (remat, loss chunks) against a fixed 16 GiB of host RAM, not MemAvailable: a
