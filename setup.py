@@ -50,7 +50,7 @@ setup(
         # 0.42 s to import (0.005 s for 0.6.0), in each of the hundreds of processes the suite
         # starts: about 100 s of its CPU (benchmarks/RESULTS.md, "Test suite time"); jax needs
         # >= 0.5, and nanotext runs on 0.7 as well.
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "torch", "transformers", "matplotlib>=3.8",
+        "test": ["pytest>=8", "pytest-xdist>=3.8", "torch", "transformers", "matplotlib>=3.8",
                  "tensorflow-datasets>=4.9.9", "huggingface_hub>=0.24", "ml_dtypes<0.7"],
     },
 )

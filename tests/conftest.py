@@ -220,7 +220,9 @@ def extra(marker: str):
 
 def pytest_collection_modifyitems(config, items):
   """Skip, with a reason, a test whose extra is missing (see EXTRAS), and `gpu`-marked tests
-  where jax has no GPU backend (JAX_PLATFORMS=cuda,cpu pytest -m gpu runs them)."""
+  where jax has no GPU backend (JAX_PLATFORMS=cuda,cpu pytest -m gpu runs them). Then order the
+  files heaviest first (heaviest_files_first)."""
+  heaviest_files_first(items)
   import jax
   on_gpu = jax.default_backend() == "gpu"
   reasons = {m: _missing(m) for m in EXTRAS}
@@ -230,3 +232,18 @@ def pytest_collection_modifyitems(config, items):
     for marker, reason in reasons.items():
       if reason and item.get_closest_marker(marker) is not None:
         item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def heaviest_files_first(items) -> None:
+  """Sort the tests file by file, the files with the most tests not marked `fast` first (each
+  file's tests keep their order). pytest-xdist hands whole files to its workers in this order
+  (pytest.ini: --dist loadfile --no-loadscope-reorder); its own order, the most tests first,
+  started test_record_training.py (5 tests, 135 s) last and left the other worker idle for
+  about 28 s at the end. A model of the schedule from each file's measured time reproduced two
+  runs' wall to 0.5 s; this order balances them to within 1 s (benchmarks/RESULTS.md, "Test
+  suite time")."""
+  weight = {}
+  for item in items:
+    path = str(item.path)
+    weight[path] = weight.get(path, 0) + (item.get_closest_marker("fast") is None)
+  items.sort(key=lambda item: (-weight[str(item.path)], str(item.path)))
