@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # not a GPU's (TF32-like there: 1.4e-3 apart). JAX_PLATFORMS=cuda,cpu pytest runs them as written.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # One thread in PyTorch's OpenMP pool and NumPy's BLAS, here and in the CLI runs the tests start:
-# pytest-xdist runs two workers on two cores. Beside a loaded machine (load 7) a pool of two
+# pytest-xdist runs two workers on two cores. On a loaded machine (load 7) a pool of two
 # threads made the record's bf16 reference (tests/test_record_training.py) 10-15x slower: one
 # 4,096-token step took 1.3 s with one thread and 13-21 s with two. Under .ci/run's two workers
 # alone it changes nothing (91.2 s against 91.9 s for the bf16 comparison; a quiet run of one
@@ -240,8 +240,9 @@ def heaviest_files_first(items) -> None:
   (pytest.ini: --dist loadfile --no-loadscope-reorder); its own order, the most tests first,
   started test_record_training.py (5 tests, 135 s) last and left the other worker idle for
   about 28 s at the end. A model of the schedule from each file's measured time reproduced two
-  runs' wall to 0.5 s; this order balances them to within 1 s (benchmarks/RESULTS.md, "Test
-  suite time")."""
+  runs' wall to 0.5 s, and puts this order within 1 s of an even split; a run measured 14.6 s
+  over it, start-up and hand-off the model leaves out (benchmarks/RESULTS.md, "Test suite
+  time")."""
   weight = {}
   for item in items:
     path = str(item.path)
