@@ -28,13 +28,24 @@ def losses(path, layout, extra=()):
   return _losses(path, tuple(layout), tuple(extra))
 
 
-def _train(path, layout, extra):
+def _setup(path, layout, extra):
   data, fsdp, tensor = layout
   overrides = TINY + EXACT + list(extra) + [f"mesh.data={data}", f"mesh.fsdp={fsdp}",
                                             f"mesh.tensor={tensor}"]
-  n = data * fsdp * tensor
-  setup = wiring.prepare(path, overrides, devices=jax.devices()[:n])
-  state = setup.init_state()
+  return wiring.prepare(path, overrides, devices=jax.devices()[:data * fsdp * tensor])
+
+
+@functools.lru_cache(maxsize=None)
+def _initial(path, extra):
+  """The single-device initial state, on the host: every layout starts from it."""
+  return jax.device_get(_setup(path, (1, 1, 1), extra).init_state())
+
+
+def _train(path, layout, extra):
+  setup = _setup(path, layout, extra)
+  # The initial state placed in this layout's shardings: an init program per layout (3 s of
+  # compiling each) checked nothing the init test below does not.
+  state = jax.device_put(_initial(path, extra), setup.state_shardings)
   it = setup.train_iter()
   step = trainer.make_train_step(setup)
   out = []
@@ -59,6 +70,16 @@ def test_layouts_match_one_device(path):
     # Sharded reductions sum in another order: f32 rounding differences of ~1e-7 relative
     # per op, grown a little by four optimizer steps; anything larger is a real bug.
     np.testing.assert_allclose(got, ref, rtol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("path", [BASE, SPEEDRUN], ids=["base", "speedrun"])
+def test_a_sharded_init_is_the_single_device_init(path):
+  """The init program under the most mixed layout (FSDP x TP) gives the single-device values."""
+  extra = SPEEDRUN_EXTRA if path == SPEEDRUN else ()
+  setup = _setup(path, (1, 4, 2), extra)
+  got, want = jax.device_get(setup.init_state()), _initial(path, extra)
+  for (name, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(name))
 
 
 def test_muon_momentum_is_sharded_like_its_parameter():
