@@ -77,9 +77,9 @@ def test_a_sharded_init_is_the_single_device_init(path):
   """The init program under the most mixed layout (FSDP x TP) gives the single-device values."""
   extra = SPEEDRUN_EXTRA if path == SPEEDRUN else ()
   setup = _setup(path, (1, 4, 2), extra)
-  got, want = jax.device_get(setup.init_state()), _initial(path, extra)
-  for (name, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(name))
+  jax.tree_util.tree_map_with_path(  # the same tree (or it raises), every leaf bit for bit
+      lambda name, a, b: np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(name)),
+      jax.device_get(setup.init_state()), _initial(path, extra))
 
 
 def test_muon_momentum_is_sharded_like_its_parameter():
