@@ -1,14 +1,15 @@
 """Fit before you fly: `python -m nanotext.compile CONFIG [key=value ...] --topology=NAME
-[--programs=all] [--json=FILE] [--min_headroom=0.1] [--peak]`.
+[--programs=all] [--json=FILE] [--min_headroom=0.1] [--peak] [--passes=N]`.
 
 Compiles every program a run would compile (the train programs: one per attention-window stage, or
 one for all stages with a kernel that takes the windows at run time; and the eval program) for a
 TPU slice (libtpu) or a GPU host (the jax CUDA plugin), on any machine, and prints per program the
 memory per device against what the device lets a program use, analytic and XLA FLOPs, the
 collectives, the kernel inventory (launches by kind, passes over logits-sized arrays) and a
-roofline estimate of the step (with --peak, the values alive at its peak), then one verdict
-line. Exit 0 if every program fits with the headroom asked for; 2 (one line naming the bytes
-and the keys that help) if one does not; 1 if one fails to compile.
+roofline estimate of the step (with --peak, the values alive at its peak; with --passes, the
+estimate's slowest non-GEMM passes by jax op), then one verdict line. Exit 0 if every program
+fits with the headroom asked for; 2 (one line naming the bytes and the keys that help) if one
+does not; 1 if one fails to compile.
 """
 
 import json
@@ -35,6 +36,9 @@ def define_flags():
                       "and XLA's dumps (buffer assignment, memory-usage report) to DIR/NAME/.")
   flags.DEFINE_bool("peak", False, "Also print the largest values alive at each program's peak, "
                     "from a live-range walk of its scheduled HLO (where the memory goes).")
+  flags.DEFINE_integer("passes", 0, "Also list the N slowest non-GEMM passes of each program's "
+                       "step estimate by jax op (ms, launches, MiB a launch moves): where its "
+                       "time goes beyond GEMMs and custom kernels.")
   flags.DEFINE_float("min_headroom", 0.10, "Fraction of HBM a program must leave free to count "
                      "as fitting: the compiler's accounting leaves out runtime buffers and "
                      "fragmentation.")
@@ -108,7 +112,8 @@ def eval_batch(run) -> dict:
 
 
 def compile_program(run, name, program, memory_bytes: int, min_headroom: float = 0.0,
-                    peaks=None, hlo_dir: str = "", peak: bool = False) -> dict:
+                    peaks=None, hlo_dir: str = "", peak: bool = False,
+                    passes: int = 0) -> dict:
   """Compile one program (a window_schedule.Program) for the run's devices; its record. An HBM
   overflow, or a failure at any stage (`error`, `stage`: trace, lowering, XLA), is one too."""
   from nanotext import gpus, trainer
@@ -159,7 +164,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
     except OSError as e:
       raise os_error(e, f"cannot write --hlo_dir file '{path}'") from None
   rec.update(measure(compiled, peaks, *logits_size(run, train),
-                     attention_flops(run, program, train), peak=peak))
+                     attention_flops(run, program, train), peak=peak, passes=passes))
   rec["headroom"] = 1.0 - rec["total_bytes_per_chip"] / memory_bytes
   rec["fits"] = rec["headroom"] >= min_headroom
   rec["flops_analytic_per_chip"] = analytic_flops(run, program, train=train)
@@ -186,9 +191,10 @@ def _first_line(e: Exception) -> str:
 
 
 def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_flops=0.0,
-            peak=False) -> dict:
+            peak=False, passes=0) -> dict:
   """Per-chip memory, XLA's FLOPs and bytes, collectives, Mosaic kernels; with `peaks` the
-  roofline.inventory of the kernels, with `peak` what is alive at the peak (hlo_memory)."""
+  roofline.inventory of the kernels (`passes`: its slowest passes to list, at least 8 kept),
+  with `peak` what is alive at the peak (hlo_memory)."""
   mem = compiled.memory_analysis()
   rec = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in
          ("argument", "output", "alias", "temp", "generated_code")}
@@ -206,7 +212,8 @@ def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_fl
   if peaks is not None:
     rec["kernels"] = roofline.inventory(text, peaks, logits_elements=logits,
                                    logits_bytes=logits_bytes, vocab=vocab,
-                                   custom_flops=custom_flops)
+                                   custom_flops=custom_flops, top=max(8, passes))
+    rec["passes"] = passes
   if peak:
     rec["live_peak_bytes"], rec["live_at_peak"] = hlo_memory.record(text)
   return rec
@@ -248,7 +255,7 @@ def analytic_flops(run, program, *, train: bool) -> float:
 
 
 def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, log=print,
-                hlo_dir="", peak=False):
+                hlo_dir="", peak=False, passes=0):
   """Build the run for the target and compile the selected programs; (run, target, records)."""
   from nanotext import sharding, wiring
   target = topology.parse(target_name)
@@ -265,7 +272,7 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
   recs = []
   for name, program, steps in chosen:
     rec = compile_program(run, name, program, target.memory_bytes, min_headroom, target.peaks,
-                          hlo_dir, peak)
+                          hlo_dir, peak, passes)
     rec.update(steps=steps, windows=list(program.windows), runtime_windows=program.runtime,
                seq_len=program.seq_len, target=target.name)
     recs.append(rec)
@@ -274,7 +281,7 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
 
 
 USAGE = ("usage: python -m nanotext.compile CONFIG [key=value ...] --topology=NAME "
-         "[--programs=all] [--json=FILE] [--min_headroom=0.1] [--peak]")
+         "[--programs=all] [--json=FILE] [--min_headroom=0.1] [--peak] [--passes=N]")
 
 
 def precheck(args):
@@ -287,6 +294,8 @@ def precheck(args):
     raise UserError(f"--topology is required; known: {', '.join(topology.known())}")
   if not 0 <= f.min_headroom < 1:
     raise UserError(f"--min_headroom={f.min_headroom} must be in [0, 1)")
+  if f.passes < 0:
+    raise UserError(f"--passes={f.passes} must be 0 (none listed) or more")
   topology.parse(f.topology)
   config.load(args[0], args[1:])
 
@@ -296,7 +305,7 @@ def main(args):
   f = flags.FLAGS
   run, target, recs = run_compile(args[0], args[1:], f.topology, f.programs,
                                   f.min_headroom, log=lambda s: print(s, flush=True),
-                                  hlo_dir=f.hlo_dir, peak=f.peak)
+                                  hlo_dir=f.hlo_dir, peak=f.peak, passes=f.passes)
   if f.json:  # whole or not at all: a full disk is one line, no half-written file
     from nanotext.data.fileio import atomic_write
     try:

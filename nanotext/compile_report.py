@@ -51,6 +51,7 @@ def describe(rec) -> str:
       f"  collectives        {col}"]
   if "kernels" in rec:
     lines += kernel_lines(rec["kernels"], rec.get("platform", "gpu"))
+    lines += pass_lines(rec["kernels"], rec.get("passes", 0))
   if "live_peak_bytes" in rec:
     lines += hlo_memory.lines(rec["live_peak_bytes"], rec["live_at_peak"], gib)
   return "\n".join(lines)
@@ -62,7 +63,8 @@ def kernel_lines(inv: dict, platform: str) -> list:
   g, fast = inv["gemm_calls"], inv.get("fp8_fast_accum", 0)  # cuBLASLt's fast accumulation
   fp8 = f"{g['fp8']} FP8" + (f" ({fast} fast-accumulating)" if fast else "")
   parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
-  slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} launches)" for op, s, n in inv["slowest_ops"][:3])
+  slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} launches)"
+                   for op, s, n, _ in inv["slowest_ops"][:3])
   return [
       f"  kernels per step   {inv['launches']} {'launches' if platform == 'gpu' else 'ops'}: "
       f"GEMMs {g['bf16']} bf16, {g['f32']} f32, {fp8} | custom (Pallas/Mosaic) "
@@ -74,6 +76,19 @@ def kernel_lines(inv: dict, platform: str) -> list:
       f"  step estimate      {1e3 * inv['estimate_s']:.1f} ms, a roofline lower bound, not a "
       f"measured time ({parts} ms); slowest passes by jax op: {slow}",
       f"  not priced         {roofline.UNPRICED}"]
+
+
+def pass_lines(inv: dict, n: int) -> list:
+  """With --passes=N: the estimate's N slowest non-GEMM passes by jax op, one line each (where
+  a step's time goes beyond its GEMMs and custom kernels, every layer's launches as one)."""
+  if not n:
+    return []
+  rows = inv["slowest_ops"][:n]
+  out = [f"  slowest passes     {len(rows)} of the non-GEMM launches' {1e3 * inv['passes_s']:.1f} "
+         "ms, by jax op (every layer's as one): ms, launches, MiB a launch moves"]
+  out += [f"    {1e3 * sec:7.2f} ms {count:5d} x {moved / 2**20:9.1f} MiB  {op}"
+          for op, sec, count, moved in rows]
+  return out
 
 
 def verdict(recs, target_name, min_headroom) -> tuple:

@@ -44,8 +44,8 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
   how many passes over the logits the step makes besides its GEMMs. `custom_flops`: the
   analytic FLOPs of the custom kernels (attention), which their HLO does not show; they are
   priced as a whole at the bf16 peak, or at their bytes where that is slower. `slowest_ops`:
-  the non-GEMM launches summed by the jax op that made them, every layer's as one
-  (block_3 -> block_N): (op, seconds, launches), slowest first.
+  the `top` non-GEMM launches summed by the jax op that made them, every layer's as one
+  (block_3 -> block_N): (op, seconds, launches, bytes a launch moves on average), slowest first.
   """
   ks = kernels(text)
   count = lambda *kinds: sum(k.count for k in ks if k.kind in kinds)
@@ -65,12 +65,13 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
            "logits passes": sum(seconds(k, peaks) for k in big if not k.kind.startswith("gemm")),
            "other": sum(seconds(k, peaks) for k in ks if k.kind not in ("custom", "cudnn")
                         and not k.kind.startswith("gemm") and k not in big)}
-  passes = collections.defaultdict(lambda: [0.0, 0])  # non-GEMM launches by jax op, any layer
+  passes = collections.defaultdict(lambda: [0.0, 0, 0.0])  # non-GEMM launches by jax op
   for k in ks:
     if k.kind not in ("custom", "cudnn") and not k.kind.startswith("gemm"):
       group = passes[re.sub(r"_\d+\b", "_N", k.op) or "(no op name)"]
       group[0] += seconds(k, peaks)
       group[1] += k.count
+      group[2] += k.count * k.bytes
   return {"launches": sum(k.count for k in ks), "gemm_calls": gemms,
           "fp8_fast_accum": sum(k.count for k in ks if k.fast_accum),
           "gemm_flops": sum(k.count * k.flops for k in ks if k.kind.startswith("gemm")),
@@ -82,5 +83,7 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
           "logits_passes": sum(k.count * k.bytes for k in big if not k.kind.startswith("gemm"))
                            / logits_bytes if logits_bytes else 0.0,
           "estimate_s": sum(parts.values()), "estimate_parts_s": parts,
-          "slowest_ops": sorted(((op, sec, n) for op, (sec, n) in passes.items()),
+          "passes_s": sum(sec for sec, _, _ in passes.values()),  # every non-GEMM launch's
+          "slowest_ops": sorted(((op, sec, n, b / max(n, 1))
+                                 for op, (sec, n, b) in passes.items()),
                                 key=lambda row: -row[1])[:top]}

@@ -111,3 +111,17 @@ def test_a_bad_config_is_refused_before_jax_loads(tool, tmp_path):
   lines = [l for l in proc.stderr.splitlines() if l.strip()]
   assert len(lines) == 1 and lines[0].startswith("nanotext: error:"), proc.stderr
   assert ("num_layerz" if tool == "train" else "expects an integer") in lines[0]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("flag,want", [("--passes=-1", "--passes=-1 must be 0"),
+                                       ("--min_headroom=1", "--min_headroom=1.0 must be in")])
+def test_compile_flags_out_of_range_are_one_line_before_jax_loads(flag, want, tmp_path):
+  fake = tmp_path / "fake"
+  (fake / "jax").mkdir(parents=True)
+  (fake / "jax" / "__init__.py").write_text("raise SystemExit('jax was imported')\n")
+  proc = run_cli("nanotext.compile", "configs/base.yml", "--topology=h100", flag,
+                 env={"PYTHONPATH": str(fake)}, timeout=120)
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert proc.returncode == 2 and len(lines) == 1, (proc.stdout, proc.stderr)
+  assert lines[0].startswith("nanotext: error:") and want in lines[0], lines[0]

@@ -6,7 +6,7 @@ plugin; test_gpu_compile.py checks the same on programs XLA's GPU compiler made.
 
 import pytest
 
-from nanotext import hlo, roofline
+from nanotext import compile_report, hlo, roofline
 
 pytestmark = pytest.mark.fast
 
@@ -219,14 +219,32 @@ def test_passes_are_summed_by_the_jax_op_of_every_layer():
   """The estimate's slowest passes by jax op: every layer's (block_0, block_11, a loop's block_2
   three times) as one row, the jit's name dropped, GEMMs left out, an unnamed fusion on its own."""
   inv = roofline.inventory(LAYERS, PEAKS)
-  one = 2 * 1024 * 256 * 2 / PEAKS.bandwidth  # read and write a bf16 [1024, 256]
-  rows = {op: (sec, n) for op, sec, n in inv["slowest_ops"]}
+  moved = 2 * 1024 * 256 * 2  # a launch reads and writes a bf16 [1024, 256]
+  one = moved / PEAKS.bandwidth
+  rows = {op: (sec, n, b) for op, sec, n, b in inv["slowest_ops"]}
   assert set(rows) == {"jvp(block_N)/mlp/square", "while/body/jvp(block_N)/mlp/square",
                        "(no op name)"}
-  assert rows["jvp(block_N)/mlp/square"] == (pytest.approx(2 * one), 2)
-  assert rows["while/body/jvp(block_N)/mlp/square"] == (pytest.approx(3 * one), 3)
-  assert rows["(no op name)"] == (pytest.approx(one), 1)
-  assert [op for op, _, _ in inv["slowest_ops"]][0] == "while/body/jvp(block_N)/mlp/square"
+  assert rows["jvp(block_N)/mlp/square"] == (pytest.approx(2 * one), 2, moved)
+  assert rows["while/body/jvp(block_N)/mlp/square"] == (pytest.approx(3 * one), 3, moved)
+  assert rows["(no op name)"] == (pytest.approx(one), 1, moved)
+  assert [row[0] for row in inv["slowest_ops"]][0] == "while/body/jvp(block_N)/mlp/square"
+  assert inv["passes_s"] == pytest.approx(6 * one)  # every non-GEMM launch, listed or not
+  assert [row[0] for row in roofline.inventory(LAYERS, PEAKS, top=1)["slowest_ops"]] == \
+      ["while/body/jvp(block_N)/mlp/square"]
+
+
+def test_passes_lines_list_the_slowest_first_with_their_bytes():
+  """nanotext.compile --passes=N: N lines under the estimate, slowest first, each its ms, launch
+  count and MiB a launch moves; none without the flag."""
+  inv = roofline.inventory(LAYERS, roofline.Peaks(bf16=1e15, bandwidth=1e9))  # 1 GB/s
+  assert compile_report.pass_lines(inv, 0) == []
+  head, *rows = compile_report.pass_lines(inv, 2)
+  # six launches of 1 MiB (a bf16 [1024, 256] read and written) at 1 GB/s: 1.05 ms each
+  assert head.startswith("  slowest passes     2 of the non-GEMM launches' 6.3 ms")
+  assert len(rows) == 2 and rows[0].endswith("  while/body/jvp(block_N)/mlp/square")
+  assert rows[0].split()[:5] == ["3.15", "ms", "3", "x", "1.0"]
+  assert rows[1].split()[:5] == ["2.10", "ms", "2", "x", "1.0"]
+  assert len(compile_report.pass_lines(inv, 50)) == 1 + 3  # as many as there are
 
 
 def test_inventory_counts_and_prices():
