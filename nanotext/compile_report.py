@@ -51,7 +51,7 @@ def describe(rec) -> str:
       f"  collectives        {col}"]
   if "kernels" in rec:
     lines += kernel_lines(rec["kernels"], rec.get("platform", "gpu"))
-    lines += pass_lines(rec["kernels"], rec.get("passes", 0))
+    lines += pass_lines(rec["kernels"], rec.get("passes", 0), rec.get("platform", "gpu"))
   if "live_peak_bytes" in rec:
     lines += hlo_memory.lines(rec["live_peak_bytes"], rec["live_at_peak"], gib)
   return "\n".join(lines)
@@ -78,14 +78,15 @@ def kernel_lines(inv: dict, platform: str) -> list:
       f"  not priced         {roofline.UNPRICED}"]
 
 
-def pass_lines(inv: dict, n: int) -> list:
+def pass_lines(inv: dict, n: int, platform: str = "gpu") -> list:
   """With --passes=N: the estimate's N slowest non-GEMM passes by jax op, one line each (where
   a step's time goes beyond its GEMMs and custom kernels, every layer's launches as one)."""
   if not n:
     return []
   rows = inv["slowest_ops"][:n]
-  out = [f"  slowest passes     {len(rows)} of the non-GEMM launches' {1e3 * inv['passes_s']:.1f} "
-         "ms, by jax op (every layer's as one): ms, launches, MiB a launch moves"]
+  units, one = ("launches", "a launch") if platform == "gpu" else ("ops", "an op")
+  out = [f"  slowest passes     {len(rows)} of the non-GEMM {units}' {1e3 * inv['passes_s']:.1f} "
+         f"ms, by jax op (every layer's as one): ms, {units}, MiB {one} moves"]
   out += [f"    {1e3 * sec:7.2f} ms {count:5d} x {moved / 2**20:9.1f} MiB  {op}"
           for op, sec, count, moved in rows]
   return out

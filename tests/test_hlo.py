@@ -245,6 +245,7 @@ def test_passes_lines_list_the_slowest_first_with_their_bytes():
   assert rows[0].split()[:5] == ["3.15", "ms", "3", "x", "1.0"]
   assert rows[1].split()[:5] == ["2.10", "ms", "2", "x", "1.0"]
   assert len(compile_report.pass_lines(inv, 50)) == 1 + 3  # as many as there are
+  assert "non-GEMM ops' 6.3 ms" in compile_report.pass_lines(inv, 1, "tpu")[0]  # a TPU runs ops
 
 
 def test_inventory_counts_and_prices():
