@@ -112,8 +112,7 @@ def eval_batch(run) -> dict:
 
 
 def compile_program(run, name, program, memory_bytes: int, min_headroom: float = 0.0,
-                    peaks=None, hlo_dir: str = "", peak: bool = False,
-                    passes: int = 0) -> dict:
+                    peaks=None, hlo_dir: str = "", peak: bool = False) -> dict:
   """Compile one program (a window_schedule.Program) for the run's devices; its record. An HBM
   overflow, or a failure at any stage (`error`, `stage`: trace, lowering, XLA), is one too."""
   from nanotext import gpus, trainer
@@ -164,7 +163,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
     except OSError as e:
       raise os_error(e, f"cannot write --hlo_dir file '{path}'") from None
   rec.update(measure(compiled, peaks, *logits_size(run, train),
-                     attention_flops(run, program, train), peak=peak, passes=passes))
+                     attention_flops(run, program, train), peak=peak))
   rec["headroom"] = 1.0 - rec["total_bytes_per_chip"] / memory_bytes
   rec["fits"] = rec["headroom"] >= min_headroom
   rec["flops_analytic_per_chip"] = analytic_flops(run, program, train=train)
@@ -191,10 +190,10 @@ def _first_line(e: Exception) -> str:
 
 
 def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_flops=0.0,
-            peak=False, passes=0) -> dict:
+            peak=False) -> dict:
   """Per-chip memory, XLA's FLOPs and bytes, collectives, Mosaic kernels; with `peaks` the
-  roofline.inventory of the kernels (`passes`: its slowest passes to list, at least 8 kept),
-  with `peak` what is alive at the peak (hlo_memory)."""
+  roofline.inventory of the kernels (every pass by jax op, slowest first), with `peak` what is
+  alive at the peak (hlo_memory)."""
   mem = compiled.memory_analysis()
   rec = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in
          ("argument", "output", "alias", "temp", "generated_code")}
@@ -212,8 +211,7 @@ def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_fl
   if peaks is not None:
     rec["kernels"] = roofline.inventory(text, peaks, logits_elements=logits,
                                    logits_bytes=logits_bytes, vocab=vocab,
-                                   custom_flops=custom_flops, top=max(8, passes))
-    rec["passes"] = passes
+                                   custom_flops=custom_flops, top=None)
   if peak:
     rec["live_peak_bytes"], rec["live_at_peak"] = hlo_memory.record(text)
   return rec
@@ -272,11 +270,11 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
   recs = []
   for name, program, steps in chosen:
     rec = compile_program(run, name, program, target.memory_bytes, min_headroom, target.peaks,
-                          hlo_dir, peak, passes)
+                          hlo_dir, peak)
     rec.update(steps=steps, windows=list(program.windows), runtime_windows=program.runtime,
                seq_len=program.seq_len, target=target.name)
     recs.append(rec)
-    log(describe(rec))
+    log(describe(rec, passes))
   return run, target, recs
 
 

@@ -15,8 +15,8 @@ def _si(x) -> str:
   return "n/a" if x != x else f"{x:.3g}"
 
 
-def describe(rec) -> str:
-  """The lines printed for one program."""
+def describe(rec, passes: int = 0) -> str:
+  """The lines printed for one program (`passes`: its slowest non-GEMM passes to list)."""
   steps = rec.get("steps")
   head = f"{rec['name']}" + (f" (steps {steps[0]}-{steps[1]})" if steps else "")
   if rec.get("error"):
@@ -51,7 +51,7 @@ def describe(rec) -> str:
       f"  collectives        {col}"]
   if "kernels" in rec:
     lines += kernel_lines(rec["kernels"], rec.get("platform", "gpu"))
-    lines += pass_lines(rec["kernels"], rec.get("passes", 0), rec.get("platform", "gpu"))
+    lines += pass_lines(rec["kernels"], passes, rec.get("platform", "gpu"))
   if "live_peak_bytes" in rec:
     lines += hlo_memory.lines(rec["live_peak_bytes"], rec["live_at_peak"], gib)
   return "\n".join(lines)

@@ -35,7 +35,7 @@ UNPRICED = ("launch gaps between kernels, atomics (scatter-adds), kernels runnin
 
 
 def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes: float = 0.0,
-              vocab: int = 0, custom_flops: float = 0.0, top: int = 8) -> dict:
+              vocab: int = 0, custom_flops: float = 0.0, top: int | None = 8) -> dict:
   """Launches by kind and a roofline estimate of one step of a compiled program.
 
   `logits_elements`: the size of the [tokens, vocab] logits one head kernel works on (a slice
@@ -44,8 +44,9 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
   how many passes over the logits the step makes besides its GEMMs. `custom_flops`: the
   analytic FLOPs of the custom kernels (attention), which their HLO does not show; they are
   priced as a whole at the bf16 peak, or at their bytes where that is slower. `slowest_ops`:
-  the `top` non-GEMM launches summed by the jax op that made them, every layer's as one
-  (block_3 -> block_N): (op, seconds, launches, bytes a launch moves on average), slowest first.
+  the `top` (None: every) non-GEMM launches summed by the jax op that made them, every layer's
+  as one (block_3 -> block_N): (op, seconds, launches, bytes a launch moves on average), slowest
+  first.
   """
   ks = kernels(text)
   count = lambda *kinds: sum(k.count for k in ks if k.kind in kinds)
