@@ -61,7 +61,9 @@ def kernel_lines(inv: dict, platform: str) -> list:
   """The kernel inventory and the roofline estimate of roofline.inventory, as printed (a TPU runs
   ops, not launches: its count includes scalar loop bookkeeping and DMA starts)."""
   g, fast = inv["gemm_calls"], inv.get("fp8_fast_accum", 0)  # cuBLASLt's fast accumulation
-  fp8 = f"{g['fp8']} FP8" + (f" ({fast} fast-accumulating)" if fast else "")
+  own = inv.get("own_gemms", 0)  # GEMMs of nanotext's own kernels, in the counts by math
+  notes = [f"{fast} fast-accumulating"] * bool(fast) + [f"{own} Pallas"] * bool(own)
+  fp8 = f"{g['fp8']} FP8" + (f" ({', '.join(notes)})" if notes else "")
   parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
   slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} launches)"
                    for op, s, n, _ in inv["slowest_ops"][:3])

@@ -170,6 +170,7 @@ class Kernel:
   math: str = "bf16"  # the peak its FLOPs run at: bf16, fp8, f32
   op: str = ""  # the jax op that made it (op_name(ins)), '' where the HLO does not say
   fast_accum: bool = False  # an FP8 GEMM at the default precision: cuBLASLt's fast accumulation
+  own: bool = False  # a GEMM of our own: a Pallas kernel named *_gemm (kernels/fp8_head.py)
 
 
 def kernels(text: str) -> list:
@@ -238,6 +239,10 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
     precision = call.config().get("gemm_backend_config", {}).get("precision_config", {})
     fast = kind == "gemm-fp8" and set(precision.get("operand_precision", [])) <= {"DEFAULT"} \
         and precision.get("algorithm", "ALG_UNSET") == "ALG_UNSET"
+  elif _own_gemm(ins, operand_types):  # [M, K] x [K, N] and whatever its epilogue writes
+    (_, (m, k)), (_, (_, n)) = shapes(operand_types[0])[0], shapes(operand_types[1])[0]
+    math_kind = _math(operand_types[:2])
+    kind, flops = "gemm-fp8" if math_kind == "fp8" else "gemm", 2.0 * m * k * n
   elif ins.opcode == "custom-call":
     # Pallas (Triton on GPU, Mosaic on TPU) and other opaque kernels
     kind = "cudnn" if custom_call_target(ins).startswith("__cudnn") else "custom"
@@ -263,7 +268,16 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
   elif ins.opcode in ("copy", "copy-start"):
     kind = "copy"
   return Kernel(ins.name, kind, flops, moved, largest, dims, math=math_kind, op=op_name(ins),
-                fast_accum=fast)
+                fast_accum=fast, own=kind.startswith("gemm") and ins.opcode == "custom-call"
+                and not cublas)
+
+
+def _own_gemm(ins: Instr, operand_types) -> bool:
+  """A Pallas kernel whose name ends in _gemm, its first two operands matrices [M, K], [K, N]."""
+  if ins.opcode != "custom-call" or not re.search(r'\bname = "\w+_gemm"', ins.attrs):
+    return False
+  dims = [shapes(t)[0][1] if shapes(t) else () for t in operand_types[:2]]
+  return len(dims) == 2 and all(len(d) == 2 for d in dims) and dims[0][1] == dims[1][0]
 
 
 def op_name(ins: Instr) -> str:

@@ -283,6 +283,31 @@ ENTRY %main (a: bf16[1024,64], w: bf16[1024,3,64]) -> bf16[1024,64] {
   assert inv["estimate_parts_s"]["custom"] == pytest.approx(1e9 / PEAKS.bf16 + own)
 
 
+def test_a_pallas_kernel_named_gemm_is_priced_as_one():
+  """kernels/fp8_head.py's GEMM (e4m3 [M, K] x [K, N]) with its epilogue's outputs: a GEMM of
+  our own at the FP8 peak or its bytes, in the GEMM counts, not among the passes; a kernel not
+  named *_gemm stays a custom kernel."""
+  text = """HloModule m
+
+ENTRY %main (a: f8e4m3fn[4096,768], b: f8e4m3fn[768,50304]) -> (bf16[4096,50304], f32[4096,393]) {
+  %a = f8e4m3fn[4096,768]{1,0} parameter(0)
+  %b = f8e4m3fn[768,50304]{1,0} parameter(1)
+  ROOT %head = (bf16[4096,50304]{1,0}, f32[4096,393]{1,0}) custom-call(%a, %b), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/jvp(loss)/fp8_head_gemm/pallas_call"}, backend_config={grid_x = 32 : i32, ir = "", name = "fp8_head_gemm", num_warps = 8 : i32}
+}
+"""
+  [k] = hlo.kernels(text)
+  assert (k.kind, k.math, k.own, k.flops) == ("gemm-fp8", "fp8", True, 2.0 * 4096 * 768 * 50304)
+  moved = 4096 * 768 + 768 * 50304 + 4096 * 50304 * 2 + 4096 * 393 * 4
+  assert k.bytes == moved
+  inv = roofline.inventory(text, PEAKS)
+  assert inv["gemm_calls"]["fp8"] == inv["own_gemms"] == 1 and inv["custom_kernels"] == 0
+  assert inv["estimate_parts_s"]["gemm"] == pytest.approx(
+      max(k.flops / PEAKS.fp8, moved / PEAKS.bandwidth))
+  assert not inv["slowest_ops"] and "1 Pallas" in compile_report.kernel_lines(inv, "gpu")[0]
+  [other] = hlo.kernels(text.replace('name = "fp8_head_gemm"', 'name = "fp8_head_sums"'))
+  assert (other.kind, other.own, other.flops) == ("custom", False, 0.0)
+
+
 def test_collectives_count_an_async_pair_once():
   c = hlo.collectives(PROGRAM)
   assert c["all-reduce"] == {"count": 1, "bytes": 4096 * 64 * 4}

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from nanotext import sharding
+from nanotext.model.kernels import fp8_head
 from nanotext.model.kernels.per_device import platform
 from nanotext.model.layers import E4M3, E5M2, _dequantize, _dot32, _quantize
 
@@ -48,14 +49,25 @@ def slices(rows: int, length: int, vocab: int, backend: str = "") -> int:
 
 
 def working_bytes(rows: int, length: int, vocab: int, itemsize: int, fp8: bool,
-                  backend: str) -> int:
+                  backend: str, kernel: bool = False) -> int:
   """What the head's training step holds at once beside the head output z it keeps for the
-  backward pass: one slice's float32 FP8 GEMM output in the forward pass, or in the backward
-  pass one slice's output gradient as its two GEMMs read it (FP8: e5m2 in both layouts, else
-  the model dtype). nanotext.memory adds it to the kept activations."""
+  backward pass: one slice's float32 FP8 GEMM output in the forward pass (with `kernel`,
+  kernels/fp8_head.py's, its partial exp-sums), or in the backward pass one slice's output
+  gradient as its two GEMMs read it (FP8: e5m2 in both layouts, else the model dtype).
+  nanotext.memory adds it to the kept activations."""
   m = rows * length // slices(rows, length, vocab, backend)
   forward = m * vocab * 4 if fp8 else 0  # without FP8 the GEMM writes z itself, which is kept
+  forward = m * (vocab // fp8_head.BV) * 4 if fp8 and kernel else forward
   return max(forward, m * vocab * (2 if fp8 else itemsize))
+
+
+def takes_kernel(rows: int, length: int, d_model: int, vocab: int, dtype, softcap: float,
+                 fp8: bool, backend: str) -> bool:
+  """Whether a train step on `backend`, `rows` rows of `length` per device, runs the head's FP8
+  forward as kernels/fp8_head.py's (the test _kernel makes of each slice while tracing)."""
+  m = rows * length // slices(rows, length, vocab, backend)
+  return bool(fp8 and softcap and backend == "gpu" and jnp.dtype(dtype) == jnp.bfloat16
+              and fp8_head.tiles(m, d_model, vocab))
 
 
 def head_loss_sum(x_BTD, w_DV, targets_BT, *, softcap: float = 0.0, fp8=None, fp8_scale=1.0):
@@ -146,17 +158,34 @@ def _capped(z_NV, softcap, fp8):
 
 def _slice_loss(a_MD, b_DV, y_M, softcap, fp8, dt):
   """(summed loss, z, log-sum-exp) of one slice of tokens."""
-  z_MV = _product(a_MD, b_DV, fp8, dt)
-  l_MV, _ = _capped(z_MV, softcap, fp8)
+  if _kernel(a_MD, b_DV, softcap, fp8, dt):  # z and the exp-sum in one kernel (a GPU's)
+    x_s, w_s, _, r = fp8
+    z_MV, sum_M = fp8_head.forward(a_MD, b_DV, x_s * w_s * r, r, softcap)
+    lse_M = jnp.log(sum_M)
+  else:
+    z_MV = _product(a_MD, b_DV, fp8, dt)
+    lse_M = _lse(_capped(z_MV, softcap, fp8)[0], softcap)
+  # The target's logit capped on its own: the [M, V] logits then have one reader (the exp-sum),
+  # so nothing but z of that size need be kept (XLA fuses; nanotext.memory counts readers).
+  picked_M, _ = _capped(jnp.take_along_axis(z_MV, y_M[:, None], axis=-1)[:, 0], softcap, fp8)
+  return jnp.sum(lse_M - picked_M), z_MV, lse_M
+
+
+def _kernel(a_MD, b_DV, softcap, fp8, dt) -> bool:
+  """Whether the slice's FP8 forward runs as kernels/fp8_head.py's GEMM with the exp-sum inside
+  (a soft-capped bfloat16 head on a GPU, tile-aligned sizes), not XLA's GEMM and fusion."""
+  return bool(fp8 and softcap and dt == jnp.bfloat16 and fp8_head.applies(
+      fp8_head.local_tokens(a_MD.shape[0]), a_MD.shape[1], b_DV.shape[1]))
+
+
+def _lse(l_MV, softcap):
+  """The log-sum-exp of each row of the float32 logits."""
   if softcap:  # |l| <= c: exp cannot overflow, one reduction gives the log-sum-exp
     lse_M = jnp.log(jnp.sum(jnp.exp(l_MV), axis=-1))
   else:
     top_M = jax.lax.stop_gradient(jnp.max(l_MV, axis=-1))
     lse_M = top_M + jnp.log(jnp.sum(jnp.exp(l_MV - top_M[:, None]), axis=-1))
-  # The target's logit capped on its own: the [M, V] logits then have one reader (the exp-sum),
-  # so nothing but z of that size need be kept (XLA fuses; nanotext.memory counts readers).
-  picked_M, _ = _capped(jnp.take_along_axis(z_MV, y_M[:, None], axis=-1)[:, 0], softcap, fp8)
-  return jnp.sum(lse_M - picked_M), z_MV, lse_M
+  return lse_M
 
 
 def _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k):
