@@ -250,8 +250,8 @@ class Model:
     if self.backend == "cpu":
       return rows * positions * vocab * 4 if chunked else 0  # the chunk's float32 logits
     item = np.dtype(m.dtype).itemsize
-    kernel = head_loss.takes_kernel(rows, positions, m.d_model, vocab, m.dtype,
-                                    m.logit_softcap, m.fp8_head, self.backend)
+    kernel = self.split[m.vocab_size] == 1 and head_loss.takes_kernel(
+        rows, positions, m.d_model, vocab, m.dtype, m.logit_softcap, m.fp8_head, self.backend)
     return rows * positions * vocab * item * chunked + head_loss.working_bytes(
         rows, positions, vocab, item, m.fp8_head, self.backend, kernel)
 

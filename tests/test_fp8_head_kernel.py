@@ -79,6 +79,23 @@ def test_under_a_mesh_runs_per_device(monkeypatch):
 
 
 @pytest.mark.fast
+def test_a_mesh_that_splits_the_head_rows_keeps_xlas_path():
+  """Tensor parallelism splits the head's rows: XLA's GEMM computes each device's part, where
+  the kernel, per device on its tokens, would compute every row on every device."""
+  rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["vocab", "tensor"]])
+  a, b = jnp.zeros((512, 128), jnp.float8_e4m3fn), jnp.zeros((128, 256), jnp.float8_e4m3fn)
+  fp8 = (1.0, 1.0, 1.0, 1.0)
+  with per_device.building_for("gpu"):
+    assert head_loss._kernel(a, b, 15.0, fp8, jnp.bfloat16)
+    with sharding.use_rules(rules, conftest_mesh(fsdp=2)):
+      assert fp8_head.local_tokens(512) == 256 and head_loss._kernel(a, b, 15.0, fp8,
+                                                                     jnp.bfloat16)
+    with sharding.use_rules(rules, conftest_mesh(fsdp=2, tensor=2)):
+      assert fp8_head.local_tokens(512) == 0
+      assert not head_loss._kernel(a, b, 15.0, fp8, jnp.bfloat16)
+
+
+@pytest.mark.fast
 def test_applies_only_to_a_gpu_program_it_can_tile():
   assert not fp8_head.applies(4096, 768, 50304)  # this host: XLA's GEMM and fusion
   with per_device.building_for("gpu"):

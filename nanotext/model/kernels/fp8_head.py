@@ -31,19 +31,24 @@ BM, BV, BK = 128, 128, 64  # tokens and head rows a program writes; the contract
 def applies(tokens: int, d_model: int, vocab: int) -> bool:
   """Whether the program being built takes the kernel for a head slice of `tokens` tokens per
   device: on a GPU, where it tiles (elsewhere, and for other shapes, XLA's GEMM and fusion)."""
-  return platform() == "gpu" and tiles(tokens, d_model, vocab)
+  return platform() == "gpu" and tokens > 0 and tiles(tokens, d_model, vocab)
 
 
 def tiles(tokens: int, d_model: int, vocab: int) -> bool:
   """Every size a multiple of its tile."""
-  return tokens % BM == 0 and vocab % BV == 0 and d_model % BK == 0
+  return tokens > 0 and tokens % BM == 0 and vocab % BV == 0 and d_model % BK == 0
 
 
 def local_tokens(tokens: int) -> int:
-  """A slice's tokens per device under the active mesh, as sharding.per_device splits them."""
+  """A slice's tokens per device under the active mesh, as sharding.per_device splits them; 0
+  where the mesh splits the head's rows (tensor parallelism): each device would compute every
+  head row of its tokens, which XLA's path splits."""
   active = sharding.active()
-  n = sharding.shard_count(("batch",), active[0], dict(active[1].shape)) if active else 1
-  return tokens // n if tokens % n == 0 else tokens
+  if not active:
+    return tokens
+  count = lambda axes: sharding.shard_count(axes, active[0], dict(active[1].shape))
+  n = count(("batch",))
+  return 0 if count(("vocab",)) > 1 else tokens // n if tokens % n == 0 else tokens
 
 
 def forward(a8_ND, b8_DV, scale: float, r: float, softcap: float):
