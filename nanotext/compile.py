@@ -22,6 +22,7 @@ from absl import flags
 from nanotext import hlo_memory, roofline, window_schedule as ws, metrics, topology
 from nanotext.compile_report import describe, gib, verdict
 from nanotext.errors import UserError, fail, os_error
+from nanotext.fileio import atomic_write
 from nanotext.hlo import collectives
 
 
@@ -156,7 +157,6 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
   rec["compile_s"], rec["compile_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
   train = name != "eval"
   if hlo_dir:
-    from nanotext.data.fileio import atomic_write
     path = os.path.join(hlo_dir, f"{name}.hlo")
     try:  # (atomic_write makes the folder)
       atomic_write(path, [compiled.as_text().encode()])
@@ -305,7 +305,6 @@ def main(args):
                                   f.min_headroom, log=lambda s: print(s, flush=True),
                                   hlo_dir=f.hlo_dir, peak=f.peak, passes=f.passes)
   if f.json:  # whole or not at all: a full disk is one line, no half-written file
-    from nanotext.data.fileio import atomic_write
     try:
       atomic_write(f.json, [(json.dumps(rec) + "\n").encode() for rec in recs])
     except OSError as e:

@@ -12,7 +12,6 @@ there alone).
 import dataclasses
 import difflib
 import math
-import os
 import re
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import yaml
 
 from nanotext import config_file, sections
 from nanotext.errors import UserError
+from nanotext.fileio import atomic_write
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 
@@ -313,8 +313,7 @@ def to_yaml(cfg) -> str:
 
 
 def save(cfg, path) -> None:
-  """Write the resolved config atomically."""
-  from nanotext.data.fileio import atomic_write  # a failed write leaves no config.yml.tmp
+  """Write the resolved config atomically (a failed write leaves no config.yml.tmp)."""
   atomic_write(str(path), [to_yaml(cfg).encode("utf-8")])
 
 

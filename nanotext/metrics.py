@@ -7,7 +7,7 @@ import socket
 import struct
 import time
 
-from nanotext.data.fileio import append_whole
+from nanotext.fileio import append_whole
 from nanotext.errors import os_error
 
 # Dense bf16 peak FLOP/s per device, from vendor spec sheets; MFU is quoted against these.

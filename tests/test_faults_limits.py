@@ -13,7 +13,7 @@ from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY
 from test_faults import assert_one_error_line
 from test_plot import fake_run
 from nanotext import errors, metrics
-from nanotext.data import fileio
+from nanotext import fileio
 
 RUN = [BASE, *TINY, "train.steps=2", "train.eval_every=0", "sample.max_new_tokens=0"]
 

@@ -14,7 +14,7 @@ from conftest import BASE, TINY, one_line_error, run_cli
 from nanotext import checkpoint, config, integrity, loop, programs, plot, trees, verify, wiring
 from nanotext.convert import __main__ as convert_cli
 from nanotext.convert import hf, hf_tokenizer, params, torch_export
-from nanotext.data import fileio
+from nanotext import fileio
 from nanotext.errors import ResourceError, UserError
 from nanotext.train import run
 

@@ -11,7 +11,7 @@ import jax
 from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.trees import stack_blocks, unstack_blocks
 from nanotext import probes, rundir
-from nanotext.data import fileio
+from nanotext import fileio
 
 
 def load_run(run: str, step: int = -1):

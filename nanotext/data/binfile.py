@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from nanotext.data.fileio import atomic_write
+from nanotext.fileio import atomic_write
 from nanotext.errors import UserError
 
 MAGIC = 20240520

@@ -10,7 +10,7 @@ from absl import flags
 
 from nanotext.data import binfile
 from nanotext.data.corpus import load_corpus
-from nanotext.data.fileio import atomic_write
+from nanotext.fileio import atomic_write
 from nanotext.data.tokenizer import get_tokenizer, shipped_path
 from nanotext.errors import UserError, os_error
 from nanotext import probes
