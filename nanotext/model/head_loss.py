@@ -64,7 +64,7 @@ def working_bytes(rows: int, length: int, vocab: int, itemsize: int, fp8: bool,
 def takes_kernel(rows: int, length: int, d_model: int, vocab: int, dtype, softcap: float,
                  fp8: bool, backend: str) -> bool:
   """Whether a train step on `backend`, `rows` rows of `length` per device, runs the head's FP8
-  forward as kernels/fp8_head.py's (the test _kernel makes of each slice while tracing)."""
+  forward as kernels/fp8_head.py's (the test _uses_kernel makes of each slice while tracing)."""
   m = rows * length // slices(rows, length, vocab, backend)
   return bool(fp8 and softcap and backend == "gpu" and jnp.dtype(dtype) == jnp.bfloat16
               and fp8_head.tiles(m, d_model, vocab))
@@ -158,7 +158,7 @@ def _capped(z_NV, softcap, fp8):
 
 def _slice_loss(a_MD, b_DV, y_M, softcap, fp8, dt):
   """(summed loss, z, log-sum-exp) of one slice of tokens."""
-  if _kernel(a_MD, b_DV, softcap, fp8, dt):  # z and the exp-sum in one kernel (a GPU's)
+  if _uses_kernel(a_MD, b_DV, softcap, fp8, dt):  # z and the exp-sum in one kernel (a GPU's)
     x_s, w_s, _, r = fp8
     z_MV, sum_M = fp8_head.forward(a_MD, b_DV, x_s * w_s * r, r, softcap)
     lse_M = jnp.log(sum_M)
@@ -171,7 +171,7 @@ def _slice_loss(a_MD, b_DV, y_M, softcap, fp8, dt):
   return jnp.sum(lse_M - picked_M), z_MV, lse_M
 
 
-def _kernel(a_MD, b_DV, softcap, fp8, dt) -> bool:
+def _uses_kernel(a_MD, b_DV, softcap, fp8, dt) -> bool:
   """Whether the slice's FP8 forward runs as kernels/fp8_head.py's GEMM with the exp-sum inside
   (a soft-capped bfloat16 head on a GPU, tile-aligned sizes), not XLA's GEMM and fusion."""
   return bool(fp8 and softcap and dt == jnp.bfloat16 and fp8_head.applies(
