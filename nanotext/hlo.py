@@ -228,7 +228,7 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
   arrays = [d for t in touched for _, d in shapes(t)]
   largest = max((math.prod(d) for d in arrays), default=0)
   dims = frozenset(n for d in arrays for n in d)
-  kind, flops, math_kind, fast = "other", 0.0, "bf16", False
+  kind, flops, math_kind, fast, own = "other", 0.0, "bf16", False, False
   if cublas:
     target = custom_call_target(call)
     inner = {i.name: i.type for i in called}
@@ -239,10 +239,9 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
     precision = call.config().get("gemm_backend_config", {}).get("precision_config", {})
     fast = kind == "gemm-fp8" and set(precision.get("operand_precision", [])) <= {"DEFAULT"} \
         and precision.get("algorithm", "ALG_UNSET") == "ALG_UNSET"
-  elif _own_gemm(ins, operand_types):  # [M, K] x [K, N] and whatever its epilogue writes
-    (_, (m, k)), (_, (_, n)) = shapes(operand_types[0])[0], shapes(operand_types[1])[0]
-    math_kind = _math(operand_types[:2])
-    kind, flops = "gemm-fp8" if math_kind == "fp8" else "gemm", 2.0 * m * k * n
+  elif mkn := _own_gemm(ins, operand_types):  # [M, K] x [K, N] and whatever its epilogue writes
+    math_kind, own = _math(operand_types[:2]), True
+    kind, flops = "gemm-fp8" if math_kind == "fp8" else "gemm", 2.0 * math.prod(mkn)
   elif ins.opcode == "custom-call":
     # Pallas (Triton on GPU, Mosaic on TPU) and other opaque kernels
     kind = "cudnn" if custom_call_target(ins).startswith("__cudnn") else "custom"
@@ -268,16 +267,18 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
   elif ins.opcode in ("copy", "copy-start"):
     kind = "copy"
   return Kernel(ins.name, kind, flops, moved, largest, dims, math=math_kind, op=op_name(ins),
-                fast_accum=fast, own=kind.startswith("gemm") and ins.opcode == "custom-call"
-                and not cublas)
+                fast_accum=fast, own=own)
 
 
-def _own_gemm(ins: Instr, operand_types) -> bool:
-  """A Pallas kernel whose name ends in _gemm, its first two operands matrices [M, K], [K, N]."""
+def _own_gemm(ins: Instr, operand_types) -> tuple:
+  """(M, K, N) of a Pallas kernel whose name ends in _gemm, its first two operands matrices
+  [M, K], [K, N]; () for any other instruction."""
   if ins.opcode != "custom-call" or not re.search(r'\bname = "\w+_gemm"', ins.attrs):
-    return False
+    return ()
   dims = [shapes(t)[0][1] if shapes(t) else () for t in operand_types[:2]]
-  return len(dims) == 2 and all(len(d) == 2 for d in dims) and dims[0][1] == dims[1][0]
+  if len(dims) == 2 and all(len(d) == 2 for d in dims) and dims[0][1] == dims[1][0]:
+    return (*dims[0], dims[1][1])
+  return ()
 
 
 def op_name(ins: Instr) -> str:

@@ -282,3 +282,11 @@ def spread_leading(x):
 def active():
   """The innermost (rules, mesh) of `use_rules`, or None outside it."""
   return _active_rules[-1] if _active_rules else None
+
+
+def active_count(logical_axes) -> int:
+  """shard_count under the active mesh: 1 outside `use_rules`."""
+  if not _active_rules:
+    return 1
+  rules, mesh = _active_rules[-1]
+  return shard_count(logical_axes, rules, dict(mesh.shape))

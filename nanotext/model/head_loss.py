@@ -56,8 +56,8 @@ def working_bytes(rows: int, length: int, vocab: int, itemsize: int, fp8: bool,
   gradient as its two GEMMs read it (FP8: e5m2 in both layouts, else the model dtype).
   nanotext.memory adds it to the kept activations."""
   m = rows * length // slices(rows, length, vocab, backend)
-  forward = m * vocab * 4 if fp8 else 0  # without FP8 the GEMM writes z itself, which is kept
-  forward = m * (vocab // fp8_head.BV) * 4 if fp8 and kernel else forward
+  # Without FP8 the GEMM writes z itself, which is kept.
+  forward = 0 if not fp8 else m * (vocab // fp8_head.BV if kernel else vocab) * 4
   return max(forward, m * vocab * (2 if fp8 else itemsize))
 
 
@@ -66,8 +66,13 @@ def takes_kernel(rows: int, length: int, d_model: int, vocab: int, dtype, softca
   """Whether a train step on `backend`, `rows` rows of `length` per device, runs the head's FP8
   forward as kernels/fp8_head.py's (the test _uses_kernel makes of each slice while tracing)."""
   m = rows * length // slices(rows, length, vocab, backend)
-  return bool(fp8 and softcap and backend == "gpu" and jnp.dtype(dtype) == jnp.bfloat16
-              and fp8_head.tiles(m, d_model, vocab))
+  return (_kernel_head(fp8, softcap, dtype) and backend == "gpu"
+          and fp8_head.tiles(m, d_model, vocab))
+
+
+def _kernel_head(fp8, softcap, dtype) -> bool:
+  """An FP8, soft-capped, bfloat16 head: what kernels/fp8_head.py computes."""
+  return bool(fp8 and softcap and jnp.dtype(dtype) == jnp.bfloat16)
 
 
 def head_loss_sum(x_BTD, w_DV, targets_BT, *, softcap: float = 0.0, fp8=None, fp8_scale=1.0):
@@ -82,9 +87,7 @@ def head_loss_sum(x_BTD, w_DV, targets_BT, *, softcap: float = 0.0, fp8=None, fp
     x_BTD, targets_BT = x_BTD[None], targets_BT[None]
   fp8 = None if fp8 is None else (*fp8, float(fp8_scale))
   B, T, _ = x_BTD.shape
-  active = sharding.active()
-  rows = B // (sharding.shard_count(("batch",), active[0], dict(active[1].shape)) if active
-               else 1)
+  rows = B // sharding.active_count(("batch",))
   k = slices(max(1, rows), T, w_DV.shape[1], platform())
   return _fused(x_BTD, w_DV, targets_BT, float(softcap), fp8, k)
 
@@ -174,8 +177,8 @@ def _slice_loss(a_MD, b_DV, y_M, softcap, fp8, dt):
 def _uses_kernel(a_MD, b_DV, softcap, fp8, dt) -> bool:
   """Whether the slice's FP8 forward runs as kernels/fp8_head.py's GEMM with the exp-sum inside
   (a soft-capped bfloat16 head on a GPU, tile-aligned sizes), not XLA's GEMM and fusion."""
-  return bool(fp8 and softcap and dt == jnp.bfloat16 and fp8_head.applies(
-      fp8_head.local_tokens(a_MD.shape[0]), a_MD.shape[1], b_DV.shape[1]))
+  return _kernel_head(fp8, softcap, dt) and fp8_head.applies(
+      fp8_head.local_tokens(a_MD.shape[0]), a_MD.shape[1], b_DV.shape[1])
 
 
 def _lse(l_MV, softcap):

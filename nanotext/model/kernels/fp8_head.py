@@ -43,12 +43,10 @@ def local_tokens(tokens: int) -> int:
   """A slice's tokens per device under the active mesh, as sharding.per_device splits them; 0
   where the mesh splits the head's rows (tensor parallelism): each device would compute every
   head row of its tokens, which XLA's path splits."""
-  active = sharding.active()
-  if not active:
-    return tokens
-  count = lambda axes: sharding.shard_count(axes, active[0], dict(active[1].shape))
-  n = count(("batch",))
-  return 0 if count(("vocab",)) > 1 else tokens // n if tokens % n == 0 else tokens
+  if sharding.active_count(("vocab",)) > 1:
+    return 0
+  n = sharding.active_count(("batch",))
+  return tokens // n if tokens % n == 0 else tokens
 
 
 def forward(a8_ND, b8_DV, scale: float, r: float, softcap: float):
