@@ -61,15 +61,19 @@ def kernel_lines(inv: dict, platform: str) -> list:
   """The kernel inventory and the roofline estimate of roofline.inventory, as printed (a TPU runs
   ops, not launches: its count includes scalar loop bookkeeping and DMA starts)."""
   g, fast = inv["gemm_calls"], inv.get("fp8_fast_accum", 0)  # cuBLASLt's fast accumulation
-  own = inv.get("own_gemms", 0)  # GEMMs of nanotext's own kernels, in the counts by math
-  notes = [f"{fast} fast-accumulating"] * bool(fast) + [f"{own} Pallas"] * bool(own)
-  fp8 = f"{g['fp8']} FP8" + (f" ({', '.join(notes)})" if notes else "")
+  own = inv.get("own_gemm_calls", {})  # GEMMs of nanotext's own kernels, in the counts by math
+
+  def calls(math, name):
+    notes = [f"{fast} fast-accumulating"] * bool(fast and math == "fp8") + \
+        [f"{own[math]} Pallas"] * bool(own.get(math))
+    return f"{g[math]} {name}" + (f" ({', '.join(notes)})" if notes else "")
   parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
   slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} launches)"
                    for op, s, n, _ in inv["slowest_ops"][:3])
   return [
       f"  kernels per step   {inv['launches']} {'launches' if platform == 'gpu' else 'ops'}: "
-      f"GEMMs {g['bf16']} bf16, {g['f32']} f32, {fp8} | custom (Pallas/Mosaic) "
+      f"GEMMs {calls('bf16', 'bf16')}, {calls('f32', 'f32')}, {calls('fp8', 'FP8')} | custom "
+      f"(Pallas/Mosaic) "
       f"{inv['custom_kernels']} | cuDNN {inv['cudnn_calls']} | fusions {inv['fusions']} | "
       f"scatters {inv['scatters']} | collectives {inv['collective_launches']} | copies "
       f"{inv['copies']}",

@@ -22,13 +22,15 @@ _CALLS = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call")
 REPEATED = {"gpu": frozenset("""convert_element_type broadcast_in_dim reshape squeeze expand_dims
     copy copy_p slice split""".split())}
 # A forward pass on a GPU (peak_live, and the forward part of a train step, whose values the
-# backward pass keeps: saved_residuals) is compiled with three more habits: XLA writes what a GEMM
-# reads (cuBLAS takes its operands from memory); it repeats in each reader an elementwise value
-# made from one large stored value, which is alive there anyway (a softmax's masked scores and
-# exponentials are recomputed from the scores by each of its fusions, and the probabilities the
-# next matmul reads are stored once, as bfloat16); and it fuses embedding lookups (gathers) into
-# their readers (value embeddings read by two blocks are looked up in each).
-FORWARD = {"gpu": frozenset({"operands", "recomputed", "lookups"})}
+# backward pass keeps: saved_residuals) is compiled with four more habits: XLA writes what a GEMM
+# reads (cuBLAS takes its operands from memory; a reshape of a stored value is the same buffer);
+# it repeats in each reader an elementwise value made from one large stored value, which is alive
+# there anyway (a softmax's masked scores and exponentials are recomputed from the scores by each
+# of its fusions, and the probabilities the next matmul reads are stored once, as bfloat16); it
+# fuses embedding lookups (gathers) into their readers (value embeddings read by two blocks are
+# looked up in each; rows read by every block are stored as looked up, cast in each reader); and
+# a GEMM's output added to the residual stream is the GEMM's sum (cuBLASLt's C with beta 1).
+FORWARD = {"gpu": frozenset({"operands", "recomputed", "lookups", "sums"})}
 # A TPU's forward pass keeps a block's output that two or more later blocks read (a U-net skip)
 # twice: the value and a copy in another layout (`nanotext.compile --peak` on the speedrun
 # configs' v6e-8 evals: two [262144, 1024] values for each of blocks 0-4).
@@ -69,6 +71,11 @@ class _Graph:
           self.dot_operands.add(u)
     self.memo, self.decided, self.read = {}, {}, {}
     self.repeated, self.forward = frozenset(repeated), frozenset(forward)
+    # A GEMM's output added to another value by its only reader: cuBLASLt's epilogue (C, beta 1)
+    # writes the sum, so the sum is stored and the product is not.
+    self.sums = {id(e) for e in jaxpr.eqns if "sums" in self.forward and e.primitive.name == "add"
+                 and any(self.uses.get(u) == 1 and _gemm_output(self.producer.get(u), u)
+                         for u in self.vars(e.invars))}
 
   def vars(self, xs):
     return [x for x in xs if not isinstance(x, self.literal)]
@@ -83,9 +90,12 @@ class _Graph:
     return self.decided[id(e)]
 
   def _kept(self, e) -> bool:
+    if id(e) in self.sums:
+      return True
     ops = _primitives(e)
     lookup = "lookups" in self.forward and "gather" in ops and ops <= _FUSIBLE | {"gather"}
-    if not (lookup or ops <= _FUSIBLE) or any(v in self.dot_operands for v in e.outvars):
+    if not (lookup or ops <= _FUSIBLE) or (any(v in self.dot_operands for v in e.outvars)
+                                           and not self._view(e)):
       return True
     if lookup or all(self.uses.get(v, 0) <= 1 for v in e.outvars):
       return False
@@ -94,6 +104,23 @@ class _Graph:
     if self._large_anchors(e) == 1:
       return False  # recomputed by each reader from the one stored value it reads anyway
     return not ops <= self.repeated or self._from_lookup(e)
+
+  def _view(self, e) -> bool:
+    """Whether `e` only reshapes a stored value (XLA's bitcast: the same buffer)."""
+    if e.primitive.name not in ("reshape", "squeeze", "expand_dims"):
+      return False
+    p = self.producer.get(e.invars[0]) if self.vars(e.invars[:1]) else None
+    return p is not None and self.kept(p)
+
+  def stored(self, v):
+    """What is stored for kept value `v`: a widening cast of looked-up rows is stored as the rows
+    (the compiler keeps the lookup and casts in each reader)."""
+    e = self.producer.get(v)
+    if "lookups" in self.forward and e is not None and \
+        e.primitive.name == "convert_element_type" and self._from_lookup(e) \
+        and e.invars[0].aval.dtype.itemsize < v.aval.dtype.itemsize:
+      return e.invars[0]
+    return v
 
   def _from_lookup(self, e) -> bool:
     """Whether `e` computes from an embedding lookup through values that are not stored (a
@@ -148,6 +175,19 @@ def saved_residuals(fn, *args, backend: str = "") -> list:
           if v in g.producer]
 
 
+def _gemm_output(eqn, var) -> bool:
+  """Whether `var` is the result of a dot_general: `eqn`'s own, or the one its call returns."""
+  if eqn is None:
+    return False
+  if eqn.primitive.name == "dot_general":
+    return True
+  inner = next(iter(_inner(eqn)), None) if eqn.primitive.name in _CALLS else None
+  if inner is None:
+    return False
+  out = inner.outvars[eqn.outvars.index(var)]
+  return _gemm_output(next((e for e in inner.eqns if out in e.outvars), None), out)
+
+
 def _inner(e) -> list:
   """The jaxprs an eqn runs (calls, scan and loop bodies, cond branches)."""
   out = []
@@ -191,7 +231,7 @@ def peak_live(jaxpr, size_of, opaque=lambda eqn: False, backend: str = "",
     made[i] = made.get(i, 0.0) + copy[a]
   copies = {a: 2 for a, blocks in readers.items()
             if _block(g.producer[a]) is not None and len(blocks - {None, _block(g.producer[a])}) > 1}
-  bytes_of = lambda v: copy[v] if v in copy else size_of(v.aval) * copies.get(v, 1)
+  bytes_of = lambda v: copy[v] if v in copy else size_of(g.stored(v).aval) * copies.get(v, 1)
   live = peak = 0.0
   for i, e in enumerate(jaxpr.eqns):
     if not g.kept(e):

@@ -170,7 +170,7 @@ class Kernel:
   math: str = "bf16"  # the peak its FLOPs run at: bf16, fp8, f32
   op: str = ""  # the jax op that made it (op_name(ins)), '' where the HLO does not say
   fast_accum: bool = False  # an FP8 GEMM at the default precision: cuBLASLt's fast accumulation
-  own: bool = False  # a GEMM of our own: a Pallas kernel named *_gemm (kernels/fp8_head.py)
+  own: bool = False  # a GEMM of our own: a Pallas kernel named *_gemm (model/kernels)
 
 
 def kernels(text: str) -> list:
@@ -272,13 +272,14 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
 
 def _own_gemm(ins: Instr, operand_types) -> tuple:
   """(M, K, N) of a Pallas kernel whose name ends in _gemm, its first two operands matrices
-  [M, K], [K, N]; () for any other instruction."""
+  [M, K] and [K, N] or [N, K] (kernels/relu2_mlp.py's gradient); () for any other instruction."""
   if ins.opcode != "custom-call" or not re.search(r'\bname = "\w+_gemm"', ins.attrs):
     return ()
   dims = [shapes(t)[0][1] if shapes(t) else () for t in operand_types[:2]]
-  if len(dims) == 2 and all(len(d) == 2 for d in dims) and dims[0][1] == dims[1][0]:
-    return (*dims[0], dims[1][1])
-  return ()
+  if len(dims) != 2 or any(len(d) != 2 for d in dims):
+    return ()
+  (m, k), b = dims
+  return (m, k, b[1]) if b[0] == k else (m, k, b[0]) if b[1] == k else ()
 
 
 def op_name(ins: Instr) -> str:

@@ -75,7 +75,8 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
       group[2] += k.count * k.bytes
   return {"launches": sum(k.count for k in ks), "gemm_calls": gemms,
           "fp8_fast_accum": sum(k.count for k in ks if k.fast_accum),
-          "own_gemms": sum(k.count for k in ks if k.own),  # Pallas GEMMs (kernels/fp8_head.py)
+          "own_gemms": sum(k.count for k in ks if k.own),  # Pallas GEMMs (model/kernels)
+          "own_gemm_calls": {m: sum(k.count for k in ks if k.own and k.math == m) for m in gemms},
           "gemm_flops": sum(k.count * k.flops for k in ks if k.kind.startswith("gemm")),
           "custom_kernels": count("custom"), "cudnn_calls": count("cudnn"),
           "fusions": count("fusion"), "scatters": count("scatter"), "copies": count("copy"),

@@ -71,6 +71,28 @@ def test_fp8_head_kernel_agrees_with_xlas_gemm_on_the_gpu(monkeypatch):
   assert np.abs(dw - dw_xla).max() < 0.1 * np.abs(dw_xla).max()
 
 
+def test_relu2_mlp_kernels_agree_with_xlas_gemms_on_the_gpu():
+  """kernels/relu2_mlp.py compiled by Triton at the record's MLP (one 49,152-token row, 768 x
+  3,072) against cuBLAS's GEMMs and XLA's fusions on the same GPU: the output and the three
+  gradients, a few bf16 roundings apart at most (each side sums its K blocks in its own order;
+  not yet seen on a GPU when written, 2026-12-02). A wrong tile, index or epilogue moves most."""
+  from nanotext.model import layers
+  kx, k1, k2, kg = jax.random.split(jax.random.key(1), 4)
+  x = rms_norm(jax.random.normal(kx, (1, 49152, 768))).astype(jnp.bfloat16)
+  w1 = (jax.random.normal(k1, (768, 3072)) * 0.5 / np.sqrt(768)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(k2, (3072, 768)) * 0.5 / np.sqrt(3072)).astype(jnp.bfloat16)
+  dy = jax.random.normal(kg, x.shape).astype(jnp.bfloat16)
+  fn = jax.jit(lambda x, w1, w2, dy: (lambda y, vjp: (y, *vjp(dy)))(
+      *jax.vjp(layers.relu2_mlp, x, w1, w2)))
+  assert 'name = "relu2_grad_gemm"' in fn.lower(x, w1, w2, dy).compile().as_text()
+  got = fn(x, w1, w2, dy)
+  xla = jax.jit(lambda x, w1, w2, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(
+      lambda x, w1, w2: jnp.square(jax.nn.relu(x @ w1)) @ w2, x, w1, w2)))(x, w1, w2, dy)
+  for a, b in zip(got, xla):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.mean(a != b) < 0.02 and np.abs(a - b).max() <= 0.01 * np.abs(b).max()
+
+
 def test_fused_head_loss_agrees_with_the_cpu():
   """The same loss and gradients on the GPU as on the CPU (float32 matmuls at 'highest')."""
   x, w, y = head_inputs(N=1024, V=8192)

@@ -327,3 +327,25 @@ ENTRY %main (a: bf16[8,128]) -> bf16[8,128] {
   comps, entry = hlo.parse(text)
   assert [i.name for i in comps[entry]] == ["a", "k", "f"]
   assert [k.kind for k in hlo.kernels(text)] == ["custom", "fusion"]
+
+
+def test_a_pallas_gemm_may_read_its_second_operand_transposed():
+  """kernels/relu2_mlp.py's gradient: dy [M, K] times w [N, K] transposed, h read in its
+  epilogue; a bf16 GEMM of our own, counted as such in the report."""
+  text = """HloModule m
+
+ENTRY %main (dy: bf16[4096,768], w: bf16[3072,768], h: bf16[4096,3072]) -> bf16[4096,3072] {
+  %dy = bf16[4096,768]{1,0} parameter(0)
+  %w = bf16[3072,768]{1,0} parameter(1)
+  %h = bf16[4096,3072]{1,0} parameter(2)
+  ROOT %dh = bf16[4096,3072]{1,0} custom-call(%dy, %w, %h), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/transpose(jvp(block_0))/mlp/relu2_grad_gemm/pallas_call"}, backend_config={grid_x = 32 : i32, ir = "", name = "relu2_grad_gemm", num_warps = 8 : i32}
+}
+"""
+  [k] = hlo.kernels(text)
+  assert (k.kind, k.math, k.own, k.flops) == ("gemm", "bf16", True, 2.0 * 4096 * 768 * 3072)
+  inv = roofline.inventory(text, PEAKS)
+  assert inv["own_gemm_calls"] == {"bf16": 1, "f32": 0, "fp8": 0}
+  assert "GEMMs 1 bf16 (1 Pallas), 0 f32, 0 FP8 |" in compile_report.kernel_lines(inv, "gpu")[0]
+  # Operands that are no [M, K] x [K or N, ...] pair: not a GEMM to price.
+  [odd] = hlo.kernels(text.replace("bf16[3072,768]", "bf16[3072,512]"))
+  assert (odd.kind, odd.own) == ("custom", False)

@@ -402,3 +402,42 @@ def test_a_gpu_keeps_a_dense_softmax_as_scores_and_bfloat16_probabilities(monkey
   assert kept("gpu") == scores + probabilities + sums
   monkeypatch.setattr(fusion, "FORWARD", {})
   assert kept("gpu") == scores + sums  # the probabilities the GEMM reads: not counted
+
+
+@pytest.mark.fast
+def test_a_gpus_forward_pass_keeps_one_residual_stream(monkeypatch):
+  """fusion.FORWARD's GPU habits in peak_live: a GEMM's output added to the stream is the
+  GEMM's sum (cuBLASLt's C, beta 1), so the stream is one stored value at any depth, where
+  summing fused adds kept every GEMM output since the first (the record's H100 eval planned
+  1.32x the compiler once the MLP's kernels stopped holding h); a reshape of a stored value is
+  the same buffer; looked-up rows cast to float32 for every block are stored as the rows."""
+  import jax.numpy as jnp
+  from nanotext import fusion
+  from nanotext.model.layers import rms_norm
+  T, D = 256, 128
+  x, w = jax.ShapeDtypeStruct((T, D), jnp.bfloat16), jax.ShapeDtypeStruct((D, D), jnp.bfloat16)
+  size, unit = (lambda a: a.size * a.dtype.itemsize), T * D * 2
+
+  def peak(fn, *args):
+    return fusion.peak_live(jax.make_jaxpr(fn)(*args).jaxpr, size, backend="gpu") / unit
+
+  def stream(layers):
+    def f(x, w):
+      for _ in range(layers):
+        x = (0.5 * x.astype(jnp.float32)).astype(jnp.bfloat16)  # a block's x0 mix: one reader
+        x = x + rms_norm(x) @ w
+      return x
+    return f
+  assert peak(stream(3), x, w) == peak(stream(6), x, w) == 3  # stream, its norm, the sum
+  # A reshaped kernel output read by a GEMM: the output and the GEMM's result, no copy.
+  assert peak(lambda a, w: jnp.cumsum(a, axis=0).reshape(1, T, D) @ w, x, w) == 2
+
+  def blocks(table, idx, w):
+    rows = table[idx].astype(jnp.float32)  # as x0: read by each block
+    return sum(((rows * (k + 1.0)).astype(jnp.bfloat16) @ w) for k in range(3))
+  table, idx = jax.ShapeDtypeStruct((1000, D), jnp.bfloat16), jax.ShapeDtypeStruct((T,), jnp.int32)
+  stored_as_rows = peak(blocks, table, idx, w)
+  monkeypatch.setattr(fusion._Graph, "stored", lambda self, v: v)
+  assert peak(blocks, table, idx, w) == stored_as_rows + 1  # float32 rows: twice the bf16's
+  monkeypatch.setattr(fusion, "FORWARD", {"gpu": fusion.FORWARD["gpu"] - {"sums"}})
+  assert peak(stream(6), x, w) > peak(stream(3), x, w)

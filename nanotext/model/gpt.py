@@ -10,9 +10,11 @@ from nanotext.errors import UserError
 from nanotext.window_schedule import layer_windows
 from nanotext.model.attention import CausalSelfAttention
 from nanotext.model.head_loss import head_loss_sum
+from nanotext.model.kernels import relu2_mlp as relu2_kernels
 from nanotext.model.kernels.dispatch import resolve_impl
 from nanotext.model.layers import (Embed, Keys, Linear, Norm, fp8_head_scales, fp8_matmul,
-                                   init_array, lookup, param, proj_std, scaled_sum, weight_std)
+                                   init_array, lookup, param, proj_std, relu2_mlp, scaled_sum,
+                                   weight_std)
 
 
 CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
@@ -119,8 +121,15 @@ class MLP(nnx.Module):
     self.fc = Linear(d, f, ("embed", "mlp"), std=weight_std(cfg, d), **lin)
     self.proj = Linear(f, d, ("mlp", "embed"), std=proj_std(cfg, f), **lin)
     self.act = cfg.mlp_act
+    # The squared ReLU inside its GEMMs where kernels/relu2_mlp.py applies; not under
+    # remat=dots, which would recompute the kernel's GEMM (its outputs are not dots).
+    self.fusable = cfg.mlp_act == "relu2" and not cfg.bias and cfg.remat != "dots"
 
   def __call__(self, x_BTD):
+    x = x_BTD.astype(self.fc.dtype)
+    if self.fusable and relu2_kernels.applies(x, self.fc.kernel.value.shape[1]):
+      w = lambda lin: lin.kernel.value.astype(lin.dtype)
+      return relu2_mlp(x, w(self.fc), w(self.proj))
     h_BTF = sharding.constrain(self.fc(x_BTD), ("batch", "act_length", "act_mlp"))
     h_BTF = jax.nn.gelu(h_BTF) if self.act == "gelu" else jnp.square(jax.nn.relu(h_BTF))
     return self.proj(h_BTF)

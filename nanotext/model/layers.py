@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from nanotext import sharding
+from nanotext.model.kernels import relu2_mlp as relu2_kernels
 from nanotext.model.kernels.per_device import platform
 
 
@@ -77,14 +78,44 @@ def init_array(rngs, shape, std, dtype, dist: str = "normal"):
 
 
 def matmul(x, w):
-  """x [..., in] @ w [in, out] in x's dtype. On CPU a 16-bit product runs as float32 math rounded
-  once: jax 0.11's CPU backend summed the weight gradient of a 16-bit x [B, T, in] (a dot over
-  batch and time) in bf16, 2-3% off float64 (benchmarks/RESULTS.md, "Under jax 0.11.2"). A
-  program built for a GPU or TPU (per_device.platform) is the plain x @ w."""
+  """x [..., in] @ w [in, out] in x's dtype (`dot`: float32 math rounded once on CPU)."""
   if x.dtype.itemsize != 2 or platform() != "cpu":
     return x @ w
-  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32).astype(x.dtype)
+  return dot(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def dot(x, y, dims):
+  """lax.dot_general in x's dtype. On CPU a 16-bit product runs as float32 math rounded once:
+  jax 0.11's CPU backend summed the weight gradient of a 16-bit x [B, T, in] (a dot over batch
+  and time) in bf16, 2-3% off float64 (benchmarks/RESULTS.md, "Under jax 0.11.2"). A program
+  built for a GPU or TPU (per_device.platform) is the plain dot."""
+  if x.dtype.itemsize != 2 or platform() != "cpu":
+    return jax.lax.dot_general(x, y, dims)
+  return jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+@jax.custom_vjp
+def relu2_mlp(x_BTD, w1_DF, w2_FD):
+  """relu(x @ w1)^2 @ w2 in x's dtype, the squared ReLU inside kernels/relu2_mlp.py's GEMMs:
+  the speedrun MLP on a GPU (gpt.MLP), the XLA path's arithmetic."""
+  (a_BTF,) = relu2_kernels.up(x_BTD, w1_DF, keep_h=False)  # no backward pass: no h kept
+  return matmul(a_BTF, w2_FD)
+
+
+def _relu2_mlp_fwd(x_BTD, w1_DF, w2_FD):
+  h_BTF, a_BTF = relu2_kernels.up(x_BTD, w1_DF)
+  return matmul(a_BTF, w2_FD), (x_BTD, w1_DF, w2_FD, h_BTF, a_BTF)
+
+
+def _relu2_mlp_bwd(res, dy_BTD):
+  x_BTD, w1_DF, w2_FD, h_BTF, a_BTF = res
+  dh_BTF = relu2_kernels.grad_h(dy_BTD, w2_FD, h_BTF)
+  tokens = (((0, 1), (0, 1)), ((), ()))  # a weight's gradient: summed over batch and time
+  return (dot(dh_BTF, w1_DF, (((2,), (1,)), ((), ()))), dot(x_BTD, dh_BTF, tokens),
+          dot(a_BTF, dy_BTD, tokens))
+
+
+relu2_mlp.defvjp(_relu2_mlp_fwd, _relu2_mlp_bwd)
 
 
 class Linear(nnx.Module):
