@@ -91,7 +91,8 @@ def _up_kernel(x_ref, w_ref, *out_refs):
 def _grad_h_kernel(dy_ref, w_ref, h_ref, dh_ref):
   def step(i, acc):
     k = pl.ds(i * BK, BK)
-    return acc + pl.dot(dy_ref[:, k], w_ref[:, k], trans_b=True)
+    return acc + jax.lax.dot_general(dy_ref[:, k], w_ref[:, k], (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)  # dy @ w.T
   acc = jax.lax.fori_loop(0, dy_ref.shape[1] // BK, step, jnp.zeros((BM, BN), jnp.float32))
   da = acc.astype(dh_ref.dtype)
   h = h_ref[...]
