@@ -259,6 +259,8 @@ def main(argv):
   if len(argv) < 2:
     fail("usage: python benchmarks/gpu_step.py CONFIG [key=value ...] [--steps N] [--schedule] "
          "[--trace] [--hlo FILE]")
+  if f.xla_only:
+    own_kernels_off()
   try:
     r = measure(argv[1], argv[2:], steps=f.steps, repeats=f.repeats, warmup=f.warmup,
                 schedule=f.schedule, trace_steps=f.trace_steps if f.trace else 0, top=f.top,
@@ -271,6 +273,13 @@ def main(argv):
       json.dump(r, out, indent=1)
 
 
+def own_kernels_off():
+  """XLA's path where nanotext's own Pallas GEMMs would run (the FP8 head's forward, the MLP's
+  squared ReLU): the other side of an A/B of them on a GPU."""
+  from nanotext.model.kernels import fp8_head, relu2_mlp
+  fp8_head.applies = relu2_mlp.applies = lambda *args: False
+
+
 def define_flags():
   from absl import flags
   flags.DEFINE_integer("steps", 10, "Timed steps per repeat.")
@@ -281,6 +290,8 @@ def define_flags():
   flags.DEFINE_integer("trace_steps", 3, "Steps in the profiler trace.")
   flags.DEFINE_integer("top", 12, "Kernels listed.")
   flags.DEFINE_string("json", "", "Also write the result as JSON to this file.")
+  flags.DEFINE_bool("xla_only", False, "XLA's GEMMs and fusions where nanotext's own Pallas "
+                    "GEMMs would run (model/kernels/fp8_head.py, relu2_mlp.py): an A/B of them.")
   flags.DEFINE_string("hlo", "", "Also write the timed program's HLO text (as the device "
                       "compiled it: its kernels' names are the trace's) to this file.")
 

@@ -115,3 +115,17 @@ def test_the_estimate_is_shown_as_a_share_of_the_measured_step():
        "tokens_per_s": 1.0, "mfu": 0.3, "peak_flops": 989e12, "peak_bytes": 2**30, "kernels": [],
        "traced": False, "gaps": None, "estimate": {"estimate_s": 0.0814, "launches": 1164}}
   assert "81.4 ms, 1164 launches (57% of the measured step)" in gpu_step.table(r)
+
+
+def test_xla_only_turns_every_own_gemm_off(monkeypatch):
+  """--xla_only: neither of nanotext's own Pallas GEMMs applies, even to a GPU program they
+  tile (the A/B gpu_lease.sh's record_xla step measures)."""
+  import jax.numpy as jnp
+  from nanotext.model.kernels import fp8_head, per_device, relu2_mlp
+  for module in (fp8_head, relu2_mlp):
+    monkeypatch.setattr(module, "applies", module.applies)  # put back after the test
+  x = jnp.zeros((1, 1024, 768), jnp.bfloat16)
+  with per_device.building_for("gpu"):
+    assert fp8_head.applies(4096, 768, 50304) and relu2_mlp.applies(x, 3072)
+    gpu_step.own_kernels_off()
+    assert not fp8_head.applies(4096, 768, 50304) and not relu2_mlp.applies(x, 3072)
