@@ -117,6 +117,7 @@ def test_the_estimate_is_shown_as_a_share_of_the_measured_step():
   assert "81.4 ms, 1164 launches (57% of the measured step)" in gpu_step.table(r)
 
 
+@pytest.mark.fast
 def test_xla_only_turns_every_own_gemm_off(monkeypatch):
   """--xla_only: neither of nanotext's own Pallas GEMMs applies, even to a GPU program they
   tile (the A/B gpu_lease.sh's record_xla step measures)."""
