@@ -94,7 +94,7 @@ def test_under_remat_the_gradients_are_the_same(policy):
 
 
 @pytest.mark.fast
-def test_applies_only_to_a_bf16_gpu_program_it_can_tiles():
+def test_applies_only_to_a_bf16_gpu_program_it_can_tile():
   x = jnp.zeros((2, 1024, 768), jnp.bfloat16)
   assert not kernels.applies(x, 3072)  # this host: XLA's GEMMs and fusions
   with per_device.building_for("gpu"):
