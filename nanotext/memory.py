@@ -7,13 +7,14 @@ compilation, no allocation) at one device's rows: the train step's are what the 
 `model.loss.loss_fn` saves under the remat policy and loss chunk; the eval step's, the most that is
 alive at once in its forward pass. A fusing compiler (GPU, TPU) materialises only values made by
 matmuls, reductions, gathers, kernels, and values that several ops read; chains of elementwise
-ops are recomputed where used. The CPU compiler keeps what JAX saves, in float32 for 16-bit math,
-whatever the remat policy (measured: remat changes nothing there). Attention and loss
-temporaries that are not saved are added per kernel and chunk. Accuracy against compiled
+ops are recomputed where used. The CPU compiler keeps what JAX saves (in float32 for 16-bit math
+under jax 0.10), whatever the remat policy (measured: remat changes nothing there). Attention and
+loss temporaries that are not saved are added per kernel and chunk. Accuracy against compiled
 programs: tests/test_memory.py and benchmarks/memory_estimate.py.
 """
 
 import dataclasses
+import importlib.metadata
 import math
 
 import numpy as np
@@ -25,6 +26,10 @@ from nanotext.model.kernels import dispatch
 from nanotext.model.kernels.per_device import building_for
 
 GIB = 2**30
+# jax 0.10's CPU backend runs 16-bit math in float32 and keeps the float32 values; 0.11's keeps
+# them 16-bit (tests/test_memory.py's CPU cases: train plans 1.27 and 1.63 of the compiler under
+# 0.11.2 counted at float32, 0.96 and 1.24 counted as they are).
+CPU_WIDENS_16BIT = tuple(map(int, importlib.metadata.version("jax").split(".")[:2])) < (0, 11)
 REMATS = ("none", "dots", "full")  # cheapest first: what auto tries, in order
 CHUNK = 256  # loss positions at a time when the logits do not fit whole (the speedrun's choice)
 # The kernel facts are the kernel dispatch's. Flash-style kernels are traced as the blocked kernel
@@ -164,8 +169,8 @@ class Model:
     return nbytes(aval)
 
   def stored_bytes(self, aval) -> float:
-    """What a materialised value costs here: 16-bit math runs in float32 on CPU."""
-    cpu16 = self.backend == "cpu" and aval.dtype.itemsize == 2
+    """What a materialised value costs here: 16-bit math runs in float32 on jax 0.10's CPU."""
+    cpu16 = self.backend == "cpu" and aval.dtype.itemsize == 2 and CPU_WIDENS_16BIT
     return self.activation_bytes(aval) * (2 if cpu16 else 1)
 
   def trace(self, remat: str, chunk: int, length: int = 0) -> dict:
@@ -193,7 +198,7 @@ class Model:
     out = {"block": 0.0, "loss": 0.0, "other": 0.0, "kernel": 0.0}
     with building_for(self.backend):  # the target's program (matmuls, rotary, head slices)
       residuals = saved_residuals(loss, self.params, tokens, tokens, backend=self.backend)
-    if self.backend == "cpu":  # kept as JAX saves them; bfloat16 math runs in float32 there
+    if self.backend == "cpu":  # kept as JAX saves them (stored_bytes: at float32 on jax 0.10)
       for aval, eqn, _ in residuals:
         out[scope(eqn)] += self.stored_bytes(aval)
     else:
