@@ -290,3 +290,10 @@ def active_count(logical_axes) -> int:
     return 1
   rules, mesh = _active_rules[-1]
   return shard_count(logical_axes, rules, dict(mesh.shape))
+
+
+def active_local(size: int, logical_axes) -> int:
+  """A dimension's size on one device under the active mesh as per_device splits it: divided by
+  active_count where that divides it evenly, else whole."""
+  n = active_count(logical_axes)
+  return size // n if size % n == 0 else size

@@ -45,8 +45,7 @@ def local_tokens(tokens: int) -> int:
   head row of its tokens, which XLA's path splits."""
   if sharding.active_count(("vocab",)) > 1:
     return 0
-  n = sharding.active_count(("batch",))
-  return tokens // n if tokens % n == 0 else tokens
+  return sharding.active_local(tokens, ("batch",))
 
 
 def forward(a8_ND, b8_DV, scale: float, r: float, softcap: float):

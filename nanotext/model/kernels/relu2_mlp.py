@@ -41,9 +41,8 @@ def tiles(tokens: int, d_model: int, mlp: int) -> bool:
 def local_sizes(x_BTD, mlp: int) -> tuple:
   """(tokens, d_model, MLP columns) of one device's kernel under the active mesh, as
   sharding.per_device splits them."""
-  local = lambda n, axes: n // sharding.active_count(axes) \
-      if n % sharding.active_count(axes) == 0 else n
   B, T, D = x_BTD.shape
+  local = sharding.active_local
   return local(B, TOKENS[:1]) * local(T, TOKENS[1:]), D, local(mlp, (COLUMNS,))
 
 
