@@ -204,19 +204,22 @@ class Model:
     else:
       for where, size in kept_bytes(residuals, self.activation_bytes):
         out[where] += size
-    if self.impl in FLASH_KERNELS:
+    if self.impl in FLASH_KERNELS and self.impl != "flash_gpu":  # traced as blocked
       out["kernel"] = self.flash_residuals(self.rows, length)
     out["block"] += out.pop("kernel")
     out["per_block"] = out["block"] / self.cfg.model.num_layers
     return out
 
   def traced_model(self, remat: str):
-    """The graphdef traced for `remat`: the run's model, a flash-style kernel as blocked."""
-    if self.impl not in FLASH_KERNELS and (remat == self.cfg.model.remat or remat == "none"
-                                           and self.cfg.model.remat == "auto"):
+    """The graphdef traced for `remat`: the run's model, a flash-style kernel as blocked but
+    flash_gpu (its Pallas calls trace anywhere, and it changes the layer around it: q and k
+    normalised and rotated inside it)."""
+    stand_in = self.impl in FLASH_KERNELS and self.impl != "flash_gpu"
+    if not stand_in and (remat == self.cfg.model.remat or remat == "none"
+                         and self.cfg.model.remat == "auto"):
       return self.graphdef
     from nanotext.model.gpt import abstract_model
-    impl = "blocked" if self.impl in FLASH_KERNELS else self.cfg.attention.impl
+    impl = "blocked" if stand_in else self.cfg.attention.impl
     cfg = config.replace_sections(self.cfg, model={"remat": remat}, attention={"impl": impl})
     return abstract_model(cfg, self.backend)[0]
 

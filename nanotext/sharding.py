@@ -148,7 +148,8 @@ def per_device(fn, args, in_axes, out_axes, out_shape=None):
   Each argument is split along its logical axes (`in_axes`, one tuple per argument, None =
   whole) where its size divides evenly, else kept whole (e.g. sampling with batch 1); the
   output (or each output), shaped like the first argument or `out_shape`, is split by
-  `out_axes`. For opaque kernels (Pallas) that the SPMD partitioner cannot split by itself.
+  `out_axes`, or with lists of both, each output by its own. For opaque kernels (Pallas) that
+  the SPMD partitioner cannot split by itself.
   """
   if not _active_rules:
     return fn(*args)
@@ -165,7 +166,10 @@ def per_device(fn, args, in_axes, out_axes, out_shape=None):
         out.append(None)
     return P(*out)
   in_specs = tuple(spec(a, x.shape) for a, x in zip(in_axes, args))
-  out_specs = spec(out_axes, out_shape or args[0].shape)
+  if isinstance(out_axes, list):
+    out_specs = tuple(spec(a, s) for a, s in zip(out_axes, out_shape))
+  else:
+    out_specs = spec(out_axes, out_shape or args[0].shape)
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                        check_vma=False)(*args)
 

@@ -83,6 +83,36 @@ def takes_runtime_window(impl: str) -> bool:
   return impl in RUNTIME_WINDOW_IMPLS
 
 
+def _static_window(window, T: int) -> int:
+  """The static window checked; 0 for one covering the whole sequence (plain causal)."""
+  if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 0:
+    raise TypeError(f"window must be a static non-negative Python int, got {window!r}")
+  return 0 if window >= T else int(window)
+
+
+def _runtime(impl: str, runtime_window) -> dict:
+  """The kernel keyword for a runtime window, if one is given and the kernel takes it."""
+  if runtime_window is None:
+    return {}
+  if not takes_runtime_window(impl):
+    raise ValueError(f"attention.impl={impl} needs a static window; ask takes_runtime_window")
+  return {"runtime_window": jnp.asarray(runtime_window, jnp.int32)}
+
+
+def qkv_attention(qkv_BT3HK, mix, mix_args, freq, eps: float, *, scale: float, window: int = 0,
+                  segment_ids_BT=None, block: int = 0, runtime_window=None):
+  """dot_product_attention through flash_gpu of q and k QK-normalised and rotated inside its
+  kernels (kernels/flash_gpu.py, flash_gpu_qkv_attention: q and k raw from the merged
+  projection's output [B, T, 3, H, K]; v = mix(qkv[:, :, 2], *mix_args)); the mask as there."""
+  T, head_dim = qkv_BT3HK.shape[1], qkv_BT3HK.shape[-1]
+  window = _static_window(window, T)
+  resolve_impl("flash_gpu", platform(), head_dim=head_dim, seq_len=T)
+  live = _runtime("flash_gpu", runtime_window)
+  return flash_gpu.flash_gpu_qkv_attention(
+      qkv_BT3HK, mix, mix_args, freq, eps, scale=scale,
+      window=live.get("runtime_window", window), segment_ids_BT=segment_ids_BT, block=block)
+
+
 def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, window: int = 0,
                           segment_ids_BT=None, block: int = 0, runtime_window=None):
   """Causal attention, optionally windowed and/or document-masked, through the selected kernel.
@@ -95,21 +125,14 @@ def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, wi
   only kernels that `takes_runtime_window`), that is the window applied and `window` its static
   bound (0 = none): one compiled program serves every window up to the bound.
   """
-  if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 0:
-    raise TypeError(f"window must be a static non-negative Python int, got {window!r}")
   T = q_BTHK.shape[1]
-  window = 0 if window >= T else int(window)  # a window covering the whole sequence is plain causal
+  window = _static_window(window, T)
   if impl == "auto":
     impl = resolve_impl(impl, jax.default_backend(), head_dim=q_BTHK.shape[-1], seq_len=T,
                         window=window, block_windows=bool(block),
                         doc_mask=segment_ids_BT is not None)
   args = (q_BTHK, k_BTHK, v_BTHK)
-  if runtime_window is not None:
-    if not takes_runtime_window(impl):
-      raise ValueError(f"attention.impl={impl} needs a static window; ask takes_runtime_window")
-    live = {"runtime_window": jnp.asarray(runtime_window, jnp.int32)}
-  else:
-    live = {}
+  live = _runtime(impl, runtime_window)
   if impl == "blocked":
     return blocked_attention(*args, scale=scale, window=window, block_windows=bool(block),
                              segment_ids_BT=segment_ids_BT, **({"block": block} if block else {}),

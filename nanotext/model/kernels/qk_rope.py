@@ -49,10 +49,10 @@ def norm_rope(qkv_BT3HK, freq, eps: float):
       ("batch", None, "act_heads", None), out_shape=qkv_BT3HK.shape[:2] + qkv_BT3HK.shape[3:])
 
 
-def _halves(ref):
-  """A [tile, K] block's two halves, in float32."""
+def halves(ref, rows=slice(None)):
+  """Rows of a [tile, K] block as its two halves, in float32."""
   half = ref.shape[-1] // 2
-  return ref[:, :half].astype(jnp.float32), ref[:, half:].astype(jnp.float32)
+  return ref[rows, :half].astype(jnp.float32), ref[rows, half:].astype(jnp.float32)
 
 
 def _rsqrt_ms(x1, x2, eps):
@@ -61,16 +61,36 @@ def _rsqrt_ms(x1, x2, eps):
   return lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / n + eps)
 
 
+def norm_rotate(x1, x2, c, s, eps, dtype):
+  """rope(rms_norm(x)) of a tile's float32 halves, as halves in float32 holding `dtype` values:
+  the norm's output rounded to `dtype` before the rotation (the XLA path's roundings). For
+  kernels that read q and k raw (this one; kernels/flash_gpu.py)."""
+  r = _rsqrt_ms(x1, x2, eps)[:, None]
+  rounded = lambda v: v.astype(dtype).astype(jnp.float32)
+  n1, n2 = rounded(x1 * r), rounded(x2 * r)
+  return rounded(n1 * c + n2 * s), rounded(n2 * c - n1 * s)
+
+
+def norm_rotate_grad(g1, g2, x1, x2, c, s, eps, dtype):
+  """The gradient through norm_rotate of raw halves x1, x2 from its output's g1, g2 (float32
+  holding `dtype` values), as float32 halves: the rotation transposed, rounded to `dtype` as
+  autodiff's cotangent is, then the norm's backward."""
+  rounded = lambda v: v.astype(dtype).astype(jnp.float32)
+  dn1, dn2 = rounded(g1 * c - g2 * s), rounded(g1 * s + g2 * c)
+  r = _rsqrt_ms(x1, x2, eps)[:, None]
+  # d/dx of x r(x): dn r - x r^3 sum(dn x) / K
+  coef = r * r * r * (jnp.sum(dn1 * x1, axis=1) + jnp.sum(dn2 * x2, axis=1))[:, None] / (
+      2 * x1.shape[-1])
+  return dn1 * r - x1 * coef, dn2 * r - x2 * coef
+
+
 def _forward_kernel(cos_ref, sin_ref, q_ref, k_ref, qo_ref, ko_ref, *, eps):
   c, s = cos_ref[...], sin_ref[...]
   half = c.shape[-1]
   for x_ref, o_ref in ((q_ref, qo_ref), (k_ref, ko_ref)):
-    x1, x2 = _halves(x_ref)
-    r = _rsqrt_ms(x1, x2, eps)[:, None]
-    rounded = lambda v: v.astype(o_ref.dtype).astype(jnp.float32)  # the norm's output dtype
-    n1, n2 = rounded(x1 * r), rounded(x2 * r)
-    o_ref[:, :half] = (n1 * c + n2 * s).astype(o_ref.dtype)
-    o_ref[:, half:] = (n2 * c - n1 * s).astype(o_ref.dtype)
+    o1, o2 = norm_rotate(*halves(x_ref), c, s, eps, o_ref.dtype)
+    o_ref[:, :half] = o1.astype(o_ref.dtype)
+    o_ref[:, half:] = o2.astype(o_ref.dtype)
 
 
 def _backward_kernel(cos_ref, sin_ref, x_ref, gq_ref, gk_ref, gv_ref, d_ref, *, eps, heads):
@@ -87,16 +107,9 @@ def _backward_kernel(cos_ref, sin_ref, x_ref, gq_ref, gk_ref, gv_ref, d_ref, *, 
     def _():
       c, s = cos_ref[...], sin_ref[...]
       half = c.shape[-1]
-      g1, g2 = _halves(g_ref)
-      rounded = lambda v: v.astype(d_ref.dtype).astype(jnp.float32)  # as autodiff's cotangent
-      dn1, dn2 = rounded(g1 * c - g2 * s), rounded(g1 * s + g2 * c)  # the rotation, transposed
-      x1, x2 = _halves(x_ref)
-      r = _rsqrt_ms(x1, x2, eps)[:, None]
-      # d/dx of x r(x): dn r - x r^3 sum(dn x) / K
-      coef = r * r * r * (jnp.sum(dn1 * x1, axis=1) + jnp.sum(dn2 * x2, axis=1))[:, None] / (
-          2 * half)
-      d_ref[:, :half] = (dn1 * r - x1 * coef).astype(d_ref.dtype)
-      d_ref[:, half:] = (dn2 * r - x2 * coef).astype(d_ref.dtype)
+      d1, d2 = norm_rotate_grad(*halves(g_ref), *halves(x_ref), c, s, eps, d_ref.dtype)
+      d_ref[:, :half] = d1.astype(d_ref.dtype)
+      d_ref[:, half:] = d2.astype(d_ref.dtype)
 
 
 def _params():

@@ -1,0 +1,195 @@
+"""flash_gpu with QK-norm and rotation inside its kernels (Pallas; interpreted on CPU): equal to
+the two-kernel path it replaces (kernels/qk_rope.py, then flash_gpu) and to the XLA path, values
+and gradients, v mixed with value embeddings, under a mesh, in the record's layers, and its
+lowering to two Triton kernels for CUDA."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import SPEEDRUN, mesh as conftest_mesh
+from test_flash_gpu import TILES, docs, errors
+from test_qk_rope import steps_apart, xla_path
+
+from nanotext import sharding, wiring
+from nanotext.model.kernels import flash_gpu, qk_rope
+from nanotext.model.kernels.dispatch import dot_product_attention, qkv_attention
+from nanotext.model.layers import scaled_sum
+from nanotext.model.rope import rope_frequencies
+
+EPS, BLOCK = 1e-6, 128
+
+
+def mix(v, lam, ve):
+  """The record's value-embedding mix: lambdas[0] v + lambdas[1] ve."""
+  return scaled_sum((lam[0], lam[1]), (v, ve))
+
+
+def inputs(shape, dtype, seed=0):
+  """qkv [B, T, 3, H, K], lambdas, a value embedding and an output gradient."""
+  B, T, _, H, K = shape
+  keys = jax.random.split(jax.random.key(seed), 3)
+  qkv = (3 * jax.random.normal(keys[0], shape, jnp.float32)).astype(dtype)
+  ve = jax.random.normal(keys[1], (B, T, H, K), jnp.float32).astype(dtype)
+  g = jax.random.normal(keys[2], (B, T, H, K), jnp.float32).astype(dtype)
+  return qkv, jnp.array([0.7, 0.4], jnp.float32), ve, g
+
+
+def ours(freq, tiles=TILES):
+  """Output and the gradients of qkv, the lambdas and ve, the norm and rotation in the kernels."""
+  def run(qkv, lam, ve, g, seg, window):
+    f = lambda qkv, lam, ve: flash_gpu.flash_gpu_qkv_attention(
+        qkv, mix, (lam, ve), freq, EPS, scale=0.12, window=window, segment_ids_BT=seg,
+        block=BLOCK, tiles=tiles)
+    out, vjp = jax.vjp(f, qkv, lam, ve)
+    return [out, *vjp(g)]
+  return jax.jit(run)
+
+
+def reference(freq, kernel):
+  """The same through a norm-and-rotation path (`kernel`: qk_rope's kernels, else XLA's), then
+  the mix, then attention (flash_gpu with the same tiles, or einsum)."""
+  def run(qkv, lam, ve, g, seg, window):
+    def f(qkv, lam, ve):
+      q, k, v = qk_rope.norm_rope(qkv, freq, EPS) if kernel else xla_path(qkv, freq, EPS)
+      v = mix(v, lam, ve)
+      if kernel:
+        return flash_gpu.flash_gpu_attention(q, k, v, scale=0.12, window=window,
+                                             segment_ids_BT=seg, block=BLOCK, tiles=TILES)
+      return dot_product_attention(q, k, v, impl="einsum", scale=0.12, segment_ids_BT=seg,
+                                   block=BLOCK, runtime_window=window)
+    out, vjp = jax.vjp(f, qkv, lam, ve)
+    return [out, *vjp(g)]
+  return jax.jit(run)
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_equals_the_two_kernel_path_and_the_xla_path_in_float32(truncate):
+  """float32, 512 tokens with documents, block windows of 1 to 3 blocks and none: the norm and
+  rotation inside the attention kernels give what the separate kernel and the XLA path give."""
+  shape = (2, 512, 3, 2, 64)
+  freq = rope_frequencies(64, 1024, truncate)
+  qkv, lam, ve, g = inputs(shape, jnp.float32)
+  mine, two, xla = ours(freq), reference(freq, True), reference(freq, False)
+  for seed, window in enumerate((128, 256, 384, 0)):
+    seg = jnp.asarray(docs(512, seed, edges=seed % 2 == 0))
+    args = (qkv, lam, ve, g, seg, jnp.int32(window))
+    got = mine(*args)
+    assert max(errors(got, two(*args))) < 2e-5, window
+    assert max(errors(got, xla(*args))) < 2e-5, window
+
+
+@pytest.mark.fast
+def test_equals_the_two_kernel_path_in_bf16_at_the_records_head_dim():
+  """bf16, head_dim 128 with the half-truncated rotation, 6 heads: the kernels round where the
+  two-kernel path rounds (the norm's and rotation's outputs, dq and dk before their way back),
+  so values and gradients agree but for float32 sums taken in another order (q k^T as two
+  halves): apart by at most one bf16 step of a row's largest in under 1% of elements."""
+  shape = (1, 256, 3, 6, 128)
+  freq = rope_frequencies(128, 1024, True)
+  qkv, lam, ve, g = inputs(shape, jnp.bfloat16, seed=1)
+  args = (qkv, lam, ve, g, jnp.asarray(docs(256, 1))[:1], jnp.int32(128))
+  got, want = ours(freq)(*args), reference(freq, True)(*args)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    if x.dtype == jnp.bfloat16:
+      apart = steps_apart(x, y)
+      assert apart.max() <= 1 and (apart > 0).mean() < 1e-2, (apart.max(), (apart > 0).mean())
+    else:  # the lambdas' gradient: a sum over every element
+      np.testing.assert_allclose(x, y, rtol=2e-3)
+
+
+@pytest.mark.fast
+def test_under_a_mesh_runs_per_device():
+  """Batch over fsdp and heads over tensor: each device's kernels on their own heads, the mix
+  and its lambdas' gradient outside them as XLA partitions it."""
+  m = conftest_mesh(fsdp=2, tensor=2)
+  rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["act_heads", "tensor"]])
+  shape = (2, 256, 3, 4, 32)
+  freq = rope_frequencies(32, 1024, True)
+  qkv, lam, ve, g = inputs(shape, jnp.float32, seed=2)
+  put = lambda x, *spec: jax.device_put(x, jax.sharding.NamedSharding(
+      m, jax.sharding.PartitionSpec(*spec)))
+  qkv = put(qkv, "fsdp", None, None, "tensor", None)
+  ve, g = (put(x, "fsdp", None, "tensor", None) for x in (ve, g))
+  seg = put(jnp.asarray(docs(256, 5)), "fsdp", None)
+  args = (qkv, lam, ve, g, seg, jnp.int32(128))
+  with sharding.use_rules(rules, m):
+    got = ours(freq)(*args)
+  assert max(errors(got, reference(freq, False)(*args))) < 2e-5
+  assert got[1].sharding.spec[:4] == ("fsdp", None, None, "tensor")  # the qkv gradient
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_records_layers_train_the_same_through_it(monkeypatch, residual):
+  """The speedrun model (merged QKV, QK-norm, half-truncated rotation, value embeddings; and
+  with a value residual) in float32 through flash_gpu: loss and every parameter's gradient with
+  the norm and rotation inside the attention kernels equal those with the XLA path before
+  them."""
+  run = wiring.prepare(SPEEDRUN, [
+      "model.num_layers=4", "model.d_model=128", "model.num_heads=2", "model.head_dim=64",
+      "model.mlp_dim=256", "model.vocab_size=256", "model.align=0", "model.embed_rows=256",
+      "train.seq_len=256", "train.batch_size=2", "model.fp8_head=false", "model.dtype=float32",
+      "model.zero_init_head=false", "model.zero_init_proj=false", "attention.impl=flash_gpu",
+      "attention.window=256", "attention.window_block=128", f"model.value_residual={residual}"],
+      devices=jax.devices()[:1])
+  model = run.create_model(0)
+  graphdef, params = nnx.split(model, nnx.Param)
+  tokens = jax.random.randint(jax.random.key(3), (2, 257), 0, 256)
+  calls = []
+  real = flash_gpu.flash_gpu_qkv_attention
+  monkeypatch.setattr(flash_gpu, "flash_gpu_qkv_attention",
+                      lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+  def loss_and_grads(in_kernel):
+    monkeypatch.setattr(qk_rope, "applies", lambda T, K: in_kernel)
+
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+                                           tokens[:, 1:, None], -1))
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  (l_got, g_got), (l_want, g_want) = loss_and_grads(True), loss_and_grads(False)
+  assert calls, "the model did not take the kernels' norm and rotation"
+  assert float(l_got) == pytest.approx(float(l_want), rel=1e-6)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want)):
+    g, w = np.float32(g), np.float32(w)
+    # Sums in another order, and the bf16 the recipe keeps (the tables' rows) round them; a
+    # wrong rotation, norm or gradient route is off by whole percents at least.
+    assert np.abs(g - w).max() <= 1e-2 * np.abs(w).max() + 1e-12, jax.tree_util.keystr(path)
+    assert np.linalg.norm(g - w) <= 1e-3 * np.linalg.norm(w) + 1e-12, jax.tree_util.keystr(path)
+
+
+@pytest.mark.fast
+@pytest.mark.gpu_compile
+def test_lowers_to_two_triton_kernels_for_cuda(monkeypatch):
+  """Built for CUDA from this CPU host (jax.export): forward and backward are flash_gpu's two
+  Triton kernels, no QK-norm kernel of its own, and no concatenation of q's, k's and v's
+  gradients."""
+  from jax import export
+  from nanotext.model.kernels import per_device
+  monkeypatch.setattr(flash_gpu, "platform", lambda: "gpu")
+  monkeypatch.setattr(per_device, "_target", ["gpu"])
+  T = 1024
+  qkv = jax.ShapeDtypeStruct((1, T, 3, 2, 128), jnp.bfloat16)
+  freq = rope_frequencies(128, 1024, True)
+  loss = lambda x: qkv_attention(x, lambda v: v, (), freq, EPS, scale=0.12, window=256,
+                                 block=128).astype(jnp.float32).sum()
+  target = "__gpu$xla.gpu.triton"
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                     platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=h100)):
+    exported = export.export(jax.jit(jax.value_and_grad(loss)), platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(qkv)
+  text = exported.mlir_module()
+  assert text.count(f"custom_call @{target}") == 2
+  for name in ("flash_gpu_forward", "flash_gpu_backward"):
+    assert f'name = "{name}"' in text
+  assert "qk_norm_rope" not in text
+  assert not re.search(r"concatenate[^\n]*-> tensor<[^>]*bf16>", text)  # (the tables' are ints)
