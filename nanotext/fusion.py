@@ -13,7 +13,7 @@ _FUSIBLE = frozenset("""abs add and atan2 broadcast_in_dim cbrt ceil clamp conca
     nextafter not or pad pow real reduce_precision rem reshape rev round rsqrt select_n shift_left
     shift_right_arithmetic shift_right_logical sign sin sinh slice split sqrt square squeeze
     stop_gradient sub tan tanh transpose xor""".split())
-_CALLS = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call")
+_CALLS = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call", "shard_map")
 # Fusible ops that a compiler repeats in each reader rather than store their result, however
 # many read it. XLA's GPU compiler does so for casts, broadcasts, reshapes and slices (a float32
 # copy of a bfloat16 value is kept as the bfloat16; the halves rotary embeddings split q and k
@@ -23,7 +23,8 @@ REPEATED = {"gpu": frozenset("""convert_element_type broadcast_in_dim reshape sq
     copy copy_p slice split""".split())}
 # A forward pass on a GPU (peak_live, and the forward part of a train step, whose values the
 # backward pass keeps: saved_residuals) is compiled with four more habits: XLA writes what a GEMM
-# reads (cuBLAS takes its operands from memory; a reshape of a stored value is the same buffer);
+# or a Pallas kernel reads (cuBLAS and Triton take their operands from memory: flash_gpu's value
+# embeddings are looked up once and kept; a reshape of a stored value is the same buffer);
 # it repeats in each reader an elementwise value made from one large stored value, which is alive
 # there anyway (a softmax's masked scores and exponentials are recomputed from the scores by each
 # of its fusions, and the probabilities the next matmul reads are stored once, as bfloat16); it
@@ -67,7 +68,8 @@ class _Graph:
     for e in jaxpr.eqns:
       for u in self.vars(e.invars):
         self.uses[u] = self.uses.get(u, 0) + 1
-        if "operands" in forward and e.primitive.name == "dot_general":
+        if "operands" in forward and (e.primitive.name == "dot_general"
+                                      or "pallas_call" in _primitives(e)):
           self.dot_operands.add(u)
     self.memo, self.decided, self.read = {}, {}, {}
     self.repeated, self.forward = frozenset(repeated), frozenset(forward)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from conftest import SPEEDRUN, mesh as conftest_mesh
 from test_flash_gpu import TILES, docs, errors
-from test_qk_rope import steps_apart, xla_path
+from test_qk_rope import xla_path
 
 from nanotext import sharding, wiring
 from nanotext.model.kernels import flash_gpu, qk_rope
@@ -25,8 +25,10 @@ EPS, BLOCK = 1e-6, 128
 
 
 def mix(v, lam, ve):
-  """The record's value-embedding mix: lambdas[0] v + lambdas[1] ve."""
-  return scaled_sum((lam[0], lam[1]), (v, ve))
+  """The record's value-embedding mix: lambdas[0] v (+ lambdas[1] ve)."""
+  if lam is None:
+    return v
+  return scaled_sum((lam[0],), (v,)) if ve is None else scaled_sum((lam[0], lam[1]), (v, ve))
 
 
 def inputs(shape, dtype, seed=0):
@@ -39,14 +41,23 @@ def inputs(shape, dtype, seed=0):
   return qkv, jnp.array([0.7, 0.4], jnp.float32), ve, g
 
 
+def vjp_of(f, qkv, lam, ve, g):
+  """[f's output, and its gradient with respect to qkv, lam and ve (those given)]."""
+  args = [a for a in (qkv, lam, ve) if a is not None]
+  def apply(*a):
+    a = list(a)
+    return f(a.pop(0), a.pop(0) if lam is not None else None, a.pop(0) if ve is not None else None)
+  out, vjp = jax.vjp(apply, *args)
+  return [out, *vjp(g)]
+
+
 def ours(freq, tiles=TILES):
-  """Output and the gradients of qkv, the lambdas and ve, the norm and rotation in the kernels."""
+  """Output and gradients with the norm, rotation and mix in the kernels."""
   def run(qkv, lam, ve, g, seg, window):
     f = lambda qkv, lam, ve: flash_gpu.flash_gpu_qkv_attention(
-        qkv, mix, (lam, ve), freq, EPS, scale=0.12, window=window, segment_ids_BT=seg,
-        block=BLOCK, tiles=tiles)
-    out, vjp = jax.vjp(f, qkv, lam, ve)
-    return [out, *vjp(g)]
+        qkv, freq, EPS, lam, ve, scale=0.12, window=window, segment_ids_BT=seg, block=BLOCK,
+        tiles=tiles)
+    return vjp_of(f, qkv, lam, ve, g)
   return jax.jit(run)
 
 
@@ -62,45 +73,49 @@ def reference(freq, kernel):
                                              segment_ids_BT=seg, block=BLOCK, tiles=TILES)
       return dot_product_attention(q, k, v, impl="einsum", scale=0.12, segment_ids_BT=seg,
                                    block=BLOCK, runtime_window=window)
-    out, vjp = jax.vjp(f, qkv, lam, ve)
-    return [out, *vjp(g)]
+    return vjp_of(f, qkv, lam, ve, g)
   return jax.jit(run)
 
 
 @pytest.mark.parametrize("truncate", [True, False])
 def test_equals_the_two_kernel_path_and_the_xla_path_in_float32(truncate):
-  """float32, 512 tokens with documents, block windows of 1 to 3 blocks and none: the norm and
-  rotation inside the attention kernels give what the separate kernel and the XLA path give."""
+  """float32, 512 tokens with documents, block windows of 1 to 3 blocks and none: the norm,
+  rotation and value mix inside the attention kernels give what the separate kernel and the XLA
+  path give, gradients of the lambdas and the value embedding included."""
   shape = (2, 512, 3, 2, 64)
   freq = rope_frequencies(64, 1024, truncate)
   qkv, lam, ve, g = inputs(shape, jnp.float32)
   mine, two, xla = ours(freq), reference(freq, True), reference(freq, False)
-  for seed, window in enumerate((128, 256, 384, 0)):
+  # the mix of the record's first and last layers, of its middle ones, of a model without
+  mixes = [(lam, ve), (lam[:1], None), (None, None), (lam, ve)]
+  for seed, (window, (l, e)) in enumerate(zip((128, 256, 384, 0), mixes)):
     seg = jnp.asarray(docs(512, seed, edges=seed % 2 == 0))
-    args = (qkv, lam, ve, g, seg, jnp.int32(window))
+    args = (qkv, l, e, g, seg, jnp.int32(window))
     got = mine(*args)
+    assert len(got) == 2 + (l is not None) + (e is not None)
     assert max(errors(got, two(*args))) < 2e-5, window
     assert max(errors(got, xla(*args))) < 2e-5, window
 
 
 @pytest.mark.fast
-def test_equals_the_two_kernel_path_in_bf16_at_the_records_head_dim():
-  """bf16, head_dim 128 with the half-truncated rotation, 6 heads: the kernels round where the
-  two-kernel path rounds (the norm's and rotation's outputs, dq and dk before their way back),
-  so values and gradients agree but for float32 sums taken in another order (q k^T as two
-  halves): apart by at most one bf16 step of a row's largest in under 1% of elements."""
+def test_is_as_close_to_float32_as_the_two_kernel_path_in_bf16_at_the_records_head_dim():
+  """bf16, head_dim 128 with the half-truncated rotation, 6 heads, the value embedding mixed in:
+  output and gradients as far from the float32 computation as the two-kernel path's (measured
+  0.36-0.48% in norm, both), and apart from those by a fraction of it (0.004-0.15%): float32
+  sums taken in another order (q k^T as two halves, the mix fused) that round to another bf16
+  here and there, not another arithmetic."""
   shape = (1, 256, 3, 6, 128)
   freq = rope_frequencies(128, 1024, True)
   qkv, lam, ve, g = inputs(shape, jnp.bfloat16, seed=1)
   args = (qkv, lam, ve, g, jnp.asarray(docs(256, 1))[:1], jnp.int32(128))
-  got, want = ours(freq)(*args), reference(freq, True)(*args)
-  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  wide = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+  got, two, exact = ours(freq)(*args), reference(freq, True)(*args), \
+      reference(freq, False)(*wide)
+  rel = lambda x, t: np.linalg.norm(np.float32(x) - np.float32(t)) / np.linalg.norm(t)
+  for x, y, t in zip(got, two, exact):
     assert x.dtype == y.dtype and x.shape == y.shape
-    if x.dtype == jnp.bfloat16:
-      apart = steps_apart(x, y)
-      assert apart.max() <= 1 and (apart > 0).mean() < 1e-2, (apart.max(), (apart > 0).mean())
-    else:  # the lambdas' gradient: a sum over every element
-      np.testing.assert_allclose(x, y, rtol=2e-3)
+    assert rel(x, t) <= 1.05 * rel(y, t), (x.shape, rel(x, t), rel(y, t))
+    assert rel(x, y) <= 0.5 * rel(y, t), (x.shape, rel(x, y), rel(y, t))
 
 
 @pytest.mark.fast
@@ -126,10 +141,10 @@ def test_under_a_mesh_runs_per_device():
 
 @pytest.mark.parametrize("residual", [False, True])
 def test_the_records_layers_train_the_same_through_it(monkeypatch, residual):
-  """The speedrun model (merged QKV, QK-norm, half-truncated rotation, value embeddings; and
-  with a value residual) in float32 through flash_gpu: loss and every parameter's gradient with
-  the norm and rotation inside the attention kernels equal those with the XLA path before
-  them."""
+  """The speedrun model (merged QKV, QK-norm, half-truncated rotation, value embeddings) in
+  float32 through flash_gpu: loss and every parameter's gradient with the norm, rotation and mix
+  inside the attention kernels equal those with the XLA path before them. With a value residual
+  (its bf16 mix is not the kernels') the layers keep the XLA path."""
   run = wiring.prepare(SPEEDRUN, [
       "model.num_layers=4", "model.d_model=128", "model.num_heads=2", "model.head_dim=64",
       "model.mlp_dim=256", "model.vocab_size=256", "model.align=0", "model.embed_rows=256",
@@ -155,7 +170,7 @@ def test_the_records_layers_train_the_same_through_it(monkeypatch, residual):
     return jax.jit(jax.value_and_grad(loss))(params)
 
   (l_got, g_got), (l_want, g_want) = loss_and_grads(True), loss_and_grads(False)
-  assert calls, "the model did not take the kernels' norm and rotation"
+  assert len(calls) == (0 if residual else 4), "which layers took the kernels' norm and mix"
   assert float(l_got) == pytest.approx(float(l_want), rel=1e-6)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want)):
     g, w = np.float32(g), np.float32(w)
@@ -168,9 +183,9 @@ def test_the_records_layers_train_the_same_through_it(monkeypatch, residual):
 @pytest.mark.fast
 @pytest.mark.gpu_compile
 def test_lowers_to_two_triton_kernels_for_cuda(monkeypatch):
-  """Built for CUDA from this CPU host (jax.export): forward and backward are flash_gpu's two
-  Triton kernels, no QK-norm kernel of its own, and no concatenation of q's, k's and v's
-  gradients."""
+  """Built for CUDA from this CPU host (jax.export): forward and backward, value embedding
+  mixed in, are flash_gpu's two Triton kernels: no QK-norm kernel of its own, no concatenation
+  or placement of q's, k's and v's gradients."""
   from jax import export
   from nanotext.model.kernels import per_device
   monkeypatch.setattr(flash_gpu, "platform", lambda: "gpu")
@@ -178,18 +193,22 @@ def test_lowers_to_two_triton_kernels_for_cuda(monkeypatch):
   T = 1024
   qkv = jax.ShapeDtypeStruct((1, T, 3, 2, 128), jnp.bfloat16)
   freq = rope_frequencies(128, 1024, True)
-  loss = lambda x: qkv_attention(x, lambda v: v, (), freq, EPS, scale=0.12, window=256,
-                                 block=128).astype(jnp.float32).sum()
+  ve = jnp.ones((1, T, 2, 128), jnp.bfloat16)
+  loss = lambda x, lam: qkv_attention(x, freq, EPS, lam, ve, scale=0.12, window=256,
+                                      block=128).astype(jnp.float32).sum()
   target = "__gpu$xla.gpu.triton"
   h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
                                      platform="gpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
                                                                 abstract_device=h100)):
-    exported = export.export(jax.jit(jax.value_and_grad(loss)), platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(qkv)
+    exported = export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))),
+                             platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
+                                 qkv, jax.ShapeDtypeStruct((2,), jnp.float32))
   text = exported.mlir_module()
   assert text.count(f"custom_call @{target}") == 2
   for name in ("flash_gpu_forward", "flash_gpu_backward"):
     assert f'name = "{name}"' in text
   assert "qk_norm_rope" not in text
   assert not re.search(r"concatenate[^\n]*-> tensor<[^>]*bf16>", text)  # (the tables' are ints)
+  assert "dynamic_update_slice" not in text

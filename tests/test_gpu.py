@@ -185,6 +185,37 @@ def test_flash_gpu_on_the_gpu_agrees_with_einsum(window, block):
     np.testing.assert_allclose(a, b, atol=2e-2 * np.abs(b).max(), err_msg=name)
 
 
+def test_flash_gpu_with_the_norm_rotation_and_mix_inside_on_the_gpu():
+  """flash_gpu_qkv_attention compiled by Triton at the record's head width (6 heads of 128,
+  8,192 tokens with documents, a 1,792-token block window, the value embedding mixed into v):
+  output and gradients as far from the float32 computation (on the CPU) as the two-kernel path
+  on the same GPU, and apart from it by a fraction of that; the CPU test's criterion
+  (test_flash_qkv.py), here on the arithmetic Triton compiles."""
+  from test_flash_qkv import inputs, reference, vjp_of
+  from nanotext.model.kernels import flash_gpu
+  from nanotext.model.rope import rope_frequencies
+  freq = rope_frequencies(128, 1024, True)
+  qkv, lam, ve, g = inputs((1, 8192, 3, 6, 128), jnp.bfloat16, seed=1)
+  eot = jax.random.uniform(jax.random.key(9), (1, 8192)) < 6 / 8192
+  seg = jnp.cumsum(eot.at[:, 2048].set(True), axis=1).astype(jnp.int32)
+  args = (qkv, lam, ve, g, seg, jnp.int32(1792))
+
+  def ours(qkv, lam, ve, g, seg, window):
+    f = lambda qkv, lam, ve: flash_gpu.flash_gpu_qkv_attention(
+        qkv, freq, 1e-6, lam, ve, scale=0.12, window=window, segment_ids_BT=seg, block=128)
+    return vjp_of(f, qkv, lam, ve, g)
+  cpu = jax.devices("cpu")[0]
+  wide = jax.device_put([a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+                         for a in args], cpu)
+  got, two = jax.jit(ours)(*args), reference(freq, True)(*args)
+  exact = reference(freq, False)(*wide)  # on the CPU, where the inputs are
+  rel = lambda x, t: np.linalg.norm(np.float32(x) - np.float32(t)) / np.linalg.norm(t)
+  for x, y, t in zip(got, two, exact):
+    assert np.isfinite(np.float32(x)).all()
+    assert rel(x, t) <= 1.05 * rel(y, t), (x.shape, rel(x, t), rel(y, t))
+    assert rel(x, y) <= 0.5 * rel(y, t), (x.shape, rel(x, y), rel(y, t))
+
+
 def test_qk_rope_kernel_on_the_gpu_agrees_with_the_xla_path():
   """kernels/qk_rope.py compiled by Triton at the record's shape: q and k normalised and rotated,
   and the gradient of the whole QKV output, against the XLA path on the CPU with the norm's

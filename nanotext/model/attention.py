@@ -98,18 +98,19 @@ class CausalSelfAttention(nnx.Module):
     freq = rope_frequencies(self.head_dim, *self.rope) if self.rope is not None else None
     ve_BTHK = None if ve_BTD is None else ve_BTD.reshape(shape)
     # QK-norm and rotation in one pass each way (a GPU kernel), reading q and k in place, or
-    # inside the attention kernels themselves (flash_gpu: no pass of their own)
+    # inside the attention kernels themselves with the value embedding's mix (flash_gpu: no
+    # pass of their own)
     fused = self.qk_norm and freq is not None and qkv is not None and \
         qk_rope.applies(T, self.head_dim)
-    if fused and self.impl == "flash_gpu" and self.scale_param is None:
-      qkv = qkv.reshape(B, T, 3, *shape[2:])
-      mix, mix_args = self._mixing(v1_BTHK, ve_BTHK)
+    if fused and self.impl == "flash_gpu" and self.scale_param is None and \
+        self.v_residual is None:
+      lambdas = None if self.v_lambdas is None else self.v_lambdas.value
       with jax.named_scope("attention_kernel"):
-        out_BTHK = qkv_attention(qkv, mix, mix_args, freq, self.qk_eps, scale=self.scale,
+        out_BTHK = qkv_attention(qkv.reshape(B, T, 3, *shape[2:]), freq, self.qk_eps, lambdas,
+                                 ve_BTHK, scale=self.scale,
                                  window=self.window if window is None else window,
                                  segment_ids_BT=segment_ids_BT, block=self.block,
                                  runtime_window=runtime_window)
-      v1_BTHK = qkv[:, :, 2] if v1_BTHK is None and self.v_residual is not None else v1_BTHK
       return self._out(out_BTHK, names), v1_BTHK
     if fused:
       q, k, v = qk_rope.norm_rope(qkv.reshape(B, T, 3, *shape[2:]), freq, self.qk_eps)
@@ -118,9 +119,15 @@ class CausalSelfAttention(nnx.Module):
     else:
       q, k, v = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
     q, k, v = (sharding.constrain(a.reshape(shape), names) for a in (q, k, v))
-    mix, mix_args = self._mixing(v1_BTHK, ve_BTHK)
-    v1_BTHK = v if v1_BTHK is None and self.v_residual is not None else v1_BTHK
-    v = mix(v, *mix_args)
+    if self.v_residual is not None:
+      v1_BTHK = v if v1_BTHK is None else v1_BTHK
+      lam = self.v_residual.value.astype(v.dtype)[0]
+      v = (1 - lam) * v + lam * v1_BTHK
+    if self.v_lambdas is not None:
+      lam = self.v_lambdas.value
+      # Layers without a value embedding still scale v by lambdas[0], as the record does.
+      v = scaled_sum((lam[0],), (v,)) if ve_BTHK is None else \
+          scaled_sum((lam[0], lam[1]), (v, ve_BTHK))
     if not fused:  # the XLA path: CPU, TPU, and shapes the kernel does not take
       if self.qk_norm:
         q, k = rms_norm(q, self.qk_eps), rms_norm(k, self.qk_eps)
@@ -140,25 +147,3 @@ class CausalSelfAttention(nnx.Module):
     """The output projection of the heads' outputs."""
     B, T = out_BTHK.shape[:2]
     return self.o(sharding.constrain(out_BTHK, names).reshape(B, T, -1))
-
-  def _mixing(self, v1_BTHK, ve_BTHK):
-    """(mix, args): v -> v with the first attention layer's v mixed in (model.value_residual;
-    v itself in the first layer) and then this layer's value embedding (model.value_embeds),
-    as a function of the arrays `args`, for a kernel that takes v raw."""
-    residual, lambdas = self.v_residual is not None, self.v_lambdas is not None
-    args = ((self.v_residual.value,) + (() if v1_BTHK is None else (v1_BTHK,))
-            if residual else ())
-    args += ((self.v_lambdas.value,) + (() if ve_BTHK is None else (ve_BTHK,))
-             if lambdas else ())
-
-    def mix(v, *a):
-      a = list(a)
-      if residual:
-        lam = a.pop(0).astype(v.dtype)[0]
-        v = (1 - lam) * v + lam * (a.pop(0) if v1_BTHK is not None else v)
-      if lambdas:  # layers without a value embedding still scale v by lambdas[0], as the record
-        lam = a.pop(0)
-        v = scaled_sum((lam[0],), (v,)) if ve_BTHK is None else \
-            scaled_sum((lam[0], lam[1]), (v, a.pop(0)))
-      return v
-    return mix, args

@@ -99,17 +99,18 @@ def _runtime(impl: str, runtime_window) -> dict:
   return {"runtime_window": jnp.asarray(runtime_window, jnp.int32)}
 
 
-def qkv_attention(qkv_BT3HK, mix, mix_args, freq, eps: float, *, scale: float, window: int = 0,
-                  segment_ids_BT=None, block: int = 0, runtime_window=None):
-  """dot_product_attention through flash_gpu of q and k QK-normalised and rotated inside its
-  kernels (kernels/flash_gpu.py, flash_gpu_qkv_attention: q and k raw from the merged
-  projection's output [B, T, 3, H, K]; v = mix(qkv[:, :, 2], *mix_args)); the mask as there."""
+def qkv_attention(qkv_BT3HK, freq, eps: float, lambdas=None, value_embed_BTHK=None, *,
+                  scale: float, window: int = 0, segment_ids_BT=None, block: int = 0,
+                  runtime_window=None):
+  """dot_product_attention through flash_gpu from the merged projection's output [B, T, 3, H,
+  K], q and k QK-normalised and rotated and v mixed with the value embedding inside its kernels
+  (kernels/flash_gpu.py, flash_gpu_qkv_attention); the mask as there."""
   T, head_dim = qkv_BT3HK.shape[1], qkv_BT3HK.shape[-1]
   window = _static_window(window, T)
   resolve_impl("flash_gpu", platform(), head_dim=head_dim, seq_len=T)
   live = _runtime("flash_gpu", runtime_window)
   return flash_gpu.flash_gpu_qkv_attention(
-      qkv_BT3HK, mix, mix_args, freq, eps, scale=scale,
+      qkv_BT3HK, freq, eps, lambdas, value_embed_BTHK, scale=scale,
       window=live.get("runtime_window", window), segment_ids_BT=segment_ids_BT, block=block)
 
 

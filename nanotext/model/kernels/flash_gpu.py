@@ -12,16 +12,16 @@ half its programs write a query tile's dq (over key tiles), half a key tile's dk
 query tiles), so no tile is written twice, and the programs running at once read the same
 tiles of q, k, v and the output gradient (one read from memory where two kernels read twice).
 
-`flash_gpu_qkv_attention` takes q and k raw from the merged QKV projection's output and
-normalises and rotates them in the kernels as they load a tile (QK-norm and rotary embeddings,
-kernels/qk_rope.py's arithmetic, roundings included), and writes their gradients through the
-norm and rotation straight into the gradient of the projection's output: no pass of its own over
-q and k either way. Tiles are then held as two halves and their products summed.
+`flash_gpu_qkv_attention` takes q, k and v raw from the merged QKV projection's output: the
+kernels normalise and rotate q and k as they load a tile (QK-norm and rotary embeddings,
+kernels/qk_rope.py's arithmetic, roundings included) and mix the value embedding into v, and the
+backward writes the three gradients through the norm, rotation and mix straight into the
+gradient of the projection's output: no pass of their own over q, k or v either way. What one
+program does is in kernels/flash_gpu_programs.py.
 
 Tiles are `block_q` x `block_k` tokens; T must be a multiple of both, head_dim a power of two.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -32,23 +32,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from nanotext import sharding
 from nanotext.model import rope as rotary
-from nanotext.model.kernels import qk_rope
+from nanotext.model.kernels import flash_gpu_programs as programs
 from nanotext.model.kernels.block_tables import key_tiles, query_tiles
+from nanotext.model.kernels.flash_gpu_programs import Tiles
 from nanotext.model.kernels.per_device import platform
 
-TILE = 128  # default tile: the record's window block
-NEG = -1e30  # masked score: finite, so a tile with every key masked yields no inf - inf = nan
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-  """Tile sizes of the forward and of the two backward kernels, and their Triton settings."""
-  block_q: int = TILE
-  block_k: int = 64
-  block_q_bwd: int = 64
-  block_k_bwd: int = 64
-  num_warps: int = 0  # 0: 4 for head_dim <= 128, else 8 (4 was 1.8x faster than 8 at 128, H100)
-  num_stages: int = 2
+TILE = Tiles.block_q  # default query tile: the record's window block
 
 
 def problem(seq_len: int, head_dim: int, tiles: Tiles = Tiles()):
@@ -67,39 +56,31 @@ def flash_gpu_attention(q_BTHK, k_BTHK, v_BTHK, *, scale: float, window=0, segme
   row) and a window (int or traced int32; 0 = none) of tokens, or with `block` > 0 of whole
   `block`-token blocks (the record's block mask); per device under a mesh."""
   cfg = _config(q_BTHK.shape, scale, block, tiles, 0.0)
-  return _attention(cfg, None, (q_BTHK, k_BTHK, v_BTHK), (),
+  return _attention(cfg, (q_BTHK, k_BTHK, v_BTHK), (), (),
                     *_mask(segment_ids_BT, window, q_BTHK.shape), ())
 
 
-def flash_gpu_qkv_attention(qkv_BT3HK, mix, mix_args, freq, eps: float, *, scale: float,
-                            window=0, segment_ids_BT=None, block: int = 0,
+def flash_gpu_qkv_attention(qkv_BT3HK, freq, eps: float, lambdas=None, value_embed_BTHK=None, *,
+                            scale: float, window=0, segment_ids_BT=None, block: int = 0,
                             tiles: Tiles = Tiles()):
   """flash_gpu_attention of rope(rms_norm(q)), rope(rms_norm(k)) (rotary frequencies `freq`,
-  model/rope.py) and v = mix(qkv[:, :, 2], *mix_args) (value embeddings and residual: any
-  function of arrays), q and k read where the merged projection wrote them, [B, T, 3, H, K];
-  the norm and rotation happen in the kernels. The gradient of qkv is one array: q's and k's
-  written by the backward kernel, v's placed in it."""
+  model/rope.py) and v, or with `lambdas` (float32) lambdas[0] v + lambdas[1] value_embed (the
+  second term where one is given; layers.scaled_sum's arithmetic), from the merged projection's
+  output [B, T, 3, H, K] as it lies. The gradient of qkv is one array, written by the kernel."""
   shape = qkv_BT3HK.shape[:2] + qkv_BT3HK.shape[3:]
   theta_TK = rotary.angles(shape[1], freq)  # the XLA path's angles, so its cos and sin
   tables = tuple(lax.stop_gradient(f(theta_TK)) for f in (jnp.cos, jnp.sin))
+  extra = () if value_embed_BTHK is None else (value_embed_BTHK,)
+  coef = () if lambdas is None else (jnp.asarray(lambdas, jnp.float32)[:1 + len(extra)],)
   cfg = _config(shape, scale, block, tiles, eps)
-  return _attention(cfg, mix, (qkv_BT3HK,), tuple(mix_args),
-                    *_mask(segment_ids_BT, window, shape), tables)
+  return _attention(cfg, (qkv_BT3HK,), coef, extra, *_mask(segment_ids_BT, window, shape),
+                    tables)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  scale: float
-  window_block: int
-  tiles: Tiles
-  interpret: bool
-  eps: float  # QK-norm's epsilon where the kernels normalise and rotate q and k
-
-
-def _config(shape_BTHK, scale, block, tiles, eps) -> _Config:
+def _config(shape_BTHK, scale, block, tiles, eps) -> programs.Config:
   if problem(shape_BTHK[1], shape_BTHK[-1], tiles):
     raise ValueError(f"flash_gpu: {problem(shape_BTHK[1], shape_BTHK[-1], tiles)}")
-  return _Config(float(scale), block, tiles, platform() != "gpu", float(eps))
+  return programs.Config(float(scale), block, tiles, platform() != "gpu", float(eps))
 
 
 def _mask(segment_ids_BT, window, shape_BTHK):
@@ -109,7 +90,7 @@ def _mask(segment_ids_BT, window, shape_BTHK):
   return segment_ids_BT.astype(jnp.int32), jnp.asarray(window, jnp.int32).reshape(1)
 
 
-def _tables(seg_BT, window, cfg: _Config):
+def _tables(seg_BT, window, cfg: programs.Config):
   """Block tables of the forward kernel and of the backward's dq and dk/dv programs."""
   t, w, b = cfg.tiles, window[0], cfg.window_block
   return (key_tiles(seg_BT, w, block_q=t.block_q, block_k=t.block_k, window_block=b),
@@ -117,151 +98,15 @@ def _tables(seg_BT, window, cfg: _Config):
           query_tiles(seg_BT, w, block_q=t.block_q_bwd, block_k=t.block_k_bwd, window_block=b))
 
 
-def _visible(t, s, seg_t, seg_s, window, window_block: int):
-  """[len(t), len(s)]: query positions t may see key positions s (causal, document, window)."""
-  ok = (s[None, :] <= t[:, None]) & (seg_t[:, None] == seg_s[None, :])
-  if window_block:  # positions are non-negative: lax.div is floor division here
-    reach = jnp.maximum(1, lax.div(window, window_block))
-    inside = lax.div(t, window_block)[:, None] - lax.div(s, window_block)[None, :] < reach
-  else:
-    inside = t[:, None] - s[None, :] < window
-  return ok & (inside | (window <= 0))
-
-
-def _dot(a, b, contract=(1, 0)):
-  """float32-accumulated a @ b over a's axis contract[0] and b's axis contract[1]."""
-  return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
-                         preferred_element_type=jnp.float32)
-
-
-def _qk(ref, rows, rope, eps):
-  """Rows of a q or k block as attention uses them: (the rows,) as stored, or with `rope` (the
-  cos and sin tables' refs) its two halves normalised and rotated, in the block's dtype."""
-  if not rope:
-    return (ref[rows, :],)
-  cos, sin = rope
-  halves = qk_rope.norm_rotate(*qk_rope.halves(ref, rows), cos[rows, :], sin[rows, :], eps,
-                               ref.dtype)
-  return tuple(h.astype(ref.dtype) for h in halves)
-
-
-def _scores(q, k):
-  """q k^T, float32, from _qk's parts (the sum of the halves' products where split)."""
-  return sum(_dot(a, b, (1, 1)) for a, b in zip(q, k))
-
-
-def _store_grad(d_ref, x_ref, rows, grads, rope, eps):
-  """Write a q or k tile's gradient (float32 parts, as _qk split it): as it is, or through the
-  norm and rotation of the raw rows in x_ref, rounded first to the dtype the two kernels'
-  path would have stored it in."""
-  dtype = d_ref.dtype
-  if not rope:
-    d_ref[rows, :] = grads[0].astype(dtype)
-    return
-  cos, sin = rope
-  g1, g2 = (g.astype(dtype).astype(jnp.float32) for g in grads)
-  d1, d2 = qk_rope.norm_rotate_grad(g1, g2, *qk_rope.halves(x_ref, rows), cos[rows, :],
-                                    sin[rows, :], eps, dtype)
-  half = d1.shape[-1]
-  d_ref[rows, :half] = d1.astype(dtype)
-  d_ref[rows, half:] = d2.astype(dtype)
-
-
-def _forward_kernel(win_ref, lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, rope, o_ref,
-                    lse_ref, *, cfg: _Config):
-  """One query tile: online softmax over its key tiles lo..hi; output and logsumexp."""
-  bq, bk = cfg.tiles.block_q, cfg.tiles.block_k
-  w = win_ref[0]
-  rows = pl.ds(pl.program_id(0) * bq, bq)
-  t = pl.program_id(0) * bq + jnp.arange(bq, dtype=jnp.int32)
-  q, seg_q = _qk(q_ref, rows, rope, cfg.eps), seg_ref[rows]
-
-  def body(j, carry):
-    o, m, l = carry
-    keys = pl.ds(j * bk, bk)
-    k, v = _qk(k_ref, keys, rope, cfg.eps), v_ref[keys, :]
-    s = _scores(q, k) * cfg.scale
-    seen = _visible(t, j * bk + jnp.arange(bk, dtype=jnp.int32), seg_q, seg_ref[keys], w,
-                    cfg.window_block)
-    s = jnp.where(seen, s, NEG)
-    m_next = jnp.maximum(m, s.max(axis=1))
-    # Rows whose earlier tiles were all masked carry garbage with m = NEG; the first real score
-    # makes this factor exactly 0. Every query sees itself, in the last tile at the latest.
-    shrink = jnp.exp(m - m_next)
-    p = jnp.exp(s - m_next[:, None])
-    o = o * shrink[:, None] + _dot(p.astype(v.dtype), v)
-    return o, m_next, l * shrink + p.sum(axis=1)
-
-  init = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
-          jnp.zeros((bq,), jnp.float32))
-  o, m, l = lax.fori_loop(lo_ref[0], hi_ref[0] + 1, body, init)
-  o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = m + jnp.log(l)
-
-
-def _backward_kernel(win_ref, key_lo_ref, key_hi_ref, query_lo_ref, query_hi_ref, seg_ref, q_ref,
-                     k_ref, v_ref, do_ref, lse_ref, delta_ref, rope, *outs, cfg: _Config,
-                     heads: int):
-  """Program (i, b, h): for h < heads query tile i's dq over its key tiles, else key tile i's
-  dk and dv over the query tiles that may see it. `outs`: dq, dk, dv, or (the qkv gradient,
-  its q or k part by h, and dv)."""
-  dq_ref, dk_ref, dv_ref = outs if len(outs) == 3 else (outs[0], outs[0], outs[1])
-  bq, bk = cfg.tiles.block_q_bwd, cfg.tiles.block_k_bwd
-  T, w, i = seg_ref.shape[0], win_ref[0], pl.program_id(0)
-  rows_of = lambda r: pl.ds(r * bq, bq)
-  cols_of = lambda c: pl.ds(c * bk, bk)
-  positions = lambda start, n: start + jnp.arange(n, dtype=jnp.int32)
-
-  @pl.when((pl.program_id(2) < heads) & (i < T // bq))
-  def _():
-    rows = rows_of(i)
-    q, do, seg_q = _qk(q_ref, rows, rope, cfg.eps), do_ref[rows, :], seg_ref[rows]
-    lse, delta = lse_ref[rows], delta_ref[rows]
-
-    def body(j, dq):
-      k, v = _qk(k_ref, cols_of(j), rope, cfg.eps), v_ref[cols_of(j), :]
-      seen = _visible(positions(i * bq, bq), positions(j * bk, bk), seg_q, seg_ref[cols_of(j)],
-                      w, cfg.window_block)
-      p = jnp.where(seen, jnp.exp(_scores(q, k) * cfg.scale - lse[:, None]), 0.0)
-      ds = p * (_dot(do, v, (1, 1)) - delta[:, None])
-      return tuple(a + _dot(ds.astype(part.dtype), part) for a, part in zip(dq, k))
-
-    zeros = tuple(jnp.zeros((bq, part.shape[-1]), jnp.float32) for part in q)
-    dq = lax.fori_loop(key_lo_ref[0], key_hi_ref[0] + 1, body, zeros)
-    _store_grad(dq_ref, q_ref, rows, [a * cfg.scale for a in dq], rope, cfg.eps)
-
-  @pl.when((pl.program_id(2) >= heads) & (i < T // bk))
-  def _():
-    cols = cols_of(i)
-    k, v, seg_k = _qk(k_ref, cols, rope, cfg.eps), v_ref[cols, :], seg_ref[cols]
-
-    def body(r, carry):
-      dk, dv = carry
-      q, do = _qk(q_ref, rows_of(r), rope, cfg.eps), do_ref[rows_of(r), :]
-      seen = _visible(positions(r * bq, bq), positions(i * bk, bk), seg_ref[rows_of(r)], seg_k,
-                      w, cfg.window_block)
-      p = jnp.where(seen, jnp.exp(_scores(q, k) * cfg.scale - lse_ref[rows_of(r)][:, None]),
-                    0.0)
-      dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
-      ds = p * (_dot(do, v, (1, 1)) - delta_ref[rows_of(r)][:, None])
-      return tuple(a + _dot(ds.astype(part.dtype), part, (0, 0)) for a, part in zip(dk, q)), dv
-
-    zeros = tuple(jnp.zeros((bk, part.shape[-1]), jnp.float32) for part in k)
-    dk, dv = lax.fori_loop(query_lo_ref[0], query_hi_ref[0] + 1, body,
-                           (zeros, jnp.zeros((bk, v_ref.shape[-1]), jnp.float32)))
-    _store_grad(dk_ref, k_ref, cols, [a * cfg.scale for a in dk], rope, cfg.eps)
-    dv_ref[cols, :] = dv.astype(dv_ref.dtype)
-
-
 def _whole(x, part=None):
   """The whole rows [T, K] of one batch row and head (program (i, b, h): head h mod H) of x
-  [B, T, H, K], or of qkv [B, T, 3, H, K]'s part `part` (None: h // H, q for the first H
-  programs and k for the next)."""
+  [B, T, H, K], or of qkv [B, T, 3, H, K]'s part `part` (None: all three, [T, 3, K])."""
   H, T, K = x.shape[-2], x.shape[1], x.shape[-1]
   if x.ndim == 4:
     return pl.BlockSpec((None, T, None, K), lambda i, b, h: (b, 0, h % H, 0))
-  at = (lambda h: h // H) if part is None else (lambda h: part)
-  return pl.BlockSpec((None, T, None, None, K), lambda i, b, h: (b, 0, at(h), h % H, 0))
+  if part is None:
+    return pl.BlockSpec((None, T, 3, None, K), lambda i, b, h: (b, 0, 0, h % H, 0))
+  return pl.BlockSpec((None, T, None, None, K), lambda i, b, h: (b, 0, part, h % H, 0))
 
 
 def _entry(n: int):
@@ -269,123 +114,156 @@ def _entry(n: int):
   return pl.BlockSpec((None, 1), lambda i, b, h: (b, jnp.minimum(i, n - 1)))
 
 
-def _common(T: int, K: int, H: int, rope):
-  """Specs of the window, segment ids [B, T], per-row statistics [B, H, T] and rope tables."""
+def _common(T: int, K: int, H: int, coef, rope):
+  """Specs of the window, segment ids [B, T], per-row statistics [B, H, T], the mix's
+  coefficients and rope tables."""
   return dict(window=pl.BlockSpec((1,), lambda i, b, h: (0,)),
               seg=pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
               stat=pl.BlockSpec((None, None, T), lambda i, b, h: (b, h % H, 0)),
+              coef=tuple(pl.BlockSpec(c.shape, lambda i, b, h: (0,)) for c in coef),
               rope=tuple(pl.BlockSpec((T, K // 2), lambda i, b, h: (0, 0)) for _ in rope))
 
 
-def _call(kernel, cfg: _Config, grid, in_specs, out_specs, out_shape, name, head_dim: int,
-          stages: int = 0, **kw):
-  """pallas_call with the Triton settings (interpreted off GPU); `stages` overrides the tiles'."""
+def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, name, head_dim: int, dtype,
+          **kw):
+  """pallas_call with the Triton settings (interpreted off GPU). Wide tiles are loaded one
+  stage ahead, not two: float32 ones, or 256-wide heads with the rotation tables beside them
+  (240 KiB of shared memory where an H100 has 227: shakespeare.yml's backward, speedrun.yml's
+  forward)."""
   warps = cfg.tiles.num_warps or (4 if head_dim <= 128 else 8)
+  wide = jnp.dtype(dtype).itemsize > 2 or head_dim > 128
   return pl.pallas_call(
       functools.partial(kernel, cfg=cfg, **kw), grid=grid, in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape, interpret=cfg.interpret, name=name,
       compiler_params=plgpu.CompilerParams(num_warps=warps,
-                                           num_stages=stages or cfg.tiles.num_stages))
+                                           num_stages=1 if wide else cfg.tiles.num_stages))
 
 
 # Logical axes of the kernels' operands under a mesh (each runs per device: sharding.per_device)
-ROWS, QKV = ("batch", None, "act_heads", None), ("batch", None, None, "act_heads", None)
-STAT, ROW = ("batch", "act_heads", None), ("batch", None)
+BY_RANK = {5: ("batch", None, None, "act_heads", None),  # qkv
+           4: ("batch", None, "act_heads", None),  # rows of q, k, v and their gradients
+           3: ("batch", "act_heads", None),  # per-row statistics
+           2: ("batch", None),  # segment ids and block tables
+           1: (None,)}  # window, the mix's coefficients
+PARTIALS = ("batch", "act_heads", None, None)  # [B, H, sources, key tiles]
 
 
-def _axes(*arrays):
-  """Logical axes of each operand: by rank (rows, qkv, statistics or tables, window)."""
-  by_rank = {5: QKV, 4: ROWS, 3: STAT, 2: ROW, 1: (None,)}
-  return tuple(by_rank[a.ndim] for a in arrays)
+def _per_device(local, ins: dict, outs: dict, out_axes=None):
+  """local(ins) -> a dict like `outs` (ShapeDtypeStructs), per device: `ins` split by rank
+  (BY_RANK; rope tables whole), outputs by rank or `out_axes`."""
+  is_axes = lambda x: isinstance(x, tuple) and bool(x) and \
+      all(isinstance(n, (str, type(None))) for n in x)
+  in_axes = jax.tree.map(lambda x: BY_RANK[x.ndim], ins)
+  in_axes["rope"] = tuple((None, None) for _ in ins["rope"])
+  out_axes = out_axes or jax.tree.map(lambda x: BY_RANK[x.ndim], outs)
+  leaves, tree = jax.tree.flatten(ins)
+  out_leaves, out_tree = jax.tree.flatten(outs)
+  flat = lambda *a: tuple(jax.tree.leaves(local(jax.tree.unflatten(tree, a))))
+  got = sharding.per_device(flat, tuple(leaves), tuple(jax.tree.leaves(in_axes, is_leaf=is_axes)),
+                            list(jax.tree.leaves(out_axes, is_leaf=is_axes)),
+                            out_shape=[x.shape for x in out_leaves])
+  return jax.tree.unflatten(out_tree, got)
 
 
-def _forward(cfg: _Config, q, k, v, seg, window, rope, table):
-  """(output [B, T, H, K], logsumexp [B, H, T] float32)."""
-  B, T, H, _ = v.shape
+def _forward(cfg, ins: dict):
+  """{"out": [B, T, H, K], "lse": [B, H, T] float32} of the kernels' inputs `ins`."""
+  q = ins["q"]
+  B, T, H, K = q.shape[:2] + q.shape[-2:]
   bq = cfg.tiles.block_q
 
-  def local(q, k, v, seg, window, lo, hi, *rope):
-    rows, _, heads, K = v.shape  # this device's batch rows and heads
-    sp = _common(T, K, heads, rope)
-    return _call(
-        _forward_kernel, cfg, (T // bq, rows, heads),
-        [sp["window"], _entry(T // bq), _entry(T // bq), sp["seg"], _whole(q, 0), _whole(k, 1),
-         _whole(v), sp["rope"]],
+  def local(x):
+    rows, heads = x["seg"].shape[0], x["q"].shape[-2]  # this device's batch rows and heads
+    sp = _common(T, K, heads, x["coef"], x["rope"])
+    (lo, hi), = x["tables"]
+    return dict(zip(("out", "lse"), _call(
+        programs.forward, cfg, (T // bq, rows, heads),
+        [sp["window"], _entry(T // bq), _entry(T // bq), sp["seg"], _whole(x["q"], 0),
+         _whole(x["k"], 1), tuple(_whole(v, 2) for v in x["values"]), sp["coef"], sp["rope"]],
         [pl.BlockSpec((None, bq, None, K), lambda i, b, h: (b, i, h, 0)),
          pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-        [jax.ShapeDtypeStruct(v.shape, v.dtype),
+        [jax.ShapeDtypeStruct((rows, T, heads, K), q.dtype),
          jax.ShapeDtypeStruct((rows, heads, T), jnp.float32)],
-        "flash_gpu_forward", K)(window, lo, hi, seg, q, k, v, rope)
+        "flash_gpu_forward", K, q.dtype)(x["window"], lo, hi, x["seg"], x["q"], x["k"], x["values"],
+                                x["coef"], x["rope"])))
 
-  args = (q, k, v, seg, window, *table)
-  rope_axes = ((None, None),) * len(rope)
-  return sharding.per_device(local, args + tuple(rope), _axes(*args) + rope_axes, [ROWS, STAT],
-                             out_shape=[v.shape, (B, H, T)])
+  return _per_device(local, ins, {"out": jax.ShapeDtypeStruct((B, T, H, K), q.dtype),
+                                  "lse": jax.ShapeDtypeStruct((B, H, T), jnp.float32)})
 
 
-def _backward(cfg: _Config, q, k, v, do, lse, delta, seg, window, rope, tables):
-  """(dq, dk, dv), or (the gradient of qkv with q's and k's parts, dv) where q and k are qkv."""
-  T, t = v.shape[1], cfg.tiles
-  fused = q.ndim == 5
+def _backward(cfg, ins: dict):
+  """The gradients {"q", "k", "v"}, or {"qkv"} where q and k are the merged projection's
+  output, and with the mix's coefficients {"sources", "coef"} (see programs.backward)."""
+  q, T, t = ins["q"], ins["seg"].shape[1], cfg.tiles
+  nq, nk = T // t.block_q_bwd, T // t.block_k_bwd
 
-  def local(q, k, v, do, lse, delta, seg, window, key_lo, key_hi, query_lo, query_hi, *rope):
-    rows, _, heads, K = v.shape  # this device's batch rows and heads
-    sp = _common(T, K, heads, rope)
-    nq, nk = T // t.block_q_bwd, T // t.block_k_bwd
-    outs = [q, v] if fused else [q, k, v]
+  def shapes(x, rows, heads):
+    """The outputs' shapes: [rows, T, heads, K] arrays as x's."""
+    if x["q"].ndim == 4:
+      out = {n: jax.ShapeDtypeStruct(x[n].shape, x[n].dtype) for n in ("q", "k")}
+      out["v"] = jax.ShapeDtypeStruct(x["values"][0].shape, x["values"][0].dtype)
+      return out
+    out = {"qkv": jax.ShapeDtypeStruct(x["q"].shape, x["q"].dtype),
+           "sources": tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in x["values"][1:])}
+    if x["coef"]:
+      out["coef"] = jax.ShapeDtypeStruct((rows, heads, len(x["values"]), nk), jnp.float32)
+    return out
+
+  def local(x):
+    rows, heads, K = x["seg"].shape[0], x["q"].shape[-2], x["q"].shape[-1]
+    sp = _common(T, K, heads, x["coef"], x["rope"])
+    out = shapes(x, rows, heads)
+    specs = jax.tree.map(_whole, {n: o for n, o in out.items() if n != "coef"})
+    if "coef" in out:
+      specs["coef"] = pl.BlockSpec((None, None) + out["coef"].shape[2:],
+                                   lambda i, b, h: (b, h % heads, 0, 0))
+    (key_lo, key_hi), (query_lo, query_hi) = x["tables"]
     return _call(
-        _backward_kernel, cfg, (max(nq, nk), rows, 2 * heads),
-        [sp["window"], _entry(nq), _entry(nq), _entry(nk), _entry(nk), sp["seg"], _whole(q, 0),
-         _whole(k, 1), _whole(v), _whole(do), sp["stat"], sp["stat"], sp["rope"]],
-        [_whole(x) for x in outs], [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
-        "flash_gpu_backward", K, heads=heads,
-        # float32 tiles of both branches staged twice: 241 KiB of shared memory, over an H100's
-        # 227 (shakespeare.yml)
-        stages=1 if v.dtype.itemsize > 2 else 0)(window, key_lo, key_hi, query_lo, query_hi,
-                                                  seg, q, k, v, do, lse, delta, rope)
+        programs.backward, cfg, (max(nq, nk), rows, 2 * heads),
+        [sp["window"], _entry(nq), _entry(nq), _entry(nk), _entry(nk), sp["seg"],
+         _whole(x["q"], 0), _whole(x["k"], 1), tuple(_whole(v, 2) for v in x["values"]),
+         sp["coef"], sp["rope"], _whole(x["do"]), _whole(x["out"]), sp["stat"]],
+        [specs], [out], "flash_gpu_backward", K, q.dtype, heads=heads)(
+            x["window"], key_lo, key_hi, query_lo, query_hi, x["seg"], x["q"], x["k"],
+            x["values"], x["coef"], x["rope"], x["do"], x["out"], x["lse"])[0]
 
-  args = (q, k, v, do, lse, delta, seg, window, *tables[0], *tables[1])
-  rope_axes = ((None, None),) * len(rope)
-  outs = [q, v] if fused else [q, k, v]
-  return sharding.per_device(local, args + tuple(rope), _axes(*args) + rope_axes,
-                             list(_axes(*outs)), out_shape=[x.shape for x in outs])
+  out = shapes(ins, q.shape[0], q.shape[-2])
+  axes = jax.tree.map(lambda x: BY_RANK[x.ndim], out)
+  if "coef" in out:
+    axes["coef"] = PARTIALS
+  return _per_device(local, ins, out, axes)
 
 
-def _sources(mix, x, mix_args):
-  """The kernels' q, k and v: the arrays given, or qkv twice and v mixed from its part."""
-  if mix is None:
-    return x
-  return x[0], x[0], mix(x[0][:, :, 2], *mix_args)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg, x, coef, extra, seg, window, rope):
+  """Attention of x = (q, k, v), or of x = (qkv,) with v mixed by `coef` with the `extra`
+  sources (see flash_gpu_qkv_attention)."""
+  return _attention_fwd(cfg, x, coef, extra, seg, window, rope)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(cfg, mix, x, mix_args, seg, window, rope):
-  """Attention of x = (q, k, v), or with `mix`, x = (qkv,) (see flash_gpu_qkv_attention)."""
-  return _attention_fwd(cfg, mix, x, mix_args, seg, window, rope)[0]
+def _inputs(x, coef, extra, seg, window, rope) -> dict:
+  """The kernels' operands: q, k, v's sources and the rest."""
+  q, k, v = (x[0],) * 3 if len(x) == 1 else x
+  return {"q": q, "k": k, "values": (v, *extra), "coef": coef, "seg": seg, "window": window,
+          "rope": rope}
 
 
-def _attention_fwd(cfg, mix, x, mix_args, seg, window, rope):
-  q, k, v = _sources(mix, x, mix_args)
+def _attention_fwd(cfg, x, coef, extra, seg, window, rope):
+  ins = _inputs(x, coef, extra, seg, window, rope)
   tables = _tables(seg, window, cfg)
-  out, lse = _forward(cfg, q, k, v, seg, window, rope, tables[0])
-  return out, (x, mix_args, v, seg, window, rope, tables[1:], out, lse)
+  got = _forward(cfg, dict(ins, tables=tables[:1]))
+  return got["out"], (x, coef, extra, seg, window, rope, tables[1:], got["out"], got["lse"])
 
 
-def _attention_bwd(cfg, mix, res, do):
-  x, mix_args, v, seg, window, rope, tables, out, lse = res
-  q, k = (x[0], x[0]) if mix is not None else x[:2]
-  # delta_t = sum_k do_tk o_tk = sum_s p_ts dp_ts: the softmax gradient's row term.
-  delta = jnp.einsum("bthk,bthk->bht", do.astype(jnp.float32), out.astype(jnp.float32))
-  grads = _backward(cfg, q, k, v, do, lse, delta, seg, window, rope, tables)
-  if mix is None:
-    dx, dargs = tuple(grads), ()
-  else:  # v's gradient through the mix, placed in the qkv gradient (in place)
-    d_qkv, dv = grads
-    _, vjp = jax.vjp(mix, x[0][:, :, 2], *mix_args)
-    dv_raw, *dargs = vjp(dv)
-    d_qkv = lax.dynamic_update_index_in_dim(d_qkv, dv_raw, 2, axis=2)  # not a scatter
-    dx, dargs = (sharding.constrain(d_qkv, QKV),), tuple(dargs)
-  return dx, dargs, None, None, tuple(None for _ in rope)
+def _attention_bwd(cfg, res, do):
+  x, coef, extra, seg, window, rope, tables, out, lse = res
+  grads = _backward(cfg, dict(_inputs(x, coef, extra, seg, window, rope), tables=tables,
+                              do=do, out=out, lse=lse))
+  if len(x) == 3:
+    dx = (grads["q"], grads["k"], grads["v"])
+  else:
+    dx = (sharding.constrain(grads["qkv"], BY_RANK[5]),)
+  dcoef = (grads["coef"].sum(axis=(0, 1, 3)),) if coef else ()
+  return dx, dcoef, tuple(grads.get("sources", ())), None, None, tuple(None for _ in rope)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
