@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 
 from conftest import SPEEDRUN, mesh as conftest_mesh
-from test_flash_gpu import TILES, docs, errors
+from test_flash_gpu import TILES, dense_mask, docs, errors
 from test_qk_rope import xla_path
 
 from nanotext import sharding, wiring
-from nanotext.model.kernels import flash_gpu, qk_rope
+from nanotext.model.kernels import flash_gpu, flash_gpu_programs, qk_rope
 from nanotext.model.kernels.dispatch import dot_product_attention, qkv_attention
 from nanotext.model.layers import scaled_sum
 from nanotext.model.rope import rope_frequencies
@@ -75,6 +75,19 @@ def reference(freq, kernel):
                                    block=BLOCK, runtime_window=window)
     return vjp_of(f, qkv, lam, ve, g)
   return jax.jit(run)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("window,block", [(0, 0), (100, 0), (256, 128), (96, 32)])
+def test_a_programs_mask_is_the_records(window, block):
+  """What one program masks token by token (kernels/flash_gpu_programs.py): causal, within
+  documents, token or block windows; a window of 0 is none."""
+  seg = docs(512, 3)
+  t = jnp.arange(512, dtype=jnp.int32)
+  for b in range(seg.shape[0]):
+    got = flash_gpu_programs.visible(t, t, jnp.asarray(seg[b]), jnp.asarray(seg[b]),
+                                     jnp.int32(window), block)
+    np.testing.assert_array_equal(got, dense_mask(seg, window, block)[b])
 
 
 @pytest.mark.parametrize("truncate", [True, False])
