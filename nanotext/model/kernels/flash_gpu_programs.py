@@ -206,5 +206,6 @@ def backward(win_ref, key_lo_ref, key_hi_ref, query_lo_ref, query_hi_ref, seg_re
     dv = dv.astype(v.dtype).astype(jnp.float32)
     for n, (src, dest) in enumerate(zip(values, [dests[2], *out["sources"]])):
       _write(dest, cols, slice(None), coef[0][n] * dv)
-      out["coef"][pl.ds(n, 1), pl.ds(i, 1)] = jnp.sum(
-          dv * src[cols, :].astype(jnp.float32), keepdims=True)
+      # one axis at a time: jax 0.11's Triton lowering of a two-axis sum fails
+      out["coef"][pl.ds(n, 1), pl.ds(i, 1)] = jnp.sum(jnp.sum(
+          dv * src[cols, :].astype(jnp.float32), axis=1, keepdims=True), axis=0, keepdims=True)
