@@ -66,10 +66,11 @@ class _Graph:
     self.producer = {v: e for e in jaxpr.eqns for v in e.outvars}
     self.uses, self.dot_operands = {}, set()
     for e in jaxpr.eqns:
+      reads_whole = "operands" in forward and (e.primitive.name == "dot_general"
+                                               or "pallas_call" in _primitives(e))
       for u in self.vars(e.invars):
         self.uses[u] = self.uses.get(u, 0) + 1
-        if "operands" in forward and (e.primitive.name == "dot_general"
-                                      or "pallas_call" in _primitives(e)):
+        if reads_whole:
           self.dot_operands.add(u)
     self.memo, self.decided, self.read = {}, {}, {}
     self.repeated, self.forward = frozenset(repeated), frozenset(forward)

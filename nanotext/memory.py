@@ -34,7 +34,9 @@ REMATS = ("none", "dots", "full")  # cheapest first: what auto tries, in order
 CHUNK = 256  # loss positions at a time when the logits do not fit whole (the speedrun's choice)
 # The kernel facts are the kernel dispatch's. Flash-style kernels are traced as the blocked kernel
 # (plain jnp, quick to trace at any length; the TPU and GPU kernels' tables are not), with the
-# kernel's own residuals replaced by its output and log-sum-exp.
+# kernel's own residuals replaced by its output and log-sum-exp; all but flash_gpu, traced as
+# itself (its Pallas calls trace anywhere, and it changes the layer around it: QK-norm, rotation
+# and the value mix happen inside it).
 DENSE_KERNELS, FLASH_KERNELS = dispatch.DENSE_IMPLS, dispatch.FLASH_IMPLS
 
 
@@ -204,22 +206,24 @@ class Model:
     else:
       for where, size in kept_bytes(residuals, self.activation_bytes):
         out[where] += size
-    if self.impl in FLASH_KERNELS and self.impl != "flash_gpu":  # traced as blocked
+    if self.stand_in:
       out["kernel"] = self.flash_residuals(self.rows, length)
     out["block"] += out.pop("kernel")
     out["per_block"] = out["block"] / self.cfg.model.num_layers
     return out
 
+  @property
+  def stand_in(self) -> bool:
+    """Whether the run's attention kernel is traced as the blocked kernel (FLASH_KERNELS)."""
+    return self.impl in FLASH_KERNELS and self.impl != "flash_gpu"
+
   def traced_model(self, remat: str):
-    """The graphdef traced for `remat`: the run's model, a flash-style kernel as blocked but
-    flash_gpu (its Pallas calls trace anywhere, and it changes the layer around it: q and k
-    normalised and rotated inside it)."""
-    stand_in = self.impl in FLASH_KERNELS and self.impl != "flash_gpu"
-    if not stand_in and (remat == self.cfg.model.remat or remat == "none"
-                         and self.cfg.model.remat == "auto"):
+    """The graphdef traced for `remat`: the run's model, its kernel as blocked if it stands in."""
+    if not self.stand_in and (remat == self.cfg.model.remat or remat == "none"
+                              and self.cfg.model.remat == "auto"):
       return self.graphdef
     from nanotext.model.gpt import abstract_model
-    impl = "blocked" if stand_in else self.cfg.attention.impl
+    impl = "blocked" if self.stand_in else self.cfg.attention.impl
     cfg = config.replace_sections(self.cfg, model={"remat": remat}, attention={"impl": impl})
     return abstract_model(cfg, self.backend)[0]
 
@@ -336,7 +340,7 @@ class Model:
       with building_for(self.backend):  # the target's head slices, not the host's
         closed = jax.make_jaxpr(lambda p, x, y: loss_fn(
             graphdef, p, x, y, eot, windows, chunk, train=False))(self.params, tokens, tokens)
-      flash = self.impl in FLASH_KERNELS  # traced as blocked: its work inside is not theirs
+      flash = self.impl in FLASH_KERNELS  # its outputs count, not the work traced inside
       m = self.cfg.model
       head = lambda e: self.head_accumulates and head_matmul(e, m.d_model, m.vocab_size)
       # A GPU's forward pass gathers each FSDP-sharded parameter for the ops that read it and

@@ -141,6 +141,25 @@ def forward(graphdef, params, *args, **kwargs):
   return np.asarray(jax.jit(lambda p: nnx.merge(graphdef, p)(*args, **kwargs))(params))
 
 
+TRITON = "__gpu$xla.gpu.triton"  # the custom call a Pallas kernel lowers to for CUDA
+
+
+def cuda_mlir(fn, *args) -> str:
+  """`fn(*args)` (ShapeDtypeStructs) built for CUDA from this CPU host with jax.export: its
+  StableHLO text, Pallas kernels as Triton custom calls. The GPU they are lowered for is an H100
+  (jax 0.11's Triton lowering asks the mesh for one where no GPU is attached; 0.10 lowered for
+  any). PTX compilation needs a GPU, or nanotext.compile's plugin."""
+  import jax
+  from jax import export
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                     platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=h100)):
+    return export.export(jax.jit(fn), platforms=["cuda"],
+                         disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
+                             *args).mlir_module()
+
+
 def one_line_error(proc, *needles):
   """Assert a CLI run failed with exit 2 and one `nanotext: error:` line holding `needles`."""
   assert proc.returncode == 2, (proc.stdout, proc.stderr)

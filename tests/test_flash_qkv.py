@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import SPEEDRUN, mesh as conftest_mesh
+from conftest import SPEEDRUN, TRITON, cuda_mlir, mesh as conftest_mesh
 from test_flash_gpu import TILES, dense_mask, docs, errors
 from test_qk_rope import xla_path
 
@@ -200,27 +200,18 @@ def test_lowers_to_two_triton_kernels_for_cuda(monkeypatch):
   """Built for CUDA from this CPU host (jax.export): forward and backward, value embedding
   mixed in, are flash_gpu's two Triton kernels: no QK-norm kernel of its own, no concatenation
   or placement of q's, k's and v's gradients."""
-  from jax import export
   from nanotext.model.kernels import per_device
   monkeypatch.setattr(flash_gpu, "platform", lambda: "gpu")
   monkeypatch.setattr(per_device, "_target", ["gpu"])
   T = 1024
-  qkv = jax.ShapeDtypeStruct((1, T, 3, 2, 128), jnp.bfloat16)
   freq = rope_frequencies(128, 1024, True)
   ve = jnp.ones((1, T, 2, 128), jnp.bfloat16)
   loss = lambda x, lam: qkv_attention(x, freq, EPS, lam, ve, scale=0.12, window=256,
                                       block=128).astype(jnp.float32).sum()
-  target = "__gpu$xla.gpu.triton"
-  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
-                                     platform="gpu")
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
-                                                                abstract_device=h100)):
-    exported = export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))),
-                             platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
-                                 qkv, jax.ShapeDtypeStruct((2,), jnp.float32))
-  text = exported.mlir_module()
-  assert text.count(f"custom_call @{target}") == 2
+  text = cuda_mlir(jax.value_and_grad(loss, argnums=(0, 1)),
+                   jax.ShapeDtypeStruct((1, T, 3, 2, 128), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((2,), jnp.float32))
+  assert text.count(f"custom_call @{TRITON}") == 2
   for name in ("flash_gpu_forward", "flash_gpu_backward"):
     assert f'name = "{name}"' in text
   assert "qk_norm_rope" not in text

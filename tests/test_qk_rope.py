@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from jax import lax
 
-from conftest import SPEEDRUN, mesh as conftest_mesh
+from conftest import SPEEDRUN, TRITON, cuda_mlir, mesh as conftest_mesh
 from nanotext import sharding, wiring
 from nanotext.model.kernels import qk_rope
 from nanotext.model.layers import rms_norm
@@ -133,20 +133,12 @@ def test_the_records_layers_train_the_same_through_it(monkeypatch):
 def test_lowers_to_two_triton_kernels_for_cuda(monkeypatch):
   """Built for CUDA from this CPU host (jax.export): forward and backward are one Triton kernel
   each, and the backward writes q's, k's and v's gradient into one array (no concatenate)."""
-  from jax import export
   monkeypatch.setattr(qk_rope, "platform", lambda: "gpu")
   qkv = jax.ShapeDtypeStruct((1, 1024, 3, 2, 128), jnp.bfloat16)
   freq = rope_frequencies(128, 1024, True)
   loss = lambda x: sum(o.astype(jnp.float32).sum() for o in qk_rope.norm_rope(x, freq, 1e-6))
-  target = "__gpu$xla.gpu.triton"
-  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
-                                     platform="gpu")
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
-                                                                abstract_device=h100)):
-    exported = export.export(jax.jit(jax.value_and_grad(loss)), platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(qkv)
-  text = exported.mlir_module()
-  assert text.count(f"custom_call @{target}") == 2
+  text = cuda_mlir(jax.value_and_grad(loss), qkv)
+  assert text.count(f"custom_call @{TRITON}") == 2
   for name in ("qk_norm_rope", "qk_norm_rope_backward"):
     assert f'name = "{name}"' in text
   assert "concatenate" not in text

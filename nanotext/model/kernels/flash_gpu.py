@@ -37,8 +37,6 @@ from nanotext.model.kernels.block_tables import key_tiles, query_tiles
 from nanotext.model.kernels.flash_gpu_programs import Tiles
 from nanotext.model.kernels.per_device import platform
 
-TILE = Tiles.block_q  # default query tile: the record's window block
-
 
 def problem(seq_len: int, head_dim: int, tiles: Tiles = Tiles()):
   """None if the kernel can run this (0 = unknown), else why not, for a UserError."""
@@ -148,20 +146,24 @@ BY_RANK = {5: ("batch", None, None, "act_heads", None),  # qkv
 PARTIALS = ("batch", "act_heads", None, None)  # [B, H, sources, key tiles]
 
 
-def _per_device(local, ins: dict, outs: dict, out_axes=None):
-  """local(ins) -> a dict like `outs` (ShapeDtypeStructs), per device: `ins` split by rank
-  (BY_RANK; rope tables whole), outputs by rank or `out_axes`."""
-  is_axes = lambda x: isinstance(x, tuple) and bool(x) and \
-      all(isinstance(n, (str, type(None))) for n in x)
-  in_axes = jax.tree.map(lambda x: BY_RANK[x.ndim], ins)
-  in_axes["rope"] = tuple((None, None) for _ in ins["rope"])
-  out_axes = out_axes or jax.tree.map(lambda x: BY_RANK[x.ndim], outs)
-  leaves, tree = jax.tree.flatten(ins)
-  out_leaves, out_tree = jax.tree.flatten(outs)
+def _axes(path, x):
+  """Logical axes of an operand or output named by its top-level key: the rope tables whole,
+  the mix's partial sums [B, H, sources, key tiles], else by rank (BY_RANK)."""
+  key = path[0].key
+  if key == "rope":
+    return (None, None)
+  return PARTIALS if key == "coef" and x.ndim == 4 else BY_RANK[x.ndim]
+
+
+def _per_device(local, ins: dict, outs: dict):
+  """local(ins) -> a dict like `outs` (ShapeDtypeStructs), per device (_axes split both)."""
+  leaves, tree = jax.tree_util.tree_flatten_with_path(ins)
+  out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(outs)
   flat = lambda *a: tuple(jax.tree.leaves(local(jax.tree.unflatten(tree, a))))
-  got = sharding.per_device(flat, tuple(leaves), tuple(jax.tree.leaves(in_axes, is_leaf=is_axes)),
-                            list(jax.tree.leaves(out_axes, is_leaf=is_axes)),
-                            out_shape=[x.shape for x in out_leaves])
+  got = sharding.per_device(flat, tuple(x for _, x in leaves),
+                            tuple(_axes(p, x) for p, x in leaves),
+                            [_axes(p, x) for p, x in out_leaves],
+                            out_shape=[x.shape for _, x in out_leaves])
   return jax.tree.unflatten(out_tree, got)
 
 
@@ -226,11 +228,7 @@ def _backward(cfg, ins: dict):
             x["window"], key_lo, key_hi, query_lo, query_hi, x["seg"], x["q"], x["k"],
             x["values"], x["coef"], x["rope"], x["do"], x["out"], x["lse"])[0]
 
-  out = shapes(ins, q.shape[0], q.shape[-2])
-  axes = jax.tree.map(lambda x: BY_RANK[x.ndim], out)
-  if "coef" in out:
-    axes["coef"] = PARTIALS
-  return _per_device(local, ins, out, axes)
+  return _per_device(local, ins, shapes(ins, q.shape[0], q.shape[-2]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
