@@ -1,11 +1,15 @@
 """FLOP and MFU accounting, and the metric writers (stdout, metrics.jsonl, TensorBoard)."""
 
+import importlib
+import importlib.util
 import json
 import math
 import os
 import socket
 import struct
+import sys
 import time
+import types
 
 from nanotext.fileio import append_whole
 from nanotext.errors import os_error
@@ -144,8 +148,7 @@ class Events(_Appender):
   traceback, its queue filled, and the next scalar blocked the run for ever."""
 
   def __init__(self, folder: str):
-    from tensorboardX.proto import event_pb2
-    self._event = event_pb2.Event
+    self._event, self._summary, self._crc = _tensorboardx()
     try:
       os.makedirs(folder, exist_ok=True)
     except OSError as e:
@@ -156,18 +159,39 @@ class Events(_Appender):
 
   def scalars(self, step: int, values: dict) -> None:
     """One event holding every scalar of a metrics row."""
-    from tensorboardX.proto.summary_pb2 import Summary
-    summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+    summary = self._summary(value=[self._summary.Value(tag=k, simple_value=v)
+                                   for k, v in values.items()])
     self.append(self._record(self._event(wall_time=time.time(), step=step, summary=summary)))
 
-  @staticmethod
-  def _record(event) -> bytes:
+  def _record(self, event) -> bytes:
     """TFRecord framing: length, its masked CRC, the bytes, their masked CRC."""
-    from tensorboardX.record_writer import masked_crc32c
     data = event.SerializeToString()
     head = struct.pack("<Q", len(data))
-    return (head + struct.pack("<I", masked_crc32c(head)) + data +
-            struct.pack("<I", masked_crc32c(data)))
+    return (head + struct.pack("<I", self._crc(head)) + data + struct.pack("<I", self._crc(data)))
+
+
+def _tensorboardx() -> tuple:
+  """(Event, Summary, masked_crc32c) from tensorboardX's modules, without its package's
+  __init__: that imports its SummaryWriter, which imports PyTorch where it is installed (1.4 s
+  of each run's start, a third of its imports). The package is stood in for by a bare module of
+  the same path while they load; a later `import tensorboardX` runs the real one."""
+  names = ("tensorboardX.proto.event_pb2", "tensorboardX.proto.summary_pb2",
+           "tensorboardX.record_writer")
+  if "tensorboardX" not in sys.modules:
+    spec = importlib.util.find_spec("tensorboardX")
+    if spec is None:
+      raise ImportError("No module named 'tensorboardX': pip install tensorboardX")
+    bare = types.ModuleType("tensorboardX")
+    bare.__path__, bare.__spec__ = list(spec.submodule_search_locations), spec
+    sys.modules["tensorboardX"] = bare
+    try:
+      for name in names:
+        importlib.import_module(name)
+    finally:
+      if sys.modules.get("tensorboardX") is bare:
+        del sys.modules["tensorboardX"]
+  event, summary, record = (importlib.import_module(n) for n in names)
+  return event.Event, summary.Summary, record.masked_crc32c
 
 
 def _plain(v):

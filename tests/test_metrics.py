@@ -4,6 +4,8 @@ import glob
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -82,6 +84,24 @@ def test_writer_tensorboard_scalars(tmp_path):
   assert sorted(read_events(str(tmp_path / "tb"))) == [("loss", 1, 3.0), ("loss", 2, 2.0),
                                                        ("mfu", 2, 0.25)]
   assert len(read_jsonl(tmp_path)) == 2
+
+
+def test_tensorboard_events_do_not_import_pytorch(tmp_path):
+  """The event writer loads tensorboardX's protos without its package's __init__ (whose writer
+  imports PyTorch where installed: 1.4 s of every run's start); tensorboardX imports whole
+  afterwards, and its parser reads the file."""
+  script = (
+      "import sys\n"
+      "from nanotext import metrics\n"
+      f"events = metrics.Events({str(tmp_path)!r})\n"
+      "events.scalars(3, {'loss': 2.5})\n"
+      "events.close()\n"
+      "assert 'torch' not in sys.modules, 'torch imported'\n"
+      "import tensorboardX\n"
+      "assert hasattr(tensorboardX, 'SummaryWriter')\n")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
+  assert read_events(str(tmp_path)) == [("loss", 3, 2.5)]
 
 
 def model_cfg(*overrides):
