@@ -177,10 +177,8 @@ def _tensorboardx() -> tuple:
   the same path while they load; a later `import tensorboardX` runs the real one."""
   names = ("tensorboardX.proto.event_pb2", "tensorboardX.proto.summary_pb2",
            "tensorboardX.record_writer")
-  if "tensorboardX" not in sys.modules:
-    spec = importlib.util.find_spec("tensorboardX")
-    if spec is None:
-      raise ImportError("No module named 'tensorboardX': pip install tensorboardX")
+  spec = None if "tensorboardX" in sys.modules else importlib.util.find_spec("tensorboardX")
+  if spec is not None:  # None: imported already, or not installed (the imports below say so)
     bare = types.ModuleType("tensorboardX")
     bare.__path__, bare.__spec__ = list(spec.submodule_search_locations), spec
     sys.modules["tensorboardX"] = bare

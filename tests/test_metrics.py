@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from conftest import BASE, TINY
+from conftest import BASE, PROCESS_TIMEOUT_S, TINY
 from nanotext import config, metrics, wiring
 from nanotext.model import gpt
 
@@ -99,7 +99,8 @@ def test_tensorboard_events_do_not_import_pytorch(tmp_path):
       "assert 'torch' not in sys.modules, 'torch imported'\n"
       "import tensorboardX\n"
       "assert hasattr(tensorboardX, 'SummaryWriter')\n")
-  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=PROCESS_TIMEOUT_S)
   assert out.returncode == 0, out.stderr
   assert read_events(str(tmp_path)) == [("loss", 3, 2.5)]
 
