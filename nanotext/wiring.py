@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 from nanotext import (checkpoint, config, device_memory, memory_plan, metrics, optim, params_from,
                       rundir, sharding, watch, window_schedule)
 from nanotext.errors import UserError
-from nanotext.model import attention, count_params, GPT, gpt, Keys, loss
+from nanotext.model import attention, count_params, draws, GPT, gpt, loss
 from nanotext.data import pipeline, registry
 from nanotext.data.fingerprint import fingerprint_change
 from nanotext.data.prepare import default_dir
@@ -60,15 +60,21 @@ class Run:
     """A GPT of this run's config (parameters initialised from `seed`, an int or a traced
     one; default cfg.seed)."""
     seed = self.cfg.seed if seed is None else seed
-    return GPT(self.cfg.model, self.cfg.attention, impl=self.impl,
-               rngs=Keys(jax.random.key(seed)))
+    return draws.build(lambda keys: GPT(self.cfg.model, self.cfg.attention, impl=self.impl,
+                                        rngs=keys), jax.random.key(seed))
 
   def init_state(self):
-    """Params and optimizer state created directly in their shardings (no host copy). The
-    seed is an argument of the program: a run with another seed compiles no new one."""
-    def init(seed):
-      return self.state_from(nnx.state(self.create_model(seed)).to_pure_dict())
-    return jax.jit(init, out_shardings=self.state_shardings)(jnp.int32(self.cfg.seed))
+    """The step-0 train state in its shardings; the seed is an argument of the program, so a
+    run with another seed compiles no new one. A model small enough to draw whole
+    (draws.MAX_FLAT) is drawn by a program on the default device and placed by a second: XLA's
+    partitioner spends longer on the draws than on the rest of the sharded program
+    (benchmarks/RESULTS.md, "Init draws in one threefry call"). A larger one is drawn in its
+    shardings."""
+    seed = jnp.int32(self.cfg.seed)
+    draw = lambda s: nnx.state(self.create_model(s)).to_pure_dict()
+    if self.num_params <= draws.MAX_FLAT and jax.process_count() == 1:
+      return self.state_from_params(jax.jit(draw)(seed))  # uncommitted: jit moves it
+    return jax.jit(lambda s: self.state_from(draw(s)), out_shardings=self.state_shardings)(seed)
 
   def state_from_params(self, params):
     """A step-0 state around given params, with a fresh optimizer state (load_params_from)."""

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import mesh as conftest_mesh
 from nanotext import sharding
-from nanotext.model import gpt, layers
+from nanotext.model import Keys, gpt, layers
 from nanotext.model.kernels import per_device
 from nanotext.model.kernels import relu2_mlp as kernels
 
@@ -115,7 +115,7 @@ def test_the_model_takes_it_for_relu2_without_bias_or_remat_dots():
 
   def kernel_calls(**change):
     cfg = ml_collections.ConfigDict(dict(base, **change))
-    mlp = gpt.MLP(cfg, rngs=layers.Keys(jax.random.key(0)))
+    mlp = gpt.MLP(cfg, rngs=Keys(jax.random.key(0)))
     with per_device.building_for("gpu"):
       return str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(mlp(x))))(x)).count("pallas_call")
   assert kernel_calls() == 2  # up (h and relu(h)^2) and the gradient

@@ -12,7 +12,8 @@ from nanotext.model.attention import CausalSelfAttention
 from nanotext.model.head_loss import head_loss_sum
 from nanotext.model.kernels import relu2_mlp as relu2_kernels
 from nanotext.model.kernels.dispatch import resolve_impl
-from nanotext.model.layers import (Embed, Keys, Linear, Norm, fp8_head_scales, fp8_matmul,
+from nanotext.model.draws import Keys
+from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul,
                                    init_array, lookup, param, proj_std, relu2_mlp, scaled_sum,
                                    weight_std)
 

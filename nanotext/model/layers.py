@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from nanotext import sharding
+from nanotext.model import draws
 from nanotext.model.kernels import relu2_mlp as relu2_kernels
 from nanotext.model.kernels.per_device import platform
 
@@ -43,38 +44,11 @@ def proj_std(model_cfg, fan_in: int) -> float:
   return weight_std(model_cfg, fan_in) / float(np.sqrt(2 * model_cfg.num_layers))
 
 
-class Keys:
-  """Parameter init keys in creation order, nnx.Rngs(key)'s sequence (fold_in(key, 0), 1, ...)
-  with its count a Python int. Under tracing (a model built in eval_shape or jit) nnx.Rngs
-  stores a traced count per parameter, and flax's store looks up the tracer's `sharding`: an
-  AttributeError whose message JAX formats from the traced program (the record's 12-layer model
-  built in 0.18 s with it, 0.13 s without; benchmarks/build_time.py)."""
-
-  def __init__(self, key):
-    self.key, self.count = key, 0
-
-  def params(self):
-    key = jax.random.fold_in(self.key, self.count)
-    self.count += 1
-    return key
-
-  def split(self) -> nnx.Rngs:
-    """An nnx.Rngs at this point of the sequence, for nnx.split_rngs, which takes one key from
-    it (counted here) and splits it."""
-    rngs = nnx.Rngs(self.key)
-    rngs.default.count.set_value(jnp.full(rngs.default.count.shape, self.count, jnp.uint32))
-    self.count += 1
-    return rngs
-
-
 def init_array(rngs, shape, std, dtype, dist: str = "normal"):
   """Normal(0, std) or uniform(+-sqrt(3) std) (same std, the record's) init; std=0 gives zeros."""
   if std == 0:
     return jnp.zeros(shape, dtype)
-  if dist == "uniform":
-    bound = np.sqrt(3.0) * std
-    return jax.random.uniform(rngs.params(), shape, minval=-bound, maxval=bound).astype(dtype)
-  return (std * jax.random.normal(rngs.params(), shape)).astype(dtype)
+  return draws.draw(rngs, shape, std, dtype, dist)
 
 
 def matmul(x, w):
