@@ -70,11 +70,15 @@ class Run:
     partitioner spends longer on the draws than on the rest of the sharded program
     (benchmarks/RESULTS.md, "Init draws in one threefry call"). A larger one is drawn in its
     shardings."""
+    def init_params(seed):
+      return nnx.state(self.create_model(seed)).to_pure_dict()
+
+    def init(seed):
+      return self.state_from(init_params(seed))
     seed = jnp.int32(self.cfg.seed)
-    draw = lambda s: nnx.state(self.create_model(s)).to_pure_dict()
     if self.num_params <= draws.MAX_FLAT and jax.process_count() == 1:
-      return self.state_from_params(jax.jit(draw)(seed))  # uncommitted: jit moves it
-    return jax.jit(lambda s: self.state_from(draw(s)), out_shardings=self.state_shardings)(seed)
+      return self.state_from_params(jax.jit(init_params)(seed))  # uncommitted: jit moves it
+    return jax.jit(init, out_shardings=self.state_shardings)(seed)
 
   def state_from_params(self, params):
     """A step-0 state around given params, with a fresh optimizer state (load_params_from)."""
