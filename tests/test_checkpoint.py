@@ -89,11 +89,15 @@ def final_params(out):
 @pytest.mark.parametrize("devices", [1, 8])
 def test_sigterm_then_sigkill_resumes_bitwise_exactly(tmp_path, devices):
   straight, broken = str(tmp_path / "straight"), str(tmp_path / "broken")
-  reference = start(straight, devices)  # runs alongside the interrupted one
+  reached = lambda step: max(train_losses(broken), default=0) >= step \
+      if os.path.exists(os.path.join(broken, "metrics.jsonl")) else False
   # 1. SIGTERM mid-run: the process finishes its step, saves it, and exits 0 by itself.
   proc = start(broken, devices)
-  wait_for(proc, lambda: max(train_losses(broken), default=0) >= 6
-           if os.path.exists(os.path.join(broken, "metrics.jsonl")) else False, "step 6")
+  # The uninterrupted run alongside, started once this one has compiled: the worker's cache then
+  # serves its programs (started together, the two compiled the same programs at once).
+  wait_for(proc, lambda: reached(1), "step 1")
+  reference = start(straight, devices)
+  wait_for(proc, lambda: reached(6), "step 6")
   proc.send_signal(signal.SIGTERM)
   assert proc.wait(timeout=PROCESS_TIMEOUT_S) == 0
   with open(f"{broken}.log") as f:
