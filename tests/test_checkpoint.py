@@ -89,8 +89,8 @@ def final_params(out):
 @pytest.mark.parametrize("devices", [1, 8])
 def test_sigterm_then_sigkill_resumes_bitwise_exactly(tmp_path, devices):
   straight, broken = str(tmp_path / "straight"), str(tmp_path / "broken")
-  reached = lambda step: max(train_losses(broken), default=0) >= step \
-      if os.path.exists(os.path.join(broken, "metrics.jsonl")) else False
+  reached = lambda step: os.path.exists(os.path.join(broken, "metrics.jsonl")) and \
+      max(train_losses(broken), default=0) >= step
   # 1. SIGTERM mid-run: the process finishes its step, saves it, and exits 0 by itself.
   proc = start(broken, devices)
   # The uninterrupted run alongside, started once this one has compiled: the worker's cache then
