@@ -355,18 +355,6 @@ def test_cli_names_the_forgotten_eval_seq_len(tmp_path):
   assert "MemoryError" not in proc.stderr
 
 
-def test_cli_logs_the_plan_and_saves_its_choice(tmp_path, tiny):
-  import yaml
-  out = tmp_path / "run"
-  proc = run_cli("nanotext.train", BASE, *tiny, "train.steps=1", f"output_dir={out}")
-  assert proc.returncode == 0, proc.stderr
-  line = next(l for l in proc.stdout.splitlines() if l.startswith("memory plan:"))
-  assert "remat=none, loss_chunk=0, eval_loss_chunk=0" in line and "per device" in line
-  saved = yaml.safe_load((out / "config.yml").read_text())
-  assert (saved["model"]["remat"], saved["train"]["loss_chunk"],
-          saved["train"]["eval_loss_chunk"]) == ("none", 0, 0)
-
-
 def test_processes_agree_on_capacities_past_2_gib(monkeypatch):
   """The least capacity over processes survives jax's int32 gather (no x64): 5 GiB per device
   once wrapped to a negative number and refused a 2-process run."""

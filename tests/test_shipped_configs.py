@@ -5,10 +5,12 @@ and a few steps run through the CLI."""
 import glob
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+import yaml
 
 from conftest import REPO, run_cli
 from nanotext import trainer, wiring, window_schedule
@@ -69,3 +71,12 @@ def test_a_few_steps_through_the_cli(path, tmp_path):
     rows = [json.loads(line) for line in f]
   losses = [r["loss"] for r in rows if "loss" in r]
   assert len(losses) == 3 and all(0 < x < 20 for x in losses), losses
+  # The memory plan's line, and its choices saved in config.yml (so a resume keeps them).
+  line = next(l for l in proc.stdout.splitlines() if l.startswith("memory plan:"))
+  chosen = re.search(r"remat=(\w+), loss_chunk=(\d+), eval_loss_chunk=(\d+)", line)
+  assert chosen and "per device" in line, line
+  saved = yaml.safe_load((tmp_path / "config.yml").read_text())
+  assert (saved["model"]["remat"], str(saved["train"]["loss_chunk"]),
+          str(saved["train"]["eval_loss_chunk"])) == chosen.groups()
+  if path.endswith("base.yml"):  # auto at toy dims: everything kept, nothing chunked
+    assert chosen.groups() == ("none", "0", "0")
