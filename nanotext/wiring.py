@@ -68,10 +68,9 @@ class Run:
     run with another seed compiles no new one. A model small enough to draw whole
     (draws.MAX_FLAT) is drawn by a program on the default device and placed by a second: XLA's
     partitioner spends longer on the draws than on the rest of the sharded program
-    (benchmarks/RESULTS.md, "Init draws in one threefry call"). They reach it through the host:
-    jit slices a one-device array for each device with a program per shape (jit__multi_slice),
-    numpy arrays on the host (each device gets its shard). A larger model is drawn in its
-    shardings."""
+    (benchmarks/RESULTS.md, "Init draws in one threefry call"). They go to it as host arrays,
+    which jit places without compiling; a one-device array it slices with a program per shape
+    (jit__multi_slice). A larger model is drawn in its shardings."""
     def init_params(seed):
       return nnx.state(self.create_model(seed)).to_pure_dict()
 
@@ -79,8 +78,7 @@ class Run:
       return self.state_from(init_params(seed))
     seed = jnp.int32(self.cfg.seed)
     if self.num_params <= draws.MAX_FLAT and jax.process_count() == 1:
-      params = jax.device_get(jax.jit(init_params)(seed))
-      return self.state_from_params(jax.device_put(params, self.state_shardings["params"]))
+      return self.state_from_params(jax.device_get(jax.jit(init_params)(seed)))
     return jax.jit(init, out_shardings=self.state_shardings)(seed)
 
   def state_from_params(self, params):
