@@ -154,16 +154,24 @@ def tokens(rows, T=ROW, vocab=512, seed=0):
 def test_remat_at_full_rows():
   """Recomputing a block's activations at T = 49,152 (bf16) gives the kept activations' gradients
   to bf16 rounding: XLA fuses the recomputed forward differently (measured <= 0.55% relative,
-  bf16's ulp is 0.39%)."""
+  bf16's ulp is 0.39%). The x0-mix lambdas' gradient is one sum of 37.7M products whose absolute
+  sum is ~2,070 times the result, so its bf16 value moves with XLA's fusion choices whatever the
+  policy (measured 0.24-1.9% from float32: jax 0.10 and 0.11, YNNPACK reductions on and off);
+  it is held against the float32 model's, every policy including none."""
   toks = tokens(1)
   grads = {}
-  for policy in ("none", "dots", "full"):
-    run = mlp_run(f"model.remat={policy}")
+  for policy in ("none", "dots", "full", "float32"):
+    dtype = ["model.dtype=float32"] if policy == "float32" else []
+    run = mlp_run(f"model.remat={'none' if dtype else policy}", *dtype)
     fn = jax.jit(jax.grad(lambda p: trainer.loss_fn(run.graphdef, p, toks, toks, per_row=True)))
     grads[policy] = fn(run.init_state()["params"])
+  for policy in ("none", "dots", "full"):
+    assert rel(grads[policy]["blocks"][0]["lambdas"], grads["float32"]["blocks"][0]["lambdas"]) \
+        < 3e-2, policy
   for policy in ("dots", "full"):
     for a, b in zip(jax.tree.leaves(grads[policy]), jax.tree.leaves(grads["none"])):
-      assert np.abs(np.asarray(b, np.float32)).max() > 0 and rel(a, b) < 1e-2, policy
+      assert np.abs(np.asarray(b, np.float32)).max() > 0, policy
+      assert a.shape == (2,) or rel(a, b) < 1e-2, policy  # (2,): the lambdas, held above
 
 
 @pytest.mark.slow
