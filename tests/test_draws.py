@@ -12,8 +12,6 @@ from conftest import BASE, REPO, SPEEDRUN
 from nanotext import wiring
 from nanotext.model import GPT, Keys, draws
 
-pytestmark = pytest.mark.fast
-
 SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
          "model.vocab_size=256", "model.align=0", "train.seq_len=16", "train.batch_size=8",
          "data.source=synthetic", "data.tokenizer=none", "data.eot_id=0"]
@@ -42,6 +40,7 @@ def direct_params(run, seed):
   return nnx.state(model).to_pure_dict()
 
 
+@pytest.mark.fast
 def test_one_flat_draw_equals_each_parameters_own():
   """Counts out of order, odd stds (one rounding of sqrt(2) * std, as XLA folds them in a
   compiled init), both dtypes and both distributions, shapes of 1 to 3 dimensions."""
@@ -59,7 +58,9 @@ def test_one_flat_draw_equals_each_parameters_own():
   assert bits_of(flat) == bits_of(each(key))
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# The record in the fast tier; base and scanned (10 s each on a 2-core Zen 3) in the whole suite.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.fast) if n == "record" else n
+                                  for n in MODELS])
 def test_a_model_built_from_one_draw_equals_one_drawn_parameter_by_parameter(name):
   path, overrides = MODELS[name]
   run = wiring.prepare(path, SMALL + overrides)
@@ -72,6 +73,7 @@ def test_a_model_built_from_one_draw_equals_one_drawn_parameter_by_parameter(nam
   assert bits_of(run.init_state()["params"]) == bits_of(direct(jnp.int32(run.cfg.seed)))
 
 
+@pytest.mark.fast
 def test_the_init_program_draws_once():
   """The point of it: one threefry call and one erfinv in the program, not one per shape."""
   run = wiring.prepare(BASE, SMALL)

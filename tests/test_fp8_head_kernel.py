@@ -62,7 +62,6 @@ def test_at_the_records_widths(monkeypatch):
   assert np.all(np.abs(gx - wx) <= step), np.max(np.abs(gx - wx) / step)
 
 
-@pytest.mark.fast
 def test_under_a_mesh_runs_per_device(monkeypatch):
   """Tokens split over data and fsdp: each device's kernel on its own rows, the codes whole."""
   m = conftest_mesh(data=2, fsdp=2)

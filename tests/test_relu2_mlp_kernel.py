@@ -66,7 +66,6 @@ def test_at_the_records_widths():
     assert_rounding_apart(g, w, share=0.01)
 
 
-@pytest.mark.fast
 def test_under_a_mesh_runs_per_device():
   """Tokens over data and fsdp, the MLP's columns over tensor: each device's kernels on its own
   rows and columns, the weights' other axis gathered."""
@@ -83,7 +82,6 @@ def test_under_a_mesh_runs_per_device():
     assert_rounding_apart(g, w)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_under_remat_the_gradients_are_the_same(policy):
   x, w1, w2, dy = inputs(1, 128, 128, 256, seed=3)
