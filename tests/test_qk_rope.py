@@ -95,6 +95,23 @@ def test_applies_only_to_a_gpu_program_it_can_tile():
     assert not qk_rope.applies(100, 128) and not qk_rope.applies(128, 96)
 
 
+def lm_loss_and_grads(graphdef, params, tokens):
+  """Next-token cross-entropy of the model on `tokens` and its gradients, as one program."""
+  def loss(p):
+    logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+                                         tokens[:, 1:, None], -1))
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def assert_gradients_near(got, want, peak, norm):
+  """Each leaf within `peak` of its largest element and `norm` of its norm (relative)."""
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    g, w = np.float32(g), np.float32(w)
+    assert np.abs(g - w).max() <= peak * np.abs(w).max() + 1e-12, jax.tree_util.keystr(path)
+    assert np.linalg.norm(g - w) <= norm * np.linalg.norm(w) + 1e-12, jax.tree_util.keystr(path)
+
+
 def test_the_records_layers_train_the_same_through_it(monkeypatch):
   """The speedrun model (merged QKV, QK-norm, half-truncated rotation, value embeddings mixed
   into v) in bf16: loss and every parameter's gradient through the kernel equal the XLA path's
@@ -115,19 +132,12 @@ def test_the_records_layers_train_the_same_through_it(monkeypatch):
   def loss_and_grads(fused):
     monkeypatch.setattr(qk_rope, "applies", lambda T, K: fused)
 
-    def loss(p):
-      logits = nnx.merge(graphdef, p)(tokens[:, :-1])
-      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
-                                           tokens[:, 1:, None], -1))
-    return jax.jit(jax.value_and_grad(loss))(params)
+    return lm_loss_and_grads(graphdef, params, tokens)
 
   (l_got, g_got), (l_want, g_want) = loss_and_grads(True), loss_and_grads(False)
   assert float(l_got) == pytest.approx(float(l_want), rel=1e-6)
-  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want)):
-    g, w = np.float32(g), np.float32(w)
-    # A wrong rotation, norm or gradient route is off by whole percents at least.
-    assert np.abs(g - w).max() <= 2e-2 * np.abs(w).max() + 1e-12, jax.tree_util.keystr(path)
-    assert np.linalg.norm(g - w) <= 3e-3 * np.linalg.norm(w) + 1e-12, jax.tree_util.keystr(path)
+  # A wrong rotation, norm or gradient route is off by whole percents at least.
+  assert_gradients_near(g_got, g_want, peak=2e-2, norm=3e-3)
 
 
 @pytest.mark.fast
