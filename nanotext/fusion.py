@@ -1,5 +1,5 @@
 """What a fusing compiler (GPU, TPU) materialises of a jaxpr: its kept values, the residuals a
-backward pass saves and the peak of live values in a forward pass (nanotext.memory's activations)."""
+backward pass saves and the peak of live values in a forward pass (memory's activations)."""
 
 import math
 import re
@@ -233,7 +233,8 @@ def peak_live(jaxpr, size_of, opaque=lambda eqn: False, backend: str = "",
   for a, i in first.items():
     made[i] = made.get(i, 0.0) + copy[a]
   copies = {a: 2 for a, blocks in readers.items()
-            if _block(g.producer[a]) is not None and len(blocks - {None, _block(g.producer[a])}) > 1}
+            if _block(g.producer[a]) is not None
+            and len(blocks - {None, _block(g.producer[a])}) > 1}
   bytes_of = lambda v: copy[v] if v in copy else size_of(g.stored(v).aval) * copies.get(v, 1)
   live = peak = 0.0
   for i, e in enumerate(jaxpr.eqns):

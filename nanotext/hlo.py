@@ -310,7 +310,8 @@ def _gemm_flops(ins: Instr, operand_types) -> float:
   """2 * output elements * contracted size of a cuBLAS call (its backend config says which)."""
   dims = ins.config().get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
   lhs = shapes(operand_types[0])[0][1] if operand_types and shapes(operand_types[0]) else ()
-  k = math.prod(lhs[int(i)] for i in dims.get("lhs_contracting_dimensions", []) if int(i) < len(lhs))
+  k = math.prod(lhs[int(i)] for i in dims.get("lhs_contracting_dimensions", [])
+                if int(i) < len(lhs))
   out = shapes(ins.type)[0][1] if shapes(ins.type) else ()
   return 2.0 * math.prod(out) * k
 

@@ -1,4 +1,4 @@
-"""Download the pre-tokenized GPT-2 FineWeb-10B `.bin` shards that the modded-nanogpt speedrun uses."""
+"""Download the pre-tokenized GPT-2 FineWeb-10B `.bin` shards the modded-nanogpt speedrun uses."""
 
 import glob
 import os
