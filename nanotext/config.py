@@ -272,7 +272,7 @@ def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
     m.embed_rows = min(tokenizer_vocab or m.vocab_size, m.vocab_size)
   if cfg.optim.head_lr_record:  # the record's head is sqrt(d) W: Adam's steps shrink by sqrt(d)
     cfg.optim.head_lr = cfg.optim.head_lr_record / m.d_model ** 0.5
-  if not cfg.optim.head_eps:  # ... and its gradients by sqrt(d): the same eps, sqrt(d) larger
+  if not cfg.optim.head_eps:  # ... and its gradients by sqrt(d), so eps grows by sqrt(d) to match
     cfg.optim.head_eps = cfg.optim.eps * (m.d_model ** 0.5 if cfg.optim.head_lr_record else 1.0)
   for axis, size in mesh_sizes.items():
     cfg.mesh[axis] = size

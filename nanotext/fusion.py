@@ -1,5 +1,5 @@
 """What a fusing compiler (GPU, TPU) materialises of a jaxpr: its kept values, the residuals a
-backward pass saves and the peak of live values in a forward pass (memory's activations)."""
+backward pass saves and the peak of live values in a forward pass (activations in memory.py)."""
 
 import math
 import re
