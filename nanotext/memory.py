@@ -17,13 +17,18 @@ import dataclasses
 import importlib.metadata
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from nanotext.fusion import kept_bytes, peak_live, saved_residuals, scope
-from nanotext import config, window_schedule
+from nanotext import config, optim, sharding, window_schedule
 from nanotext.model import head_loss
-from nanotext.model.kernels import dispatch
+from nanotext.model.gpt import abstract_model
+from nanotext.model.kernels import blocked as ba, dispatch
 from nanotext.model.kernels.per_device import building_for
+from nanotext.model.loss import loss_fn
 
 GIB = 2**30
 # jax 0.10's CPU backend runs 16-bit math in float32 and keeps the float32 values; 0.11's keeps
@@ -109,10 +114,6 @@ class Model:
   """One config's memory terms on a backend and mesh; traces cached per (remat, chunk)."""
 
   def __init__(self, cfg, backend: str, mesh_sizes: dict):
-    import jax
-    from jax.sharding import PartitionSpec as P
-    from nanotext import optim, sharding
-    from nanotext.model.gpt import abstract_model
     self.cfg, self.backend, self.mesh_sizes = cfg, backend, dict(mesh_sizes)
     self.graphdef, abstract, self.impl = abstract_model(cfg, backend)
     rules = sharding.parse_rules(cfg.mesh.rules)
@@ -154,7 +155,6 @@ class Model:
     and gathers them again for the backward (h100-8: the record's train step gathers 400 MiB in
     10 all-gathers, twice its bf16 weights; every parameter gathered at once was 1.24x the
     compiler for shakespeare.yml)."""
-    import jax
     tree = jax.tree.unflatten(jax.tree.structure(self.params), self.gathered_leaves)
     total = lambda t: sum(jax.tree.leaves(t))
     head = total(tree["embed" if self.cfg.model.tie_embeddings else "head"])
@@ -184,10 +184,6 @@ class Model:
     return self._traces[key]
 
   def _trace(self, remat: str, chunk: int, length: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-    from nanotext import window_schedule
-    from nanotext.model.loss import loss_fn
     cfg = config.replace_sections(self.cfg, model={"remat": remat})
     graphdef = self.traced_model(remat)
     windows = window_schedule.step_windows(cfg, cfg.train.steps)  # the widest: the last stage
@@ -222,7 +218,6 @@ class Model:
     if not self.stand_in and (remat == self.cfg.model.remat or remat == "none"
                               and self.cfg.model.remat == "auto"):
       return self.graphdef
-    from nanotext.model.gpt import abstract_model
     impl = "blocked" if self.stand_in else self.cfg.attention.impl
     cfg = config.replace_sections(self.cfg, model={"remat": remat}, attention={"impl": impl})
     return abstract_model(cfg, self.backend)[0]
@@ -293,7 +288,6 @@ class Model:
         return rows * length * length * 2
       return scores * (2 if train else 1)  # backward: the scores' and probabilities' gradients
     if self.impl == "blocked":
-      from nanotext.model.kernels import blocked as ba
       window = max(window_schedule.step_windows(self.cfg, self.cfg.train.steps))
       block = a.window_block if a.block_windows else ba.BLOCK
       nb = -(-length // block)
@@ -327,10 +321,6 @@ class Model:
   def eval(self, chunk: int) -> Estimate:
     """The eval step: forward only, validation rows of train.eval_seq_len, its working set
     from the traced program (the attention kernel's scores included)."""
-    import jax
-    import jax.numpy as jnp
-    from nanotext import window_schedule
-    from nanotext.model.loss import loss_fn
     rows, length = self.eval_rows, self.eval_len
     if ("eval", chunk) not in self._traces:
       windows = window_schedule.step_windows(self.cfg, self.cfg.train.steps)
