@@ -239,6 +239,12 @@ def validate(cfg) -> None:
   if m.max_seq_len and m.max_seq_len < t.seq_len:
     raise UserError(f"model.max_seq_len={m.max_seq_len} is shorter than train.seq_len="
                     f"{t.seq_len}")
+  length = "eval_seq_len" if t.eval_seq_len > t.seq_len else "seq_len"
+  tokens = t.batch_size * t[length]
+  if tokens >= 2**31:  # jax indexes and counts a step's tokens in int32
+    raise UserError(f"train.batch_size={t.batch_size} x train.{length}={t[length]} is "
+                    f"{tokens:,} tokens in one step, more than int32 counts ({2**31 - 1:,}); "
+                    "lower one of them")
 
 
 def misaligned_dims(model_cfg) -> list:

@@ -211,6 +211,15 @@ def test_batch_not_divisible_by_grad_accum():
   assert load("train.batch_size=8", "train.grad_accum=4").train.grad_accum == 4
 
 
+@pytest.mark.parametrize("length", ["seq_len", "eval_seq_len"])
+def test_a_step_of_more_tokens_than_int32_counts_is_refused(length):
+  """16 rows of 10^9 tokens: refused before anything is traced (the memory plan's trace of the
+  loss overflowed in jax, an OverflowError, where a user needs the keys to change)."""
+  msg = error("train.batch_size=16", f"train.{length}=1000000000")
+  assert f"train.{length}=1000000000" in msg and "train.batch_size=16" in msg
+  assert load("train.batch_size=2", f"train.{length}=1000000000").train.batch_size == 2
+
+
 # finalize.
 
 def finalize(*overrides, num_devices=8, path=BASE):
