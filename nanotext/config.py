@@ -239,6 +239,11 @@ def validate(cfg) -> None:
   if m.max_seq_len and m.max_seq_len < t.seq_len:
     raise UserError(f"model.max_seq_len={m.max_seq_len} is shorter than train.seq_len="
                     f"{t.seq_len}")
+  table = m.max_seq_len or t.seq_len
+  if m.positions == "learned" and t.eval_seq_len > table:
+    raise UserError(f"train.eval_seq_len={t.eval_seq_len} is longer than the learned positions "
+                    f"(model.max_seq_len={m.max_seq_len}, 0 = train.seq_len={t.seq_len}); "
+                    "validate at most that long, or set model.positions=rope")
   length = "eval_seq_len" if t.eval_seq_len > t.seq_len else "seq_len"
   tokens = t.batch_size * t[length]
   if tokens >= 2**31:  # jax indexes and counts a step's tokens in int32

@@ -211,13 +211,22 @@ def test_batch_not_divisible_by_grad_accum():
   assert load("train.batch_size=8", "train.grad_accum=4").train.grad_accum == 4
 
 
+def test_validation_rows_longer_than_the_learned_positions_are_refused():
+  """A position past the learned table has no row: the eval step failed to trace (TypeError)."""
+  msg = error("train.seq_len=256", "train.eval_seq_len=512")
+  assert "train.eval_seq_len=512" in msg and "model.max_seq_len" in msg
+  assert load("train.eval_seq_len=512", "model.max_seq_len=512").train.eval_seq_len == 512
+  assert load("train.eval_seq_len=512", "model.positions=rope").train.eval_seq_len == 512
+
+
 @pytest.mark.parametrize("length", ["seq_len", "eval_seq_len"])
 def test_a_step_of_more_tokens_than_int32_counts_is_refused(length):
   """16 rows of 10^9 tokens: refused before anything is traced (the memory plan's trace of the
   loss overflowed in jax, an OverflowError, where a user needs the keys to change)."""
-  msg = error("train.batch_size=16", f"train.{length}=1000000000")
+  rope = "model.positions=rope"  # a learned table would refuse the eval rows first
+  msg = error("train.batch_size=16", f"train.{length}=1000000000", rope)
   assert f"train.{length}=1000000000" in msg and "train.batch_size=16" in msg
-  assert load("train.batch_size=2", f"train.{length}=1000000000").train.batch_size == 2
+  assert load("train.batch_size=2", f"train.{length}=1000000000", rope).train.batch_size == 2
 
 
 # finalize.
