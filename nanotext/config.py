@@ -11,7 +11,6 @@ there alone).
 
 import dataclasses
 import difflib
-import math
 import re
 from pathlib import Path
 
@@ -28,6 +27,7 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 # older version) still loads, the key ignored.
 RETIRED = ("train.debug_nan_step",)
 MAX_BASE_DEPTH = 32  # a chain of base: files deeper than this is refused
+FLOAT32_MAX = 3.4028234663852886e38  # every float key is used in float32
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -96,8 +96,8 @@ def coerce(key: str, value, default):
       number = float("inf")
     if number is None:
       raise bad("a number")
-    if not math.isfinite(number):  # a NaN lr or temperature can only poison the run
-      raise bad("a finite number")
+    if not abs(number) <= FLOAT32_MAX:  # NaN or inf (in float32, as the step computes) can
+      raise bad("a finite number (float32: at most 3.4e38)")  # only poison the run
     return number
   if kind is str:
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
