@@ -31,6 +31,13 @@ def make_sampler(graphdef, max_len: int, temperature: float, top_k: int):
 def sample(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
            temperature: float, top_k: int, seed: int) -> list:
   """Autoregressively extend `prompt_ids`; the context is the last `max_len` tokens."""
+  return list(stream(graphdef, params, prompt_ids, max_len=max_len, max_new_tokens=max_new_tokens,
+                     temperature=temperature, top_k=top_k, seed=seed))
+
+
+def stream(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
+           temperature: float, top_k: int, seed: int):
+  """`sample`'s tokens, each yielded as soon as it is drawn."""
   import jax
   import numpy as np
   if not prompt_ids:
@@ -44,16 +51,38 @@ def sample(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
     buf[0, :len(ctx)] = ctx
     key, sub = jax.random.split(key)
     tokens.append(int(step_fn(params, buf, len(ctx) - 1, sub)))
-  return tokens[len(prompt_ids):]
+    yield tokens[-1]
+
+
+MAX_PENDING = 8  # tokens held back while their text ends inside a character (UTF-8: 4 bytes)
+
+
+def text_pieces(tokenizer, ids):
+  """The text of token ids, piece by piece as they come: a token that ends inside a multi-byte
+  character waits for the next one (at most MAX_PENDING tokens), so every piece is whole
+  characters and the pieces join to tokenizer.decode(ids) (byte-level BPE, valid UTF-8)."""
+  pending = []
+  for i in ids:
+    pending.append(i)
+    piece = tokenizer.decode(pending)
+    if not piece.endswith("\ufffd") or len(pending) >= MAX_PENDING:
+      yield piece
+      pending = []
+  if pending:
+    yield tokenizer.decode(pending)
+
+
+def sample_ids(graphdef, params, cfg, tokenizer, prompt: str):
+  """The continuation's token ids of prompt text as they are drawn, with cfg.sample's settings."""
+  s = cfg.sample
+  return stream(graphdef, params, encode_prompt(tokenizer, prompt), max_len=cfg.model.max_seq_len,
+                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+                seed=s.seed)
 
 
 def sample_text(graphdef, params, cfg, tokenizer, prompt: str) -> str:
   """Prompt text -> sampled continuation text, with the settings in cfg.sample."""
-  s = cfg.sample
-  ids = sample(graphdef, params, encode_prompt(tokenizer, prompt), max_len=cfg.model.max_seq_len,
-               max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-               seed=s.seed)
-  return tokenizer.decode(ids)
+  return tokenizer.decode(list(sample_ids(graphdef, params, cfg, tokenizer, prompt)))
 
 
 def encode_prompt(tokenizer, prompt: str) -> list:
@@ -130,7 +159,10 @@ def main(argv) -> None:
   encode_prompt(tokenizer, cfg.sample.prompt)  # before the checkpoint is read
   step, graphdef, params = restore(out, cfg, step, checked=True)
   print(f"[step {step}] {cfg.sample.prompt}", end="", flush=True)
-  print(sample_text(graphdef, params, cfg, tokenizer, cfg.sample.prompt))
+  ids = sample_ids(graphdef, params, cfg, tokenizer, cfg.sample.prompt)
+  for piece in text_pieces(tokenizer, ids):  # as it is sampled: long samples take minutes
+    print(piece, end="", flush=True)
+  print()
 
 
 if __name__ == "__main__":

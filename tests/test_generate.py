@@ -136,3 +136,28 @@ def test_for_sampling_rebuilds_the_saved_run_on_one_device(tmp_path):
   assert cfg.mesh.fsdp == 1 and run.cfg.mesh.fsdp == 8
   shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
   assert shapes(abstract) == shapes(run.abstract_state()["params"])
+
+
+@pytest.mark.fast
+def test_text_pieces_are_whole_characters_and_join_to_the_whole_decode():
+  """generate prints each token's text as it is drawn: a token that ends inside a multi-byte
+  character waits for the rest of it, and the printed pieces are the text decoded at once."""
+  from nanotext.data.tokenizer import get_tokenizer
+  tok = get_tokenizer("shakespeare")
+  ids = tok.encode("ROMEO: héllo — wörld 日本語 😀, thou art.\nJULIET: ay.")
+  pieces = list(generate.text_pieces(tok, ids))
+  assert "".join(pieces) == tok.decode(ids)
+  assert not any("\ufffd" in p for p in pieces)
+  assert len(pieces) < len(ids)  # a character split over tokens waited for its last
+  ascii_ids = tok.encode("ROMEO: thou art.")
+  assert list(generate.text_pieces(tok, ascii_ids)) == [tok.decode([i]) for i in ascii_ids]
+
+
+@pytest.mark.fast
+def test_text_pieces_hold_back_at_most_a_few_tokens():
+  """Tokens that never complete a character still print, MAX_PENDING at a time."""
+  class Broken:
+    def decode(self, ids):
+      return "\ufffd" * len(ids)
+  pieces = list(generate.text_pieces(Broken(), range(20)))
+  assert [len(p) for p in pieces] == [8, 8, 4] and generate.MAX_PENDING == 8

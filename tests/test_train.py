@@ -107,6 +107,14 @@ def test_generate_cli_samples_from_the_checkpoint(corpus_run):
   again = run_cli("nanotext.generate", f"output_dir={out}", "prompt=KING:", "max_new_tokens=12",
                   "temperature=0.8", "top_k=20", "seed=3")
   assert again.stdout == proc.stdout  # a seed makes sampling reproducible
+  # printed piece by piece as it is drawn, the text is the sample decoded at once
+  from nanotext import generate, wiring
+  from nanotext.data.tokenizer import get_tokenizer
+  cfg = wiring.load(os.path.join(out, "config.yml"), ["sample.max_new_tokens=12",
+                    "sample.temperature=0.8", "sample.top_k=20", "sample.seed=3"])
+  step, graphdef, params = generate.restore(out, cfg, checked=True)
+  text = generate.sample_text(graphdef, params, cfg, get_tokenizer(cfg.data.tokenizer), "KING:")
+  assert proc.stdout == f"[step {step}] KING:{text}\n"
 
 
 def test_golden_loss_after_four_steps(tmp_path):
