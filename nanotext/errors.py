@@ -5,6 +5,7 @@ import errno
 import os
 import re
 import resource
+import select
 import sys
 import logging as pylogging
 import threading
@@ -62,13 +63,33 @@ def fail(message: str, status: int = 2) -> None:
   Callers leave nothing open that needs Python's shutdown (files closed, saves waited for).
   """
   print(f"nanotext: error: {message}", file=sys.stderr, flush=True)
-  sys.stdout.flush()
+  try:
+    sys.stdout.flush()
+  except OSError:  # stdout's pipe closed or its disk full: the line above is what matters
+    pass
   os._exit(status)
+
+
+def stdout_widowed() -> bool:
+  """Whether stdout is a pipe whose reader has exited (`| head` that has read its lines)."""
+  try:
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+  except (OSError, ValueError, AttributeError):  # no file descriptor behind sys.stdout
+    return False
+
+
+def drop_stdout() -> None:
+  """Send stdout to /dev/null: what is still buffered for a closed pipe goes, not raised again."""
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, sys.stdout.fileno())
+  os.close(devnull)
 
 
 def run_cli(main, argv=None) -> None:
   """Call `main(argv)`: UserError is one line and exit status 2, ResourceError one line and 1,
-  Ctrl-C one line and 130 (the tools run under it only read, or write through a staging
+  a closed stdout pipe nothing and 141 (128 + SIGPIPE), Ctrl-C one line and 130 (the tools run under it only read, or write through a staging
   folder that a kill leaves unused, so stopping anywhere loses nothing). Any other error ends
   the process too, at once, whatever threads are still running (explain)."""
   quiet_background_errors()
@@ -83,6 +104,11 @@ def run_cli(main, argv=None) -> None:
     fail("interrupted", 130)
   except signals.Terminated:
     fail("stopped by SIGTERM", 143)
+  except BrokenPipeError as e:
+    if not stdout_widowed():
+      fail(*explain(e))
+    drop_stdout()  # its reader chose to stop reading: quiet, as a tool that SIGPIPE ends
+    os._exit(141)
   except Exception as e:  # pylint: disable=broad-except
     fail(*explain(e))
 

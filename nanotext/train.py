@@ -5,12 +5,13 @@ flags: `--config=CONFIG --set=train.steps=50 --set=model.num_layers=2`.
 """
 
 import os
+import sys
 import time
 
 from absl import flags, logging
 
 from nanotext import cli
-from nanotext.errors import ResourceError, UserError, fail
+from nanotext.errors import ResourceError, UserError, drop_stdout, fail, stdout_widowed
 from nanotext.generate import sample_text, encode_prompt
 from nanotext.xla_flags import maybe_set_cpu_flags
 
@@ -182,12 +183,11 @@ def main(args) -> None:
   """The CLI: `args` are the positional arguments (absl has taken the flags)."""
   cpu_flags = maybe_set_cpu_flags()  # before JAX starts a backend, which reads XLA_FLAGS once
   if cpu_flags:
-    print(f"XLA_FLAGS={cpu_flags} (CPU defaults; set XLA_FLAGS to choose your own)", flush=True)
+    _print(f"XLA_FLAGS={cpu_flags} (CPU defaults; set XLA_FLAGS to choose your own)")
   from nanotext.watch import NonFiniteError
   try:
     path, overrides = parse_args(args)
-    run(path, overrides, log=lambda s: print(s, flush=True) if _is_main() else None,
-        started=_STARTED)
+    run(path, overrides, log=_log_line, started=_STARTED)
   except UserError as e:
     fail(str(e))
   except (NonFiniteError, ResourceError) as e:  # a failed checkpoint write is a ResourceError
@@ -216,6 +216,28 @@ def out_of_memory(e: Exception) -> str:
 def _is_main() -> bool:
   import jax
   return jax.process_index() == 0
+
+
+def _log_line(line: str) -> None:
+  """A line of the run's log, printed by process 0."""
+  if _is_main():
+    _print(line)
+
+
+def _print(line: str) -> None:
+  """`line` on stdout. Once stdout's reader has gone (`| tee` closed with its terminal, the run
+  under nohup) the run goes on: metrics.jsonl has its log."""
+  try:
+    print(line, flush=True)
+  except BrokenPipeError:
+    if not stdout_widowed():
+      raise
+    drop_stdout()
+    try:
+      print("nanotext: stdout was closed; training goes on, its log in the run's metrics.jsonl",
+            file=sys.stderr, flush=True)
+    except OSError:
+      pass
 
 
 if __name__ == "__main__":

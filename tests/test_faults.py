@@ -189,6 +189,25 @@ def test_a_damaged_newest_step_falls_back_to_the_newest_intact_one(reference, tm
   assert_same_as(reference, out)
 
 
+def test_training_goes_on_when_stdout_is_closed(reference, tmp_path):
+  """`train | tee log` with tee gone (its terminal closed, the run under nohup): the run trains
+  to its end as it would have, says so once on stderr, and exits 0 (it ended in a BrokenPipeError
+  traceback at its first line)."""
+  out = str(tmp_path / "run")
+  read, write = os.pipe()
+  os.close(read)  # the reader has gone before the first line
+  try:
+    proc = subprocess.run(train_command() + [BASE, *ARGS, f"output_dir={out}"], cwd=REPO,
+                          stdout=write, stderr=subprocess.PIPE, text=True,
+                          timeout=PROCESS_TIMEOUT_S)
+  finally:
+    os.close(write)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stderr.count("stdout was closed; training goes on") == 1, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  assert_same_as(reference, out)
+
+
 def test_nothing_intact_is_refused_with_one_line_and_nothing_moved(reference, tmp_path):
   out = copy_of(reference, tmp_path)
   for step in (2, 4, 6):

@@ -27,6 +27,11 @@ def main(args):
     raise OSError(28, "No space left on device", "/x/metrics.jsonl")
   if kind == "xla":
     raise type("JaxRuntimeError", (RuntimeError,), {})("INTERNAL: YNNPACK operation failed")
+  if kind == "pipe":  # stdout's reader has exited (the test closed it): `| head`
+    for i in range(100000):
+      print("line", i, flush=True)
+  if kind == "socket":  # a broken pipe that is not stdout's is a bug like any other
+    raise BrokenPipeError(32, "Broken pipe")
   raise ZeroDivisionError("a bug")
 cli.run(main, "usage: tool", argv=["tool"])
 """
@@ -37,14 +42,34 @@ pytestmark = pytest.mark.fast  # one-line errors of tiny programs: seconds
 @pytest.mark.parametrize("kind,status,needle", [
     ("user", 2, "bad input"), ("resource", 1, "No space left on device"),
     ("xla", 1, "XLA failed while running a program: INTERNAL: YNNPACK"),
-    ("bug", 1, "unexpected ZeroDivisionError: a bug")])
+    ("bug", 1, "unexpected ZeroDivisionError: a bug"),
+    ("socket", 1, "unexpected BrokenPipeError")])
 def test_an_error_ends_the_process_with_a_live_thread(kind, status, needle):
   proc = subprocess.run([sys.executable, "-c", TOOL, kind], cwd=REPO, capture_output=True,
                         text=True, timeout=60)  # a process that outlives its error times out
   assert proc.returncode == status, proc.stderr
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("nanotext: error:") and needle in last, proc.stderr
-  assert ("Traceback" in proc.stderr) == (kind == "bug")  # a bug keeps where it happened
+  assert ("Traceback" in proc.stderr) == (kind in ("bug", "socket"))  # a bug keeps its place
+
+
+def widowed_pipe():
+  """The write end of a pipe whose reader has already gone, as stdout for a process."""
+  read, write = os.pipe()
+  os.close(read)
+  return write
+
+
+def test_a_closed_stdout_ends_a_tool_quietly():
+  """`tool | head`: once head has read its lines, the tool stops with 141 (as a tool that
+  SIGPIPE ends) and prints nothing, no traceback."""
+  write = widowed_pipe()
+  try:
+    proc = subprocess.run([sys.executable, "-c", TOOL, "pipe"], cwd=REPO, stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=60)
+  finally:
+    os.close(write)
+  assert proc.returncode == 141 and proc.stderr == "", proc.stderr
 
 
 # A tool whose main thread is inside a call that does not return to Python (as in an XLA
