@@ -22,6 +22,7 @@ TOOLS = {
     "data.prepare": ["nanotext.data.prepare"],
     "data.fineweb": ["nanotext.data.fineweb"],
     "data.tokenizer": ["nanotext.data.tokenizer"],
+    "data.text_shards": ["nanotext.data.text_shards"],
 }
 
 
@@ -67,7 +68,8 @@ def non_utf8_args(tmp: bytes) -> dict:
           "compile": [b"configs/base.yml", b"output_dir=" + bad, b"--topology=v6e-8"],
           "data.prepare": [b"--out=" + bad],
           "data.fineweb": [b"--out=" + bad],
-          "data.tokenizer": [b"--train", b"--out=" + bad + b".json"]}
+          "data.tokenizer": [b"--train", b"--out=" + bad + b".json"],
+          "data.text_shards": [bad + b".txt", b"--out=" + tmp + b"/o"]}
 
 
 @pytest.mark.parametrize("tool", [t for t in TOOLS if t != "convert to-hf"])

@@ -119,7 +119,7 @@ def test_an_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path):
 def test_a_failed_conversion_outlasts_a_writer_still_finishing_in_it(tmp_path):
   """A failed orbax save returns while tensorstore still writes its other files (CI once found
   a '.out.tmp-*' left): staged_dir waits for them and leaves the folder of --out empty."""
-  from nanotext.convert.common import staged_dir
+  from nanotext.outputs import staged_dir
   started, raised = threading.Event(), threading.Event()
 
   def late_writer(tmp):

@@ -10,8 +10,8 @@ import dataclasses
 
 import numpy as np
 
-from nanotext.convert.common import (check_out, load_run, per_layer, require, stacked,
-                                     staged_dir)
+from nanotext.convert.common import load_run, per_layer, require, stacked
+from nanotext.outputs import check_out, staged_dir
 from nanotext.convert.hf_tokenizer import generation_config, special_ids, write_tokenizer
 from nanotext.errors import UserError
 from nanotext.trees import fill, flatten

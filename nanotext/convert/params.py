@@ -13,7 +13,8 @@ import shutil
 import jax
 import jax.numpy as jnp
 
-from nanotext.convert.common import check_out, load_run, staged_dir
+from nanotext.convert.common import load_run
+from nanotext.outputs import check_out, staged_dir
 from nanotext.errors import UserError
 from nanotext.rundir import check_no_glob
 

@@ -27,7 +27,8 @@ import os
 
 import numpy as np
 
-from nanotext.convert.common import check_out, load_run, per_layer, require, staged_file
+from nanotext.convert.common import load_run, per_layer, require
+from nanotext.outputs import check_out, staged_file
 from nanotext.errors import UserError
 from nanotext.trees import flatten
 

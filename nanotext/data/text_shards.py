@@ -1,0 +1,126 @@
+"""Your own text as `.bin` shards: `python -m nanotext.data.text_shards FILE [FILE ...] --out=DIR`.
+
+Each file is one document, `<|endoftext|>` before its tokens (the FineWeb shards' convention);
+the documents go in the order given. The last `--val_fraction` of the tokens form the validation
+shard, the rest training shards of at most `--shard_tokens` tokens. The folder is written whole
+or not at all; its meta.json records the tokenizer, the counts and the files.
+"""
+
+import glob
+import json
+import os
+import shlex
+import time
+
+import numpy as np
+from absl import flags
+
+from nanotext.data import binfile
+from nanotext.data.tokenizer import get_tokenizer
+from nanotext.errors import UserError
+from nanotext.outputs import check_out, staged_dir
+
+USAGE = ("usage: python -m nanotext.data.text_shards FILE [FILE ...] --out=DIR "
+         "[--tokenizer=gpt2|shakespeare] [--val_fraction=F] [--shard_tokens=N] [--force]")
+TOKENIZERS = ("gpt2", "shakespeare")
+
+
+def check_file(path: str) -> None:
+  """UserError for an input path that is not a file."""
+  if not os.path.isfile(path):
+    raise UserError(f"'{path}' is not a file; give text files (a shell glob such as "
+                    "'corpus/*.txt' names many)")
+
+
+def read_text(path: str) -> str:
+  """A document's text; UserError for a path that is not a readable UTF-8 file."""
+  check_file(path)
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  except UnicodeDecodeError as e:
+    raise UserError(f"'{path}' is not UTF-8 text (byte {e.start}): convert it first") from None
+  except OSError as e:
+    raise UserError(f"cannot read '{path}' ({e.strerror})") from None
+
+
+def tokenize(paths, tokenizer, log=lambda s: None, every_s: float = 5.0) -> np.ndarray:
+  """The token stream of the documents: `<|endoftext|>` + each file's tokens, as uint16."""
+  if tokenizer.vocab_size > 2**16:
+    raise UserError(f"a vocabulary of {tokenizer.vocab_size} ids does not fit .bin shards' "
+                    "uint16 tokens")
+  docs, total, last = [], 0, time.monotonic()
+  for i, path in enumerate(paths):
+    ids = tokenizer.encode(read_text(path))
+    docs.append(np.asarray([tokenizer.eot_id, *ids], dtype=np.uint16))
+    total += docs[-1].size
+    if time.monotonic() - last > every_s:
+      log(f"tokenized {i + 1:,}/{len(paths):,} files, {total:,} tokens")
+      last = time.monotonic()
+  return np.concatenate(docs) if docs else np.zeros(0, np.uint16)
+
+
+def split(tokens: np.ndarray, val_fraction: float) -> tuple:
+  """(train, val): val is the stream's last `val_fraction` (at least one token each)."""
+  n_val = int(round(tokens.size * val_fraction))
+  if tokens.size < 2 or not 0 < n_val < tokens.size:
+    raise UserError(f"{tokens.size:,} tokens cannot be split into training and validation "
+                    f"tokens at --val_fraction={val_fraction}: give more text or another fraction")
+  return tokens[:-n_val], tokens[-n_val:]
+
+
+def write_shards(out: str, tokens: np.ndarray, *, val_fraction: float, shard_tokens: int,
+                 meta: dict, force: bool = False) -> dict:
+  """train_NNNNNN.bin, val_000000.bin and meta.json in `out`, replacing it only when whole."""
+  train, val = split(tokens, val_fraction)
+  starts = range(0, train.size, shard_tokens)
+  with staged_dir(out, force=force) as tmp:
+    for k, start in enumerate(starts):
+      shard = train[start:start + shard_tokens]
+      binfile.write_shard(os.path.join(tmp, f"train_{k:06d}.bin"), shard)
+    binfile.write_shard(os.path.join(tmp, "val_000000.bin"), val)
+    meta = {**meta, "train_tokens": int(train.size), "val_tokens": int(val.size),
+            "train_shards": len(starts)}
+    with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+      f.write(json.dumps(meta, indent=2) + "\n")
+  return meta
+
+
+def main(args) -> None:
+  """CLI: tokenize the files, write the shards, and print the command that trains on them."""
+  F = flags.FLAGS
+  if not args:
+    raise UserError(f"give the text files to tokenize; {USAGE}")
+  if not F.out:
+    raise UserError(f"--out is required; {USAGE}")
+  if not 0 < F.val_fraction < 1:
+    raise UserError(f"--val_fraction={F.val_fraction} must lie between 0 and 1")
+  if F.shard_tokens < 1:
+    raise UserError(f"--shard_tokens={F.shard_tokens} must be positive")
+  for path in args:  # every name, before minutes of tokenizing (nothing is written before)
+    check_file(path)
+  out = os.path.abspath(F.out)
+  check_out(out, force=F.force, protect=[os.path.abspath(a) for a in args])
+  tok = get_tokenizer(F.tokenizer)
+  tokens = tokenize(args, tok, log=print)
+  meta = write_shards(out, tokens, val_fraction=F.val_fraction, shard_tokens=F.shard_tokens,
+                      force=F.force, meta={"tokenizer": F.tokenizer, "vocab_size": tok.vocab_size,
+                                           "eot_id": tok.eot_id, "files": list(args)})
+  vocab = -(-tok.vocab_size // 128) * 128  # the head rounded up to 128 rows
+  print(f"wrote {meta['train_shards']} training shard(s) of {meta['train_tokens']:,} tokens and "
+        f"a validation shard of {meta['val_tokens']:,} to {out}")
+  files = [shlex.quote(f"data.{kind}_files={glob.escape(out)}/{kind}_*.bin")
+           for kind in ("train", "val")]
+  print(f"train on them: python -m nanotext.train configs/base.yml data.source=bin {files[0]} "
+        f"{files[1]} data.tokenizer={F.tokenizer} model.vocab_size={vocab}")
+
+
+if __name__ == "__main__":
+  from nanotext import cli
+  flags.DEFINE_string("out", "", "the folder to write the shards to")
+  flags.DEFINE_enum("tokenizer", "gpt2", TOKENIZERS, "gpt2 (tiktoken, 50,257 ids: the gpt2 "
+                    "extra) or shakespeare (the shipped BPE, 8,192 ids)")
+  flags.DEFINE_float("val_fraction", 0.01, "the stream's last fraction held out for validation")
+  flags.DEFINE_integer("shard_tokens", 100_000_000, "tokens per training shard at most")
+  flags.DEFINE_bool("force", False, "replace an existing --out")
+  cli.run(main, USAGE, __doc__)

@@ -1,0 +1,155 @@
+"""An output a tool writes whole or not at all: the checks of --out before any work, and a
+staged folder or file that replaces it in one rename when the work is done."""
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+
+from nanotext.errors import ResourceError, UserError, write_error
+from nanotext import fileio, probes, rundir
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def _check_target(out: str, force: bool, protect=()) -> str:
+  out = os.path.abspath(out)
+  for p in protect:
+    p = os.path.abspath(p)
+    if out == p or p.startswith(out + os.sep):
+      raise UserError(f"--out '{out}' would replace the input '{p}'; choose another path")
+    if out.startswith(p + os.sep):
+      raise UserError(f"--out '{out}' lies inside the input '{p}', which would then no longer "
+                      "read as it did; choose a path outside it")
+  run = _run_holding(out)
+  if run:
+    raise UserError(f"--out '{out}' lies inside the checkpoints/ of the run '{run}', which "
+                    "would no longer resume; choose a path outside it")
+  if os.path.isdir(out) and not os.listdir(out):
+    return out
+  if os.path.lexists(out) and not force:
+    raise UserError(f"output '{out}' already exists; choose another path or pass --force "
+                    "to replace it")
+  return out
+
+
+def _run_holding(path: str) -> str:
+  """The run directory whose checkpoints/ folder `path` lies in, else ''."""
+  parent = os.path.dirname(path)
+  while parent != os.path.dirname(parent):
+    if os.path.basename(parent) == "checkpoints":
+      run = os.path.dirname(parent)
+      if any(os.path.exists(os.path.join(run, n)) for n in ("config.yml", ".lock")):
+        return run
+    parent = os.path.dirname(parent)
+  return ""
+
+
+@contextlib.contextmanager
+def writing(out: str):
+  """Errors while writing `out` as one line: a full disk or a file-size limit is a
+  ResourceError (exit 1), a path that cannot be written a UserError (exit 2). Orbax,
+  tensorstore and safetensors report OS errors in their own words (errors.write_error)."""
+  try:
+    yield
+  except (UserError, ResourceError):
+    raise
+  except Exception as e:  # an OSError, or orbax / tensorstore / safetensors naming an errno
+    err = write_error(e, f"cannot write '{out}'")
+    if err is not None:
+      raise err from None
+    text = str(e)
+    if not re.match(r"[A-Z_]+: ", text):  # not a storage status: a bug, keep its traceback
+      raise
+    raise ResourceError(f"writing '{out}' failed: {text.splitlines()[0][:200]}") from None
+
+
+def _make_parent(out: str, parent: str) -> None:
+  """Create the folder --out goes into; a file in the way is bad input, not a traceback."""
+  try:
+    os.makedirs(parent, exist_ok=True)
+  except (FileExistsError, NotADirectoryError):
+    raise UserError(f"--out '{out}': a file stands where its folder '{parent}' would be") \
+        from None
+  except OSError as e:
+    raise UserError(f"--out '{out}': cannot create '{parent}' ({e.strerror})") from None
+
+
+def check_out(out: str, *, force: bool, protect=(), folder: bool = True) -> None:
+  """Every check of --out that staged_dir / staged_file make, plus a write probe of its folder,
+  made before the conversion reads a checkpoint (minutes, for a large one)."""
+  if rundir.kernel_fs(out):
+    raise UserError(f"--out '{out}' lies in a kernel file system ({rundir.kernel_fs(out)}): "
+                    "choose a path on disk")
+  if folder and os.path.isfile(out):
+    raise UserError(f"--out '{out}' is a file; this conversion writes a directory: give a "
+                    "directory path")
+  out = _check_target(out, force, protect)
+  if not folder and os.path.isdir(out):
+    raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
+  parent = os.path.dirname(out)
+  while not os.path.isdir(parent):
+    if os.path.lexists(parent):
+      raise UserError(f"--out '{out}': a file stands where its folder '{parent}' would be")
+    parent = os.path.dirname(parent)
+  probes.writable_dir(os.path.dirname(out), "the folder of --out")
+
+
+@contextlib.contextmanager
+def staged_dir(out: str, *, force: bool, protect=()):
+  """Yield a temporary folder next to `out`; on success it replaces `out` in one rename.
+
+  A failure leaves `out` as it was: a partial conversion never stands where a good one stood.
+  """
+  if os.path.isfile(out):
+    raise UserError(f"--out '{out}' is a file; this conversion writes a directory: give a "
+                    "directory path")
+  out = _check_target(out, force, protect)
+  parent, name = os.path.split(out)
+  _make_parent(out, parent)
+  with writing(out):
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+  os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's private 0700 would outlive the rename
+  try:
+    with writing(out):
+      yield tmp
+  except BaseException:
+    fileio.remove_tree(tmp)  # a failed orbax save may still be writing into it
+    raise
+  try:
+    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+      old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+      os.replace(out, os.path.join(old, name))  # aside first: rename cannot replace a full folder
+      os.replace(tmp, out)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      os.replace(tmp, out)
+  finally:
+    if os.path.isdir(tmp):
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_file(out: str, *, force: bool, protect=()):
+  """Yield a temporary file path next to `out`; on success it replaces `out` atomically."""
+  out = _check_target(out, force, protect)
+  if os.path.isdir(out):
+    raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
+  parent, name = os.path.split(out)
+  _make_parent(out, parent)
+  with writing(out):
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
+  os.close(fd)
+  os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's private 0600 would outlive the rename
+  try:
+    with writing(out):
+      yield tmp
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)

@@ -1,0 +1,87 @@
+"""nanotext.data.text_shards: text files to .bin shards that a run reads (data.source=bin)."""
+
+import json
+import os
+import shlex
+
+import numpy as np
+import pytest
+
+from conftest import BASE, TINY, one_line_error, run_cli
+from nanotext import wiring
+from nanotext.data import binfile, text_shards
+from nanotext.data.tokenizer import get_tokenizer
+
+pytestmark = pytest.mark.fast
+
+DOCS = {"a.txt": "ROMEO: What light through yonder window breaks?\n",
+        "b.txt": "JULIET: Ay me! — a word in two bytes: Dé, and 日本, and 😀.\n" * 40}
+
+
+def texts(tmp_path) -> list:
+  paths = []
+  for name, text in DOCS.items():
+    (tmp_path / name).write_text(text, encoding="utf-8")
+    paths.append(str(tmp_path / name))
+  return paths
+
+
+def test_shards_are_the_documents_in_order_and_validation_is_the_tail(tmp_path):
+  """Training shards then the validation shard, read back in order, are the token stream:
+  <|endoftext|> + each file's tokens; validation is its last val_fraction."""
+  tok = get_tokenizer("shakespeare")
+  paths = texts(tmp_path)
+  stream = text_shards.tokenize(paths, tok)
+  want = np.concatenate([[tok.eot_id, *tok.encode(t)] for t in DOCS.values()])
+  np.testing.assert_array_equal(stream, want)
+  out = str(tmp_path / "shards")
+  meta = text_shards.write_shards(out, stream, val_fraction=0.1, shard_tokens=100,
+                                  meta={"tokenizer": "shakespeare"})
+  train = sorted(f for f in os.listdir(out) if f.startswith("train_"))
+  assert len(train) == meta["train_shards"] == -(-meta["train_tokens"] // 100) > 1
+  parts = [binfile.read_shard(os.path.join(out, f)) for f in train]
+  assert all(p.size == 100 for p in parts[:-1]) and 0 < parts[-1].size <= 100
+  val = binfile.read_shard(os.path.join(out, "val_000000.bin"))
+  assert val.size == meta["val_tokens"] == round(0.1 * want.size)
+  np.testing.assert_array_equal(np.concatenate(parts + [val]), want)
+  with open(os.path.join(out, "meta.json"), encoding="utf-8") as f:
+    assert json.load(f) == meta
+
+
+def test_the_cli_writes_shards_a_run_reads(tmp_path):
+  """The command the tool prints reads its shards: a run's batches are their tokens."""
+  out = tmp_path / "shards"
+  proc = run_cli("nanotext.data.text_shards", *texts(tmp_path), f"--out={out}",
+                 "--tokenizer=shakespeare", "--val_fraction=0.2")
+  assert proc.returncode == 0, proc.stderr
+  command = proc.stdout.strip().splitlines()[-1]
+  assert command.startswith("train on them: python -m nanotext.train configs/base.yml")
+  overrides = [a for a in shlex.split(command) if a.startswith(("data.", "model."))]
+  assert "model.vocab_size=8192" in overrides and "data.tokenizer=shakespeare" in overrides
+  run = wiring.prepare(BASE, TINY + overrides + ["train.seq_len=16", "train.batch_size=8"])
+  batch = next(run.train_iter())
+  tokens = np.concatenate([binfile.read_shard(str(p)) for p in sorted(out.glob("train_*.bin"))])
+  row = np.asarray(batch["inputs"])[0]
+  windows = np.lib.stride_tricks.sliding_window_view(tokens, row.size)
+  assert (windows == row).all(axis=1).any()  # a window of the training shards
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
+  paths = texts(tmp_path)
+  out = tmp_path / "shards"
+  (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+  cases = [([str(tmp_path / "missing.txt")], "is not a file"),
+           ([str(tmp_path)], "is not a file"),
+           ([*paths, str(tmp_path / "latin1.txt")], "is not UTF-8"),
+           ([*paths, "--val_fraction=0"], "--val_fraction=0.0 must lie between 0 and 1"),
+           ([*paths, "--shard_tokens=0"], "--shard_tokens=0 must be positive"),
+           (paths[:1] + ["--val_fraction=0.99"], "cannot be split")]
+  for args, needle in cases:
+    one_line_error(run_cli("nanotext.data.text_shards", *args, f"--out={out}",
+                           "--tokenizer=shakespeare"), needle)
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+  out.mkdir()
+  (out / "keep").write_text("x")
+  one_line_error(run_cli("nanotext.data.text_shards", *paths, f"--out={out}",
+                         "--tokenizer=shakespeare"), "already exists", "--force")
+  assert os.listdir(out) == ["keep"]
