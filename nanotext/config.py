@@ -46,6 +46,10 @@ def _schema() -> dict:
 
 
 def _unknown_key(key: str, known) -> UserError:
+  section = sorted(k for k in known if k.startswith(key + "."))
+  if section:  # `model: 5`, or model=5
+    return UserError(f"'{key}' is a section, not a key: set its keys ({section[0]}, ...) "
+                     "one by one")
   close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
   if not close:  # a misspelled leaf under the right section, e.g. train.step
     leaf = key.rsplit(".", 1)[-1]

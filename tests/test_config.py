@@ -200,6 +200,14 @@ def test_must_be_positive(key, value):
   assert key in msg and "positive" in msg
 
 
+def test_a_value_for_a_whole_section_names_its_keys(tmp_path):
+  """`model: 5` was "unknown config key 'model'; did you mean 'model.norm'?"."""
+  path = write(tmp_path / "c.yml", f"base: {BASE}\nmodel: 5\n")
+  with pytest.raises(UserError, match="'model' is a section, not a key: set its keys"):
+    load(path=path)
+  assert "'train' is a section" in error("train=3")
+
+
 def test_bad_choice():
   msg = error("attention.impl=foo")
   assert "attention.impl" in msg and "'foo'" in msg and "xla" in msg
