@@ -19,7 +19,7 @@ import time
 
 from absl import flags
 
-from nanotext import hlo_memory, roofline, window_schedule as ws, metrics, topology
+from nanotext import hlo_memory, metrics, probes, roofline, topology, window_schedule as ws
 from nanotext.compile_report import describe, gib, verdict
 from nanotext.errors import UserError, fail, os_error
 from nanotext.fileio import atomic_write
@@ -296,6 +296,11 @@ def precheck(args):
     raise UserError(f"--passes={f.passes} must be 0 (none listed) or more")
   topology.parse(f.topology)
   config.load(args[0], args[1:])
+  if f.json:  # before minutes of compiling, not after
+    probes.replaceable(f.json, "--json")
+    probes.writable_dir(os.path.dirname(os.path.abspath(f.json)), "the folder of --json")
+  if f.hlo_dir:
+    probes.writable_dir(f.hlo_dir, "--hlo_dir")
 
 
 def main(args):

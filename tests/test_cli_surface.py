@@ -117,8 +117,14 @@ def test_a_bad_config_is_refused_before_jax_loads(tool, tmp_path):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("flag,want", [("--passes=-1", "--passes=-1 must be 0"),
-                                       ("--min_headroom=1", "--min_headroom=1.0 must be in")])
+                                       ("--min_headroom=1", "--min_headroom=1.0 must be in"),
+                                       ("--json=FOLDER", "cannot write --json"),
+                                       ("--hlo_dir=FOLDER/file", "--hlo_dir")])
 def test_compile_flags_out_of_range_are_one_line_before_jax_loads(flag, want, tmp_path):
+  """Flags and the outputs they name (--json a folder, --hlo_dir under a file: found after
+  minutes of compiling before) are one line before jax loads."""
+  (tmp_path / "file").write_text("")
+  flag = flag.replace("FOLDER", str(tmp_path))
   fake = tmp_path / "fake"
   (fake / "jax").mkdir(parents=True)
   (fake / "jax" / "__init__.py").write_text("raise SystemExit('jax was imported')\n")
