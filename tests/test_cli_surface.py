@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, one_line_error, run_cli
 
 # Each tool as run, and the words its usage line starts with.
 TOOLS = {
@@ -49,6 +49,14 @@ def test_help_lists_the_tools_own_flags():
   out = run_cli("nanotext.compile", "--help").stdout
   assert "--topology" in out and "--min_headroom" in out and "--verbosity" not in out
   assert "--config" in run_cli("nanotext.train", "--help").stdout
+
+
+@pytest.mark.fast
+def test_a_tokenizer_smaller_than_its_bytes_is_refused(tmp_path):
+  proc = run_cli("nanotext.data.tokenizer", "--train", "--vocab_size=10",
+                 f"--out={tmp_path / 'tok.json'}", timeout=120)
+  one_line_error(proc, "--vocab_size=10", "at least 257")
+  assert os.listdir(tmp_path) == []
 
 
 def test_dashed_flag_names():

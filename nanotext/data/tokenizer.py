@@ -203,6 +203,9 @@ def main(args) -> None:
     raise UserError(f"unexpected arguments: {' '.join(args)}; {USAGE}")
   if not flags.FLAGS.train:
     raise UserError(f"nothing to do: pass --train to regenerate the shipped tokenizer; {USAGE}")
+  if flags.FLAGS.vocab_size < 257:  # it trained 257 ids for --vocab_size=10, silently
+    raise UserError(f"--vocab_size={flags.FLAGS.vocab_size}: a byte-level BPE has at least 257 "
+                    "ids (256 bytes and <|endoftext|>)")
   tok = train_tokenizer([text for _, text in load_corpus()], flags.FLAGS.vocab_size)
   out = flags.FLAGS.out or str(shipped_path())
   save(tok, out)
