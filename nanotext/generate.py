@@ -11,7 +11,8 @@ USAGE = ("usage: python -m nanotext.generate output_dir=DIR [prompt=TEXT] [max_n
 
 
 def make_sampler(graphdef, max_len: int, temperature: float, top_k: int):
-  """jit(params, buf_BT, pos, key) -> next token id after position `pos` of a fixed buffer."""
+  """jit(params, buf_BT, pos, key) -> next token id after position `pos` of a buffer (compiled
+  once per buffer length)."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -47,11 +48,24 @@ def stream(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
   key = jax.random.key(seed)
   for _ in range(max_new_tokens):
     ctx = tokens[-max_len:]
-    buf = np.zeros((1, max_len), np.int32)
+    buf = np.zeros((1, bucket(len(ctx), max_len)), np.int32)
     buf[0, :len(ctx)] = ctx
     key, sub = jax.random.split(key)
     tokens.append(int(step_fn(params, buf, len(ctx) - 1, sub)))
     yield tokens[-1]
+
+
+MIN_BUCKET = 128
+
+
+def bucket(n: int, max_len: int) -> int:
+  """The buffer a context of n tokens runs in: the next power of two from MIN_BUCKET, at most
+  max_len. Causal attention makes the logits at n - 1 those of any longer buffer, so a short
+  context need not pay for max_len (49,152 for the record); one program per bucket."""
+  size = MIN_BUCKET
+  while size < n:
+    size *= 2
+  return min(size, max_len)
 
 
 MAX_PENDING = 8  # tokens held back while their text ends inside a character (UTF-8: 4 bytes)

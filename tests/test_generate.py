@@ -161,3 +161,21 @@ def test_text_pieces_hold_back_at_most_a_few_tokens():
       return "\ufffd" * len(ids)
   pieces = list(generate.text_pieces(Broken(), range(20)))
   assert [len(p) for p in pieces] == [8, 8, 4] and generate.MAX_PENDING == 8
+
+
+@pytest.mark.fast
+def test_a_context_runs_in_the_smallest_power_of_two_bucket():
+  assert [generate.bucket(n, 49152) for n in (1, 128, 129, 4000, 40000, 49152)] == \
+      [128, 128, 256, 4096, 49152, 49152]
+  assert generate.bucket(5, MAX_LEN) == MAX_LEN  # never past the model's max_seq_len
+
+
+def test_bucketed_buffers_sample_what_the_whole_buffer_does(monkeypatch):
+  """Causal attention: the logits after a context are the same in any buffer that holds it, so
+  sampling in a bucket of the context's size draws the whole buffer's greedy tokens."""
+  monkeypatch.setattr(generate, "MIN_BUCKET", 8)  # buckets 8, 16, 32 inside TINY's 32
+  tokens = sample(max_new_tokens=12)  # contexts of 4..15 tokens: buckets of 8 and 16
+  context = list(PROMPT)
+  for token in tokens:
+    assert_argmax(logits_at(context)[-1], token)  # a forward over all MAX_LEN positions
+    context.append(token)
