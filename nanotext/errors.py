@@ -89,9 +89,10 @@ def drop_stdout() -> None:
 
 def run_cli(main, argv=None) -> None:
   """Call `main(argv)`: UserError is one line and exit status 2, ResourceError one line and 1,
-  a closed stdout pipe nothing and 141 (128 + SIGPIPE), Ctrl-C one line and 130 (the tools run under it only read, or write through a staging
-  folder that a kill leaves unused, so stopping anywhere loses nothing). Any other error ends
-  the process too, at once, whatever threads are still running (explain)."""
+  a closed stdout pipe nothing and 141 (128 + SIGPIPE), Ctrl-C one line and 130 (the tools run
+  under it only read, or write through a staging folder that a kill leaves unused, so stopping
+  anywhere loses nothing). Any other error ends the process too, at once, whatever threads are
+  still running (explain)."""
   quiet_background_errors()
   drop_storage_error_logs()
   try:

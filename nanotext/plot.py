@@ -9,10 +9,10 @@ import importlib
 import json
 import math
 import os
-import tempfile
 
 from nanotext.errors import UserError, os_error
 from nanotext import probes, rundir
+from nanotext.outputs import staged_file
 
 USAGE = "usage: python -m nanotext.plot RUN_DIR [RUN_DIR ...] --out=FILE.png [--title=TEXT]"
 
@@ -144,25 +144,11 @@ def plot(runs: list, out: str, title: str = "") -> None:
     fig.text(0.5, 0.005, "train bits per byte = train loss / ln 2 / the validation text's bytes "
              "per token", ha="center", fontsize=8, color="gray")
   fig.tight_layout(rect=(0, 0.02, 1, 1))
-  parent, name = os.path.split(os.path.abspath(out))
-  fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
-  os.close(fd)
   try:
-    fig.savefig(tmp, dpi=110, format=image_format(out))
-    plt.close(fig)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's private 0600 would outlive the rename
-    os.replace(tmp, out)  # never a half-written image at --out
-  except OSError as e:
-    raise os_error(e, f"cannot write --out '{out}'") from None
+    with staged_file(os.path.abspath(out), force=True) as tmp:  # never half an image at --out
+      fig.savefig(tmp, dpi=110, format=image_format(out))
   finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-
-
-def _umask() -> int:
-  mask = os.umask(0)
-  os.umask(mask)
-  return mask
+    plt.close(fig)
 
 
 def image_format(out: str) -> str:
