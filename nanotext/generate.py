@@ -10,43 +10,90 @@ USAGE = ("usage: python -m nanotext.generate output_dir=DIR [prompt=TEXT] [max_n
          "[temperature=T] [top_k=K] [seed=S] [step=N]")
 
 
+def choose(logits_V, key, temperature: float, top_k: int):
+  """A token id from float32 logits: the argmax at temperature 0, else drawn from the softmax at
+  `temperature` over the top_k logits (0 = all)."""
+  import jax
+  import jax.numpy as jnp
+  if temperature <= 0:
+    return jnp.argmax(logits_V)
+  logits_V = logits_V / temperature
+  if top_k:
+    kth = jax.lax.top_k(logits_V, min(top_k, logits_V.shape[-1]))[0][-1]
+    logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
+  return jax.random.categorical(key, logits_V)
+
+
 def make_sampler(graphdef, max_len: int, temperature: float, top_k: int):
-  """jit(params, buf_BT, pos, key) -> next token id after position `pos` of a buffer (compiled
-  once per buffer length)."""
+  """jit(params, buf_BT, pos, key) -> next token id after position `pos` of a buffer, the whole
+  buffer run again (compiled once per buffer length)."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
   def next_token(params, buf, pos, key):
     logits_V = nnx.merge(graphdef, params)(buf, train=False)[0, pos].astype(jnp.float32)
-    if temperature <= 0:
-      return jnp.argmax(logits_V)
-    logits_V = logits_V / temperature
-    if top_k:
-      kth = jax.lax.top_k(logits_V, min(top_k, logits_V.shape[-1]))[0][-1]
-      logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
-    return jax.random.categorical(key, logits_V)
+    return choose(logits_V, key, temperature, top_k)
   del max_len
   return jax.jit(next_token)
 
 
+def make_cached(graphdef, temperature: float, top_k: int):
+  """(prompt, step): jit(params, caches, buf_BT, n, key) -> (the token after the first n of a
+  buffer, caches holding their keys and values); jit(params, caches, token, pos, key) -> (the
+  token after `token` at position pos, caches with it added). Compiled once per buffer and cache
+  length; the caches' buffers are donated (written in place)."""
+  import jax
+  from flax import nnx
+  def prompt(params, caches, buf, n, key):
+    logits_BV, caches = nnx.merge(graphdef, params).extend(buf, caches, 0, n - 1)
+    return choose(logits_BV[0], key, temperature, top_k), caches
+  def step(params, caches, token, pos, key):
+    logits_BV, caches = nnx.merge(graphdef, params).extend(token.reshape(1, 1), caches, pos, 0)
+    return choose(logits_BV[0], key, temperature, top_k), caches
+  return jax.jit(prompt, donate_argnums=1), jax.jit(step, donate_argnums=1)
+
+
 def sample(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
-           temperature: float, top_k: int, seed: int) -> list:
+           temperature: float, top_k: int, seed: int, cache: bool = True) -> list:
   """Autoregressively extend `prompt_ids`; the context is the last `max_len` tokens."""
   return list(stream(graphdef, params, prompt_ids, max_len=max_len, max_new_tokens=max_new_tokens,
-                     temperature=temperature, top_k=top_k, seed=seed))
+                     temperature=temperature, top_k=top_k, seed=seed, cache=cache))
 
 
 def stream(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
-           temperature: float, top_k: int, seed: int):
-  """`sample`'s tokens, each yielded as soon as it is drawn."""
+           temperature: float, top_k: int, seed: int, cache: bool = True):
+  """`sample`'s tokens, each yielded as soon as it is drawn.
+
+  With `cache`, while the context fits in max_len, the prompt runs once and each new token runs
+  alone against the layers' cached keys and values (model/kv_cache.py); once it is longer, the
+  context slides and every position moves, so each token runs the last max_len tokens again."""
   import jax
   import numpy as np
   if not prompt_ids:
     raise UserError("the prompt encodes to no tokens; give a non-empty prompt")
-  step_fn = make_sampler(graphdef, max_len, temperature, top_k)
   tokens = list(prompt_ids)
   key = jax.random.key(seed)
-  for _ in range(max_new_tokens):
+  drawn = 0
+  if cache and len(tokens) < max_len and max_new_tokens:
+    from flax import nnx
+    from nanotext.model import kv_cache
+    prompt, step = make_cached(graphdef, temperature, top_k)
+    length = bucket(min(len(tokens) + max_new_tokens, max_len), max_len)
+    caches = kv_cache.empty(nnx.merge(graphdef, params), 1, length)
+    buf = np.zeros((1, bucket(len(tokens), max_len)), np.int32)
+    buf[0, :len(tokens)] = tokens
+    key, sub = jax.random.split(key)
+    token, caches = prompt(params, caches, buf, len(tokens), sub)
+    while True:
+      tokens.append(int(token))
+      drawn += 1
+      yield tokens[-1]
+      if drawn == max_new_tokens or len(tokens) > length:  # the context slides from here
+        break
+      key, sub = jax.random.split(key)
+      token, caches = step(params, caches, np.int32(tokens[-1]), len(tokens) - 1, sub)
+  step_fn = make_sampler(graphdef, max_len, temperature, top_k)
+  for _ in range(max_new_tokens - drawn):
     ctx = tokens[-max_len:]
     buf = np.zeros((1, bucket(len(ctx), max_len)), np.int32)
     buf[0, :len(ctx)] = ctx

@@ -154,12 +154,14 @@ def cuda_mlir(fn, *args) -> str:
   """`fn(*args)` (ShapeDtypeStructs) built for CUDA from this CPU host with jax.export: its
   StableHLO text, Pallas kernels as Triton custom calls. The GPU they are lowered for is an H100
   (jax 0.11's Triton lowering asks the mesh for one where no GPU is attached; 0.10 lowered for
-  any). PTX compilation needs a GPU, or nanotext.compile's plugin."""
+  any). PTX compilation needs a GPU, or nanotext.compile's plugin. Its axis is Auto, as
+  nanotext's meshes are (jax 0.11 makes it Explicit by default)."""
   import jax
   from jax import export
   h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
                                      platform="gpu")
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+  auto = (jax.sharding.AxisType.Auto,)
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), axis_types=auto,
                                                                 abstract_device=h100)):
     return export.export(jax.jit(fn), platforms=["cuda"],
                          disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(

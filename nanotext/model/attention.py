@@ -10,6 +10,7 @@ from flax import nnx
 
 from nanotext import config, sharding
 from nanotext.errors import UserError
+from nanotext.model import kv_cache
 from nanotext.model.kernels import qk_rope
 from nanotext.model.kernels.dispatch import IMPLS, dot_product_attention, qkv_attention
 from nanotext.model.layers import (Linear, StackedLinear, init_array, matmul, param, proj_std,
@@ -42,6 +43,15 @@ def check_config(a) -> None:
   if a.window_start > a.window:
     raise UserError(f"attention.window_start={a.window_start} exceeds attention.window="
                     f"{a.window} (the schedule grows from the first to the second)")
+
+
+# Logical axes of q, k, v and the heads' outputs [B, T, H, K].
+QKV_AXES = ("batch", "act_length", "act_heads", "act_kv")
+
+
+def at_start(pos) -> bool:
+  """Whether a cached chunk starts the context (a static 0): a prompt, run by the model's kernel."""
+  return isinstance(pos, int) and pos == 0
 
 
 class CausalSelfAttention(nnx.Module):
@@ -81,15 +91,16 @@ class CausalSelfAttention(nnx.Module):
     self.block = attn_cfg.window_block if attn_cfg.block_windows else 0  # record's block mask
 
   def __call__(self, x_BTD, segment_ids_BT=None, window=None, ve_BTD=None, v1_BTHK=None,
-               runtime_window=None):
-    """(attention output [B, T, D], v1) for x [B, T, D]. `window` (static int) overrides
+               runtime_window=None, kv=None):
+    """(attention output [B, T, D], v1, kv) for x [B, T, D]. `window` (static int) overrides
     attention.window for a schedule; `ve_BTD` is this layer's value embedding (model.value_embeds;
     None for middle layers); `v1_BTHK`, with model.value_residual, the first layer's v (None in
     the first layer, whose own v becomes v1); `runtime_window` (traced int32, 0 = none) the window
-    applied at run time, `window` then being its static bound."""
+    applied at run time, `window` then being its static bound; `kv` (sampling) this layer's
+    kv_cache.KV, returned with x's keys and values written (None without one)."""
     B, T, _ = x_BTD.shape
+    window = self.window if window is None else window
     shape = (B, T, self.num_heads, self.head_dim)
-    names = ("batch", "act_length", "act_heads", "act_kv")
     qkv = None  # q, k, v side by side [B, T, 3 * H * K], where one matmul makes them
     if self.fused_qkv:
       qkv = matmul(x_BTD.astype(self.dtype), self.qkv.value.astype(self.dtype).T)
@@ -101,24 +112,41 @@ class CausalSelfAttention(nnx.Module):
     # inside the attention kernels themselves with the value embedding's mix (flash_gpu: no
     # pass of their own)
     fused = self.qk_norm and freq is not None and qkv is not None and \
-        qk_rope.applies(T, self.head_dim)
+        qk_rope.applies(T, self.head_dim) and (kv is None or at_start(kv.pos))
     if fused and self.impl == "flash_gpu" and self.scale_param is None and \
-        self.v_residual is None:
+        self.v_residual is None and kv is None:
       lambdas = None if self.v_lambdas is None else self.v_lambdas.value
       with jax.named_scope("attention_kernel"):
         out_BTHK = qkv_attention(qkv.reshape(B, T, 3, *shape[2:]), freq, self.qk_eps, lambdas,
-                                 ve_BTHK, scale=self.scale,
-                                 window=self.window if window is None else window,
+                                 ve_BTHK, scale=self.scale, window=window,
                                  segment_ids_BT=segment_ids_BT, block=self.block,
                                  runtime_window=runtime_window)
-      return self._out(out_BTHK, names), v1_BTHK
+      return self._out(out_BTHK), v1_BTHK, None
+    q, k, v, v1_BTHK, scale = self._qkv(x_BTD, qkv, ve_BTHK, v1_BTHK, freq, fused,
+                                        0 if kv is None else kv.pos)
+    with jax.named_scope("attention_kernel"):
+      if kv is not None:
+        kv = kv_cache.write(kv, k, v)
+      if kv is None or at_start(kv.pos):  # training, or a prompt: the chunk is the whole context
+        out_BTHK = dot_product_attention(q, k, v, impl=self.impl, scale=scale, window=window,
+                                         segment_ids_BT=segment_ids_BT, block=self.block,
+                                         runtime_window=runtime_window)
+      else:
+        out_BTHK = kv_cache.attend(q, kv, scale=scale, window=window, block=self.block)
+    return self._out(out_BTHK), v1_BTHK, kv
+
+  def _qkv(self, x_BTD, qkv, ve_BTHK, v1_BTHK, freq, fused: bool, offset):
+    """(q, k, v, v1, softmax scale) [B, T, H, K] as the kernels take them: projected, v mixed
+    with v1 and the value embedding, q and k normed and rotated from position `offset`."""
+    B, T, _ = x_BTD.shape
+    shape = (B, T, self.num_heads, self.head_dim)
     if fused:
       q, k, v = qk_rope.norm_rope(qkv.reshape(B, T, 3, *shape[2:]), freq, self.qk_eps)
     elif qkv is not None:  # split, not slices: its gradient is one concatenate
       q, k, v = jnp.split(qkv, 3, axis=-1)
     else:
       q, k, v = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
-    q, k, v = (sharding.constrain(a.reshape(shape), names) for a in (q, k, v))
+    q, k, v = (sharding.constrain(a.reshape(shape), QKV_AXES) for a in (q, k, v))
     if self.v_residual is not None:
       v1_BTHK = v if v1_BTHK is None else v1_BTHK
       lam = self.v_residual.value.astype(v.dtype)[0]
@@ -132,18 +160,13 @@ class CausalSelfAttention(nnx.Module):
       if self.qk_norm:
         q, k = rms_norm(q, self.qk_eps), rms_norm(k, self.qk_eps)
       if freq is not None:
-        q, k = apply_rope(q, freq), apply_rope(k, freq)
+        q, k = apply_rope(q, freq, offset), apply_rope(k, freq, offset)
     scale = self.scale
     if self.scale_param is not None:
       q, scale = q * self.scale_param.value.astype(q.dtype)[0], 1.0
-    with jax.named_scope("attention_kernel"):
-      out_BTHK = dot_product_attention(q, k, v, impl=self.impl, scale=scale,
-                                       window=self.window if window is None else window,
-                                       segment_ids_BT=segment_ids_BT, block=self.block,
-                                       runtime_window=runtime_window)
-    return self._out(out_BTHK, names), v1_BTHK
+    return q, k, v, v1_BTHK, scale
 
-  def _out(self, out_BTHK, names):
+  def _out(self, out_BTHK):
     """The output projection of the heads' outputs."""
     B, T = out_BTHK.shape[:2]
-    return self.o(sharding.constrain(out_BTHK, names).reshape(B, T, -1))
+    return self.o(sharding.constrain(out_BTHK, QKV_AXES).reshape(B, T, -1))

@@ -8,6 +8,7 @@ from flax import nnx
 from nanotext import config, sharding
 from nanotext.errors import UserError
 from nanotext.window_schedule import layer_windows
+from nanotext.model import kv_cache
 from nanotext.model.attention import CausalSelfAttention
 from nanotext.model.head_loss import head_loss_sum
 from nanotext.model.kernels import relu2_mlp as relu2_kernels
@@ -151,21 +152,22 @@ class Block(nnx.Module):
         if cfg.x0_mix else None
 
   def __call__(self, x_BTD, x0_BTD, segment_ids_BT=None, window=None, ve_BTD=None, v1=None,
-               runtime_window=None):
-    """(x, v1): `window` (static int) overrides attention.window; `ve_BTD`: this layer's value
+               runtime_window=None, kv=None):
+    """(x, v1, kv): `window` (static int) overrides attention.window; `ve_BTD`: this layer's value
     embedding; `v1`: the first attention layer's v (model.value_residual), passed on;
-    `runtime_window`: a traced window under the static bound `window` (see GPT.hidden)."""
+    `runtime_window`: a traced window under the static bound `window` (see GPT.hidden); `kv`:
+    this layer's key-value cache when sampling (see GPT.extend), returned written."""
     if self.lambdas is not None:
       lam = self.lambdas.value
       x_BTD = scaled_sum((lam[0], lam[1]), (x_BTD, x0_BTD))
     if self.attn is not None:
       with jax.named_scope("attention"):
-        y_BTD, v1 = self.attn(self.ln1(x_BTD), segment_ids_BT, window, ve_BTD, v1,
-                              runtime_window)
+        y_BTD, v1, kv = self.attn(self.ln1(x_BTD), segment_ids_BT, window, ve_BTD, v1,
+                                  runtime_window, kv)
         x_BTD = x_BTD + y_BTD
     with jax.named_scope("mlp"):
       x_BTD = x_BTD + self.mlp(self.ln2(x_BTD))
-    return sharding.constrain(x_BTD, ("batch", "act_length", "act_embed")), v1
+    return sharding.constrain(x_BTD, ("batch", "act_length", "act_embed")), v1, kv
 
 
 class GPT(nnx.Module):
@@ -217,48 +219,69 @@ class GPT(nnx.Module):
 
   def __call__(self, tokens_BT, segment_ids_BT=None, windows=None, train: bool = True,
                runtime_windows=None):
-    """Logits; with `segment_ids_BT`, attention stays within each document.
-
-    `windows`: per-layer sliding windows (a tuple of static ints, e.g. one stage of
-    attention.window_schedule); None = the configured pattern at attention.window.
-    `train=False` (evaluation, sampling) computes the head in the model dtype, not FP8 (record:
-    `use_fp8 and self.training`). `runtime_windows`: see `hidden`.
-    """
+    """Logits; with `segment_ids_BT`, attention stays within each document. `windows`: per-layer
+    sliding windows (a tuple of static ints, e.g. one stage of attention.window_schedule); None =
+    the configured pattern at attention.window. `train=False` (evaluation, sampling) computes the
+    head in the model dtype, not FP8 (record: `use_fp8 and self.training`). `runtime_windows`:
+    see `hidden`."""
     return self.logits(self.hidden(tokens_BT, segment_ids_BT, windows, runtime_windows),
                        train=train)
 
   def hidden(self, tokens_BT, segment_ids_BT=None, windows=None, runtime_windows=None):
     """The final normalised hidden states [B, T, D] that the head turns into logits.
-
     `runtime_windows` (int32 [num_layers], traced; 0 = causal): the windows applied, one program
     for every window stage, `windows` then being their static per-layer bounds (0 = none), which
-    size the kernels' work (kernels/dispatch.takes_runtime_window says which kernels can).
-    """
+    size the kernels' work (kernels/dispatch.takes_runtime_window says which kernels can)."""
+    return self.ln_f(self._blocks(self._embed(tokens_BT), segment_ids_BT, windows,
+                                  runtime_windows)[0])
+
+  def extend(self, tokens_BT, caches: list, pos, last):
+    """(float32 logits [B, V] at chunk index `last`, caches): a chunk of tokens at positions pos,
+    pos + 1, ... run after the context the key-value caches (kv_cache.empty) hold, each layer's
+    keys and values written into them; `pos` a static 0 for a prompt, then traced. The layers'
+    configured windows apply; no document masks (as in sampling)."""
+    caches = kv_cache.at(caches, pos)
+    x_BTD, caches = self._blocks(self._embed(tokens_BT, pos), caches=caches)
+    x_B1D = self.ln_f(jax.lax.dynamic_slice_in_dim(x_BTD, last, 1, axis=1))
+    return self.logits(x_B1D, train=False)[:, 0], caches
+
+  def _embed(self, tokens_BT, pos=0):
+    """The blocks' input [B, T, D] for tokens at positions pos, pos + 1, ..."""
     x_BTD, *ve = lookup((self.embed, *self.value_embeds), tokens_BT)
     if self.pos is not None:
-      x_BTD = x_BTD + self.pos.value[: tokens_BT.shape[1]].astype(x_BTD.dtype)[None]
+      T, table = tokens_BT.shape[1], self.pos.value
+      table = table[:T] if isinstance(pos, int) else jax.lax.dynamic_slice_in_dim(table, pos, T)
+      x_BTD = x_BTD + table.astype(x_BTD.dtype)[None]
     if self.ln_embed is not None:
       x_BTD = self.ln_embed(x_BTD)
+    return x_BTD, ve
+
+  def _blocks(self, embedded, segment_ids_BT=None, windows=None, runtime_windows=None,
+              caches=None):
+    """(the last block's output, caches written or None) of `_embed`'s (x, value embeddings)."""
+    x_BTD, ve = embedded
     x0_BTD = x_BTD
     windows = self.windows if windows is None else tuple(windows)
     if self.scan_layers:
-      x_BTD = scan_blocks(self.blocks, self.remat, windows, x_BTD, x0_BTD, segment_ids_BT,
-                          None if runtime_windows is None else runtime_windows[0])
-      return self.ln_f(x_BTD)
+      return scan_blocks(self.blocks, self.remat, windows, x_BTD, x0_BTD, segment_ids_BT,
+                         None if runtime_windows is None else runtime_windows[0], caches)
     L = len(self.blocks)
     n_skip = 0 if self.skip_weights is None else L // 2
-    skips, v1 = [], None
+    skips, v1, written = [], None, []
     for i, block in enumerate(self.blocks):
       if i >= L - n_skip:  # decoder half: the mirrored encoder output (a stack: last in, first out)
         x_BTD = scaled_sum((1.0, self.skip_weights.value[i - (L - n_skip)]), (x_BTD, skips.pop()))
       with jax.named_scope(f"block_{i}"):
         j = self.ve_layers[i]
         live = None if runtime_windows is None else runtime_windows[i]
-        x_BTD, v1 = remat_block(self.remat, windows[i])(
-            block, x_BTD, x0_BTD, segment_ids_BT, None if j is None else ve[j], v1, live)
+        policy = self.remat if caches is None else "none"  # sampling: no backward pass
+        x_BTD, v1, kv = remat_block(policy, windows[i])(
+            block, x_BTD, x0_BTD, segment_ids_BT, None if j is None else ve[j], v1, live,
+            None if caches is None else caches[i])
+      written.append(kv)
       if i < n_skip:
         skips.append(x_BTD)
-    return self.ln_f(x_BTD)
+    return x_BTD, None if caches is None else written
 
   def loss_sum(self, x_BTD, targets_BT, loss_denominator: int = 0, train: bool = True):
     """Summed float32 cross-entropy of the soft-capped logits of hidden states against targets,
@@ -309,10 +332,10 @@ REMAT_POLICIES = {
 
 
 def remat_block(policy: str, window: int):
-  """(block, x, x0, segments, ve, v1[, runtime window]) -> (block output, v1), rematerialised
-  per model.remat; `window` is static (with a runtime window, its bound)."""
-  def call(block, x_BTD, x0_BTD, segment_ids_BT, ve_BTD, v1, runtime_window=None):
-    return block(x_BTD, x0_BTD, segment_ids_BT, window, ve_BTD, v1, runtime_window)
+  """(block, x, x0, segments, ve, v1[, runtime window, kv]) -> (block output, v1, kv),
+  rematerialised per model.remat; `window` is static (with a runtime window, its bound)."""
+  def call(block, x_BTD, x0_BTD, segment_ids_BT, ve_BTD, v1, runtime_window=None, kv=None):
+    return block(x_BTD, x0_BTD, segment_ids_BT, window, ve_BTD, v1, runtime_window, kv)
   if policy not in REMAT_POLICIES:  # none; or auto left unresolved (no train step: no backward)
     return call
   return nnx.remat(call, policy=REMAT_POLICIES[policy])
@@ -331,19 +354,32 @@ def stacked_blocks(cfg, attn_cfg, impl, rngs) -> Block:
 
 
 def scan_blocks(blocks: Block, policy: str, windows, x_BTD, x0_BTD, segment_ids_BT,
-                runtime_window=None):
-  """Run stacked blocks with lax.scan: one traced (and compiled) block body whatever the depth;
-  every layer has the same window (`runtime_window`: a traced one under the static bound)."""
+                runtime_window=None, caches=None):
+  """(output, caches written or None) of stacked blocks run with lax.scan: one traced (and
+  compiled) block body whatever the depth; every layer has the same window (`runtime_window`: a
+  traced one under the static bound); `caches`: one kv_cache.KV per layer when sampling."""
   if len(set(windows)) > 1:
     raise UserError(f"model.scan_layers=true runs one window for every layer, got {windows}")
   graphdef, stacked = nnx.split(blocks)
-  def body(x_BTD, layer):
-    block = nnx.merge(graphdef, layer)
-    return block(x_BTD, x0_BTD, segment_ids_BT, windows[0], runtime_window=runtime_window)[0], None
-  if policy in REMAT_POLICIES:
-    body = jax.checkpoint(body, policy=REMAT_POLICIES[policy], prevent_cse=False)
+  if caches is None:
+    def body(x_BTD, layer):
+      block = nnx.merge(graphdef, layer)
+      return block(x_BTD, x0_BTD, segment_ids_BT, windows[0],
+                   runtime_window=runtime_window)[0], None
+    if policy in REMAT_POLICIES:
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    with jax.named_scope("blocks"):
+      return jax.lax.scan(body, x_BTD, stacked)[0], None
+  pos = caches[0].pos
+  def cached(x_BTD, xs):
+    layer, k, v = xs
+    x_BTD, _, kv = nnx.merge(graphdef, layer)(x_BTD, x0_BTD, None, windows[0],
+                                              kv=kv_cache.KV(k, v, pos))
+    return x_BTD, (kv.k, kv.v)
+  stack = lambda name: jnp.stack([getattr(c, name) for c in caches])
   with jax.named_scope("blocks"):
-    return jax.lax.scan(body, x_BTD, stacked)[0]
+    x_BTD, (ks, vs) = jax.lax.scan(cached, x_BTD, (stacked, stack("k"), stack("v")))
+  return x_BTD, [kv_cache.KV(k, v, pos) for k, v in zip(ks, vs)]
 
 
 def norm_eps(cfg) -> dict:

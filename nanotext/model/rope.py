@@ -42,17 +42,22 @@ def linspace_f32(n: int) -> np.ndarray:
   return x.astype(np.float32)
 
 
-def apply_rope(x_BTHK, freq):
+def apply_rope(x_BTHK, freq, offset=0):
   """Rotate the two halves (x1, x2) of each head's vector by position * frequency: (x1 cos + x2
   sin, x2 cos - x1 sin), in float32, in the form the target compiles best (the same products
-  and sums either way: bit-equal eagerly, tests/test_model.py)."""
+  and sums either way: bit-equal eagerly, tests/test_model.py). Positions start at `offset`
+  (a traced int32 where a sampler's new tokens follow a cached prompt)."""
   rotate = rotate_reversed if platform() == "gpu" else rotate_split
-  return rotate(x_BTHK.astype(jnp.float32), angles(x_BTHK.shape[1], freq)).astype(x_BTHK.dtype)
+  x32 = x_BTHK.astype(jnp.float32)
+  return rotate(x32, angles(x_BTHK.shape[1], freq, offset)).astype(x_BTHK.dtype)
 
 
-def angles(length: int, freq):
-  """[length, K / 2] float32 rotation angles: position times frequency."""
-  return jnp.arange(length, dtype=jnp.float32)[:, None] * jnp.asarray(freq, jnp.float32)[None, :]
+def angles(length: int, freq, offset=0):
+  """[length, K / 2] float32 rotation angles: position (from `offset`) times frequency."""
+  positions = jnp.arange(length, dtype=jnp.float32)
+  if not (isinstance(offset, int) and offset == 0):
+    positions = positions + jnp.asarray(offset, jnp.float32)  # exact below 2**24
+  return positions[:, None] * jnp.asarray(freq, jnp.float32)[None, :]
 
 
 def rotate_split(x_BTHK, theta_TK):

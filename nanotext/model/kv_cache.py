@@ -1,0 +1,63 @@
+"""A key-value cache for sampling: each attention layer's keys and values kept, so a new token
+runs alone against them instead of the whole context again."""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from nanotext.model.kernels.masks import live_window_mask
+
+
+class KV(NamedTuple):
+  """One attention layer's cache: keys and values [B, S, H, K] (as the kernels take them: normed,
+  rotated, value-mixed) and `pos`, the position of the chunk being run (a static 0 for a prompt,
+  which then attends within itself through the model's kernel; traced after it; None between
+  calls)."""
+  k: jax.Array
+  v: jax.Array
+  pos: Any = None
+
+
+def empty(model, batch: int, length: int) -> list:
+  """Zeroed caches of `length` positions, one per block (None for an MLP-only block)."""
+  caches = []
+  for block in blocks_of(model):
+    attn = block.attn
+    if attn is None:
+      caches.append(None)
+      continue
+    zeros = lambda: jnp.zeros((batch, length, attn.num_heads, attn.head_dim), attn.dtype)
+    caches.append(KV(zeros(), zeros()))  # two buffers: both are donated
+  return caches
+
+
+def blocks_of(model) -> list:
+  """The model's blocks, one per layer (a scanned stack counts num_layers times)."""
+  if model.scan_layers:
+    return [model.blocks] * jax.tree.leaves(model.blocks)[0].shape[0]
+  return list(model.blocks)
+
+
+def at(caches: list, pos) -> list:
+  """The caches with the next chunk's position set."""
+  return [None if c is None else c._replace(pos=pos) for c in caches]
+
+
+def write(kv: KV, k_BTHK, v_BTHK) -> KV:
+  """The cache with a chunk's keys and values stored from its position on."""
+  put = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype),
+                                                               kv.pos, axis=1)
+  return KV(put(kv.k, k_BTHK), put(kv.v, v_BTHK), kv.pos)
+
+
+def attend(q_BTHK, kv: KV, *, scale: float, window: int = 0, block: int = 0):
+  """Attention of a chunk's queries (positions pos, pos + 1, ...) over a written cache: each sees
+  the keys at or before its position inside its window (block-granular with `block`), the rules
+  of the training kernels' masks."""
+  T, S = q_BTHK.shape[1], kv.k.shape[1]
+  t = kv.pos + jnp.arange(T)[:, None]
+  s = jnp.arange(S)[None, :]
+  mask = (s <= t) & live_window_mask(t, s, window, block)
+  return jax.nn.dot_product_attention(q_BTHK, kv.k, kv.v, mask=mask[None, None], scale=scale,
+                                      implementation="xla")
