@@ -230,8 +230,9 @@ def abstract_with_shardings(tree, shardings):
                       tree, shardings)
 
 
-def latest_params(output_dir: str, step: int = -1):
+def latest_params(output_dir: str, step: int = -1, what: str = "output_dir"):
   """Parameters of a run's newest (or given) checkpoint on one local device; for sampling.
+  `what` names the argument in errors (convert's --run).
 
   The newest step of a run still training may be removed (rotated out) while it is read, file
   by file: a read that fails as a file of it or the step vanishes, or once a newer step is on
@@ -240,12 +241,12 @@ def latest_params(output_dir: str, step: int = -1):
     raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, or -1 (the "
                     "default) for the newest")
   if not os.path.isdir(checkpoint_dir(output_dir)):
-    raise UserError(f"output_dir '{output_dir}' holds no checkpoints")
+    raise UserError(f"{what} '{output_dir}' holds no checkpoints")
   for attempt in range(3):
     manager = reader(output_dir)  # a fresh listing each time
     at = manager.latest_step() if step < 0 else step
     if at is None or at not in manager.all_steps():
-      raise UserError(f"output_dir '{output_dir}' has no checkpoint for step {at}; "
+      raise UserError(f"{what} '{output_dir}' has no checkpoint for step {at}; "
                       f"it has {list(manager.all_steps())}")
     where = step_dir(manager, at)
     files = step_files(where)
@@ -256,7 +257,7 @@ def latest_params(output_dir: str, step: int = -1):
     except Damaged:
       gone = vanished(where, files)
       if step >= 0 and gone:
-        raise UserError(f"output_dir '{output_dir}': the checkpoint of step {at} was removed "
+        raise UserError(f"{what} '{output_dir}': the checkpoint of step {at} was removed "
                         "while it was read (a run training into it keeps checkpoint.keep "
                         "steps)") from None
       newer = max(steps_on_disk(output_dir), default=at) > at

@@ -131,6 +131,25 @@ def test_params_only(base_run, tmp_path, dtype):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w).astype(g.dtype))
 
 
+def test_a_params_only_folder_converts_on(base_run, tmp_path):
+  """What params-only wrote reads as a --run of its own: to HF GPT-2 (the run's weights) and to
+  another params-only folder (cast back); --step is refused there (it has one step)."""
+  folder = str(tmp_path / "p")
+  params_only(base_run, folder, log=quiet)
+  to_hf(folder, str(tmp_path / "hf_a"), log=quiet)
+  to_hf(base_run, str(tmp_path / "hf_b"), log=quiet)
+  a = load_file(str(tmp_path / "hf_a" / "model.safetensors"))
+  b = load_file(str(tmp_path / "hf_b" / "model.safetensors"))
+  assert sorted(a) == sorted(b)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  params_only(folder, str(tmp_path / "q"), dtype="bfloat16", log=quiet)
+  assert load_params(str(tmp_path / "q"))[0] == 2
+  with pytest.raises(UserError, match="params-only folder .*leave --step out"):
+    to_hf(folder, str(tmp_path / "hf_c"), step=2, log=quiet)
+  assert not os.path.exists(tmp_path / "hf_c")
+
+
 def test_export_torch_refuses_what_the_record_cannot_express(speedrun_run, tmp_path):
   """The tiny speedrun run has 32-wide heads and 2 layers; the record's module fixes 128 and 12.
   Names, shapes and logits of an expressible run: tests/test_export_record.py."""

@@ -12,8 +12,9 @@
   export-torch --run=RUN_DIR [--step=N] --out=FILE.safetensors [--force]
                speedrun-architecture checkpoint -> modded-nanogpt `GPT` state dict (torch names).
 
---step defaults to the newest checkpoint. An existing non-empty --out is refused unless --force;
-outputs are written next to --out and renamed into place, so a failure leaves --out untouched.
+--step defaults to the newest checkpoint; --run may also be a params-only folder (no --step).
+An existing non-empty --out is refused unless --force; outputs are written next to --out and
+renamed into place, so a failure leaves --out untouched.
 
 nanotext <-> HF GPT-2 (HF names without 'transformer.'; both sides store matrices as [in, out]):
   embed.embedding [V, D]            wte.weight [V, D] (lm_head.weight is tied to it)
@@ -33,7 +34,8 @@ both sides. The speedrun mapping is in nanotext.convert.torch_export and docs/co
 """
 
 from nanotext.convert.hf import read_hf, to_hf, write_run
-from nanotext.convert.params import load_params, params_only
+from nanotext.convert.common import load_params
+from nanotext.convert.params import params_only
 from nanotext.convert.torch_export import export_torch
 
 

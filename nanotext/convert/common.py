@@ -1,6 +1,7 @@
 """Shared pieces of the converters: reading a run, flat parameter names (their outputs are
 written whole or not at all by nanotext.outputs)."""
 
+import json
 import os
 
 import jax
@@ -11,12 +12,45 @@ from nanotext import rundir
 
 
 def load_run(run: str, step: int = -1):
-  """(config, step, params as numpy) of a run directory's newest (or given) checkpoint."""
+  """(config, step, params as numpy) of a run directory's newest (or given) checkpoint, or of a
+  params-only folder (what `params-only` writes: one step)."""
   from nanotext import checkpoint, config
   rundir.check_run_dir(run, "--run")
   cfg = config.load(os.path.join(run, "config.yml"))
-  step, params = checkpoint.latest_params(run, step)
+  if os.path.isdir(os.path.join(run, "params")):
+    if step >= 0:
+      raise UserError(f"--run '{run}' is a params-only folder (one step): leave --step out")
+    step, params = load_params(run)
+  else:
+    step, params = checkpoint.latest_params(run, step, what="--run")
   return cfg, step, jax.device_get(params)
+
+
+def load_params(path: str):
+  """(step, params) of a params-only folder, on one local device."""
+  import orbax.checkpoint as ocp
+  where = os.path.join(path, "params")
+  if not os.path.isdir(where):
+    raise UserError(f"'{path}' holds no params/ folder (is it a params-only checkpoint?)")
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  ckptr = ocp.StandardCheckpointer()
+  try:
+    meta = ckptr.metadata(where)
+    meta = getattr(meta, "item_metadata", meta)  # newer orbax wraps the tree
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+    params = ckptr.restore(where, target)
+  except Exception as e:  # orbax raises many kinds for unreadable folders
+    raise UserError(f"cannot read the params-only checkpoint '{path}': "
+                    f"{str(e).splitlines()[0][:200]}") from None
+  finally:
+    ckptr.close()
+  try:
+    with open(os.path.join(path, "convert.json")) as f:
+      step = int(json.load(f)["step"])
+  except (OSError, ValueError, KeyError):
+    step = -1
+  return step, params
+
 
 
 def per_layer(cfg, flat: dict) -> dict:

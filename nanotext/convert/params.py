@@ -1,6 +1,6 @@
 """Full train state -> parameters only, optionally cast (for sampling, evaluation or a new run).
 
-Layout written (and read by `load_params`):
+Layout written (and read by `common.load_params`):
   <out>/config.yml     the source run's resolved config, unchanged
   <out>/params/        an orbax StandardCheckpointer folder holding the params tree only
   <out>/convert.json   {"source": run dir, "step": N, "dtype": "float32" | "bfloat16" | "as saved"}
@@ -49,29 +49,3 @@ def params_only(run: str, out: str, *, step: int = -1, dtype: str = "", force: b
                  "dtype": dtype or "as saved"}, f, indent=2)
   log(f"wrote {out_abs} (params of step {step} of {run}{f', as {dtype}' if dtype else ''})")
   return out_abs
-
-
-def load_params(path: str):
-  """(step, params) of a params-only folder, on one local device."""
-  import orbax.checkpoint as ocp
-  where = os.path.join(path, "params")
-  if not os.path.isdir(where):
-    raise UserError(f"'{path}' holds no params/ folder (is it a params-only checkpoint?)")
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  ckptr = ocp.StandardCheckpointer()
-  try:
-    meta = ckptr.metadata(where)
-    meta = getattr(meta, "item_metadata", meta)  # newer orbax wraps the tree
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
-    params = ckptr.restore(where, target)
-  except Exception as e:  # orbax raises many kinds for unreadable folders
-    raise UserError(f"cannot read the params-only checkpoint '{path}': "
-                    f"{str(e).splitlines()[0][:200]}") from None
-  finally:
-    ckptr.close()
-  try:
-    with open(os.path.join(path, "convert.json")) as f:
-      step = int(json.load(f)["step"])
-  except (OSError, ValueError, KeyError):
-    step = -1
-  return step, params
