@@ -78,6 +78,9 @@ def report(out: str, log=print) -> int:
   from nanotext import checkpoint
   root = checkpoint.checkpoint_dir(out)
   rundir.check_no_glob(os.path.abspath(out), "the run directory")
+  if not os.path.isdir(root) and os.path.isdir(os.path.join(out, "params")):
+    raise UserError(f"'{out}' is a params-only folder (convert params-only), not a run: it has "
+                    "no checkpoints/ to verify (generate and convert read it as it is)")
   if not os.path.isdir(root):
     raise UserError(f"'{out}' holds no checkpoints/ directory (is it a nanotext run directory?)")
   live = running(out)

@@ -133,7 +133,8 @@ def test_params_only(base_run, tmp_path, dtype):
 
 def test_a_params_only_folder_converts_on(base_run, tmp_path):
   """What params-only wrote reads as a --run of its own: to HF GPT-2 (the run's weights) and to
-  another params-only folder (cast back); --step is refused there (it has one step)."""
+  another params-only folder (cast back); --step is refused there (it has one step), and verify
+  says what the folder is."""
   folder = str(tmp_path / "p")
   params_only(base_run, folder, log=quiet)
   to_hf(folder, str(tmp_path / "hf_a"), log=quiet)
@@ -148,6 +149,9 @@ def test_a_params_only_folder_converts_on(base_run, tmp_path):
   with pytest.raises(UserError, match="params-only folder .*leave --step out"):
     to_hf(folder, str(tmp_path / "hf_c"), step=2, log=quiet)
   assert not os.path.exists(tmp_path / "hf_c")
+  from nanotext import verify
+  with pytest.raises(UserError, match="is a params-only folder .*no checkpoints/ to verify"):
+    verify.report(folder)
 
 
 def test_export_torch_refuses_what_the_record_cannot_express(speedrun_run, tmp_path):
