@@ -62,44 +62,52 @@ def sample(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
 
 def stream(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
            temperature: float, top_k: int, seed: int, cache: bool = True):
-  """`sample`'s tokens, each yielded as soon as it is drawn.
-
-  With `cache`, while the context fits in max_len, the prompt runs once and each new token runs
-  alone against the layers' cached keys and values (model/kv_cache.py); once it is longer, the
-  context slides and every position moves, so each token runs the last max_len tokens again."""
+  """`sample`'s tokens, each yielded as soon as it is drawn: from the key-value cache while the
+  context fits in max_len (`cached`), then with the whole context of the last max_len tokens
+  run again for each token (it slides, and every position moves)."""
   import jax
   import numpy as np
   if not prompt_ids:
     raise UserError("the prompt encodes to no tokens; give a non-empty prompt")
   tokens = list(prompt_ids)
   key = jax.random.key(seed)
-  drawn = 0
   if cache and len(tokens) < max_len and max_new_tokens:
-    from flax import nnx
-    from nanotext.model import kv_cache
-    prompt, step = make_cached(graphdef, temperature, top_k)
-    length = bucket(min(len(tokens) + max_new_tokens, max_len), max_len)
-    caches = kv_cache.empty(nnx.merge(graphdef, params), 1, length)
-    buf = np.zeros((1, bucket(len(tokens), max_len)), np.int32)
-    buf[0, :len(tokens)] = tokens
-    key, sub = jax.random.split(key)
-    token, caches = prompt(params, caches, buf, len(tokens), sub)
-    while True:
-      tokens.append(int(token))
-      drawn += 1
-      yield tokens[-1]
-      if drawn == max_new_tokens or len(tokens) > length:  # the context slides from here
-        break
-      key, sub = jax.random.split(key)
-      token, caches = step(params, caches, np.int32(tokens[-1]), len(tokens) - 1, sub)
+    key = yield from cached(graphdef, params, tokens, key, max_len=max_len,
+                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
   step_fn = make_sampler(graphdef, max_len, temperature, top_k)
-  for _ in range(max_new_tokens - drawn):
+  for _ in range(max_new_tokens - (len(tokens) - len(prompt_ids))):
     ctx = tokens[-max_len:]
     buf = np.zeros((1, bucket(len(ctx), max_len)), np.int32)
     buf[0, :len(ctx)] = ctx
     key, sub = jax.random.split(key)
     tokens.append(int(step_fn(params, buf, len(ctx) - 1, sub)))
     yield tokens[-1]
+
+
+def cached(graphdef, params, tokens: list, key, *, max_len: int, max_new_tokens: int,
+           temperature: float, top_k: int):
+  """Tokens drawn after `tokens` (appended to it as they are yielded) while the context fits in
+  max_len: the prompt runs once (in a bucket), then each token alone against every layer's cached
+  keys and values (model/kv_cache.py). Returns the random key to go on with."""
+  import jax
+  import numpy as np
+  from flax import nnx
+  from nanotext.model import kv_cache
+  prompt, step = make_cached(graphdef, temperature, top_k)
+  length = bucket(min(len(tokens) + max_new_tokens, max_len), max_len)  # positions it may hold
+  caches = kv_cache.empty(nnx.merge(graphdef, params), 1, length)
+  buf = np.zeros((1, bucket(len(tokens), max_len)), np.int32)
+  buf[0, :len(tokens)] = tokens
+  key, sub = jax.random.split(key)
+  token, caches = prompt(params, caches, buf, len(tokens), sub)
+  for drawn in range(1, max_new_tokens + 1):
+    tokens.append(int(token))
+    yield tokens[-1]
+    if drawn == max_new_tokens or len(tokens) > length:  # done, or the context slides from here
+      return key
+    key, sub = jax.random.split(key)
+    token, caches = step(params, caches, np.int32(tokens[-1]), len(tokens) - 1, sub)
+  return key
 
 
 MIN_BUCKET = 128
