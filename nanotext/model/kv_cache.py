@@ -5,6 +5,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nanotext.model.kernels.masks import live_window_mask
 
@@ -20,15 +21,17 @@ class KV(NamedTuple):
 
 
 def empty(model, batch: int, length: int) -> list:
-  """Zeroed caches of `length` positions, one per block (None for an MLP-only block)."""
+  """Zeroed caches of `length` positions, one per block (None for an MLP-only block): host
+  arrays, which jit places as it places the prompt's token buffer, on the devices of the
+  parameters' shardings (a run's closing sample) or on one (generate)."""
   caches = []
   for block in blocks_of(model):
     attn = block.attn
     if attn is None:
       caches.append(None)
       continue
-    zeros = lambda: jnp.zeros((batch, length, attn.num_heads, attn.head_dim), attn.dtype)
-    caches.append(KV(zeros(), zeros()))  # two buffers: both are donated
+    zeros = lambda: np.zeros((batch, length, attn.num_heads, attn.head_dim), attn.dtype)
+    caches.append(KV(zeros(), zeros()))
   return caches
 
 
