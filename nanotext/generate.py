@@ -1,5 +1,6 @@
 """Sample text from a trained model: `python -m nanotext.generate output_dir=DIR prompt="..."`."""
 
+import functools
 import os
 
 # jax and flax are imported inside the functions: a Ctrl-C while they load (seconds) is then
@@ -7,7 +8,9 @@ import os
 from nanotext.errors import UserError
 
 USAGE = ("usage: python -m nanotext.generate output_dir=DIR [prompt=TEXT] [max_new_tokens=N] "
-         "[temperature=T] [top_k=K] [seed=S] [step=N]")
+         "[temperature=T] [top_k=K] [seed=S] [step=N] [num_samples=N]")
+MAX_SAMPLES = 1000
+INT64_MAX = 2**63 - 1
 
 
 def choose(logits_V, key, temperature: float, top_k: int):
@@ -24,6 +27,7 @@ def choose(logits_V, key, temperature: float, top_k: int):
   return jax.random.categorical(key, logits_V)
 
 
+@functools.lru_cache(maxsize=8)  # one set of programs for every sample of a command
 def make_sampler(graphdef, max_len: int, temperature: float, top_k: int):
   """jit(params, buf_BT, pos, key) -> next token id after position `pos` of a buffer, the whole
   buffer run again (compiled once per buffer length)."""
@@ -37,6 +41,7 @@ def make_sampler(graphdef, max_len: int, temperature: float, top_k: int):
   return jax.jit(next_token)
 
 
+@functools.lru_cache(maxsize=8)
 def make_cached(graphdef, temperature: float, top_k: int):
   """(prompt, step): jit(params, caches, buf_BT, n, key) -> (the token after the first n of a
   buffer, caches holding their keys and values); jit(params, caches, token, pos, key) -> (the
@@ -141,12 +146,13 @@ def text_pieces(tokenizer, ids):
     yield tokenizer.decode(pending)
 
 
-def sample_ids(graphdef, params, cfg, tokenizer, prompt: str):
-  """The continuation's token ids of prompt text as they are drawn, with cfg.sample's settings."""
+def sample_ids(graphdef, params, cfg, tokenizer, prompt: str, seed: int | None = None):
+  """The continuation's token ids of prompt text as they are drawn, with cfg.sample's settings
+  (`seed` in place of sample.seed where given)."""
   s = cfg.sample
   return stream(graphdef, params, encode_prompt(tokenizer, prompt), max_len=cfg.model.max_seq_len,
                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                seed=s.seed)
+                seed=s.seed if seed is None else seed)
 
 
 def sample_text(graphdef, params, cfg, tokenizer, prompt: str) -> str:
@@ -192,10 +198,12 @@ def restore(out: str, cfg, step: int = -1, *, checked: bool = False) -> tuple:
 
 
 def parse(argv) -> tuple:
-  """(output_dir, step, config path, sample.* overrides) from `key=value` arguments."""
+  """(output_dir, step, number of samples, config path, sample.* overrides) from `key=value`
+  arguments."""
   from nanotext import config, rundir
   args = dict(config.parse_override(a) for a in argv)
-  allowed = {"output_dir", "prompt", "max_new_tokens", "temperature", "top_k", "seed", "step"}
+  allowed = {"output_dir", "prompt", "max_new_tokens", "temperature", "top_k", "seed", "step",
+             "num_samples"}
   for k in args:
     if k not in allowed:
       raise UserError(f"unknown argument '{k}'; {USAGE}")
@@ -209,29 +217,44 @@ def parse(argv) -> tuple:
   if step < -1:
     raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, or leave it out "
                     "for the newest")
+  num = int(config.coerce("num_samples", args.pop("num_samples", "1"), 0))
+  if not 1 <= num <= MAX_SAMPLES:
+    raise UserError(f"num_samples={num} must lie between 1 and {MAX_SAMPLES}")
   overrides = [f"sample.{k}={v}" for k, v in args.items()]
-  return out, step, cfg_path, overrides
+  return out, step, num, cfg_path, overrides
 
 
 def precheck(argv) -> None:
   """The arguments and the run's config for them (file, keys, types), checked before jax loads."""
   from nanotext import config
-  config.load(*parse(argv)[2:])
+  _, _, num, path, overrides = parse(argv)
+  check_seeds(config.load(path, overrides), num)
+
+
+def check_seeds(cfg, num: int) -> None:
+  """Sample i draws with sample.seed + i: the last must still be a 64-bit seed."""
+  if cfg.sample.seed + num - 1 > INT64_MAX:
+    raise UserError(f"sample.seed={cfg.sample.seed} with num_samples={num} passes {INT64_MAX} "
+                    "(sample i draws with seed + i): give a smaller seed")
 
 
 def main(argv) -> None:
   from nanotext import wiring
   from nanotext.data.tokenizer import get_tokenizer
-  out, step, cfg_path, overrides = parse(argv)
+  out, step, num, cfg_path, overrides = parse(argv)
   cfg = wiring.load(cfg_path, overrides)  # checked as train checks it
+  check_seeds(cfg, num)
   tokenizer = get_tokenizer(cfg.data.tokenizer)
   encode_prompt(tokenizer, cfg.sample.prompt)  # before the checkpoint is read
   step, graphdef, params = restore(out, cfg, step, checked=True)
-  print(f"[step {step}] {cfg.sample.prompt}", end="", flush=True)
-  ids = sample_ids(graphdef, params, cfg, tokenizer, cfg.sample.prompt)
-  for piece in text_pieces(tokenizer, ids):  # as it is sampled: long samples take minutes
-    print(piece, end="", flush=True)
-  print()
+  for i in range(num):  # sample i draws with seed + i: the first is the one-sample command's
+    seed = cfg.sample.seed + i
+    label = f"step {step}" if num == 1 else f"step {step}, sample {i + 1} of {num}, seed {seed}"
+    print(f"[{label}] {cfg.sample.prompt}", end="", flush=True)
+    ids = sample_ids(graphdef, params, cfg, tokenizer, cfg.sample.prompt, seed)
+    for piece in text_pieces(tokenizer, ids):  # as it is sampled: long samples take minutes
+      print(piece, end="", flush=True)
+    print()
 
 
 if __name__ == "__main__":

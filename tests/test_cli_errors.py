@@ -181,6 +181,20 @@ def test_generate_output_dir_without_config(out):
 
 
 @pytest.mark.fast
+def test_generate_num_samples_out_of_range_is_refused_before_jax(out):
+  """num_samples outside 1..1000, or seeds (sample.seed + i for sample i) past 64 bits."""
+  from nanotext import config, generate
+  from nanotext.errors import UserError
+  config.save(config.load(BASE, TINY), str(out / "config.yml"))
+  for args, needle in ((["num_samples=0"], "between 1 and 1000"),
+                       (["num_samples=1001"], "between 1 and 1000"),
+                       (["num_samples=2", f"seed={2**63 - 1}"], "give a smaller seed")):
+    with pytest.raises(UserError, match=needle):
+      generate.precheck([f"output_dir={out}", *args])
+  generate.precheck([f"output_dir={out}", "num_samples=2", f"seed={2**63 - 2}"])
+
+
+@pytest.mark.fast
 def test_checkpoints_is_a_file(out):
   (out / "checkpoints").write_text("not a folder")
   expect_error(train(out, BASE, *TINY), "checkpoints' exists and is not a directory")

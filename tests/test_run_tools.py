@@ -13,7 +13,7 @@ import pytest
 from conftest import BASE, TINY, one_line_error, run_cli
 from nanotext import checkpoint, config, integrity, loop, programs, plot, trees, verify, wiring
 from nanotext.convert import __main__ as convert_cli
-from nanotext.convert import hf, hf_tokenizer, params, torch_export
+from nanotext.convert import common, hf, hf_tokenizer, params, torch_export
 from nanotext import fileio
 from nanotext.errors import ResourceError, UserError
 from nanotext.train import run
@@ -58,7 +58,7 @@ def test_plot_reads_the_runs_metrics(tiny_run):
 def test_params_only_holds_the_runs_parameters(tiny_run, tmp_path):
   out = str(tmp_path / "p")
   params.params_only(tiny_run[0], out, log=lambda line: None)
-  step, got = params.load_params(out)
+  step, got = common.load_params(out)
   _, want = checkpoint.latest_params(tiny_run[0])
   assert step == 2 and integrity.checksums(got) == integrity.checksums(want)
   flat = trees.flatten(jax.device_get(got))  # one layer per name: scan_layers off

@@ -105,16 +105,23 @@ def test_generate_cli_samples_from_the_checkpoint(corpus_run):
   assert proc.stdout.startswith("[step 60] KING:")
   assert len(proc.stdout.strip()) > len("[step 60] KING:")
   again = run_cli("nanotext.generate", f"output_dir={out}", "prompt=KING:", "max_new_tokens=12",
-                  "temperature=0.8", "top_k=20", "seed=3")
-  assert again.stdout == proc.stdout  # a seed makes sampling reproducible
+                  "temperature=0.8", "top_k=20", "seed=3", "num_samples=2")
+  assert again.returncode == 0, again.stderr
+  # a seed makes sampling reproducible (the first of two samples is the command's above), and
+  # sample i draws with seed + i
+  first, second = again.stdout.split("[step 60, sample 2 of 2, seed 4] KING:")
+  assert first == proc.stdout.replace("[step 60]", "[step 60, sample 1 of 2, seed 3]")
   # printed piece by piece as it is drawn, the text is the sample decoded at once
   from nanotext import generate, wiring
   from nanotext.data.tokenizer import get_tokenizer
   cfg = wiring.load(os.path.join(out, "config.yml"), ["sample.max_new_tokens=12",
                     "sample.temperature=0.8", "sample.top_k=20", "sample.seed=3"])
   step, graphdef, params = generate.restore(out, cfg, checked=True)
-  text = generate.sample_text(graphdef, params, cfg, get_tokenizer(cfg.data.tokenizer), "KING:")
+  tokenizer = get_tokenizer(cfg.data.tokenizer)
+  text = generate.sample_text(graphdef, params, cfg, tokenizer, "KING:")
   assert proc.stdout == f"[step {step}] KING:{text}\n"
+  ids = generate.sample_ids(graphdef, params, cfg, tokenizer, "KING:", seed=4)
+  assert second == tokenizer.decode(list(ids)) + "\n" and second != text + "\n"
 
 
 def test_golden_loss_after_four_steps(tmp_path):
