@@ -20,11 +20,12 @@ def choose(logits_V, key, temperature: float, top_k: int):
   import jax.numpy as jnp
   if temperature <= 0:
     return jnp.argmax(logits_V)
-  logits_V = logits_V / temperature
   if top_k:
     kth = jax.lax.top_k(logits_V, min(top_k, logits_V.shape[-1]))[0][-1]
     logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
-  return jax.random.categorical(key, logits_V)
+  # shifted by the maximum before the division: a temperature near 0 (1e-38) then makes the
+  # others -inf, not every logit inf (whose draw was NaN's)
+  return jax.random.categorical(key, (logits_V - jnp.max(logits_V)) / temperature)
 
 
 @functools.lru_cache(maxsize=8)  # one set of programs for every sample of a command

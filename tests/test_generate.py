@@ -179,3 +179,12 @@ def test_bucketed_buffers_sample_what_the_whole_buffer_does(monkeypatch):
   for token in tokens:
     assert_argmax(logits_at(context)[-1], token)  # a forward over all MAX_LEN positions
     context.append(token)
+
+
+@pytest.mark.fast
+def test_a_temperature_near_zero_is_greedy():
+  """Logits divided by 1e-38 overflowed to inf and the draw became NaN's (token 0 each time):
+  they are shifted by their maximum first, so a tiny temperature is the argmax."""
+  greedy = sample(max_new_tokens=5)
+  assert sample(max_new_tokens=5, temperature=1e-38, seed=3) == greedy
+  assert sample(max_new_tokens=5, temperature=1e-38, top_k=3, seed=4) == greedy
