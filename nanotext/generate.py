@@ -186,15 +186,10 @@ def restore(out: str, cfg, step: int = -1, *, checked: bool = False) -> tuple:
   folder, on one local device in the model's own tree. The model is built from `cfg` (as
   config.load reads it; `checked`: wiring.check already ran) by wiring, as training builds it."""
   import jax
-  from nanotext import checkpoint, wiring
+  from nanotext import wiring
+  from nanotext.convert.common import read_params
   _, graphdef, abstract_params = wiring.for_sampling(cfg, jax.local_devices(), checked=checked)
-  if os.path.isdir(os.path.join(out, "params")):  # a params-only folder (nanotext.convert)
-    from nanotext.convert import load_params
-    if step >= 0:
-      raise UserError(f"'{out}' is a params-only folder (one step): leave step= out")
-    step, params = load_params(out)
-  else:
-    step, params = checkpoint.latest_params(out, step)
+  step, params = read_params(out, step, "output_dir", "step=")
   return step, graphdef, in_model_order(abstract_params, params, f"{out} step {step}")
 
 

@@ -14,16 +14,22 @@ from nanotext import rundir
 def load_run(run: str, step: int = -1):
   """(config, step, params as numpy) of a run directory's newest (or given) checkpoint, or of a
   params-only folder (what `params-only` writes: one step)."""
-  from nanotext import checkpoint, config
+  from nanotext import config
   rundir.check_run_dir(run, "--run")
   cfg = config.load(os.path.join(run, "config.yml"))
-  if os.path.isdir(os.path.join(run, "params")):
-    if step >= 0:
-      raise UserError(f"--run '{run}' is a params-only folder (one step): leave --step out")
-    step, params = load_params(run)
-  else:
-    step, params = checkpoint.latest_params(run, step, what="--run")
+  step, params = read_params(run, step, "--run", "--step")
   return cfg, step, jax.device_get(params)
+
+
+def read_params(path: str, step: int, what: str, step_arg: str):
+  """(step, params) on one local device of a run's newest (or given) checkpoint, or of a
+  params-only folder; `what` and `step_arg` name the caller's arguments in errors."""
+  from nanotext import checkpoint
+  if not os.path.isdir(os.path.join(path, "params")):
+    return checkpoint.latest_params(path, step, what=what)
+  if step >= 0:
+    raise UserError(f"{what} '{path}' is a params-only folder (one step): leave {step_arg} out")
+  return load_params(path)
 
 
 def load_params(path: str):
@@ -50,7 +56,6 @@ def load_params(path: str):
   except (OSError, ValueError, KeyError):
     step = -1
   return step, params
-
 
 
 def per_layer(cfg, flat: dict) -> dict:
