@@ -2,6 +2,7 @@
 params-only folder, into this model's shapes and shardings; the other model.scan_layers layout
 converted, every name and shape checked, the saved checksums verified."""
 
+import logging
 import os
 
 import jax
@@ -14,12 +15,22 @@ from nanotext.rundir import check_no_glob, is_step_name, step_files, vanished
 from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
 
 
-def find_item(path: str) -> tuple:
+def _not_the_items_metadata(record) -> bool:
+  """A step's state/ item is read on its own here, and orbax warns on every read that the
+  step's metadata file is not in the item's folder (it is one level up): no news to a user."""
+  return not record.getMessage().startswith("Metadata file does not exist")
+
+
+logging.getLogger("absl").addFilter(_not_the_items_metadata)
+
+
+def find_item(path: str, what: str = "checkpoint.load_params_from") -> tuple:
   """(item dir, whether it holds the whole train state) of a run dir, its checkpoints/ dir, a
-  step dir (the newest step where there are several) or a params-only folder (convert)."""
-  check_no_glob(os.path.abspath(path), "checkpoint.load_params_from")
+  step dir (the newest step where there are several) or a params-only folder (convert); `what`
+  names the argument in errors."""
+  check_no_glob(os.path.abspath(path), what)
   if not os.path.isdir(path):
-    raise UserError(f"checkpoint.load_params_from='{path}' is not a directory")
+    raise UserError(f"{what}='{path}' is not a directory")
   if os.path.isdir(os.path.join(path, "state")):
     return os.path.join(os.path.abspath(path), "state"), True
   root = os.path.join(path, "checkpoints")
@@ -29,25 +40,25 @@ def find_item(path: str) -> tuple:
   steps = [int(n) for n in os.listdir(root) if is_step_name(n)
            and os.path.isdir(os.path.join(root, n, "state"))]
   if not steps:
-    raise UserError(f"checkpoint.load_params_from='{path}' holds no complete checkpoint "
+    raise UserError(f"{what}='{path}' holds no complete checkpoint "
                     "(give a run directory, a checkpoint step directory or a params-only "
                     "folder)")
   return os.path.join(os.path.abspath(root), str(max(steps)), "state"), True
 
 
-def load(path: str, abstract_params):
+def load(path: str, abstract_params, what: str = "checkpoint.load_params_from"):
   """Only the parameters of a checkpoint, into `abstract_params`' shapes and shardings,
   checked against the checksums saved with them. A step that a run still training removes
   while it is read (a file of it or the step vanishes) is no error: the newest step by then is
   read instead."""
   for attempt in range(3):
-    item, whole_state = find_item(path)
+    item, whole_state = find_item(path, what)
     files = step_files(os.path.dirname(item))
     try:
       return os.path.dirname(item), _load_params(item, whole_state, abstract_params)
     except Damaged:
       if attempt == 2 or not (vanished(os.path.dirname(item), files) or
-                              find_item(path)[0] != item):  # a newer step by now
+                              find_item(path, what)[0] != item):  # a newer step by now
         raise
   raise AssertionError("unreachable")
 

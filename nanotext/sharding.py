@@ -49,6 +49,15 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple:
   return tuple(sizes)
 
 
+# Overrides that put every device on the fsdp axis: the schema's mesh (configs/base.yml).
+ALL_ON_FSDP = tuple(f"mesh.{a}={-1 if a == 'fsdp' else 1}" for a in MESH_AXES)
+
+
+def sizes_text(mesh_cfg) -> str:
+  """'data=1 fsdp=4 tensor=2': a config's mesh sizes as written (-1 unresolved)."""
+  return " ".join(f"{a}={mesh_cfg[a]}" for a in MESH_AXES)
+
+
 def parse_rules(rules) -> tuple:
   """Config rule list -> ((logical, (mesh_axis, ...)), ...), checked for unknown names."""
   out = []

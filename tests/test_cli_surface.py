@@ -14,6 +14,7 @@ from conftest import REPO, one_line_error, run_cli
 TOOLS = {
     "train": ["nanotext.train"],
     "generate": ["nanotext.generate"],
+    "evaluate": ["nanotext.evaluate"],
     "convert": ["nanotext.convert"],
     "convert to-hf": ["nanotext.convert", "to-hf"],
     "verify": ["nanotext.verify"],
@@ -70,6 +71,7 @@ def non_utf8_args(tmp: bytes) -> dict:
   bad = tmp + b"/r\xffn"
   return {"train": [b"configs/base.yml", b"output_dir=" + bad],
           "generate": [b"output_dir=" + tmp, b"prompt=KING\xff:"],
+          "evaluate": [b"output_dir=" + bad],
           "convert": [b"to-hf", b"--run=" + bad, b"--out=" + tmp + b"/o"],
           "verify": [bad],
           "plot": [bad, b"--out=" + tmp + b"/x.png"],
@@ -104,11 +106,12 @@ def bad_configs(tmp) -> dict:
   return {"train": ["nanotext.train", "configs/base.yml", "model.num_layerz=2"],
           "compile": ["nanotext.compile", "configs/base.yml", "train.steps=many",
                       "--topology=h100"],
-          "generate": ["nanotext.generate", f"output_dir={run}", "max_new_tokens=many"]}
+          "generate": ["nanotext.generate", f"output_dir={run}", "max_new_tokens=many"],
+          "evaluate": ["nanotext.evaluate", f"output_dir={run}", "train.eval_batches=many"]}
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("tool", ["train", "compile", "generate"])
+@pytest.mark.parametrize("tool", ["train", "compile", "generate", "evaluate"])
 def test_a_bad_config_is_refused_before_jax_loads(tool, tmp_path):
   """A typo in a key or a value is one line before the tool imports jax (a second or more of
   start-up): a `jax` package that fails on import, first on the path, is never reached."""

@@ -1,0 +1,183 @@
+"""Validation loss of a trained run: `python -m nanotext.evaluate output_dir=DIR [step=N|all]
+[key=value ...]`.
+
+The run's own config.yml with `key=value` overrides (more batches: train.eval_batches=64;
+longer rows: train.eval_seq_len; other text: data.*), built and compiled as training builds its
+eval step, on every device, with the remat and loss chunks the run chose; the numbers are the
+run's own at that step (its metrics.jsonl) when nothing is overridden. A params-only folder
+(convert) reads the same. Nothing in output_dir is written.
+"""
+
+import os
+
+# jax is imported inside the functions: a Ctrl-C while it loads is one line (errors.run_cli).
+from nanotext.errors import UserError
+
+USAGE = "usage: python -m nanotext.evaluate output_dir=DIR [step=N|all] [key=value ...]"
+
+
+def parse(argv) -> tuple:
+  """(output_dir, step: an int, -1 for the newest, or "all"; config overrides) from `key=value`
+  arguments: output_dir and step are this tool's, the rest are the config's keys."""
+  from nanotext import config, rundir
+  out, step, overrides = None, "-1", []
+  for arg in argv:
+    key, value = config.parse_override(arg)
+    if key == "output_dir":
+      out = value
+    elif key == "step":
+      step = value.strip()
+    else:
+      overrides.append(arg)
+  if out is None:
+    raise UserError(f"output_dir is required; {USAGE}")
+  rundir.check_no_glob(os.path.abspath(out), "output_dir")
+  rundir.check_run_dir(out, "output_dir")
+  if step != "all":
+    step = int(config.coerce("step", step, 0))
+    if step < -1:
+      raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, all, or leave "
+                      "it out for the newest")
+  if step != -1 and is_params_only(out):
+    raise UserError(f"output_dir '{out}' is a params-only folder (one step): leave step= out")
+  return out, step, overrides
+
+
+def is_params_only(out: str) -> bool:
+  """Whether `out` is what `convert params-only` writes (params/, no checkpoints/)."""
+  return os.path.isdir(os.path.join(out, "params")) and \
+      not os.path.isdir(os.path.join(out, "checkpoints"))
+
+
+def load_config(out: str, overrides, checked: bool = True):
+  """The run's config with `overrides` (output_dir: the run's folder, wherever it was trained),
+  `checked` as train checks it (wiring, which imports jax), else only read and typed."""
+  from nanotext import config
+  args = (os.path.join(out, "config.yml"), [*overrides, f"output_dir={out}"])
+  if not checked:
+    return config.load(*args)
+  from nanotext import wiring
+  return wiring.load(*args)
+
+
+def precheck(argv) -> None:
+  """The arguments and the run's config with the overrides, checked before jax loads."""
+  out, _, overrides = parse(argv)
+  load_config(out, overrides, checked=False)
+
+
+def fit_mesh(cfg, out: str, overrides, devices: int, log):
+  """The run's config where its mesh (saved with the sizes it resolved to) spans `devices`, or
+  where the overrides set a mesh.* key; else the config with every device on fsdp."""
+  from nanotext import sharding
+  try:
+    sharding.mesh_shape(cfg.mesh, devices)
+    return cfg
+  except UserError:
+    if any(o.strip().startswith("mesh.") for o in overrides):
+      return cfg  # the user's own mesh: its error comes from wiring, as train's would
+  log(f"the run's mesh ({sharding.sizes_text(cfg.mesh)}) does not span this machine's {devices} "
+      f"devices: evaluating with {' '.join(sharding.ALL_ON_FSDP)} (set mesh.* to choose)")
+  return load_config(out, [*sharding.ALL_ON_FSDP, *overrides])
+
+
+def sources(out: str, step) -> list:
+  """[(step or None, path for params_from.load)] to evaluate: the newest step (resolved as it is
+  read), one step, or every step on disk oldest first."""
+  from nanotext import rundir
+  from nanotext.checkpoint import checkpoint_dir
+  if step == -1:
+    return [(None, out)]
+  have = rundir.steps_on_disk(out)
+  if step == "all":
+    if not have:
+      raise UserError(f"output_dir '{out}' holds no checkpoints")
+    return [(s, os.path.join(checkpoint_dir(out), str(s))) for s in have]
+  if step not in have:
+    raise UserError(f"output_dir '{out}' has no checkpoint for step {step}; it has {have}")
+  return [(step, os.path.join(checkpoint_dir(out), str(step)))]
+
+
+def step_of(source: str) -> int:
+  """The step of the folder params_from.load read: a params-only folder's convert.json (-1
+  when it does not say), or a step directory's name."""
+  import json
+  if not is_params_only(source):
+    return int(os.path.basename(os.path.normpath(source)))
+  try:
+    with open(os.path.join(source, "convert.json"), encoding="utf-8") as f:
+      return int(json.load(f)["step"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return -1
+
+
+def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
+  """[{"step", "val_loss", "val_bpb" (when the text's bytes are known), "tokens"}] of the
+  checkpoints `step` names (-1: the newest; all: each), evaluated on the run's validation
+  batches; a step that a run still training removes while it is read is left out, said in a
+  line."""
+  import jax
+  import numpy as np
+  from nanotext import distributed, memory_plan, metrics, params_from, programs, trainer, wiring
+  from nanotext.data.pipeline import val_bytes_per_token
+  from nanotext.integrity import Damaged
+  from nanotext.model.kernels.dispatch import takes_runtime_window
+  from nanotext.window_schedule import eval_plan, eval_windows
+  cfg = load_config(out, overrides)
+  distributed.maybe_initialize(cfg.distributed)  # before the first backend use
+  cfg = fit_mesh(cfg, out, overrides, jax.device_count(), log)
+  run = wiring.from_config(cfg, prefer=memory_plan.saved_choice(out), checked=True)
+  run.memory.require("eval")
+  cfg, t = run.cfg, run.cfg.train
+  todo = sources(out, step)
+  val_local = run.val_batches()
+  val = [trainer.global_batch(run, b) for b in val_local]
+  bytes_per_token = val_bytes_per_token(cfg.data, val_local)
+  seq_len = t.eval_seq_len or t.seq_len
+  tokens = len(val) * t.batch_size * seq_len
+  short = f", all the validation data holds (train.eval_batches={t.eval_batches})" \
+      if len(val) < t.eval_batches else ""
+  log(f"model: {run.num_params:,} parameters | {len(val)} batches of {t.batch_size}x{seq_len} "
+      f"tokens ({tokens:,}{short}) | {run.mesh.size} {run.backend} device(s)")
+  abstract = run.abstract_state()["params"]
+  done = lambda s: t.steps if s < 0 else s  # eval_windows=step: the windows of that step
+  execs, rows = None, []
+  for at, path in todo:
+    try:
+      source, params = params_from.load(path, abstract, what="output_dir")
+    except (Damaged, UserError):
+      if at is None or os.path.isdir(path):
+        raise
+      if step != "all":
+        raise UserError(f"output_dir '{out}': the checkpoint of step {at} was removed while it "
+                        "was read (a run training into it keeps checkpoint.keep steps)") from None
+      log(f"step {at:>6d} | removed while it was read (a run still training); left out")
+      continue
+    at = step_of(source)
+    if execs is None:  # every eval program the steps need, compiled together once
+      dones = [done(s) for s, _ in todo] if step == "all" else [done(at)]
+      execs = programs.compile_programs(run, "eval", eval_plan(
+          cfg, dones, takes_runtime_window(run.impl)), (params, val[0]), log)
+    stage = (eval_windows(cfg, done(at)), seq_len)
+    losses = [execs(stage, params, b) for b in val]
+    row = metrics.val_row(float(np.mean(jax.device_get(losses))), bytes_per_token)
+    rows.append({"step": at, **row, "tokens": tokens})
+    log(f"step {at:>6d} | {metrics.val_text(row)}")
+  return rows
+
+
+def main(argv) -> None:
+  from nanotext.xla_flags import maybe_set_cpu_flags
+  maybe_set_cpu_flags()  # the CPU flags training ran with (before the backend starts)
+  out, step, overrides = parse(argv)
+  evaluate(out, step, overrides, log=lambda line: print(line, flush=True) if is_main() else None)
+
+
+def is_main() -> bool:
+  import jax
+  return jax.process_index() == 0
+
+
+if __name__ == "__main__":
+  from nanotext import cli
+  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck)

@@ -1,0 +1,114 @@
+"""`python -m nanotext.evaluate`: a run's validation loss read back from its checkpoints equals the
+run's own, for a run or a params-only folder, on any device count; nothing in the run is
+written; bad arguments are one line."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import one_line_error, run_cli
+from nanotext import evaluate, params_from
+from nanotext.convert import params
+from nanotext.errors import UserError
+
+
+def snapshot(folder: str) -> dict:
+  """Every file under `folder`: (size, mtime in ns)."""
+  out = {}
+  for d, _, files in os.walk(folder):
+    for f in files:
+      st = os.stat(os.path.join(d, f))
+      out[os.path.relpath(os.path.join(d, f), folder)] = (st.st_size, st.st_mtime_ns)
+  return out
+
+
+@pytest.mark.fast
+def test_the_newest_step_evaluates_to_the_runs_own_loss_and_nothing_is_written(tiny_run):
+  out, result = tiny_run
+  before = snapshot(out)
+  lines = []
+  rows = evaluate.evaluate(out, log=lines.append)
+  assert np.isfinite(result.val_loss)
+  assert [r["step"] for r in rows] == [2]
+  np.testing.assert_allclose(rows[0]["val_loss"], result.val_loss, rtol=1e-6)
+  assert rows[0]["tokens"] == 2 * 8 * 32  # TINY: 2 eval batches of 8 rows of 32
+  assert lines[-1].split()[:4] == ["step", "2", "|", "val_loss"]
+  assert snapshot(out) == before
+
+
+@pytest.mark.fast
+def test_a_params_only_folder_and_every_step_agree(tiny_run, tmp_path):
+  out, result = tiny_run
+  folder = str(tmp_path / "p")
+  params.params_only(out, folder, log=lambda line: None)
+  rows = evaluate.evaluate(folder, log=lambda line: None)
+  assert [r["step"] for r in rows] == [2]  # from its convert.json
+  np.testing.assert_allclose(rows[0]["val_loss"], result.val_loss, rtol=1e-6)
+  every = evaluate.evaluate(out, "all", ["train.eval_batches=1"], log=lambda line: None)
+  assert [r["step"] for r in every] == [2] and every[0]["tokens"] == 8 * 32
+
+
+@pytest.mark.fast
+def test_a_step_removed_while_it_is_read_is_left_out(tiny_run, tmp_path, monkeypatch):
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  shutil.copytree(os.path.join(out, "checkpoints", "2"), os.path.join(out, "checkpoints", "1"))
+  load = params_from.load
+
+  def rotated_away(path, abstract, what):  # as a run still training removes its oldest step
+    if path.endswith(os.sep + "1"):
+      shutil.rmtree(path)
+    return load(path, abstract, what)
+  monkeypatch.setattr(params_from, "load", rotated_away)
+  lines = []
+  rows = evaluate.evaluate(out, "all", log=lines.append)
+  assert [r["step"] for r in rows] == [2]
+  assert any(line.split()[:3] == ["step", "1", "|"] and "removed" in line for line in lines)
+  shutil.copytree(os.path.join(out, "checkpoints", "2"), os.path.join(out, "checkpoints", "1"))
+  with pytest.raises(UserError, match="step 1 was removed"):
+    evaluate.evaluate(out, 1, log=lambda line: None)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv, message", [
+    ([], "output_dir is required"),
+    (["output_dir={run}", "step=-2"], "step=-2 is not a checkpoint step"),
+    (["output_dir={run}", "step=last"], "step"),
+    (["output_dir={run}", "step=9"], "has no checkpoint for step 9; it has [2]"),
+    (["output_dir={run}/checkpoints"], "holds no config.yml"),
+    (["output_dir={run}", "no.such_key=1"], "no.such_key"),
+    (["output_dir={run}", "train.eval_batches=0"], "train.eval_batches"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tiny_run, argv, message):
+  argv = [a.format(run=tiny_run[0]) for a in argv]
+  with pytest.raises(UserError) as e:
+    out, step, overrides = evaluate.parse(argv)
+    evaluate.precheck(argv)
+    evaluate.sources(out, step)
+  assert message in str(e.value)
+
+
+@pytest.mark.fast
+def test_a_saved_mesh_of_other_devices_becomes_fsdp_over_these(tiny_run):
+  out = tiny_run[0]
+  cfg = evaluate.load_config(out, ["mesh.fsdp=2"])  # as if trained on 2 devices
+  lines = []
+  moved = evaluate.fit_mesh(cfg, out, [], 8, lines.append)
+  assert (moved.mesh.data, moved.mesh.fsdp, moved.mesh.tensor) == (1, -1, 1) and len(lines) == 1
+  assert evaluate.fit_mesh(cfg, out, ["mesh.fsdp=2"], 8, lines.append) is cfg  # asked for
+  assert evaluate.fit_mesh(cfg, out, [], 2, lines.append) is cfg  # it spans them
+
+
+def test_the_cli_prints_each_steps_loss_and_refuses_a_params_only_step(tiny_run, tmp_path):
+  proc = run_cli("nanotext.evaluate", f"output_dir={tiny_run[0]}", "step=all",
+                 "train.eval_batches=1")
+  assert proc.returncode == 0, proc.stderr
+  last = proc.stdout.splitlines()[-1].split()
+  assert last[:4] == ["step", "2", "|", "val_loss"] and np.isfinite(float(last[4]))
+  assert "Traceback" not in proc.stderr and "Metadata file" not in proc.stderr
+  folder = str(tmp_path / "p")
+  params.params_only(tiny_run[0], folder, log=lambda line: None)
+  one_line_error(run_cli("nanotext.evaluate", f"output_dir={folder}", "step=2"),
+                 "params-only folder")
