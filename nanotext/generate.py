@@ -28,34 +28,63 @@ def choose(logits_V, key, temperature: float, top_k: int):
   return jax.random.categorical(key, (logits_V - jnp.max(logits_V)) / temperature)
 
 
+def pick(temperature: float, top_k: int):
+  """`choose` for each row: (float32 logits [B, V], keys [B]) -> token ids [B]; row i is the
+  token `choose` gives for logits i and key i alone."""
+  import jax
+  return jax.vmap(lambda logits_V, key: choose(logits_V, key, temperature, top_k))
+
+
+def split(keys):
+  """(keys to go on with, subkeys to draw with) [B] each: row i that of jax.random.split(keys[i])."""
+  return _split_rows()(keys)
+
+
+@functools.lru_cache(maxsize=1)
+def _split_rows():
+  import jax
+  def both(keys):
+    pairs = jax.vmap(jax.random.split)(keys)
+    return pairs[:, 0], pairs[:, 1]
+  return jax.jit(both)
+
+
+def seed_keys(seeds):
+  """One PRNG key per seed, [B]: key i is jax.random.key(seeds[i]) (64-bit seeds too)."""
+  import jax
+  import numpy as np
+  data = np.stack([np.asarray(jax.random.key_data(jax.random.key(s))) for s in seeds])
+  return jax.random.wrap_key_data(data)
+
+
 @functools.lru_cache(maxsize=8)  # one set of programs for every sample of a command
 def make_sampler(graphdef, max_len: int, temperature: float, top_k: int):
-  """jit(params, buf_BT, pos, key) -> next token id after position `pos` of a buffer, the whole
-  buffer run again (compiled once per buffer length)."""
+  """jit(params, buf_BT, pos, keys_B) -> each row's next token id after position `pos` of a
+  buffer, the whole buffer run again (compiled once per buffer shape)."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  def next_token(params, buf, pos, key):
-    logits_V = nnx.merge(graphdef, params)(buf, train=False)[0, pos].astype(jnp.float32)
-    return choose(logits_V, key, temperature, top_k)
+  def next_tokens(params, buf, pos, keys):
+    logits_BV = nnx.merge(graphdef, params)(buf, train=False)[:, pos].astype(jnp.float32)
+    return pick(temperature, top_k)(logits_BV, keys)
   del max_len
-  return jax.jit(next_token)
+  return jax.jit(next_tokens)
 
 
 @functools.lru_cache(maxsize=8)
 def make_cached(graphdef, temperature: float, top_k: int):
-  """(prompt, step): jit(params, caches, buf_BT, n, key) -> (the token after the first n of a
-  buffer, caches holding their keys and values); jit(params, caches, token, pos, key) -> (the
-  token after `token` at position pos, caches with it added). Compiled once per buffer and cache
-  length; the caches' buffers are donated (written in place)."""
+  """(prompt, step): jit(params, caches, buf_BT, n, keys_B) -> (each row's token after the first
+  n of a buffer, caches holding their keys and values); jit(params, caches, tokens_B, pos,
+  keys_B) -> (each row's token after its token at position pos, caches with it added).
+  Compiled once per buffer and cache shape; the caches' buffers are donated (written in place)."""
   import jax
   from flax import nnx
-  def prompt(params, caches, buf, n, key):
+  def prompt(params, caches, buf, n, keys):
     logits_BV, caches = nnx.merge(graphdef, params).extend(buf, caches, 0, n - 1)
-    return choose(logits_BV[0], key, temperature, top_k), caches
-  def step(params, caches, token, pos, key):
-    logits_BV, caches = nnx.merge(graphdef, params).extend(token.reshape(1, 1), caches, pos, 0)
-    return choose(logits_BV[0], key, temperature, top_k), caches
+    return pick(temperature, top_k)(logits_BV, keys), caches
+  def step(params, caches, tokens, pos, keys):
+    logits_BV, caches = nnx.merge(graphdef, params).extend(tokens[:, None], caches, pos, 0)
+    return pick(temperature, top_k)(logits_BV, keys), caches
   return jax.jit(prompt, donate_argnums=1), jax.jit(step, donate_argnums=1)
 
 
@@ -66,54 +95,69 @@ def sample(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
                      temperature=temperature, top_k=top_k, seed=seed, cache=cache))
 
 
-def stream(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
-           temperature: float, top_k: int, seed: int, cache: bool = True):
-  """`sample`'s tokens, each yielded as soon as it is drawn: from the key-value cache while the
-  context fits in max_len (`cached`), then with the whole context of the last max_len tokens
-  run again for each token (it slides, and every position moves)."""
-  import jax
+def stream(graphdef, params, prompt_ids, *, seed: int, **kw):
+  """`sample`'s tokens, each yielded as soon as it is drawn (`stream_rows` of one seed)."""
+  for tokens in stream_rows(graphdef, params, prompt_ids, seeds=(seed,), **kw):
+    yield tokens[0]
+
+
+def stream_rows(graphdef, params, prompt_ids, *, seeds, max_len: int, max_new_tokens: int,
+                temperature: float, top_k: int, cache: bool = True):
+  """A sample per seed, drawn together as the rows of one batch: a list of each row's token per
+  step, yielded as they are drawn. From the key-value cache while the context fits in max_len
+  (`cached`), then with the whole context of the last max_len tokens run again for each token
+  (it slides, and every position moves). Row i draws what seed i alone would, but for logits
+  that a batch rounds differently from one row and that tie at that rounding."""
   import numpy as np
   if not prompt_ids:
     raise UserError("the prompt encodes to no tokens; give a non-empty prompt")
-  tokens = list(prompt_ids)
-  key = jax.random.key(seed)
-  if cache and len(tokens) < max_len and max_new_tokens:
-    key = yield from cached(graphdef, params, tokens, key, max_len=max_len,
-                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
+  rows = [list(prompt_ids) for _ in seeds]
+  keys = seed_keys(seeds)
+  if cache and len(prompt_ids) < max_len and max_new_tokens:
+    keys = yield from cached(graphdef, params, rows, keys, max_len=max_len,
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
   step_fn = make_sampler(graphdef, max_len, temperature, top_k)
-  for _ in range(max_new_tokens - (len(tokens) - len(prompt_ids))):
-    ctx = tokens[-max_len:]
-    buf = np.zeros((1, bucket(len(ctx), max_len)), np.int32)
-    buf[0, :len(ctx)] = ctx
-    key, sub = jax.random.split(key)
-    tokens.append(int(step_fn(params, buf, len(ctx) - 1, sub)))
-    yield tokens[-1]
+  for _ in range(max_new_tokens - (len(rows[0]) - len(prompt_ids))):
+    ctx = np.asarray([r[-max_len:] for r in rows], np.int32)
+    buf = np.zeros((len(rows), bucket(ctx.shape[1], max_len)), np.int32)
+    buf[:, :ctx.shape[1]] = ctx
+    keys, sub = split(keys)
+    yield append(rows, step_fn(params, buf, ctx.shape[1] - 1, sub))
 
 
-def cached(graphdef, params, tokens: list, key, *, max_len: int, max_new_tokens: int,
+def append(rows: list, tokens) -> list:
+  """Each row's new token (a [B] array) appended to it; returned as a list of ints."""
+  import numpy as np
+  new = np.asarray(tokens).tolist()
+  for r, t in zip(rows, new):
+    r.append(t)
+  return new
+
+
+def cached(graphdef, params, rows: list, keys, *, max_len: int, max_new_tokens: int,
            temperature: float, top_k: int):
-  """Tokens drawn after `tokens` (appended to it as they are yielded) while the context fits in
-  max_len: the prompt runs once (in a bucket), then each token alone against every layer's cached
-  keys and values (model/kv_cache.py). Returns the random key to go on with."""
-  import jax
+  """Tokens drawn after each row (appended to it as they are yielded) while the context fits in
+  max_len: the prompt runs once (in a bucket), then each row's token alone against every
+  layer's cached keys and values (model/kv_cache.py). Returns the random keys to go on with."""
   import numpy as np
   from flax import nnx
   from nanotext.model import kv_cache
   prompt, step = make_cached(graphdef, temperature, top_k)
-  length = bucket(min(len(tokens) + max_new_tokens, max_len), max_len)  # positions it may hold
-  caches = kv_cache.empty(nnx.merge(graphdef, params), 1, length)
-  buf = np.zeros((1, bucket(len(tokens), max_len)), np.int32)
-  buf[0, :len(tokens)] = tokens
-  key, sub = jax.random.split(key)
-  token, caches = prompt(params, caches, buf, len(tokens), sub)
+  n = len(rows[0])
+  length = bucket(min(n + max_new_tokens, max_len), max_len)  # positions it may hold
+  caches = kv_cache.empty(nnx.merge(graphdef, params), len(rows), length)
+  buf = np.zeros((len(rows), bucket(n, max_len)), np.int32)
+  buf[:, :n] = rows[0]  # one prompt for every row
+  keys, sub = split(keys)
+  tokens, caches = prompt(params, caches, buf, n, sub)
   for drawn in range(1, max_new_tokens + 1):
-    tokens.append(int(token))
-    yield tokens[-1]
-    if drawn == max_new_tokens or len(tokens) > length:  # done, or the context slides from here
-      return key
-    key, sub = jax.random.split(key)
-    token, caches = step(params, caches, np.int32(tokens[-1]), len(tokens) - 1, sub)
-  return key
+    new = append(rows, tokens)
+    yield new
+    if drawn == max_new_tokens or len(rows[0]) > length:  # done, or the context slides from here
+      return keys
+    keys, sub = split(keys)
+    tokens, caches = step(params, caches, np.asarray(new, np.int32), len(rows[0]) - 1, sub)
+  return keys
 
 
 MIN_BUCKET = 128
@@ -241,16 +285,52 @@ def main(argv) -> None:
   cfg = wiring.load(cfg_path, overrides)  # checked as train checks it
   check_seeds(cfg, num)
   tokenizer = get_tokenizer(cfg.data.tokenizer)
-  encode_prompt(tokenizer, cfg.sample.prompt)  # before the checkpoint is read
+  prompt_ids = encode_prompt(tokenizer, cfg.sample.prompt)  # before the checkpoint is read
   step, graphdef, params = restore(out, cfg, step, checked=True)
-  for i in range(num):  # sample i draws with seed + i: the first is the one-sample command's
-    seed = cfg.sample.seed + i
-    label = f"step {step}" if num == 1 else f"step {step}, sample {i + 1} of {num}, seed {seed}"
-    print(f"[{label}] {cfg.sample.prompt}", end="", flush=True)
-    ids = sample_ids(graphdef, params, cfg, tokenizer, cfg.sample.prompt, seed)
-    for piece in text_pieces(tokenizer, ids):  # as it is sampled: long samples take minutes
-      print(piece, end="", flush=True)
-    print()
+  rows = batch_rows(graphdef, params, cfg, len(prompt_ids), num)
+  for first in range(0, num, rows):  # sample i draws with seed + i
+    seeds = [cfg.sample.seed + i for i in range(first, min(num, first + rows))]
+    print_batch(graphdef, params, cfg, tokenizer, prompt_ids, seeds, step, first, num)
+
+
+def print_batch(graphdef, params, cfg, tokenizer, prompt_ids, seeds, step, first, num) -> None:
+  """The samples of `seeds`, drawn as one batch: the first printed as it is drawn (long samples
+  take minutes), the others as the batch ends."""
+  s = cfg.sample
+  label = lambda i: f"step {step}" if num == 1 else \
+      f"step {step}, sample {first + i + 1} of {num}, seed {seeds[i]}"
+  drawn = [[] for _ in seeds]
+
+  def first_row():
+    for tokens in stream_rows(graphdef, params, prompt_ids, seeds=seeds,
+                              max_len=cfg.model.max_seq_len, max_new_tokens=s.max_new_tokens,
+                              temperature=s.temperature, top_k=s.top_k):
+      for ids, t in zip(drawn, tokens):
+        ids.append(t)
+      yield tokens[0]
+  print(f"[{label(0)}] {s.prompt}", end="", flush=True)
+  for piece in text_pieces(tokenizer, first_row()):
+    print(piece, end="", flush=True)
+  print()
+  for i in range(1, len(seeds)):
+    print(f"[{label(i)}] {s.prompt}{tokenizer.decode(drawn[i])}", flush=True)
+
+
+BATCH_BYTES = 2**30  # the most a batch of samples holds in caches and logits
+MAX_ROWS = 64
+
+
+def batch_rows(graphdef, params, cfg, prompt_len: int, num: int) -> int:
+  """How many samples to draw together: each row holds its key-value caches, and, once the
+  context slides, the logits of a whole buffer; at most BATCH_BYTES for all, MAX_ROWS rows."""
+  from flax import nnx
+  from nanotext.model import kv_cache
+  max_len, new = cfg.model.max_seq_len, cfg.sample.max_new_tokens
+  per_row = kv_cache.row_bytes(nnx.merge(graphdef, params),
+                               bucket(min(prompt_len + new, max_len), max_len))
+  if prompt_len + new > max_len:
+    per_row += max_len * cfg.model.vocab_size * 4
+  return max(1, min(num, MAX_ROWS, BATCH_BYTES // max(per_row, 1)))
 
 
 if __name__ == "__main__":

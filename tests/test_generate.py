@@ -10,6 +10,7 @@ from flax import nnx
 from conftest import BASE, TINY
 from nanotext import generate, wiring
 from nanotext.errors import UserError
+from nanotext.model import kv_cache
 
 PROMPT = [5, 17, 300, 42]
 MAX_LEN = 32  # TINY's seq_len, hence its learned position table
@@ -102,8 +103,8 @@ def test_top_k_sampler_over_many_keys():
   step = generate.make_sampler(graphdef, MAX_LEN, temperature=5.0, top_k=4)
   buf = np.zeros((1, MAX_LEN), np.int32)
   buf[0, :len(PROMPT)] = PROMPT
-  keys = jax.random.split(jax.random.key(0), 32)
-  draws = {int(step(params, buf, len(PROMPT) - 1, key)) for key in keys}
+  keys = jax.random.split(jax.random.key(0), 32)  # one row each
+  draws = set(np.asarray(step(params, np.repeat(buf, 32, 0), len(PROMPT) - 1, keys)).tolist())
   top = set(np.argsort(logits_at(PROMPT)[-1])[-4:].tolist())
   assert draws == top
 
@@ -188,3 +189,22 @@ def test_a_temperature_near_zero_is_greedy():
   greedy = sample(max_new_tokens=5)
   assert sample(max_new_tokens=5, temperature=1e-38, seed=3) == greedy
   assert sample(max_new_tokens=5, temperature=1e-38, top_k=3, seed=4) == greedy
+
+
+@pytest.mark.fast
+def test_samples_are_drawn_in_batches_that_fit(monkeypatch):
+  """num_samples rows per batch: every sample up to MAX_ROWS, fewer where their caches (and,
+  once the context slides, a buffer's logits) would pass BATCH_BYTES; at least one."""
+  graphdef, params = model_and_params()
+  cfg = wiring.prepare(BASE, TINY + ["sample.max_new_tokens=8"]).cfg
+  assert generate.batch_rows(graphdef, params, cfg, 4, 5) == 5
+  assert generate.batch_rows(graphdef, params, cfg, 4, 1000) == generate.MAX_ROWS
+  monkeypatch.setattr(generate, "BATCH_BYTES", 1)
+  assert generate.batch_rows(graphdef, params, cfg, 4, 1000) == 1
+  row = kv_cache.row_bytes(nnx.merge(graphdef, params), 32)  # 12 positions: bucket 32
+  monkeypatch.setattr(generate, "BATCH_BYTES", 3 * row)
+  assert generate.batch_rows(graphdef, params, cfg, 4, 1000) == 3
+  slides = TINY + ["sample.max_new_tokens=40"]  # past max_len 32: + a buffer's logits per row
+  cfg = wiring.prepare(BASE, slides).cfg
+  monkeypatch.setattr(generate, "BATCH_BYTES", 3 * (row + 32 * 512 * 4))
+  assert generate.batch_rows(graphdef, params, cfg, 4, 1000) == 3

@@ -97,6 +97,22 @@ def test_sampling_with_the_cache_draws_the_uncached_tokens_past_max_len():
   assert len(set(cached)) > 10  # the sampled run: not one token repeated
 
 
+@pytest.mark.fast
+def test_samples_drawn_together_are_those_drawn_one_by_one():
+  """Rows of one batch (generate num_samples=N) draw each seed's own tokens, with the cache and
+  past max_len without it; one row's cache bytes as `empty` allocates them."""
+  graphdef, params = model_and_params("record")
+  prompt = [5, 17, 3, 99, 42]
+  kw = dict(max_len=64, max_new_tokens=66, temperature=1.0, top_k=20)
+  together = list(generate.stream_rows(graphdef, params, prompt, seeds=(3, 4, 2**63 - 1), **kw))
+  alone = [generate.sample(graphdef, params, prompt, seed=s, **kw) for s in (3, 4, 2**63 - 1)]
+  assert [list(r) for r in zip(*together)] == alone and len(alone[0]) == 66
+  assert len({tuple(r) for r in alone}) == 3  # the seeds do differ
+  model = nnx.merge(graphdef, params)
+  held = sum(x.nbytes for c in kv_cache.empty(model, 1, 128) if c is not None for x in c[:2])
+  assert kv_cache.row_bytes(model, 128) == held > 0
+
+
 def test_windows_hide_what_the_cache_still_holds():
   """A cached token attends to the keys inside its window and no others: with window 4 the
   logits at position 20 do not move when tokens at positions 0-16 change."""

@@ -35,6 +35,12 @@ def empty(model, batch: int, length: int) -> list:
   return caches
 
 
+def row_bytes(model, length: int) -> int:
+  """Bytes of one row of the caches `empty` makes for `length` positions."""
+  return sum(2 * length * b.attn.num_heads * b.attn.head_dim * np.dtype(b.attn.dtype).itemsize
+             for b in blocks_of(model) if b.attn is not None)
+
+
 def blocks_of(model) -> list:
   """The model's blocks, one per layer (a scanned stack counts num_layers times)."""
   if model.scan_layers:
