@@ -137,6 +137,7 @@ def staged_dir(out: str, *, force: bool, protect=()):
 @contextlib.contextmanager
 def staged_file(out: str, *, force: bool, protect=()):
   """Yield a temporary file path next to `out`; on success it replaces `out` atomically."""
+  probes.plain_file_or_none(out, "--out")
   out = _check_target(out, force, protect)
   if os.path.isdir(out):
     raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")

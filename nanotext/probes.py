@@ -10,9 +10,10 @@ immutable file, a read-only or kernel file system), exit 1 for a full disk or a 
 import errno
 import os
 import shutil
+import stat
 import tempfile
 
-from nanotext.errors import ResourceError, os_error
+from nanotext.errors import ResourceError, UserError, os_error
 
 
 def writable_dir(path: str, what: str) -> None:
@@ -45,9 +46,11 @@ def writable_dir(path: str, what: str) -> None:
 
 
 def appendable(path: str, what: str) -> None:
-  """Raise unless an existing file `path` can be opened for appending (immutable, read-only)."""
+  """Raise unless an existing file `path` can be opened for appending (a plain file, not
+  immutable or read-only)."""
   if not os.path.lexists(path):
     return
+  plain_file_or_none(path, what)
   try:
     with open(path, "ab"):
       pass
@@ -55,8 +58,22 @@ def appendable(path: str, what: str) -> None:
     raise os_error(e, f"cannot write {what} '{path}'") from None
 
 
+def plain_file_or_none(path: str, what: str) -> None:
+  """UserError when `path` is a device, a pipe or a socket: a rename would put a file where
+  it was (as root, `--out=/dev/null` would replace the system's), and opening a pipe waits
+  for a reader. Folders and links to files are the callers' to judge."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return  # absent (or a dangling link): a new file goes there
+  if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+    kind = "a pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    raise UserError(f"{what} '{path}' is {kind}, not a file: give the path of a file to write")
+
+
 def replaceable(path: str, what: str) -> None:
-  """Raise unless an existing file `path` can be replaced by a rename (not immutable)."""
+  """Raise unless an existing file `path` can be replaced by a rename (a plain file, not
+  immutable)."""
   if not os.path.lexists(path):
     return
   appendable(path, what)

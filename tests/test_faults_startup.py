@@ -198,6 +198,28 @@ def test_probes_leave_nothing_behind_and_tell_resources_from_permissions(tmp_pat
     probes.writable_dir(str(tmp_path / "f" / "g"), "x")
 
 
+@pytest.mark.fast
+def test_a_pipe_or_a_device_is_never_an_output_file(tmp_path):
+  """A rename would put a file where /dev/null was (the tools run as root in containers), and
+  opening a pipe waits for a reader: every single-file output refuses them at once."""
+  from nanotext import outputs
+  pipe = str(tmp_path / "pipe")
+  os.mkfifo(pipe)
+  for probe in (probes.replaceable, probes.appendable):
+    with pytest.raises(UserError, match="/pipe' is a pipe, not a file"):
+      probe(pipe, "--out")
+    with pytest.raises(UserError, match="'/dev/null' is a device, not a file"):
+      probe(os.devnull, "--json")
+  with pytest.raises(UserError, match="is a pipe"):
+    with outputs.staged_file(pipe, force=True):
+      raise AssertionError("not reached")
+  link = tmp_path / "link"
+  link.symlink_to(os.devnull)
+  with pytest.raises(UserError, match="is a device"):
+    probes.replaceable(str(link), "--out")
+  assert sorted(os.listdir(tmp_path)) == ["link", "pipe"]  # nothing staged beside them
+
+
 def test_an_empty_prompt_is_refused_before_training(tmp_path):
   """sample.prompt= was refused only after training and saving."""
   out = tmp_path / "run"

@@ -8,6 +8,7 @@ from absl import flags
 import numpy as np
 from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
 
+from nanotext import probes
 from nanotext.errors import UserError, write_error
 from nanotext.data.corpus import load_corpus
 
@@ -206,8 +207,9 @@ def main(args) -> None:
   if flags.FLAGS.vocab_size < 257:  # it trained 257 ids for --vocab_size=10, silently
     raise UserError(f"--vocab_size={flags.FLAGS.vocab_size}: a byte-level BPE has at least 257 "
                     "ids (256 bytes and <|endoftext|>)")
-  tok = train_tokenizer([text for _, text in load_corpus()], flags.FLAGS.vocab_size)
   out = flags.FLAGS.out or str(shipped_path())
+  probes.replaceable(out, "--out")  # before the minutes of training
+  tok = train_tokenizer([text for _, text in load_corpus()], flags.FLAGS.vocab_size)
   save(tok, out)
   print(f"wrote {out} (vocab {tok.get_vocab_size()}, eot id {tok.token_to_id(EOT)})")
 
