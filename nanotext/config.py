@@ -217,8 +217,8 @@ def check_rule(key: str, value, rule: str) -> None:
   if isinstance(value, dict):
     raise ValueError(f"{SCHEMA_PATH}: rule '{rule}' of section '{key}' (a bound needs a number)")
   if rule == "int32":
-    if value >= 2**31:
-      raise UserError(f"{key}={value} is too large (at most {2**31 - 1})")
+    if not -2**31 <= value < 2**31:
+      raise UserError(f"{key}={value} does not fit in 32 bits (from {-2**31} to {2**31 - 1})")
     return
   bound = _BOUND.fullmatch(rule)
   if not bound:

@@ -42,8 +42,12 @@ def check_config(o) -> None:
   config.check_choices("optim", o, CHOICES)
   if not 0 < o.muon_layer_decay <= 1:
     raise UserError(f"optim.muon_layer_decay={o.muon_layer_decay} must be in (0, 1] (1 = off)")
-  if not 0 <= o.cooldown_frac <= 1:
-    raise UserError(f"optim.cooldown_frac={o.cooldown_frac} must be in [0, 1]")
+  for key in ("cooldown_frac", "final_lr_frac", "muon_momentum", "muon_momentum_start"):
+    if not 0 <= o[key] <= 1:
+      raise UserError(f"optim.{key}={o[key]} must be in [0, 1]")
+  for key in ("beta1", "beta2"):  # Adam's bias correction divides by 1 - beta**step
+    if not 0 <= o[key] < 1:
+      raise UserError(f"optim.{key}={o[key]} must be in [0, 1)")
 
 
 def group_labels(state):

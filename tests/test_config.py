@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import pickle
+import re
 
 import jax
 import pytest
@@ -388,7 +389,7 @@ def test_a_key_added_to_base_yml_with_rules_is_checked_with_no_other_edit(tmp_pa
   path = str(tmp_path / "base.yml")
   with pytest.raises(UserError, match="train.new_count=0 must be at least 1"):
     config.load(path, ["train.new_count=0"])
-  with pytest.raises(UserError, match=r"train.new_count=2147483648 is too large"):
+  with pytest.raises(UserError, match=r"train.new_count=2147483648 does not fit in 32 bits"):
     config.load(path, [f"train.new_count={2**31}"])
   old, new = (config.load(path, [f"train.new_count={n}"]).to_dict() for n in (3, 4))
   assert config.run_identity_diff(old, new) == []  # resume-ok: a resume may change it
@@ -410,3 +411,23 @@ def test_a_retired_key_in_an_old_runs_config_is_ignored(tmp_path):
   path = tmp_path / "config.yml"
   path.write_text("base: %s\ntrain:\n  debug_nan_step: -1\n" % os.path.abspath(BASE))
   assert config.load(str(path)).train.steps == config.load(BASE).train.steps
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("override,message", [
+    (f"seed={2**31}", "does not fit in 32 bits"),  # a traceback from jnp.int32 in init_state
+    (f"seed={-2**31 - 1}", "does not fit in 32 bits"),
+    ("attention.window_block=0", "must be positive"),  # a ZeroDivisionError in the schedule
+    ("model.rope_base=0", "must be positive"),  # a ZeroDivisionError in rope
+    ("optim.beta1=7", "optim.beta1=7.0 must be in [0, 1)"),  # trained, exit 0
+    ("optim.beta2=1", "optim.beta2=1.0 must be in [0, 1)"),
+    ("optim.final_lr_frac=50", "must be in [0, 1]"),
+    ("optim.muon_momentum=1.5", "must be in [0, 1]"),
+    ("optim.muon_ns_steps=0", "must be positive"),
+    ("optim.muon_momentum_warmup=-5", "must not be negative"),
+    ("data.eot_id=-7", "must be at least -1"),
+])
+def test_values_that_trained_nonsense_or_crashed_are_refused(override, message):
+  from nanotext import wiring
+  with pytest.raises(UserError, match=re.escape(message)):
+    wiring.load(BASE, [override])
