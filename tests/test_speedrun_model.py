@@ -96,6 +96,17 @@ def test_unet_skip_weights_are_used():
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("path", [SPEEDRUN, SPEEDRUN_RECORD,
+                                  os.path.join(REPO, "configs", "shakespeare.yml")])
+def test_one_layer_holds_no_empty_array(path):
+  """One layer has no U-net skip (L // 2 = 0 weights): an empty array, which orbax refuses to
+  save (a 1-layer shakespeare.yml run failed at its first checkpoint with a traceback)."""
+  run = wiring.prepare(path, SMALL + ["model.num_layers=1", "model.no_attention_layers=[]"])
+  leaves = jax.tree_util.tree_leaves_with_path(run.abstract_state())
+  assert [jax.tree_util.keystr(p) for p, x in leaves if not x.size] == []
+
+
+@pytest.mark.fast
 def test_no_attention_layer_has_no_attention_params():
   _, model = build("model.no_attention_layers=[2, 9]")  # 9 is past the last layer: ignored
   params, _ = params_and_specs(model)

@@ -204,9 +204,10 @@ class GPT(nnx.Module):
         Embed(rows, cfg.d_model, std=cfg.embed_std, param_dtype=table_dtype,
               dtype=cfg.dtype, rngs=rngs)
         for _ in range(min(cfg.value_embeds, cfg.num_layers // 2))])
-    # U-net: the first L // 2 blocks' outputs come back, weighted, before the last L // 2 blocks.
-    skip_weights = jnp.ones((cfg.num_layers // 2,), cfg.param_dtype)
-    self.skip_weights = param(skip_weights, (None,), "scalar") if cfg.unet_skips else None
+    # U-net: the first L // 2 blocks' outputs come back, weighted, before the last L // 2 blocks
+    # (one layer has none: no weights, where a 0-size array could not be checkpointed).
+    skips = jnp.ones((cfg.num_layers // 2,), cfg.param_dtype)
+    self.skip_weights = param(skips, (None,), "scalar") if cfg.unet_skips and len(skips) else None
     self.ln_f = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype, **norm_eps(cfg))
     if cfg.tie_embeddings:
       self.head = None
