@@ -58,7 +58,8 @@ def _metrics_row(raw: bytes):
       return None
     if isinstance(x, bool) or not isinstance(x, (int, float)):
       raise ValueError(f"not a number: {x!r}")
-    return float(x)
+    # no loss is that large: drawn as a gap, as NaN is (near 1e308 matplotlib's layout fails)
+    return float(x) if abs(x) < MAX_VALUE else math.nan
   try:
     row = json.loads(raw.decode("utf-8"))
     step = row["step"]
@@ -69,6 +70,9 @@ def _metrics_row(raw: bytes):
   except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
     return None
   return (int(step), *values)
+
+
+MAX_VALUE = 1e100
 
 
 def _tokens_per_step(run_dir: str) -> int | None:
@@ -84,7 +88,7 @@ def _tokens_per_step(run_dir: str) -> int | None:
 def _bpb_scale(run: dict) -> float | None:
   """Train loss (nats/token) -> bits per byte, from the run's own val_loss / val_bpb ratio."""
   for _, loss, bpb in run["val"]:
-    if bpb:
+    if bpb and loss and math.isfinite(bpb / loss):
       return float(bpb) / loss
   return None
 
@@ -203,6 +207,9 @@ def main(args) -> None:
   check_out(out)
   data = [read_run(r) for r in runs]
   if not any(d["train"] or d["val"] for d in data):
+    if any(d["skipped"] for d in data):
+      raise UserError("no line of the metrics.jsonl of any run given is a metrics row (each is "
+                      "not JSON, or has no step): nothing to plot")
     raise UserError("the metrics.jsonl of every run given is empty: nothing to plot")
   for d, r in zip(data, runs):
     if d["skipped"]:

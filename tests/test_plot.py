@@ -70,3 +70,22 @@ def test_without_matplotlib(tmp_path):
   run = fake_run(tmp_path / "run")
   one_line_error(run_cli("nanotext.plot", run, f"--out={tmp_path / 'x.png'}",
                          env={"PYTHONPATH": path}), "matplotlib", "pip install")
+
+
+@pytest.mark.plots
+def test_odd_numbers_are_drawn_or_named_never_a_traceback(tmp_path):
+  """A val_loss of 0 (no bits-per-byte scale from it), values near 1e308 (matplotlib's layout
+  fails on them: drawn as gaps), and a file of lines that are none of them metrics rows."""
+  from nanotext import plot
+  run = tmp_path / "run"
+  run.mkdir()
+  metrics = run / "metrics.jsonl"
+  metrics.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "val_loss": 0.0, "val_bpb": 1.5}\n'
+                     '{"step": 3, "loss": 1.7e308, "val_loss": 1e308, "val_bpb": 1e308}\n')
+  got = plot.read_run(str(run))
+  assert plot._bpb_scale(got) is None and got["train"][1][1] != got["train"][1][1]  # NaN
+  proc = run_cli("nanotext.plot", str(run), f"--out={tmp_path / 'x.png'}")
+  assert proc.returncode == 0 and (tmp_path / "x.png").stat().st_size > 0, proc.stderr
+  metrics.write_bytes(b'garbage\n\x00\xff\n{"ste')
+  one_line_error(run_cli("nanotext.plot", str(run), f"--out={tmp_path / 'y.png'}"),
+                 "no line of the metrics.jsonl")
