@@ -2,6 +2,7 @@
 and refusals; all on tiny models built here (no downloads)."""
 
 import json
+import re
 import os
 
 import jax
@@ -9,10 +10,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import SPEEDRUN, TINY, extra, forward, run_cli, saved_run
+from conftest import REPO, SPEEDRUN, TINY, extra, forward, run_cli, saved_run
 from nanotext import config, train
 from nanotext.model import gpt
-from nanotext.convert import from_hf, load_params, params_only, to_hf
+from nanotext.convert import from_hf, hf, load_params, params_only, to_hf
 from nanotext.convert.common import load_run
 from nanotext.errors import UserError
 
@@ -230,3 +231,33 @@ def test_existing_out_refused_then_forced(base_run, tmp_path):
 def test_refuses_out_that_is_the_run(base_run):
   with pytest.raises(UserError, match="would replace the input"):
     params_only(base_run, base_run, force=True, log=quiet)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: [1, 2, 3], "holds a JSON list"),
+    (lambda c: {**c, "n_layer": "2"}, "n_layer='2'"),
+    (lambda c: {k: v for k, v in c.items() if k != "n_embd"}, "n_embd=None"),
+    (lambda c: {**c, "n_embd": 64.5}, "n_embd=64.5"),
+    (lambda c: {**c, "n_layer": -1}, "n_layer=-1"),
+])
+def test_from_hf_names_a_size_that_is_not_a_positive_integer(hf_dir, tmp_path, edit, message):
+  src = tmp_path / "hf"
+  src.mkdir()
+  c = json.loads(open(os.path.join(hf_dir[0], "config.json")).read())
+  (src / "config.json").write_text(json.dumps(edit(c)))
+  os.symlink(os.path.join(hf_dir[0], "model.safetensors"), src / "model.safetensors")
+  with pytest.raises(UserError, match=re.escape(message)):
+    from_hf(str(src), str(tmp_path / "run"), TRAIN_KEYS, log=quiet)
+  assert not (tmp_path / "run").exists()
+
+
+def test_from_hf_onto_a_speedrun_config_turns_its_features_off(hf_dir, tmp_path):
+  """--config=configs/shakespeare.yml: its windows, merged QKV, value tables and U-net are not
+  GPT-2's, so the run takes GPT-2's (once: 'window_pattern needs window > 0')."""
+  out = str(tmp_path / "run")
+  from_hf(hf_dir[0], out, TRAIN_KEYS, config_path=os.path.join(REPO, "configs", "shakespeare.yml"),
+          log=quiet)
+  cfg = config.load(os.path.join(out, "config.yml"))
+  hf.check_classic(cfg)  # exported back as it came
+  assert cfg.attention.window_pattern == "" and not cfg.model.merged_qkv

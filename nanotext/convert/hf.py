@@ -26,7 +26,12 @@ IGNORED = (".attn.bias", ".attn.masked_bias")
 # nanotext architecture of a classic GPT-2: what to-hf needs and from-hf writes.
 CLASSIC = {"model.positions": "learned", "model.norm": "layernorm", "model.mlp_act": "gelu",
            "model.bias": True, "model.tie_embeddings": True, "model.logit_softcap": 0.0,
-           "model.x0_mix": False, "model.qk_norm": False, "attention.window": 0}
+           "model.x0_mix": False, "model.qk_norm": False, "model.value_embeds": 0,
+           "model.unet_skips": False, "model.value_residual": False, "model.merged_qkv": False,
+           "model.fused_qkv": False, "model.no_attention_layers": [],
+           "model.attn_scale_learned": False, "attention.window": 0,
+           "attention.window_pattern": "", "attention.window_schedule": False,
+           "attention.block_windows": False}
 
 
 def _block_names(i: int) -> dict:
@@ -54,8 +59,11 @@ def _read_hf_config(hf: str) -> dict:
   try:
     with open(path) as f:
       c = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
+  except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
     raise UserError(f"cannot read '{path}': {e}") from None
+  if not isinstance(c, dict):
+    raise UserError(f"'{path}' holds a JSON {type(c).__name__}, not the object of a Hugging "
+                    "Face config")
   if c.get("model_type") != "gpt2":
     raise UserError(f"'{path}' has model_type={c.get('model_type')!r}; only gpt2 converts")
   unsupported = {
@@ -69,8 +77,15 @@ def _read_hf_config(hf: str) -> dict:
     if key in c and not ok(c[key]):
       raise UserError(f"Hugging Face option {key}={c[key]!r} in '{path}' has no nanotext "
                       "equivalent")
+  for key in SIZES:  # what the tensors' shapes and the nanotext config are derived from
+    v = c.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+      raise UserError(f"'{path}' gives {key}={v!r}: a GPT-2 config needs a positive integer")
   # reorder_and_upcast_attn only changes where the float32 upcast happens: same function.
   return c
+
+
+SIZES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
 
 
 def _read_hf_tensors(hf: str) -> dict:
