@@ -25,6 +25,15 @@ from nanotext import probes
 from nanotext.rundir import check_no_glob, step_files, steps_on_disk, vanished
 
 
+def _not_news(record) -> bool:
+  """False for orbax's warning that an item read on its own (a step's state/: load_params_from)
+  or a step folder left empty has no metadata file of its own: the reader says what matters."""
+  return not record.getMessage().startswith("Metadata file does not exist")
+
+
+logging.get_absl_logger().addFilter(_not_news)
+
+
 class CheckpointError(ResourceError):
   """A checkpoint write failed (disk full, permissions, ...): not bad input, exit status 1."""
 
@@ -245,7 +254,10 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir"):
   for attempt in range(3):
     manager = reader(output_dir)  # a fresh listing each time
     at = manager.latest_step() if step < 0 else step
-    if at is None or at not in manager.all_steps():
+    if at is None:
+      raise UserError(f"{what} '{output_dir}' holds no checkpoints (its checkpoints/ folder is "
+                      "empty)")
+    if at not in manager.all_steps():
       raise UserError(f"{what} '{output_dir}' has no checkpoint for step {at}; "
                       f"it has {list(manager.all_steps())}")
     where = step_dir(manager, at)
@@ -271,6 +283,9 @@ def read_on_one_device(manager, step: int, part: str = ""):
   record or None), whatever mesh or process count wrote it. Damaged if it cannot be read."""
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   where = step_dir(manager, step)
+  if os.path.isdir(where) and not os.path.isdir(os.path.join(where, "state")):
+    raise Damaged(f"the checkpoint of step {step} in '{where}' holds no state/ folder (an "
+                  "incomplete or damaged step: read an older one)")
   try:
     meta = manager.item_metadata(step)["state"]
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)

@@ -2,7 +2,6 @@
 params-only folder, into this model's shapes and shardings; the other model.scan_layers layout
 converted, every name and shape checked, the saved checksums verified."""
 
-import logging
 import os
 
 import jax
@@ -14,14 +13,6 @@ from nanotext.integrity import Damaged, name_of, record_beside, verify_named
 from nanotext.rundir import check_no_glob, is_step_name, step_files, vanished
 from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
 
-
-def _not_the_items_metadata(record) -> bool:
-  """A step's state/ item is read on its own here, and orbax warns on every read that the
-  step's metadata file is not in the item's folder (it is one level up): no news to a user."""
-  return not record.getMessage().startswith("Metadata file does not exist")
-
-
-logging.getLogger("absl").addFilter(_not_the_items_metadata)
 
 
 def find_item(path: str, what: str = "checkpoint.load_params_from") -> tuple:
