@@ -261,3 +261,19 @@ def test_from_hf_onto_a_speedrun_config_turns_its_features_off(hf_dir, tmp_path)
   cfg = config.load(os.path.join(out, "config.yml"))
   hf.check_classic(cfg)  # exported back as it came
   assert cfg.attention.window_pattern == "" and not cfg.model.merged_qkv
+
+
+@pytest.mark.fast
+def test_from_hf_refuses_weights_that_are_not_finite(hf_dir, tmp_path):
+  from safetensors.numpy import save_file
+  src = tmp_path / "hf"
+  src.mkdir()
+  os.symlink(os.path.join(hf_dir[0], "config.json"), src / "config.json")
+  tensors = load_file(os.path.join(hf_dir[0], "model.safetensors"))
+  name = next(k for k in tensors if k.endswith("h.1.mlp.c_fc.weight"))
+  tensors[name] = tensors[name].copy()
+  tensors[name][0, 3] = np.nan
+  save_file(tensors, str(src / "model.safetensors"))
+  with pytest.raises(UserError, match=r"NaN or infinite values in blocks\.1\.mlp\.fc\.kernel"):
+    from_hf(str(src), str(tmp_path / "run"), TRAIN_KEYS, log=quiet)
+  assert not (tmp_path / "run").exists()

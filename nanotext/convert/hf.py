@@ -136,7 +136,12 @@ def _hf_to_flat(c: dict, t: dict) -> dict:
   if t:
     raise UserError(f"the Hugging Face checkpoint has tensors nanotext cannot place: "
                     f"{', '.join(sorted(t)[:5])}")
-  return {k: np.asarray(v, np.float32) for k, v in flat.items()}
+  out = {k: np.asarray(v, np.float32) for k, v in flat.items()}
+  bad = [k for k, v in out.items() if not np.isfinite(v).all()]
+  if bad:
+    raise UserError(f"the Hugging Face checkpoint holds NaN or infinite values in "
+                    f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}: nothing to train on")
+  return out
 
 
 def hf_overrides(c: dict) -> dict:
