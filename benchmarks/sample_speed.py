@@ -1,6 +1,6 @@
-"""Sampling speed: the key-value cache, context-sized buffers, one buffer of model.max_seq_len:
-`python benchmarks/sample_speed.py CONFIG [key=value ...] [--tokens N] [--prompt P] [--repeats R]
-[--modes cache,bucket,whole]`.
+"""Sampling speed: the key-value cache, context-sized buffers, one buffer of model.max_seq_len,
+and several samples drawn together: `python benchmarks/sample_speed.py CONFIG [key=value ...]
+[--tokens N] [--prompt P] [--repeats R] [--modes cache,bucket,whole] [--samples S]`.
 
 The model of CONFIG (fresh parameters: speed does not depend on them) samples N tokens after a
 P-token prompt, greedily, twice per repeat in each mode: `cache` as nanotext.generate does (the
@@ -8,7 +8,10 @@ prompt once, then each token alone against the cached keys and values), `bucket`
 running the whole context in a buffer of the next power of two from 128 (generate.bucket; what
 generate did before the cache), `whole` every token on the whole max_seq_len buffer (before
 that). Prints a markdown table: seconds for the N tokens (compiles included, then without) and
-tokens per second, medians of the repeats, and whether every mode drew the same tokens.
+tokens per second, medians of the repeats, and whether every mode drew the same tokens. With
+--samples S > 1, a second table: S samples at temperature 1 (seeds 0..S-1) drawn one after
+another (what generate num_samples=S did) and as the rows of one batch (what it does), with the
+cache, and whether both drew the same tokens.
 """
 
 import os
@@ -43,6 +46,26 @@ def timed(graphdef, params, max_len: int, prompt: list, tokens: int, mode: str) 
     generate.MIN_BUCKET = saved
 
 
+def timed_samples(graphdef, params, max_len: int, prompt: list, tokens: int, n: int) -> dict:
+  """{way: (seconds with compiles, seconds after, the samples)} for n samples drawn one by one
+  and as one batch."""
+  from nanotext import generate
+  kw = dict(max_len=max_len, max_new_tokens=tokens, temperature=1.0, top_k=0)
+  ways = {"one by one": lambda: [generate.sample(graphdef, params, prompt, seed=i, **kw)
+                                 for i in range(n)],
+          "one batch": lambda: [list(r) for r in zip(*generate.stream_rows(
+              graphdef, params, prompt, seeds=range(n), **kw))]}
+  out = {}
+  for way, draw in ways.items():
+    t0 = time.perf_counter()
+    first = draw()
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    draw()
+    out[way] = (cold, time.perf_counter() - t0, first)
+  return out
+
+
 def main(argv):
   from flax import nnx
   from nanotext import wiring
@@ -71,6 +94,21 @@ def main(argv):
     print(f"| {mode} | {cold:.2f} | {warm:.2f} | {FLAGS.tokens / warm:.1f} | {ratio:.1f} |")
   same = all(rows[m][2] == rows[modes[0]][2] for m in modes)
   print(f"\nsame tokens in every mode: {same}")
+  if FLAGS.samples > 1:
+    runs = [timed_samples(run.graphdef, params, max_len, prompt, FLAGS.tokens, FLAGS.samples)
+            for _ in range(FLAGS.repeats)]
+    print(f"\n{FLAGS.samples} samples of {FLAGS.tokens} tokens at temperature 1, with the "
+          f"cache, median of {FLAGS.repeats}\n")
+    print("| samples drawn | s, compiles included | s after | tokens/s after | x one by one |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    base = statistics.median(r["one by one"][1] for r in runs)
+    for way in runs[0]:
+      cold = statistics.median(r[way][0] for r in runs)
+      warm = statistics.median(r[way][1] for r in runs)
+      print(f"| {way} | {cold:.2f} | {warm:.2f} | {FLAGS.samples * FLAGS.tokens / warm:.1f} | "
+            f"{base / warm:.1f} |")
+    same = runs[0]["one by one"][2] == runs[0]["one batch"][2]
+    print(f"\nsame tokens both ways: {same}")
 
 
 if __name__ == "__main__":  # flags defined only here: tests import benchmarks into one registry
@@ -78,4 +116,5 @@ if __name__ == "__main__":  # flags defined only here: tests import benchmarks i
   flags.DEFINE_integer("prompt", 4, "prompt tokens")
   flags.DEFINE_integer("repeats", 3, "timed repeats (medians reported)")
   flags.DEFINE_string("modes", "cache,bucket", "comma-separated: cache, bucket, whole")
+  flags.DEFINE_integer("samples", 1, "> 1: also time that many samples one by one and batched")
   app.run(main)
