@@ -112,3 +112,25 @@ def test_the_cli_prints_each_steps_loss_and_refuses_a_params_only_step(tiny_run,
   params.params_only(tiny_run[0], folder, log=lambda line: None)
   one_line_error(run_cli("nanotext.evaluate", f"output_dir={folder}", "step=2"),
                  "params-only folder")
+
+
+def test_every_step_evaluates_to_the_runs_own_losses_at_its_windows(tmp_path):
+  """train.eval_windows=step under a window schedule: each checkpoint's loss at that step's
+  windows, as the run's own evaluations in metrics.jsonl."""
+  import json
+  from conftest import BASE, TINY
+  from nanotext.train import run
+  out = str(tmp_path / "run")
+  run(BASE, TINY + ["attention.window=24", "attention.window_schedule=true",
+                    "attention.window_block=8", "attention.window_start=8",
+                    "train.eval_windows=step", "train.steps=4", "train.eval_every=2",
+                    "checkpoint.every=2", "checkpoint.keep=4", "sample.max_new_tokens=0",
+                    f"output_dir={out}"], log=lambda line: None)
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    own = {r["step"]: r["val_loss"] for r in map(json.loads, f) if "val_loss" in r}
+  rows = evaluate.evaluate(out, "all", log=lambda line: None)
+  assert sorted(own) == [r["step"] for r in rows] == [2, 4]
+  for r in rows:
+    np.testing.assert_allclose(r["val_loss"], own[r["step"]], rtol=1e-6)
+  final = evaluate.evaluate(out, 2, ["train.eval_windows=final"], log=lambda line: None)
+  assert abs(final[0]["val_loss"] - own[2]) > 1e-5  # step 2's windows are not the last ones
