@@ -19,14 +19,21 @@ def _umask() -> int:
 
 def _check_target(out: str, force: bool, protect=()) -> str:
   out = os.path.abspath(out)
-  for p in protect:
-    p = os.path.abspath(p)
-    if out == p or p.startswith(out + os.sep):
-      raise UserError(f"--out '{out}' would replace the input '{p}'; choose another path")
-    if out.startswith(p + os.sep):
-      raise UserError(f"--out '{out}' lies inside the input '{p}', which would then no longer "
-                      "read as it did; choose a path outside it")
-  run = _run_holding(out)
+  # What a rename of `out` replaces, its folder's links resolved (a link at `out` itself is
+  # replaced, not its target), against every input as named and as it really lies: an input
+  # named through a link into --out was deleted with it.
+  where = os.path.join(os.path.realpath(os.path.dirname(out)), os.path.basename(out))
+  for given in protect:
+    named = os.path.abspath(given)
+    for p in dict.fromkeys((named, os.path.realpath(given))):
+      name = f"'{named}'" + ("" if p == named else f" (a link to '{p}')")
+      for o in dict.fromkeys((out, where)):
+        if o == p or p.startswith(o + os.sep):
+          raise UserError(f"--out '{out}' would replace the input {name}; choose another path")
+        if o.startswith(p + os.sep):
+          raise UserError(f"--out '{out}' lies inside the input {name}, which would then no "
+                          "longer read as it did; choose a path outside it")
+  run = _run_holding(out) or _run_holding(where)
   if run:
     raise UserError(f"--out '{out}' lies inside the checkpoints/ of the run '{run}', which "
                     "would no longer resume; choose a path outside it")

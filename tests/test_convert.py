@@ -234,6 +234,22 @@ def test_refuses_out_that_is_the_run(base_run):
 
 
 @pytest.mark.fast
+def test_refuses_out_that_holds_the_run_through_a_link(base_run, tmp_path):
+  """--run named through a link, --out the folder the run really lies in: with --force the
+  folder, the run in it, was replaced by the parameters."""
+  import shutil
+  runs = tmp_path / "runs"
+  runs.mkdir()
+  shutil.copytree(os.path.join(base_run, "checkpoints"), runs / "a" / "checkpoints")
+  shutil.copy(os.path.join(base_run, "config.yml"), runs / "a" / "config.yml")
+  (tmp_path / "link").symlink_to(runs / "a")
+  with pytest.raises(UserError, match="would replace the input .*link' \\(a link to"):
+    params_only(str(tmp_path / "link"), str(runs), force=True, log=quiet)
+  assert os.listdir(runs) == ["a"] and sorted(os.listdir(runs / "a")) == ["checkpoints",
+                                                                          "config.yml"]
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("edit,message", [
     (lambda c: [1, 2, 3], "holds a JSON list"),
     (lambda c: {**c, "n_layer": "2"}, "n_layer='2'"),

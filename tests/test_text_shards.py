@@ -85,3 +85,17 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
   one_line_error(run_cli("nanotext.data.text_shards", *paths, f"--out={out}",
                          "--tokenizer=shakespeare"), "already exists", "--force")
   assert os.listdir(out) == ["keep"]
+
+
+def test_an_input_named_through_a_link_into_out_survives_force(tmp_path):
+  """The input named as links/a.txt lies in --out: --force replaced the folder, input and all
+  (exit 0) before the inputs' real places were compared."""
+  corpus, links = tmp_path / "corpus", tmp_path / "links"
+  corpus.mkdir()
+  links.mkdir()
+  (corpus / "a.txt").write_text("To be, or not to be, that is the question. " * 40)
+  (corpus / "notes.md").write_text("mine")
+  (links / "a.txt").symlink_to(corpus / "a.txt")
+  one_line_error(run_cli("nanotext.data.text_shards", str(links / "a.txt"), f"--out={corpus}",
+                         "--tokenizer=shakespeare", "--force"), "would replace the input")
+  assert sorted(os.listdir(corpus)) == ["a.txt", "notes.md"]
