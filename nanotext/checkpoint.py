@@ -26,9 +26,11 @@ from nanotext.rundir import check_no_glob, step_files, steps_on_disk, vanished
 
 
 def _not_news(record) -> bool:
-  """False for orbax's warning that an item read on its own (a step's state/: load_params_from)
-  or a step folder left empty has no metadata file of its own: the reader says what matters."""
-  return not record.getMessage().startswith("Metadata file does not exist")
+  """False for orbax's warnings that an item read on its own (a step's state/: load_params_from)
+  or a step folder left empty has no metadata file of its own, or that an item's metadata
+  cannot be read: the reader's own error says what matters, in one line."""
+  return not record.getMessage().startswith(("Metadata file does not exist",
+                                             "Failed to get item metadata"))
 
 
 logging.get_absl_logger().addFilter(_not_news)

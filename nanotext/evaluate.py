@@ -34,7 +34,10 @@ def parse(argv) -> tuple:
   rundir.check_no_glob(os.path.abspath(out), "output_dir")
   rundir.check_run_dir(out, "output_dir")
   if step != "all":
-    step = int(config.coerce("step", step, 0))
+    if not step.lstrip("+-").isdigit():
+      raise UserError(f"step={step!r} is not a checkpoint step: give an integer, all, or leave "
+                      "it out for the newest")
+    step = int(step)
     if step < -1:
       raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, all, or leave "
                       "it out for the newest")
@@ -88,7 +91,8 @@ def sources(out: str, step) -> list:
   from nanotext.checkpoint import checkpoint_dir
   if step == -1:
     return [(None, out)]
-  have = rundir.steps_on_disk(out)
+  have = [s for s in rundir.steps_on_disk(out)  # folders: a file named 7 is no step
+          if os.path.isdir(os.path.join(checkpoint_dir(out), str(s)))]
   if step == "all":
     if not have:
       raise UserError(f"output_dir '{out}' holds no checkpoints")
@@ -141,13 +145,21 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
       f"tokens ({tokens:,}{short}) | {run.mesh.size} {run.backend} device(s)")
   abstract = run.abstract_state()["params"]
   done = lambda s: t.steps if s < 0 else s  # eval_windows=step: the windows of that step
-  execs, rows = None, []
+  execs, rows, damaged = None, [], []
   for at, path in todo:
     try:
       source, params = params_from.load(path, abstract, what="output_dir")
-    except (Damaged, UserError):
-      if at is None or os.path.isdir(path):
+    except (Damaged, UserError) as e:
+      if at is None:
         raise
+      if os.path.isdir(path):  # there, and not readable
+        why = str(e) if os.path.isdir(os.path.join(path, "state")) else \
+            f"the checkpoint of step {at} holds no state/ folder (incomplete or damaged)"
+        if step != "all":
+          raise UserError(why) from None
+        log(f"step {at:>6d} | left out: {why}")
+        damaged.append(at)
+        continue
       if step != "all":
         raise UserError(f"output_dir '{out}': the checkpoint of step {at} was removed while it "
                         "was read (a run training into it keeps checkpoint.keep steps)") from None
@@ -163,6 +175,9 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
     row = metrics.val_row(float(np.mean(jax.device_get(losses))), bytes_per_token)
     rows.append({"step": at, **row, "tokens": tokens})
     log(f"step {at:>6d} | {metrics.val_text(row)}")
+  if damaged:  # the intact steps are above; the status says not every step was read
+    raise UserError(f"step(s) {', '.join(map(str, damaged))} of '{out}' could not be read "
+                    f"(python -m nanotext.verify {out} says how each is damaged)")
   return rows
 
 

@@ -58,9 +58,13 @@ def _load_params(item: str, whole_state: bool, abstract_params):
   where = os.path.dirname(item)
   ckptr = ocp.PyTreeCheckpointer()
   try:
-    meta = ckptr.metadata(item).item_metadata.tree
+    meta = ckptr.metadata(item).item_metadata
   except Exception as e:  # orbax raises many kinds for unreadable folders
     raise Damaged(f"cannot read the checkpoint '{where}': {error_head(e)}") from None
+  if meta is None:  # orbax's answer for a missing or unreadable _METADATA
+    raise Damaged(f"cannot read the checkpoint '{where}': its {os.path.basename(item)}/_METADATA "
+                  "is missing or damaged (python -m nanotext.verify names what else is)")
+  meta = meta.tree
   if whole_state and not (isinstance(meta, dict) and "params" in meta):
     raise UserError(f"checkpoint '{where}' holds no parameters")
   saved = meta["params"] if whole_state else meta

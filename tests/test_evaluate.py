@@ -72,10 +72,31 @@ def test_a_step_removed_while_it_is_read_is_left_out(tiny_run, tmp_path, monkeyp
 
 
 @pytest.mark.fast
+def test_a_damaged_step_is_named_and_the_others_evaluated(tiny_run, tmp_path):
+  """step=all reads every intact step, names each one it cannot read, and exits 2 at the end;
+  a file named like a step is no step; one damaged step asked for is its own error."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  os.mkdir(os.path.join(out, "checkpoints", "5"))  # a step folder with nothing in it
+  with open(os.path.join(out, "checkpoints", "7"), "w") as f:
+    f.write("x")
+  lines = []
+  with pytest.raises(UserError, match=r"step\(s\) 5 of .* could not be read .*nanotext.verify"):
+    evaluate.evaluate(out, "all", log=lines.append)
+  assert [line.split()[1] for line in lines if line.startswith("step")] == ["2", "5"]
+  assert "holds no state/ folder" in lines[-1]
+  with pytest.raises(UserError, match="step 5 holds no state/ folder"):
+    evaluate.evaluate(out, 5, log=lambda line: None)
+  os.remove(os.path.join(out, "checkpoints", "2", "state", "_METADATA"))
+  with pytest.raises(UserError, match="state/_METADATA is missing or damaged"):
+    evaluate.evaluate(out, 2, log=lambda line: None)
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("argv, message", [
     ([], "output_dir is required"),
     (["output_dir={run}", "step=-2"], "step=-2 is not a checkpoint step"),
-    (["output_dir={run}", "step=last"], "step"),
+    (["output_dir={run}", "step=last"], "step='last' is not a checkpoint step"),
     (["output_dir={run}", "step=9"], "has no checkpoint for step 9; it has [2]"),
     (["output_dir={run}/checkpoints"], "holds no config.yml"),
     (["output_dir={run}", "no.such_key=1"], "no.such_key"),
