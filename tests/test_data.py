@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
+from conftest import one_line_error, run_cli
 from nanotext.data import binfile, prepare
 from nanotext.data.corpus import load_corpus
 from nanotext.data.pipeline import make_train_iter, make_val_batches
@@ -426,3 +427,11 @@ def test_shard_windows_never_cross_a_shard(tmp_path):
   syn = SyntheticSource(vocab_size=10, seq_len=8, seed=1)
   np.testing.assert_array_equal(syn[3], SyntheticSource(10, 8, seed=1)[3])
   assert syn[3].shape == (9,) and syn[3].max() < 10
+
+
+def test_prepare_names_its_own_flag_for_a_folder_it_cannot_make(tmp_path):
+  """--out naming a file: the error said to set data.dir, a key the command does not take."""
+  (tmp_path / "afile").write_text("mine")
+  one_line_error(run_cli("nanotext.data.prepare", f"--out={tmp_path / 'afile'}"),
+                 "cannot create the folder", "set --out")
+  assert (tmp_path / "afile").read_text() == "mine"

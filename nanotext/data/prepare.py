@@ -65,13 +65,14 @@ def _cached(out_dir: str, digest: str) -> dict | None:
     return None
 
 
-def prepare_shakespeare(out_dir: str | None = None) -> dict:
+def prepare_shakespeare(out_dir: str | None = None, what: str = "data.dir") -> dict:
   """Write train/val shards and meta.json under out_dir unless valid ones already exist.
 
   Each work becomes `<|endoftext|>` + its tokens (the FineWeb shard convention: the separator
   comes before every document). The works named in VAL_WORKS form the validation shard; the
   other 40 the training shard, in sorted name order. Returns the shard globs and the metadata
-  (token counts, tokenizer, vocab size, unigram entropy of the training tokens in nats).
+  (token counts, tokenizer, vocab size, unigram entropy of the training tokens in nats). `what`
+  names the setting that chose out_dir in errors.
   """
   out_dir = os.path.abspath(os.path.expanduser(out_dir or default_dir()))
   digest = _tokenizer_digest()
@@ -81,7 +82,8 @@ def prepare_shakespeare(out_dir: str | None = None) -> dict:
   try:  # Fail before the slow tokenization when out_dir cannot be written.
     os.makedirs(out_dir, exist_ok=True)
   except OSError as e:
-    raise UserError(f"cannot create '{out_dir}' ({e}): set data.dir") from None
+    raise UserError(f"cannot create the folder '{out_dir}' ({e.strerror}): set {what} to a "
+                    "folder that can be written") from None
   probes.writable_dir(out_dir, "the prepared-data folder (data.dir)")
   tok = get_tokenizer("shakespeare")
   corpus = load_corpus()
@@ -108,7 +110,7 @@ def prepare_shakespeare(out_dir: str | None = None) -> dict:
     atomic_write(os.path.join(out_dir, META_FILE),
                  [(json.dumps(meta, indent=2) + "\n").encode()])
   except OSError as e:  # a full disk is exit 1, a folder that cannot be written exit 2
-    raise os_error(e, f"cannot write prepared data under '{out_dir}' (or set data.dir)") \
+    raise os_error(e, f"cannot write prepared data under '{out_dir}' (or set {what})") \
         from None
   return _result(out_dir, meta)
 
@@ -120,7 +122,7 @@ def main(args) -> None:
   """CLI: prepare the shards and print their token counts and unigram entropy."""
   if args:
     raise UserError(f"unexpected arguments: {' '.join(args)}; {USAGE}")
-  info = prepare_shakespeare(flags.FLAGS.out or None)
+  info = prepare_shakespeare(flags.FLAGS.out or None, "--out")
   print(f"shards in {info['dir']}")
   print(f"train tokens: {info['train_tokens']:,} ({info['train_works']} works)")
   print(f"val tokens:   {info['val_tokens']:,} ({', '.join(info['val_works'])})")
