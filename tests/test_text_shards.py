@@ -75,7 +75,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
            ([*paths, str(tmp_path / "latin1.txt")], "is not UTF-8"),
            ([*paths, "--val_fraction=0"], "--val_fraction=0.0 must lie between 0 and 1"),
            ([*paths, "--shard_tokens=0"], "--shard_tokens=0 must be positive"),
-           (paths[:1] + ["--val_fraction=0.99"], "cannot be split")]
+           (paths[:1] + ["--val_fraction=0.99"], "cannot be split"),
+           ([*paths, paths[0]], "is given twice")]
   for args, needle in cases:
     one_line_error(run_cli("nanotext.data.text_shards", *args, f"--out={out}",
                            "--tokenizer=shakespeare"), needle)

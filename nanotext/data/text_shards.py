@@ -97,8 +97,14 @@ def main(args) -> None:
     raise UserError(f"--val_fraction={F.val_fraction} must lie between 0 and 1")
   if F.shard_tokens < 1:
     raise UserError(f"--shard_tokens={F.shard_tokens} must be positive")
+  seen = {}
   for path in args:  # every name, before minutes of tokenizing (nothing is written before)
     check_file(path)
+    first = seen.setdefault(os.path.realpath(path), path)  # twice: its text trained on twice
+    if args.count(path) > 1:
+      raise UserError(f"'{path}' is given twice: give each file once")
+    if first != path:
+      raise UserError(f"'{path}' and '{first}' are the same file: give it once")
   out = os.path.abspath(F.out)
   check_out(out, force=F.force, protect=[os.path.abspath(a) for a in args])
   tok = get_tokenizer(F.tokenizer)
