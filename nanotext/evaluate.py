@@ -9,6 +9,7 @@ run's own at that step (its metrics.jsonl) when nothing is overridden. A params-
 """
 
 import os
+import re
 
 # jax is imported inside the functions: a Ctrl-C while it loads is one line (errors.run_cli).
 from nanotext.errors import UserError
@@ -34,7 +35,7 @@ def parse(argv) -> tuple:
   rundir.check_no_glob(os.path.abspath(out), "output_dir")
   rundir.check_run_dir(out, "output_dir")
   if step != "all":
-    if not step.lstrip("+-").isdigit():
+    if not re.fullmatch(r"[+-]?\d+", step):
       raise UserError(f"step={step!r} is not a checkpoint step: give an integer, all, or leave "
                       "it out for the newest")
     step = int(step)

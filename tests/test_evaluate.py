@@ -97,6 +97,7 @@ def test_a_damaged_step_is_named_and_the_others_evaluated(tiny_run, tmp_path):
     ([], "output_dir is required"),
     (["output_dir={run}", "step=-2"], "step=-2 is not a checkpoint step"),
     (["output_dir={run}", "step=last"], "step='last' is not a checkpoint step"),
+    (["output_dir={run}", "step=+-3"], "step='+-3' is not a checkpoint step"),
     (["output_dir={run}", "step=9"], "has no checkpoint for step 9; it has [2]"),
     (["output_dir={run}/checkpoints"], "holds no config.yml"),
     (["output_dir={run}", "no.such_key=1"], "no.such_key"),
