@@ -104,16 +104,12 @@ def sources(out: str, step) -> list:
 
 
 def step_of(source: str) -> int:
-  """The step of the folder params_from.load read: a params-only folder's convert.json (-1
-  when it does not say), or a step directory's name."""
-  import json
-  if not is_params_only(source):
-    return int(os.path.basename(os.path.normpath(source)))
-  try:
-    with open(os.path.join(source, "convert.json"), encoding="utf-8") as f:
-      return int(json.load(f)["step"])
-  except (OSError, ValueError, KeyError, TypeError):
-    return -1
+  """The step of the folder params_from.load read: a params-only folder's (convert.json), or a
+  step directory's name."""
+  from nanotext.convert.common import params_only_step
+  if is_params_only(source):
+    return params_only_step(source)
+  return int(os.path.basename(os.path.normpath(source)))
 
 
 def evaluate(out: str, step=-1, overrides=(), log=print) -> list:

@@ -50,12 +50,16 @@ def load_params(path: str):
                     f"{str(e).splitlines()[0][:200]}") from None
   finally:
     ckptr.close()
+  return params_only_step(path), params
+
+
+def params_only_step(path: str) -> int:
+  """The step a params-only folder was taken from (its convert.json), -1 when it does not say."""
   try:
-    with open(os.path.join(path, "convert.json")) as f:
-      step = int(json.load(f)["step"])
-  except (OSError, ValueError, KeyError):
-    step = -1
-  return step, params
+    with open(os.path.join(path, "convert.json"), encoding="utf-8") as f:
+      return int(json.load(f)["step"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return -1
 
 
 def per_layer(cfg, flat: dict) -> dict:
