@@ -51,6 +51,36 @@ def test_a_params_only_folder_and_every_step_agree(tiny_run, tmp_path):
 
 
 @pytest.mark.fast
+def test_a_damaged_convert_json_is_named_not_read_as_no_step(tiny_run, tmp_path):
+  folder = str(tmp_path / "p")
+  params.params_only(tiny_run[0], folder, log=lambda line: None)
+  with open(os.path.join(folder, "convert.json"), "w") as f:
+    f.write('{"step": ')  # cut short
+  with pytest.raises(UserError, match="convert.json' is damaged"):
+    evaluate.evaluate(folder, log=lambda line: None)
+  os.remove(os.path.join(folder, "convert.json"))  # none at all: the step is not known
+  assert [r["step"] for r in evaluate.evaluate(folder, log=lambda line: None)] == [-1]
+
+
+@pytest.mark.fast
+def test_validation_shards_alone_evaluate_a_run_and_train_none(tiny_run, tmp_path):
+  """data.source=bin with data.val_files only: evaluate reads them (a Hugging Face import on
+  one's own validation shard); training refuses, naming data.train_files, and writes nothing."""
+  from nanotext.data import binfile
+  from nanotext.train import run
+  from conftest import BASE, TINY
+  shard = str(tmp_path / "val_000.bin")
+  binfile.write_shard(shard, np.random.default_rng(0).integers(0, 512, 4096, dtype=np.uint16))
+  data = ["data.source=bin", f"data.val_files={shard}"]
+  rows = evaluate.evaluate(tiny_run[0], overrides=data, log=lambda line: None)
+  assert [r["step"] for r in rows] == [2] and np.isfinite(rows[0]["val_loss"])
+  out = str(tmp_path / "never")
+  with pytest.raises(UserError, match="data.train_files is empty"):
+    run(BASE, TINY + data + [f"output_dir={out}"], log=lambda line: None)
+  assert not os.path.exists(out)
+
+
+@pytest.mark.fast
 def test_a_step_removed_while_it_is_read_is_left_out(tiny_run, tmp_path, monkeypatch):
   out = str(tmp_path / "run")
   shutil.copytree(tiny_run[0], out)

@@ -54,12 +54,17 @@ def load_params(path: str):
 
 
 def params_only_step(path: str) -> int:
-  """The step a params-only folder was taken from (its convert.json), -1 when it does not say."""
+  """The step a params-only folder was taken from (its convert.json), -1 without one; a
+  convert.json that cannot say is refused, naming it."""
+  where = os.path.join(path, "convert.json")
   try:
-    with open(os.path.join(path, "convert.json"), encoding="utf-8") as f:
+    with open(where, encoding="utf-8") as f:
       return int(json.load(f)["step"])
-  except (OSError, ValueError, KeyError, TypeError):
+  except FileNotFoundError:
     return -1
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f"'{where}' is damaged ({type(e).__name__}): write it again with "
+                    f"python -m nanotext.convert params-only, or delete it") from None
 
 
 def per_layer(cfg, flat: dict) -> dict:

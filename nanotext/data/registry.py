@@ -77,7 +77,9 @@ def _shards(files: Callable) -> Callable:
 
 
 def _check_bin(data_cfg) -> None:
-  if not data_cfg.train_files:
+  # val_files alone serve evaluate (a Hugging Face import's run on one's own validation shard);
+  # training finds data.train_files empty where it opens them, before anything is written
+  if not (data_cfg.train_files or data_cfg.val_files):
     raise UserError("data.source=bin needs data.train_files (a glob of .bin shards)")
 
 
