@@ -2,8 +2,9 @@
 # Everything a session with a lent GPU measures, in one call (GPUs are lent for minutes):
 #   bash benchmarks/gpu_lease.sh OUT_DIR [STEP ...]
 # run from the repository root on the GPU machine; STEPs name the steps to run (all if none:
-# record record_xla gpu_tier learning speedrun flash_tiles_wide flash_tiles; their limits add up
-# to more than one 600 s device call, so split them over two calls when the lease allows). Wheels in
+# record record_one_backward record_own gpu_tier learning speedrun flash_tiles_wide flash_tiles;
+# their limits add up to more than one 600 s device call, so split them over two calls when the
+# lease allows). Wheels in
 # .whl/ (what its image lacks: grain, array-record, portpicker, ml-collections, tensorboardX)
 # are installed first. Each step has its own time limit and log (OUT_DIR/NAME.log);
 # OUT_DIR/summary.txt lists each step's exit status.
@@ -46,10 +47,15 @@ step record 240 python3 benchmarks/gpu_step.py "${RECORD[@]}" --schedule --trace
   --steps 10 --repeats 3 --json "$out/record.json" --hlo "$out/record.hlo" ||
   step record_cudnn 150 python3 benchmarks/gpu_step.py "${RECORD[@]}" attention.impl=cudnn \
     --steps 10 --repeats 3 --json "$out/record_cudnn.json"
-# The same step with XLA's cuBLAS GEMMs and fusions where nanotext's own Pallas GEMMs run (the
-# FP8 head's forward, the MLP's squared ReLU): whether they pay on a real GPU.
-step record_xla 200 python3 benchmarks/gpu_step.py "${RECORD[@]}" --xla_only --steps 10 \
-  --repeats 3 --json "$out/record_xla.json"
+# flash_gpu's backward as one kernel (dq and dk/dv programs, the row term inside) against the
+# two kernels of the default: on an H200, 2026-12-04, 20.3 ms a step against 5dffda6's 16.1.
+step record_one_backward 150 python3 benchmarks/gpu_step.py "${RECORD[@]}" \
+  --own_kernels=flash_gpu_one_backward --steps 10 --repeats 3 --json "$out/record_one_backward.json"
+# The same step with nanotext's own kernels that a run takes only opted in (flash_gpu with
+# QK-norm, rotation and the value mix inside; the FP8 head's and the MLP's Pallas GEMMs): whether
+# they pay yet on a real GPU (on an H200, 2026-12-04: 186.6 ms against 113.3).
+step record_own 200 python3 benchmarks/gpu_step.py "${RECORD[@]}" --own_kernels=all --steps 10 \
+  --repeats 3 --json "$out/record_own.json"
 step gpu_tier 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -m gpu tests/test_gpu.py -n 0 \
   -p no:cacheprovider
 # The real-shape learning check: the whole 150-step schedule at one 49,152-token row, the

@@ -254,17 +254,17 @@ def table(r: dict) -> str:
 def main(argv):
   from absl import flags, logging
   from nanotext.errors import UserError, fail
+  from nanotext.model.kernels import per_device
   logging.set_verbosity(logging.WARNING)  # the profiler logs its file writes at INFO
   f = flags.FLAGS
   if len(argv) < 2:
     fail("usage: python benchmarks/gpu_step.py CONFIG [key=value ...] [--steps N] [--schedule] "
-         "[--trace] [--hlo FILE]")
-  if f.xla_only:
-    own_kernels_off()
+         "[--trace] [--hlo FILE] [--own_kernels NAMES|all]")
   try:
-    r = measure(argv[1], argv[2:], steps=f.steps, repeats=f.repeats, warmup=f.warmup,
-                schedule=f.schedule, trace_steps=f.trace_steps if f.trace else 0, top=f.top,
-                hlo=f.hlo)
+    with per_device.opting_in(*own_kernels(f.own_kernels)):
+      r = measure(argv[1], argv[2:], steps=f.steps, repeats=f.repeats, warmup=f.warmup,
+                  schedule=f.schedule, trace_steps=f.trace_steps if f.trace else 0, top=f.top,
+                  hlo=f.hlo)
   except UserError as e:
     fail(str(e))
   print(table(r))
@@ -273,11 +273,16 @@ def main(argv):
       json.dump(r, out, indent=1)
 
 
-def own_kernels_off():
-  """XLA's path where nanotext's own Pallas GEMMs would run (the FP8 head's forward, the MLP's
-  squared ReLU): the other side of an A/B of them on a GPU."""
-  from nanotext.model.kernels import fp8_head, relu2_mlp
-  fp8_head.applies = relu2_mlp.applies = lambda *args: False
+def own_kernels(names: str) -> tuple:
+  """--own_kernels as names of per_device.OWN_KERNELS ("all": every one); a wrong name is a
+  UserError naming them."""
+  from nanotext.errors import UserError
+  from nanotext.model.kernels import per_device
+  own = per_device.OWN_KERNELS
+  chosen = own if names == "all" else tuple(n for n in names.split(",") if n)
+  if set(chosen) - set(own):
+    raise UserError(f"--own_kernels={names}: choose from {', '.join(own)} or all")
+  return chosen
 
 
 def define_flags():
@@ -290,8 +295,8 @@ def define_flags():
   flags.DEFINE_integer("trace_steps", 3, "Steps in the profiler trace.")
   flags.DEFINE_integer("top", 12, "Kernels listed.")
   flags.DEFINE_string("json", "", "Also write the result as JSON to this file.")
-  flags.DEFINE_bool("xla_only", False, "XLA's GEMMs and fusions where nanotext's own Pallas "
-                    "GEMMs would run (model/kernels/fp8_head.py, relu2_mlp.py): an A/B of them.")
+  flags.DEFINE_string("own_kernels", "", "Comma-separated nanotext kernels a run takes only "
+                      "opted in (model/kernels/per_device.OWN_KERNELS), or all: an A/B of them.")
   flags.DEFINE_string("hlo", "", "Also write the timed program's HLO text (as the device "
                       "compiled it: its kernels' names are the trace's) to this file.")
 

@@ -195,6 +195,17 @@ def restore_jax_cache_config():
     pass
 
 
+def opted_in(*kernels):
+  """An autouse fixture for a test module of nanotext's opt-in kernels (per_device.OWN_KERNELS):
+  a run takes them only opted in; the module's tests build their programs with them taken."""
+  @pytest.fixture(autouse=True)
+  def opting_in():
+    from nanotext.model.kernels import per_device
+    with per_device.opting_in(*kernels):
+      yield
+  return opting_in
+
+
 @pytest.fixture
 def tiny():
   return list(TINY)

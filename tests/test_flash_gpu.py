@@ -13,7 +13,7 @@ import pytest
 from conftest import TRITON, cuda_mlir, mesh as conftest_mesh
 
 from nanotext.errors import UserError
-from nanotext.model.kernels import flash_gpu
+from nanotext.model.kernels import flash_gpu, per_device
 from nanotext.model.kernels.block_tables import document_bounds, key_tiles, query_tiles
 from nanotext.model.kernels.dispatch import dot_product_attention, resolve_impl
 from nanotext.model.kernels.masks import block_window_mask
@@ -135,6 +135,18 @@ def test_block_windows_match_blocked_and_einsum(dtype, tol):
     assert max(errors(got, blocked(q, k, v, g, seg, w))) < tol, window
 
 
+def test_the_opt_in_one_backward_kernel_equals_the_two():
+  """per_device.OWN_KERNELS' flash_gpu_one_backward (dq and dk/dv programs in one kernel, the
+  row term computed inside; 1.26x slower on an H200) gives the two kernels' gradients."""
+  T = 256
+  q, k, v, g = inputs(T, jnp.float32, seed=2)
+  seg, w = jnp.asarray(docs(T, 2)), jnp.int32(128)
+  two = flash(128, jnp.float32)(q, k, v, g, seg, w)
+  with per_device.opting_in("flash_gpu_one_backward"):
+    one = flash(128, jnp.float32)(q, k, v, g, seg, w)
+  assert max(errors(one, two)) < 2e-6
+
+
 def test_token_windows_match_einsum():
   T = 512
   q, k, v, g = inputs(T, jnp.float32, seed=1)
@@ -194,10 +206,10 @@ def test_auto_takes_it_on_gpu_for_windows_and_documents():
 
 
 @pytest.mark.fast
-def test_lowers_to_two_triton_kernels_for_cuda(monkeypatch):
+def test_lowers_to_three_triton_kernels_for_cuda(monkeypatch):
   """Built for CUDA from this CPU host (jax.export), forward + backward are the forward Triton
-  kernel and one backward kernel (dq programs and dk/dv programs), with no [T, T] array, each at
-  4 warps for 128-wide heads (1.8x faster than 8 on an H100: RESULTS)."""
+  kernel and the backward's dq and dk/dv kernels, with no [T, T] array, each at 4 warps for
+  128-wide heads (1.8x faster than 8 on an H100: RESULTS)."""
   monkeypatch.setattr(flash_gpu, "platform", lambda: "gpu")
   T = 1024
   x = jax.ShapeDtypeStruct((1, T, 2, 128), jnp.bfloat16)
@@ -208,11 +220,15 @@ def test_lowers_to_two_triton_kernels_for_cuda(monkeypatch):
     return out.astype(jnp.float32).sum()
   text = cuda_mlir(jax.grad(loss, argnums=(0, 1, 2)), x, x, x, seg,
                    jax.ShapeDtypeStruct((), jnp.int32))
-  assert text.count(f"custom_call @{TRITON}") == 2
-  for name in ("flash_gpu_forward", "flash_gpu_backward"):
+  assert text.count(f"custom_call @{TRITON}") == 3
+  for name in ("flash_gpu_forward", "flash_gpu_dq", "flash_gpu_dkv"):
     assert f'name = "{name}"' in text
   assert f"{T}x{T}x" not in text and f"x{T}x{T}" not in text
-  assert re.findall(r"num_warps = (\d+)", text) == ["4"] * 2
+  assert re.findall(r"num_warps = (\d+)", text) == ["4"] * 3
+  with per_device.opting_in("flash_gpu_one_backward"):  # dq and dk/dv programs in one kernel
+    text = cuda_mlir(jax.grad(loss, argnums=(0, 1, 2)), x, x, x, seg,
+                     jax.ShapeDtypeStruct((), jnp.int32))
+  assert text.count(f"custom_call @{TRITON}") == 2 and 'name = "flash_gpu_backward"' in text
 
 
 def test_kernels_read_only_the_tiles_of_their_tables(monkeypatch):

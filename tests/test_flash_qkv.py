@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import SPEEDRUN, TRITON, cuda_mlir, mesh as conftest_mesh
+from conftest import SPEEDRUN, TRITON, cuda_mlir, mesh as conftest_mesh, opted_in
 from test_flash_gpu import TILES, dense_mask, docs, errors
 from test_qk_rope import assert_gradients_near, lm_loss_and_grads, xla_path
 
@@ -21,6 +21,8 @@ from nanotext.model.kernels.dispatch import dot_product_attention, qkv_attention
 from nanotext.model.layers import scaled_sum
 from nanotext.model.rope import rope_frequencies
 
+
+opting_in = opted_in("flash_gpu_qkv")
 EPS, BLOCK = 1e-6, 128
 
 

@@ -7,12 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import mesh as conftest_mesh
+from conftest import mesh as conftest_mesh, opted_in
 from nanotext import sharding
 from nanotext.model import head_loss
 from nanotext.model.kernels import fp8_head, per_device
 from nanotext.model.layers import fp8_head_scales, rms_norm
 
+
+opting_in = opted_in("fp8_head")
 
 
 def inputs(N, D, V, seed=0):

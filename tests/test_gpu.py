@@ -23,10 +23,15 @@ def head_inputs(N=4096, D=768, V=50304):
 
 
 def on_gpu_and_cpu(fn, *args):
-  """jax.value_and_grad of `fn` over every argument, once on the GPU and once on the CPU."""
-  vg = jax.value_and_grad(fn, argnums=tuple(range(len(args))))
+  """jax.value_and_grad of `fn` over every argument, once on the GPU and once on the CPU. The
+  CPU's is traced as for the CPU (per_device.building_for): with no mesh to say where it runs,
+  the trace would take the default backend's GPU kernels and fail to lower them there."""
+  from nanotext.model.kernels.per_device import building_for
+  vg = lambda: jax.value_and_grad(fn, argnums=tuple(range(len(args))))  # a trace each
   cpu_dev = jax.devices("cpu")[0]
-  return jax.jit(vg)(*args), jax.jit(vg, device=cpu_dev)(*jax.device_put(args, cpu_dev))
+  gpu = jax.jit(vg())(*args)
+  with building_for("cpu"):
+    return gpu, jax.jit(vg(), device=cpu_dev)(*jax.device_put(args, cpu_dev))
 
 
 def hopper_or_skip():
@@ -58,22 +63,23 @@ def test_fp8_head_compiles_to_fp8_gemms():
   assert 'name = "fp8_head_gemm"' in hlo
 
 
-def test_fp8_head_kernel_agrees_with_xlas_gemm_on_the_gpu(monkeypatch):
+def test_fp8_head_kernel_agrees_with_xlas_gemm_on_the_gpu():
   """kernels/fp8_head.py compiled by Triton at the record's slice (4,096 tokens, 768 wide, 50,304
   head rows) against XLA's cuBLASLt GEMM and fusion on the same GPU, both at the run's default
   precision: the loss and both gradients. cuBLASLt's forward sums with fast accumulation, the
-  kernel as Triton does (not yet seen on a GPU when written, 2026-12-02): a few bf16 z a step
-  apart, which an e5m2 rounding of the output gradient can turn into larger moves in a few
-  entries, as the record-row test above allows. A wrong scale, tile or index moves most."""
+  kernel as Triton does (passed on an H200, 2026-12-04): a few bf16 z a step apart, which an
+  e5m2 rounding of the output gradient can turn into larger moves in a few entries, as the
+  record-row test allows. A wrong scale, tile or index moves most. The kernel is opt-in."""
   hopper_or_skip()
-  from nanotext.model.kernels import fp8_head
+  from nanotext.model.kernels.per_device import opting_in
   x, w, y = head_inputs()
   scales = fp8_head_scales(x.shape[1], 1)
   loss = lambda x, w: head_loss_sum(x, w, y, softcap=15.0, fp8=scales, fp8_scale=np.sqrt(768))
+  vg = lambda: jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))  # a trace each
   with jax.default_matmul_precision("default"):
-    kernel = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
-    monkeypatch.setattr(fp8_head, "applies", lambda *shape: False)
-    xla = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+    with opting_in("fp8_head"):
+      kernel = vg()(x, w)
+    xla = vg()(x, w)
   assert_fp8_head_agrees(kernel, xla)
 
 
@@ -81,8 +87,9 @@ def test_relu2_mlp_kernels_agree_with_xlas_gemms_on_the_gpu():
   """kernels/relu2_mlp.py compiled by Triton at the record's MLP (one 49,152-token row, 768 x
   3,072) against cuBLAS's GEMMs and XLA's fusions on the same GPU: the output and the three
   gradients, a few bf16 roundings apart at most (each side sums its K blocks in its own order;
-  not yet seen on a GPU when written, 2026-12-02). A wrong tile, index or epilogue moves most."""
+  passed on an H200, 2026-12-04). A wrong tile, index or epilogue moves most. Opt-in kernels."""
   from nanotext.model import layers
+  from nanotext.model.kernels.per_device import opting_in
   kx, k1, k2, kg = jax.random.split(jax.random.key(1), 4)
   x = rms_norm(jax.random.normal(kx, (1, 49152, 768))).astype(jnp.bfloat16)
   w1 = (jax.random.normal(k1, (768, 3072)) * 0.5 / np.sqrt(768)).astype(jnp.bfloat16)
@@ -90,8 +97,9 @@ def test_relu2_mlp_kernels_agree_with_xlas_gemms_on_the_gpu():
   dy = jax.random.normal(kg, x.shape).astype(jnp.bfloat16)
   fn = jax.jit(lambda x, w1, w2, dy: (lambda y, vjp: (y, *vjp(dy)))(
       *jax.vjp(layers.relu2_mlp, x, w1, w2)))
-  assert 'name = "relu2_grad_gemm"' in fn.lower(x, w1, w2, dy).compile().as_text()
-  got = fn(x, w1, w2, dy)
+  with opting_in("relu2_mlp"):
+    assert 'name = "relu2_grad_gemm"' in fn.lower(x, w1, w2, dy).compile().as_text()
+    got = fn(x, w1, w2, dy)
   xla = jax.jit(lambda x, w1, w2, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(
       lambda x, w1, w2: jnp.square(jax.nn.relu(x @ w1)) @ w2, x, w1, w2)))(x, w1, w2, dy)
   for a, b in zip(got, xla):
@@ -123,8 +131,9 @@ def test_fp8_head_agrees_with_the_cpu_at_the_record_row(precision):
   and the output gradient's e5m2 rounding (2 mantissa bits) can then fall the other way in a
   large entry, which moves that token's dx. On an H200 at `highest`: loss 1.7e-5 apart; 0.10%
   of dx's entries more than 1% of its largest apart (the worst 12%); dw at most 3.5% of its
-  largest. `default` has not run on a GPU yet (added 2026-11-28 after the lease). A wrong scale
-  or saturation would move most entries.
+  largest. Both passed on an H200 on 2026-12-04 while the forward was kernels/fp8_head.py's
+  Pallas GEMM (now opt-in); `default` with cuBLASLt's forward has not run on a GPU yet. A wrong
+  scale or saturation would move most entries.
   """
   x, w, y = head_inputs(N=49152, V=8192)
   with jax.default_matmul_precision(precision):

@@ -118,15 +118,22 @@ def test_the_estimate_is_shown_as_a_share_of_the_measured_step():
 
 
 @pytest.mark.fast
-def test_xla_only_turns_every_own_gemm_off(monkeypatch):
-  """--xla_only: neither of nanotext's own Pallas GEMMs applies, even to a GPU program they
-  tile (the A/B gpu_lease.sh's record_xla step measures)."""
+def test_own_kernels_are_taken_only_opted_in():
+  """nanotext's own Pallas GEMMs and flash_gpu's QK-norm inside apply to a GPU program they tile
+  only under --own_kernels (the A/B gpu_lease.sh's record_own step measures); a wrong name is a
+  UserError naming the choices."""
   import jax.numpy as jnp
+  from nanotext.errors import UserError
   from nanotext.model.kernels import fp8_head, per_device, relu2_mlp
-  for module in (fp8_head, relu2_mlp):
-    monkeypatch.setattr(module, "applies", module.applies)  # put back after the test
   x = jnp.zeros((1, 1024, 768), jnp.bfloat16)
   with per_device.building_for("gpu"):
-    assert fp8_head.applies(4096, 768, 50304) and relu2_mlp.applies(x, 3072)
-    gpu_step.own_kernels_off()
     assert not fp8_head.applies(4096, 768, 50304) and not relu2_mlp.applies(x, 3072)
+    with per_device.opting_in(*gpu_step.own_kernels("all")):
+      assert fp8_head.applies(4096, 768, 50304) and relu2_mlp.applies(x, 3072)
+      assert per_device.opted_in("flash_gpu_qkv")
+    with per_device.opting_in(*gpu_step.own_kernels("fp8_head")):
+      assert fp8_head.applies(4096, 768, 50304) and not relu2_mlp.applies(x, 3072)
+    assert not fp8_head.applies(4096, 768, 50304)  # the context put it back
+  with pytest.raises(UserError, match="choose from flash_gpu_qkv, fp8_head, relu2_mlp, "
+                     "flash_gpu_one_backward or all"):
+    gpu_step.own_kernels("fp8_head,nope")

@@ -134,15 +134,15 @@ def test_windows_hide_what_the_cache_still_holds():
 @pytest.mark.gpu_compile
 def test_the_records_sampling_programs_lower_for_cuda():
   """Built for an H100 from this CPU host: the prompt runs the training forward pass's kernels
-  (flash_gpu, QK-norm with rotation, ReLU^2 in the up-projection), each new token a dense
-  attention over the cache written in place, no kernel."""
+  (flash_gpu, QK-norm with rotation; opted in, ReLU^2 in the up-projection), each new token a
+  dense attention over the cache written in place, no kernel."""
   from conftest import TRITON, cuda_mlir
   from nanotext.model.kernels import per_device
   graphdef, params = model_and_params("record_gpu")
   caches = kv_cache.empty(nnx.merge(graphdef, params), 1, 256)
   spec = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
   model = lambda p: nnx.merge(graphdef, p)
-  with per_device.building_for("gpu"):
+  with per_device.building_for("gpu"), per_device.opting_in("relu2_mlp"):
     prompt = cuda_mlir(lambda p, c, buf: model(p).extend(buf, c, 0, 4), spec(params),
                        spec(caches), jax.ShapeDtypeStruct((1, 128), jnp.int32))
     step = cuda_mlir(lambda p, c, t, pos: model(p).extend(t, c, pos, 0), spec(params),

@@ -8,11 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import mesh as conftest_mesh
+from conftest import mesh as conftest_mesh, opted_in
 from nanotext import sharding
 from nanotext.model import Keys, gpt, layers
 from nanotext.model.kernels import per_device
 from nanotext.model.kernels import relu2_mlp as kernels
+
+
+opting_in = opted_in("relu2_mlp")
 
 
 def inputs(B, T, D, F, seed=0):

@@ -13,6 +13,7 @@ from nanotext.errors import UserError
 from nanotext.model import kv_cache
 from nanotext.model.kernels import qk_rope
 from nanotext.model.kernels.dispatch import IMPLS, dot_product_attention, qkv_attention
+from nanotext.model.kernels.per_device import opted_in
 from nanotext.model.layers import (Linear, StackedLinear, init_array, matmul, param, proj_std,
                                    rms_norm, scaled_sum, weight_std)
 from nanotext.model.rope import apply_rope, rope_frequencies
@@ -109,12 +110,12 @@ class CausalSelfAttention(nnx.Module):
     freq = rope_frequencies(self.head_dim, *self.rope) if self.rope is not None else None
     ve_BTHK = None if ve_BTD is None else ve_BTD.reshape(shape)
     # QK-norm and rotation in one pass each way (a GPU kernel), reading q and k in place, or
-    # inside the attention kernels themselves with the value embedding's mix (flash_gpu: no
-    # pass of their own)
+    # opted in, inside the attention kernels themselves with the value embedding's mix
+    # (flash_gpu: no pass of their own; 1.55x slower on an H200, per_device.OWN_KERNELS)
     fused = self.qk_norm and freq is not None and qkv is not None and \
         qk_rope.applies(T, self.head_dim) and (kv is None or at_start(kv.pos))
-    if fused and self.impl == "flash_gpu" and self.scale_param is None and \
-        self.v_residual is None and kv is None:
+    if fused and self.impl == "flash_gpu" and opted_in("flash_gpu_qkv") and \
+        self.scale_param is None and self.v_residual is None and kv is None:
       lambdas = None if self.v_lambdas is None else self.v_lambdas.value
       with jax.named_scope("attention_kernel"):
         out_BTHK = qkv_attention(qkv.reshape(B, T, 3, *shape[2:]), freq, self.qk_eps, lambdas,

@@ -7,17 +7,23 @@ give every query tile the range of key tiles that can hold a key it may see, and
 the range of query tiles that may see one of its keys; each kernel loops over exactly that range
 (a dynamic trip count) and masks token by token inside it. Work is O(T x window) and nothing
 [T, T] exists, forward or backward. The forward is an online softmax over key tiles that saves
-each query's logsumexp; the backward is one kernel that recomputes the probabilities from it:
-half its programs write a query tile's dq (over key tiles), half a key tile's dk and dv (over
-query tiles), so no tile is written twice, and the programs running at once read the same
-tiles of q, k, v and the output gradient (one read from memory where two kernels read twice).
+each query's logsumexp; the backward recomputes the probabilities from it in two kernels, one
+writing a query tile's dq (over key tiles), one a key tile's dk and dv (over query tiles), with
+the softmax's row term an XLA pass before them. On an H200 (benchmarks/RESULTS.md, 2026-12-04)
+5dffda6's two kernels of this design took 16.1 ms of the record's step where one kernel holding
+both kinds of program, the row term computed inside from the output, took 20.3 (though on paper
+it read the tiles once where two kernels read them twice); that one kernel is now the backward
+of `flash_gpu_qkv_attention`, and of q, k and v only opted in (per_device.OWN_KERNELS
+"flash_gpu_one_backward"), for an A/B. These two kernels themselves are not yet timed on a GPU.
 
 `flash_gpu_qkv_attention` takes q, k and v raw from the merged QKV projection's output: the
 kernels normalise and rotate q and k as they load a tile (QK-norm and rotary embeddings,
 kernels/qk_rope.py's arithmetic, roundings included) and mix the value embedding into v, and the
 backward writes the three gradients through the norm, rotation and mix straight into the
-gradient of the projection's output: no pass of their own over q, k or v either way. What one
-program does is in kernels/flash_gpu_programs.py.
+gradient of the projection's output: no pass of their own over q, k or v either way. On an
+H200 that made the record's step 1.55x slower (each key tile normalised and rotated again for
+every query tile that reads it), so the attention layer takes it only opted in
+(per_device.OWN_KERNELS). What one program does is in kernels/flash_gpu_programs.py.
 
 Tiles are `block_q` x `block_k` tokens; T must be a multiple of both, head_dim a power of two.
 """
@@ -35,7 +41,7 @@ from nanotext.model import rope as rotary
 from nanotext.model.kernels import flash_gpu_programs as programs
 from nanotext.model.kernels.block_tables import key_tiles, query_tiles
 from nanotext.model.kernels.flash_gpu_programs import Tiles
-from nanotext.model.kernels.per_device import platform
+from nanotext.model.kernels.per_device import opted_in, platform
 
 
 def problem(seq_len: int, head_dim: int, tiles: Tiles = Tiles()):
@@ -192,9 +198,44 @@ def _forward(cfg, ins: dict):
                                   "lse": jax.ShapeDtypeStruct((B, H, T), jnp.float32)})
 
 
+def _backward_two(cfg, ins: dict):
+  """The gradients {"q", "k", "v"} of attention of q, k and v as given: a dq kernel and a dk/dv
+  kernel, each query's softmax row term delta = sum_k do o an XLA pass before them."""
+  q, T, t = ins["q"], ins["seg"].shape[1], cfg.tiles
+  delta = jnp.einsum("bthk,bthk->bht", ins["do"].astype(jnp.float32),
+                     ins["out"].astype(jnp.float32))
+
+  def local(x):
+    rows, heads, K = x["seg"].shape[0], x["q"].shape[-2], x["q"].shape[-1]
+    sp = _common(T, K, heads, (), ())
+
+    def call(kernel, n, table, outs, name):
+      return _call(kernel, cfg, (n, rows, heads),
+                   [sp["window"], _entry(n), _entry(n), sp["seg"], _whole(x["q"]),
+                    _whole(x["k"]), (_whole(x["values"][0]),), _whole(x["do"]), sp["stat"],
+                    sp["stat"]],
+                   [_whole(o) for o in outs],
+                   [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs], name, K, q.dtype)(
+                       x["window"], *table, x["seg"], x["q"], x["k"], x["values"], x["do"],
+                       x["lse"], x["delta"])
+
+    (key_lo, key_hi), (query_lo, query_hi) = x["tables"]
+    dq, = call(programs.backward_dq, T // t.block_q_bwd, (key_lo, key_hi), [x["q"]],
+               "flash_gpu_dq")
+    dk, dv = call(programs.backward_dkv, T // t.block_k_bwd, (query_lo, query_hi),
+                  [x["k"], x["values"][0]], "flash_gpu_dkv")
+    return {"q": dq, "k": dk, "v": dv}
+
+  ins = dict({n: a for n, a in ins.items() if n != "out"}, delta=delta)
+  outs = {"q": q, "k": ins["k"], "v": ins["values"][0]}
+  return _per_device(local, ins, {n: jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                  for n, a in outs.items()})
+
+
 def _backward(cfg, ins: dict):
   """The gradients {"q", "k", "v"}, or {"qkv"} where q and k are the merged projection's
-  output, and with the mix's coefficients {"sources", "coef"} (see programs.backward)."""
+  output, and with the mix's coefficients {"sources", "coef"} (see programs.backward): one
+  kernel."""
   q, T, t = ins["q"], ins["seg"].shape[1], cfg.tiles
   nq, nk = T // t.block_q_bwd, T // t.block_k_bwd
 
@@ -254,8 +295,12 @@ def _attention_fwd(cfg, x, coef, extra, seg, window, rope):
 
 def _attention_bwd(cfg, res, do):
   x, coef, extra, seg, window, rope, tables, out, lse = res
-  grads = _backward(cfg, dict(_inputs(x, coef, extra, seg, window, rope), tables=tables,
-                              do=do, out=out, lse=lse))
+  # q, k and v as given: two kernels (the module's docstring says why) unless opted in to
+  # one; the merged projection's output: one
+  two = len(x) == 3 and not opted_in("flash_gpu_one_backward")
+  backward = _backward_two if two else _backward
+  grads = backward(cfg, dict(_inputs(x, coef, extra, seg, window, rope), tables=tables, do=do,
+                             out=out, lse=lse))
   if len(x) == 3:
     dx = (grads["q"], grads["k"], grads["v"])
   else:

@@ -1,5 +1,6 @@
 """What one program of flash_gpu's kernels does (kernels/flash_gpu.py builds the calls): the
-forward's query tile, and the backward's query tile (dq) or key tile (dk, dv).
+forward's query tile, and the backward's query tile (dq) or key tile (dk, dv), as two kernels or
+as the two halves of one.
 
 Refs are one batch row and head's whole rows ([T, K], or [T, 3, K] of the merged projection's
 output) sliced by tile here. With `rope` (cos and sin refs) q and k are read raw, normalised
@@ -147,65 +148,101 @@ def forward(win_ref, lo_ref, hi_ref, seg_ref, q_ref, k_ref, values, coef, rope, 
 
 def backward(win_ref, key_lo_ref, key_hi_ref, query_lo_ref, query_hi_ref, seg_ref, q_ref, k_ref,
              values, coef, rope, do_ref, o_ref, lse_ref, out, *, cfg: Config, heads: int):
-  """Program (i, b, h): for h < heads query tile i's dq over its key tiles, else key tile i's
-  dk and dv over the query tiles that may see it. `out`: refs of the gradients, "q", "k" and
-  "v", or "qkv" [T, 3, K] for the three; with `coef`, "sources" (the gradient of each v source
-  after the first) and "coef" ([n sources, key tiles]: each coefficient's gradient, summed by
-  tile). Each query's softmax row term, delta = sum_k do o (= sum_s p dp), is computed from the
-  output gradient and the output where a tile of them is read."""
+  """Program (i, b, h) of the one backward kernel: for h < heads query tile i's dq over its key
+  tiles, else key tile i's dk and dv over the query tiles that may see it. `out`: refs of the
+  gradients, "q", "k" and "v", or "qkv" [T, 3, K] for the three; with `coef`, "sources" (the
+  gradient of each v source after the first) and "coef" ([n sources, key tiles]: each
+  coefficient's gradient, summed by tile). Each query's softmax row term, delta = sum_k do o
+  (= sum_s p dp), is computed from the output gradient and the output where a tile of them is
+  read."""
   dests = [(out["qkv"], n) for n in range(3)] if "qkv" in out else [out[x] for x in "qkv"]
+  T, i = seg_ref.shape[0], pl.program_id(0)
+  refs = (win_ref[0], seg_ref, q_ref, k_ref, values, coef, rope, do_ref, lse_ref,
+          lambda rows, do: _delta(do, o_ref[rows, :]))
+
+  @pl.when((pl.program_id(2) < heads) & (i < T // cfg.tiles.block_q_bwd))
+  def _():
+    _dq_tile(i, key_lo_ref[0], key_hi_ref[0], *refs, dests[0], cfg)
+
+  @pl.when((pl.program_id(2) >= heads) & (i < T // cfg.tiles.block_k_bwd))
+  def _():
+    _dkv_tile(i, query_lo_ref[0], query_hi_ref[0], *refs, dests[1:], out, cfg)
+
+
+def backward_dq(win_ref, lo_ref, hi_ref, seg_ref, q_ref, k_ref, values, do_ref, lse_ref,
+                delta_ref, dq_ref, *, cfg: Config):
+  """Program (i, b, h) of the dq kernel: query tile i's dq over its key tiles lo..hi, with
+  each query's row term delta given."""
+  _dq_tile(pl.program_id(0), lo_ref[0], hi_ref[0], win_ref[0], seg_ref, q_ref, k_ref, values,
+           (), (), do_ref, lse_ref, lambda rows, do: delta_ref[rows], dq_ref, cfg)
+
+
+def backward_dkv(win_ref, lo_ref, hi_ref, seg_ref, q_ref, k_ref, values, do_ref, lse_ref,
+                 delta_ref, dk_ref, dv_ref, *, cfg: Config):
+  """Program (i, b, h) of the dk/dv kernel: key tile i's dk and dv over the query tiles lo..hi
+  that may see it, with each query's row term delta given."""
+  _dkv_tile(pl.program_id(0), lo_ref[0], hi_ref[0], win_ref[0], seg_ref, q_ref, k_ref, values,
+            (), (), do_ref, lse_ref, lambda rows, do: delta_ref[rows], (dk_ref, dv_ref), {},
+            cfg)
+
+
+def _positions(start, n):
+  """Token positions start..start + n - 1, int32."""
+  return start + jnp.arange(n, dtype=jnp.int32)
+
+
+def _dq_tile(i, lo, hi, w, seg_ref, q_ref, k_ref, values, coef, rope, do_ref, lse_ref, delta_of,
+             dest, cfg: Config):
+  """Query tile i's dq over key tiles lo..hi, written to `dest`."""
   bq, bk = cfg.tiles.block_q_bwd, cfg.tiles.block_k_bwd
-  T, w, i = seg_ref.shape[0], win_ref[0], pl.program_id(0)
-  rows_of = lambda r: pl.ds(r * bq, bq)
-  cols_of = lambda c: pl.ds(c * bk, bk)
-  positions = lambda start, n: start + jnp.arange(n, dtype=jnp.int32)
+  rows = pl.ds(i * bq, bq)
+  q, do, seg_q = _qk(q_ref, rows, rope, cfg.eps), do_ref[rows, :], seg_ref[rows]
+  lse, delta = lse_ref[rows], delta_of(rows, do)
 
-  @pl.when((pl.program_id(2) < heads) & (i < T // bq))
-  def _():
-    rows = rows_of(i)
-    q, do, seg_q = _qk(q_ref, rows, rope, cfg.eps), do_ref[rows, :], seg_ref[rows]
-    lse, delta = lse_ref[rows], _delta(do, o_ref[rows, :])
+  def body(j, dq):
+    keys = pl.ds(j * bk, bk)
+    k, v = _qk(k_ref, keys, rope, cfg.eps), _v(values, coef, keys)
+    seen = visible(_positions(i * bq, bq), _positions(j * bk, bk), seg_q, seg_ref[keys], w,
+                   cfg.window_block)
+    p = jnp.where(seen, jnp.exp(_scores(q, k) * cfg.scale - lse[:, None]), 0.0)
+    ds = p * (_dot(do, v, (1, 1)) - delta[:, None])
+    return tuple(a + _dot(ds.astype(part.dtype), part) for a, part in zip(dq, k))
 
-    def body(j, dq):
-      k, v = _qk(k_ref, cols_of(j), rope, cfg.eps), _v(values, coef, cols_of(j))
-      seen = visible(positions(i * bq, bq), positions(j * bk, bk), seg_q, seg_ref[cols_of(j)],
-                     w, cfg.window_block)
-      p = jnp.where(seen, jnp.exp(_scores(q, k) * cfg.scale - lse[:, None]), 0.0)
-      ds = p * (_dot(do, v, (1, 1)) - delta[:, None])
-      return tuple(a + _dot(ds.astype(part.dtype), part) for a, part in zip(dq, k))
+  zeros = tuple(jnp.zeros((bq, part.shape[-1]), jnp.float32) for part in q)
+  dq = lax.fori_loop(lo, hi + 1, body, zeros)
+  _store_grad(dest, q_ref, rows, [a * cfg.scale for a in dq], rope, cfg.eps)
 
-    zeros = tuple(jnp.zeros((bq, part.shape[-1]), jnp.float32) for part in q)
-    dq = lax.fori_loop(key_lo_ref[0], key_hi_ref[0] + 1, body, zeros)
-    _store_grad(dests[0], q_ref, rows, [a * cfg.scale for a in dq], rope, cfg.eps)
 
-  @pl.when((pl.program_id(2) >= heads) & (i < T // bk))
-  def _():
-    cols = cols_of(i)
-    k, v, seg_k = _qk(k_ref, cols, rope, cfg.eps), _v(values, coef, cols), seg_ref[cols]
+def _dkv_tile(i, lo, hi, w, seg_ref, q_ref, k_ref, values, coef, rope, do_ref, lse_ref, delta_of,
+              dests, out, cfg: Config):
+  """Key tile i's dk and dv over query tiles lo..hi, written to dests (dk's, dv's); with
+  `coef`, the sources' gradients and the coefficients' partial sums to out's."""
+  bq, bk = cfg.tiles.block_q_bwd, cfg.tiles.block_k_bwd
+  cols = pl.ds(i * bk, bk)
+  k, v, seg_k = _qk(k_ref, cols, rope, cfg.eps), _v(values, coef, cols), seg_ref[cols]
 
-    def body(r, carry):
-      dk, dv = carry
-      q, do = _qk(q_ref, rows_of(r), rope, cfg.eps), do_ref[rows_of(r), :]
-      seen = visible(positions(r * bq, bq), positions(i * bk, bk), seg_ref[rows_of(r)], seg_k,
-                     w, cfg.window_block)
-      p = jnp.where(seen, jnp.exp(_scores(q, k) * cfg.scale - lse_ref[rows_of(r)][:, None]),
-                    0.0)
-      dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
-      ds = p * (_dot(do, v, (1, 1)) - _delta(do, o_ref[rows_of(r), :])[:, None])
-      return tuple(a + _dot(ds.astype(part.dtype), part, (0, 0)) for a, part in zip(dk, q)), dv
+  def body(r, carry):
+    dk, dv = carry
+    rows = pl.ds(r * bq, bq)
+    q, do = _qk(q_ref, rows, rope, cfg.eps), do_ref[rows, :]
+    seen = visible(_positions(r * bq, bq), _positions(i * bk, bk), seg_ref[rows], seg_k, w,
+                   cfg.window_block)
+    p = jnp.where(seen, jnp.exp(_scores(q, k) * cfg.scale - lse_ref[rows][:, None]), 0.0)
+    dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
+    ds = p * (_dot(do, v, (1, 1)) - delta_of(rows, do)[:, None])
+    return tuple(a + _dot(ds.astype(part.dtype), part, (0, 0)) for a, part in zip(dk, q)), dv
 
-    zeros = tuple(jnp.zeros((bk, part.shape[-1]), jnp.float32) for part in k)
-    dk, dv = lax.fori_loop(query_lo_ref[0], query_hi_ref[0] + 1, body,
-                           (zeros, jnp.zeros((bk, v.shape[-1]), jnp.float32)))
-    _store_grad(dests[1], k_ref, cols, [a * cfg.scale for a in dk], rope, cfg.eps)
-    if not coef:
-      _write(dests[2], cols, slice(None), dv)
-      return
-    # v = sum_i c_i s_i rounded once: each source's gradient c_i dv, rounded as autodiff's, and
-    # c_i's this tile's sum of dv s_i (dv first rounded to v's dtype, as the two kernels' path)
-    dv = dv.astype(v.dtype).astype(jnp.float32)
-    for n, (src, dest) in enumerate(zip(values, [dests[2], *out["sources"]])):
-      _write(dest, cols, slice(None), coef[0][n] * dv)
-      # one axis at a time: jax 0.11's Triton lowering of a two-axis sum fails
-      out["coef"][pl.ds(n, 1), pl.ds(i, 1)] = jnp.sum(jnp.sum(
-          dv * src[cols, :].astype(jnp.float32), axis=1, keepdims=True), axis=0, keepdims=True)
+  zeros = tuple(jnp.zeros((bk, part.shape[-1]), jnp.float32) for part in k)
+  dk, dv = lax.fori_loop(lo, hi + 1, body, (zeros, jnp.zeros((bk, v.shape[-1]), jnp.float32)))
+  _store_grad(dests[0], k_ref, cols, [a * cfg.scale for a in dk], rope, cfg.eps)
+  if not coef:
+    _write(dests[1], cols, slice(None), dv)
+    return
+  # v = sum_i c_i s_i rounded once: each source's gradient c_i dv, rounded as autodiff's, and
+  # c_i's this tile's sum of dv s_i (dv first rounded to v's dtype, as the two kernels' path)
+  dv = dv.astype(v.dtype).astype(jnp.float32)
+  for n, (src, dest) in enumerate(zip(values, [dests[1], *out["sources"]])):
+    _write(dest, cols, slice(None), coef[0][n] * dv)
+    # one axis at a time: jax 0.11's Triton lowering of a two-axis sum fails
+    out["coef"][pl.ds(n, 1), pl.ds(i, 1)] = jnp.sum(jnp.sum(
+        dv * src[cols, :].astype(jnp.float32), axis=1, keepdims=True), axis=0, keepdims=True)

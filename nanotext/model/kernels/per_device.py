@@ -8,6 +8,18 @@ from nanotext import sharding
 
 _target = []  # set by building_for: a trace that stands for a program on another platform
 
+# nanotext's own GPU kernels that ran slower on an H200 than what they replace (the record's
+# step: 186.6 ms with the first three, 113.3 ms with none; benchmarks/RESULTS.md, 2026-12-04).
+# Built and tested (interpreted on CPU), taken only where opted in: benchmarks/gpu_step.py
+# --own_kernels, for an A/B on a GPU.
+OWN_KERNELS = (
+    "flash_gpu_qkv",  # QK-norm, rotation and the value mix inside flash_gpu's kernels: 1.55x
+    "fp8_head",  # the FP8 head's forward GEMM with its exp-sum inside: 17.7 ms vs 10.6
+    "relu2_mlp",  # the MLP's squared ReLU inside its GEMMs
+    "flash_gpu_one_backward",  # flash_gpu's dq and dk/dv in one kernel: 20.3 ms vs 16.1 (two)
+)
+_opted_in = []  # names, set by opting_in
+
 
 def platform() -> str:
   """The platform the program is built for: building_for's, else the active mesh's devices, else
@@ -30,6 +42,24 @@ def building_for(target: str):
     yield
   finally:
     _target.pop()
+
+
+def opted_in(kernel: str) -> bool:
+  """Whether `kernel` (one of OWN_KERNELS) is taken where it applies."""
+  return kernel in _opted_in
+
+
+@contextlib.contextmanager
+def opting_in(*kernels: str):
+  """Build programs with these OWN_KERNELS taken where they apply."""
+  unknown = set(kernels) - set(OWN_KERNELS)
+  if unknown:
+    raise ValueError(f"not one of nanotext's own kernels {OWN_KERNELS}: {sorted(unknown)}")
+  _opted_in.extend(kernels)
+  try:
+    yield
+  finally:
+    del _opted_in[len(_opted_in) - len(kernels):]
 
 
 def per_device(local, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT, *extra):

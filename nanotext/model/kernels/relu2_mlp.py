@@ -8,8 +8,9 @@ GiB a layer moved besides the GEMMs each step, 5.4 ms of its roofline estimate. 
 and a from each float32 [BM, BN] tile, and `grad_h` reads h in its epilogue and writes dh: the
 arithmetic of the XLA path (each GEMM's output rounded to bfloat16 first, the activation and
 its derivative in bfloat16). Kernel names end in `_gemm`: the roofline prices them as GEMMs of
-their first two operands (nanotext/hlo.py). Not yet run on a GPU: whether Triton's GEMMs keep
-up with cuBLAS's there is a measurement owed; on CPU they are interpreted and equal the XLA path
+their first two operands (nanotext/hlo.py). On an H200 (2026-12-04) they were slower than
+cuBLAS's GEMMs and XLA's fusions (14.6 ms a record step for the two), so a run takes them only
+opted in (per_device.OWN_KERNELS); on CPU they are interpreted and equal the XLA path
 (tests/test_relu2_mlp_kernel.py).
 """
 
@@ -21,16 +22,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from nanotext import sharding
-from nanotext.model.kernels.per_device import platform
+from nanotext.model.kernels.per_device import opted_in, platform
 
 BM, BN, BK = 128, 128, 64  # tokens and MLP columns a program writes; the contraction's step
 TOKENS, COLUMNS = ("batch", "act_length"), "act_mlp"  # the logical axes it runs per device over
 
 
 def applies(x_BTD, mlp: int) -> bool:
-  """Whether the program being built takes the kernels for this MLP input: on a GPU, bfloat16,
-  where each device's slice tiles (elsewhere XLA's GEMMs and fusions)."""
-  return platform() == "gpu" and x_BTD.dtype == jnp.bfloat16 and tiles(*local_sizes(x_BTD, mlp))
+  """Whether the program being built takes the kernels for this MLP input: on a GPU where opted
+  in (per_device.OWN_KERNELS), bfloat16, where each device's slice tiles (elsewhere XLA's GEMMs
+  and fusions)."""
+  return (platform() == "gpu" and opted_in("relu2_mlp") and x_BTD.dtype == jnp.bfloat16
+          and tiles(*local_sizes(x_BTD, mlp)))
 
 
 def tiles(tokens: int, d_model: int, mlp: int) -> bool:
