@@ -435,3 +435,12 @@ def test_prepare_names_its_own_flag_for_a_folder_it_cannot_make(tmp_path):
   one_line_error(run_cli("nanotext.data.prepare", f"--out={tmp_path / 'afile'}"),
                  "cannot create the folder", "set --out")
   assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_bin_needs_train_or_val_files():
+  """data.source=bin with neither glob names data.train_files; val_files alone passes the check
+  (evaluate reads it; training refuses an empty train_files where it opens them)."""
+  from nanotext.data import pipeline
+  with pytest.raises(UserError, match="data.source=bin needs data.train_files"):
+    pipeline.check_config(data_cfg(source="bin", train_files="", val_files=""))
+  pipeline.check_config(data_cfg(source="bin", train_files="", val_files="/some/val_*.bin"))

@@ -80,7 +80,8 @@ def _check_bin(data_cfg) -> None:
   # val_files alone serve evaluate (a Hugging Face import's run on one's own validation shard);
   # training finds data.train_files empty where it opens them, before anything is written
   if not (data_cfg.train_files or data_cfg.val_files):
-    raise UserError("data.source=bin needs data.train_files (a glob of .bin shards)")
+    raise UserError("data.source=bin needs data.train_files (a glob of .bin shards; "
+                    "data.val_files alone serves evaluate)")
 
 
 def _check_tfds(data_cfg) -> None:
