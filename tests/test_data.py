@@ -17,7 +17,7 @@ import yaml
 from conftest import one_line_error, run_cli
 from nanotext.data import binfile, prepare
 from nanotext.data.corpus import load_corpus
-from nanotext.data.pipeline import make_train_iter, make_val_batches
+from nanotext.data.pipeline import check_config, make_train_iter, make_val_batches
 from nanotext.data.prepare import VAL_WORKS, prepare_shakespeare
 from nanotext.data.tokenizer import get_tokenizer, train_tokenizer
 from nanotext.errors import UserError
@@ -440,7 +440,6 @@ def test_prepare_names_its_own_flag_for_a_folder_it_cannot_make(tmp_path):
 def test_bin_needs_train_or_val_files():
   """data.source=bin with neither glob names data.train_files; val_files alone passes the check
   (evaluate reads it; training refuses an empty train_files where it opens them)."""
-  from nanotext.data import pipeline
   with pytest.raises(UserError, match="data.source=bin needs data.train_files"):
-    pipeline.check_config(data_cfg(source="bin", train_files="", val_files=""))
-  pipeline.check_config(data_cfg(source="bin", train_files="", val_files="/some/val_*.bin"))
+    check_config(data_cfg(source="bin", train_files="", val_files=""))
+  check_config(data_cfg(source="bin", train_files="", val_files="/some/val_*.bin"))
