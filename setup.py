@@ -46,11 +46,13 @@ setup(
         "gpu-compile": ["jax-cuda13-plugin==0.10.2", "jax-cuda13-pjrt==0.10.2"],
         # The test suite: torch and transformers check the HF conversions, and every optional
         # path above is tested. Where a CUDA build of torch is not wanted, install a CPU one first.
-        # pytest-xdist runs the suite in two workers (README's Tests). ml_dtypes 0.7.0 takes
-        # 0.42 s to import (0.006 s for 0.6.0), in each of the hundreds of processes the suite
-        # starts: about 100 s of its CPU (benchmarks/RESULTS.md, "Test suite time"); jax needs
-        # >= 0.5, and nanotext runs on 0.7 as well.
+        # pytest-xdist runs the suite in two workers (README's Tests); pyflakes checks that no
+        # file has an unused import or an undefined name (tests/test_layout.py). ml_dtypes 0.7.0
+        # takes 0.42 s to import (0.006 s for 0.6.0), in each of the hundreds of processes the
+        # suite starts: about 100 s of its CPU (benchmarks/RESULTS.md, "Test suite time"); jax
+        # needs >= 0.5, and nanotext runs on 0.7 as well.
         "test": ["pytest>=8", "pytest-xdist>=3.8", "torch", "transformers", "matplotlib>=3.8",
-                 "tensorflow-datasets>=4.9.9", "huggingface_hub>=0.24", "ml_dtypes<0.7"],
+                 "tensorflow-datasets>=4.9.9", "huggingface_hub>=0.24", "ml_dtypes<0.7",
+                 "pyflakes>=3"],
     },
 )

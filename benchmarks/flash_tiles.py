@@ -15,7 +15,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanotext.model.kernels import flash_gpu  # noqa: E402
@@ -82,8 +81,8 @@ def main(rounds: int, small: bool, wide: bool = False) -> None:
     for name, (_, err) in fns.items():
       med = statistics.median(times[name])
       rows.append((window, name, f"{1e3 * med:.2f} ms ({med / base:.2f})", f"{err:.1e}"))
-  print(f"| window | tiles | fwd+bwd median (/ default) | gradients' max diff / max, vs default |\n"
-        f"| --- | --- | --- | --- |")
+  print("| window | tiles | fwd+bwd median (/ default) | gradients' max diff / max, vs default |\n"
+        "| --- | --- | --- | --- |")
   for row in rows:
     print("| " + " | ".join(str(x) for x in row) + " |")
 

@@ -6,7 +6,6 @@ was opened."""
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -14,7 +13,6 @@ import pytest
 
 from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, train_command
 from test_faults import assert_one_error_line
-from nanotext import checkpoint
 from nanotext.data import binfile
 from nanotext.data.sources import ShardSource
 

@@ -1,12 +1,14 @@
 """The house rules of nanotext/ that a reader relies on, read from the source (ast): short
 modules, a thin entry point, mesh axis names in sharding.py alone, every module in the README's
-file tree (issue 25)."""
+file tree (issue 25); and no unused import or undefined name anywhere (pyflakes)."""
 
 import ast
+import io
 import os
 import re
 
 import pytest
+from pyflakes import api, reporter
 
 from test_imports import ROOT, _modules
 
@@ -78,3 +80,20 @@ def test_every_module_is_in_the_readme_file_tree():
              if not p.endswith("__init__.py") and os.path.basename(p) not in tree
              and os.path.basename(p)[:-3] not in tree]
   assert not missing, f"modules the README's file tree does not name: {missing}"
+
+
+def pyflakes_report(check, *args) -> tuple:
+  """(how many, what) pyflakes says of check(*args, its reporter)."""
+  out = io.StringIO()
+  count = check(*args, reporter.Reporter(out, out))
+  return count, out.getvalue()
+
+
+def test_the_check_sees_an_unused_import_and_an_undefined_name():
+  assert pyflakes_report(api.check, "import os\nprint(x)\n", "example.py")[0] == 2
+
+
+def test_pyflakes_finds_nothing_in_the_code_tests_and_benchmarks():
+  count, said = pyflakes_report(api.checkRecursive, [os.path.join(ROOT, d) for d in
+                                                     ("nanotext", "tests", "benchmarks")])
+  assert count == 0, said

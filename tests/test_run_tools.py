@@ -16,7 +16,6 @@ from nanotext.convert import __main__ as convert_cli
 from nanotext.convert import common, hf, hf_tokenizer, params, torch_export
 from nanotext import fileio
 from nanotext.errors import ResourceError, UserError
-from nanotext.train import run
 
 pytestmark = pytest.mark.fast
 
