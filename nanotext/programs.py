@@ -1,10 +1,12 @@
 """Ahead-of-time step programs: which distinct programs a window schedule needs (`train_plan`),
 compiled together before the loop (`compile_all`), and `Programs`, which runs the one serving
-each stage. Shared by the loop and by compile.py."""
+each stage. Shared by the loop and by compile.py. On a terminal, a status line counts the
+seconds while XLA compiles (a record-shape program takes minutes on a TPU)."""
 
 import concurrent.futures
 import dataclasses
 import os
+import sys
 import time
 
 import jax
@@ -33,6 +35,58 @@ def compile_lowered(lowered, backend: str, options: dict | None = None):
     if not any(f"No such compile option: '{k}'" in str(e) for k in extra):
       raise
   return lowered.compile(compiler_options=options)
+
+
+class StatusLine:
+  """One line on a terminal, rewritten in place (`compiling 3 programs: 1 done, 42 s`) and
+  cleared before each log line; nothing where stdout is not a terminal (a log file, a pipe) or
+  on any process but the first."""
+
+  def __init__(self, stream=None):
+    stream = sys.stdout if stream is None else stream
+    try:
+      tty = stream.isatty() and jax.process_index() == 0
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+      tty = False
+    self.stream, self.width = (stream if tty else None), 0
+
+  def show(self, text: str) -> None:
+    self._write("\r" + text.ljust(self.width))
+    self.width = len(text) if self.stream else 0
+
+  def clear(self) -> None:
+    if self.width:
+      self._write("\r" + " " * self.width + "\r")
+    self.width = 0
+
+  def _write(self, text: str) -> None:
+    if self.stream is None:
+      return
+    try:
+      self.stream.write(text)
+      self.stream.flush()
+    except (OSError, ValueError):  # the terminal went away: the run goes on without the line
+      self.stream = None
+
+
+def wait_compiling(futures: dict, on_done, what: str, status: StatusLine | None = None,
+                   every: float = 1.0) -> None:
+  """Wait for `futures` ({future: key}), calling `on_done(key, result)` as each finishes, with
+  the status line `what: N done, S s` until the last (then cleared)."""
+  status = status or StatusLine()
+  t0, pending, done = time.perf_counter(), set(futures), 0
+  try:
+    while pending:
+      status.show(f"{what}: {done} done, {time.perf_counter() - t0:.0f} s" if len(futures) > 1
+                  else f"{what}: {time.perf_counter() - t0:.0f} s")
+      finished, pending = concurrent.futures.wait(
+          pending, timeout=every, return_when=concurrent.futures.FIRST_COMPLETED)
+      for future in finished:
+        status.clear()
+        done += 1
+        on_done(futures[future], future.result())
+  finally:
+    status.clear()
 
 
 def windows_args(run: Run, program) -> tuple:
@@ -67,7 +121,7 @@ def compile_programs(run: Run, kind: str, stage_plan: dict, args, log=print) -> 
   return compile_all(run, [(kind, stage_plan, args)], log)[0]
 
 
-def compile_all(run: Run, jobs, log=print) -> list:
+def compile_all(run: Run, jobs, log=print, status: StatusLine | None = None) -> list:
   """compile_programs for each (kind, stage_plan, args) of `jobs`, one Programs per job.
 
   Tracing runs one after another (the sharding rules in force while tracing are global); XLA
@@ -91,12 +145,15 @@ def compile_all(run: Run, jobs, log=print) -> list:
   with_len = {kind: len({p.seq_len for k, p in todo if k == kind}) > 1 for kind, _, _ in jobs}
   execs = {kind: {} for kind, _, _ in jobs}
   workers = max(1, min(len(todo), os.cpu_count() or 1))
+
+  def finished(key, result):
+    kind, p = key
+    execs[kind][p], secs = result
+    log(f"compiled {kind} ({p.describe(with_len[kind])}) in {seconds[kind, p] + secs:.1f} s")
+
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     futures = {pool.submit(compile_one, key): key for key in todo}
-    for future in concurrent.futures.as_completed(futures):
-      kind, p = futures[future]
-      execs[kind][p], secs = future.result()
-      log(f"compiled {kind} ({p.describe(with_len[kind])}) in {seconds[kind, p] + secs:.1f} s")
+    wait_compiling(futures, finished, f"compiling {len(todo)} program(s)", status)
   n_layers, replicated = run.cfg.model.num_layers, NamedSharding(run.mesh, P())
   out = []
   for kind, stage_plan, _ in jobs:
