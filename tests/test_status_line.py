@@ -5,6 +5,7 @@ import concurrent.futures
 import io
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -83,7 +84,7 @@ def test_log_lines_are_whole_between_the_status_lines():
     print(f"compiled {key}", file=term)
   wait_compiling(futures, finished, "compiling 2 program(s)", StatusLine(term))
   assert sorted(seen) == [("eval", "eval done"), ("train", "train done")]
-  assert "\rcompiling 2 program(s): 0 done, 0 s" in term.getvalue()
+  assert re.search(r"\rcompiling 2 program\(s\): 0 done, \d+ s", term.getvalue())
   assert screen(term.getvalue()) == ([f"compiled {key}" for key, _ in seen], "")
 
 
@@ -94,7 +95,8 @@ def test_a_compile_keeps_its_errors_and_clears_the_line(monkeypatch):
   lowered = jax.jit(lambda x: x + 1).lower(1.0)
   compiled = nt_compile.compile_with_status(lowered, "cpu", None, "compiling add")
   assert float(compiled(2.0)) == 3.0
-  assert "\rcompiling add: 0 s" in term.getvalue() and screen(term.getvalue()) == ([], "")
+  assert re.search(r"\rcompiling add: \d+ s", term.getvalue())
+  assert screen(term.getvalue()) == ([], "")
   with pytest.raises(Exception, match="no_such_option"):
     nt_compile.compile_with_status(lowered, "cpu", {"no_such_option": 1}, "compiling add")
   assert screen(term.getvalue()) == ([], "")
@@ -124,7 +126,7 @@ def test_the_train_cli_on_a_terminal(tmp_path):
     code = proc.wait(timeout=PROCESS_TIMEOUT_S)
   assert code == 0, (tmp_path / "stderr").read_text()[-3000:]
   text = raw.decode()
-  assert "\rcompiling 2 program(s): 0 done, 0 s" in text  # train and eval, together
+  assert re.search(r"\rcompiling 2 program\(s\): 0 done, \d+ s", text)  # train and eval
   lines, last = screen(text)
   assert last == ""
   assert not [l for l in lines if "compiling" in l], lines
