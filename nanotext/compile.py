@@ -117,7 +117,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
   """Compile one program (a window_schedule.Program) for the run's devices; its record. An HBM
   overflow, or a failure at any stage (`error`, `stage`: trace, lowering, XLA), is one too."""
   from nanotext import gpus, trainer
-  from nanotext.programs import windows_args
+  from nanotext.programs import compile_showing, windows_args
   state = run.abstract_state()
   rec = {"name": name, "hbm_bytes_per_chip": memory_bytes, "platform": run.backend}
   if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
@@ -140,7 +140,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
     stage = "lowering"
     lowered = traced.lower()
     stage = "XLA"
-    compiled = compile_with_status(lowered, run.backend, options, f"compiling {name}")
+    compiled = compile_showing(lowered, run.backend, options, f"compiling {name}")
   except UserError:
     raise
   except Exception as e:  # noqa: BLE001 -- an overflow or a failure is this program's result
@@ -276,18 +276,6 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
     recs.append(rec)
     log(describe(rec, passes))
   return run, target, recs
-
-
-def compile_with_status(lowered, backend: str, options, what: str):
-  """programs.compile_lowered in a worker thread, the main thread keeping a terminal's status
-  line (`compiling train: 41 s`); its exceptions are the compile's."""
-  import concurrent.futures
-  from nanotext.programs import compile_lowered, wait_compiling
-  out = []
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    future = pool.submit(compile_lowered, lowered, backend, options)
-    wait_compiling({future: what}, lambda _, compiled: out.append(compiled), what)
-  return out[0]
 
 
 USAGE = ("usage: python -m nanotext.compile CONFIG [key=value ...] --topology=NAME "

@@ -38,7 +38,7 @@ def compile_lowered(lowered, backend: str, options: dict | None = None):
 
 
 class StatusLine:
-  """One line on a terminal, rewritten in place (`compiling 3 programs: 1 done, 42 s`) and
+  """One line on a terminal, rewritten in place (`compiling 3 program(s): 1 done, 42 s`) and
   cleared before each log line; nothing where stdout is not a terminal (a log file, a pipe) or
   on any process but the first."""
 
@@ -69,24 +69,32 @@ class StatusLine:
       self.stream = None
 
 
-def wait_compiling(futures: dict, on_done, what: str, status: StatusLine | None = None,
-                   every: float = 1.0) -> None:
+def wait_compiling(futures: dict, on_done, what: str, status: StatusLine | None = None) -> None:
   """Wait for `futures` ({future: key}), calling `on_done(key, result)` as each finishes, with
-  the status line `what: N done, S s` until the last (then cleared)."""
+  the status line `what: N done, S s` (one future: `what: S s`) until the last, then cleared."""
   status = status or StatusLine()
   t0, pending, done = time.perf_counter(), set(futures), 0
   try:
     while pending:
-      status.show(f"{what}: {done} done, {time.perf_counter() - t0:.0f} s" if len(futures) > 1
-                  else f"{what}: {time.perf_counter() - t0:.0f} s")
+      elapsed = f"{time.perf_counter() - t0:.0f} s"
+      status.show(f"{what}: {done} done, {elapsed}" if len(futures) > 1 else f"{what}: {elapsed}")
       finished, pending = concurrent.futures.wait(
-          pending, timeout=every, return_when=concurrent.futures.FIRST_COMPLETED)
+          pending, timeout=1.0, return_when=concurrent.futures.FIRST_COMPLETED)
       for future in finished:
         status.clear()
         done += 1
         on_done(futures[future], future.result())
   finally:
     status.clear()
+
+
+def compile_showing(lowered, backend: str, options: dict | None, what: str):
+  """compile_lowered in a worker thread while the main thread keeps the status line (`what: S
+  s`); the compile's exceptions are raised here."""
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    future = pool.submit(compile_lowered, lowered, backend, options)
+    wait_compiling({future: what}, lambda *_: None, what)
+    return future.result()
 
 
 def windows_args(run: Run, program) -> tuple:
@@ -121,7 +129,7 @@ def compile_programs(run: Run, kind: str, stage_plan: dict, args, log=print) -> 
   return compile_all(run, [(kind, stage_plan, args)], log)[0]
 
 
-def compile_all(run: Run, jobs, log=print, status: StatusLine | None = None) -> list:
+def compile_all(run: Run, jobs, log=print) -> list:
   """compile_programs for each (kind, stage_plan, args) of `jobs`, one Programs per job.
 
   Tracing runs one after another (the sharding rules in force while tracing are global); XLA
@@ -153,7 +161,7 @@ def compile_all(run: Run, jobs, log=print, status: StatusLine | None = None) -> 
 
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     futures = {pool.submit(compile_one, key): key for key in todo}
-    wait_compiling(futures, finished, f"compiling {len(todo)} program(s)", status)
+    wait_compiling(futures, finished, f"compiling {len(todo)} program(s)")
   n_layers, replicated = run.cfg.model.num_layers, NamedSharding(run.mesh, P())
   out = []
   for kind, stage_plan, _ in jobs:

@@ -14,8 +14,7 @@ import jax
 import pytest
 
 from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY
-from nanotext import compile as nt_compile
-from nanotext.programs import StatusLine, wait_compiling
+from nanotext.programs import StatusLine, compile_showing, wait_compiling
 
 
 class Terminal(io.StringIO):
@@ -93,12 +92,12 @@ def test_a_compile_keeps_its_errors_and_clears_the_line(monkeypatch):
   term = Terminal()
   monkeypatch.setattr(sys, "stdout", term)
   lowered = jax.jit(lambda x: x + 1).lower(1.0)
-  compiled = nt_compile.compile_with_status(lowered, "cpu", None, "compiling add")
+  compiled = compile_showing(lowered, "cpu", None, "compiling add")
   assert float(compiled(2.0)) == 3.0
   assert re.search(r"\rcompiling add: \d+ s", term.getvalue())
   assert screen(term.getvalue()) == ([], "")
   with pytest.raises(Exception, match="no_such_option"):
-    nt_compile.compile_with_status(lowered, "cpu", {"no_such_option": 1}, "compiling add")
+    compile_showing(lowered, "cpu", {"no_such_option": 1}, "compiling add")
   assert screen(term.getvalue()) == ([], "")
 
 
