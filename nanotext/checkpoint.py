@@ -201,9 +201,38 @@ def restore_step(manager, step: int, abstract_state):
   except Exception as e:  # orbax raises a bare Exception for a truncated array file
     raise Damaged(f"checkpoint '{where}' does not match this model or is damaged "
                   f"({type(e).__name__}: {error_head(e)})") from None
+  problem = data_problem(out.data)
+  if problem:
+    raise Damaged(f"checkpoint '{where}' is damaged: it holds {problem}")
   integrity = out["integrity"] if "integrity" in items else None
   verify(out.state, integrity, where)
   return out.state, out.data, out.config, integrity
+
+
+def data_problem(data: dict) -> str:
+  """What is missing from a step's restored data item ({process index: its saved dict}, one
+  file per process that saved it), or '' when every process's file is there."""
+  if not data:
+    return "no data-iterator file (data/process_<i>-of-<n>.json)"
+  counts = sorted({d["count"] for d in data.values()})
+  if len(counts) > 1:
+    return f"data-iterator files of runs of {counts} processes"
+  missing = sorted(set(range(counts[0])) - set(data))
+  if missing or len(data) != counts[0]:
+    return (f"the data-iterator files of {len(data)} of the {counts[0]} processes that saved "
+            f"it (process(es) {missing} missing)")
+  return ""
+
+
+def check_data_files(where: str) -> None:
+  """Raise Damaged unless the step folder `where` holds every process's readable data file."""
+  try:
+    data = ProcessJsonHandler().restore(epath.Path(where) / "data")
+  except (OSError, ValueError, TypeError) as e:
+    raise Damaged(f"cannot read the data-iterator files of '{where}': {error_head(e)}") from None
+  problem = data_problem(data)
+  if problem:
+    raise Damaged(f"checkpoint '{where}' is damaged: it holds {problem}")
 
 
 def restore(manager, step: int, abstract_state):

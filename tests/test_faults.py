@@ -160,25 +160,34 @@ def read_bytes(rng, spans, count) -> list:
   return sorted(int(at) for at in rng.choice(offsets, count, replace=False))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def damage_chunks(rng, victim: str, spans: dict, damage: str) -> None:
+  """"truncate" `victim` inside one of its read chunks (a cut in the unread tail would lose
+  nothing), or "flip" four bytes of its chunks in place (the file still parses, the checksums
+  notice)."""
+  with open(victim, "r+b") as f:
+    if damage == "truncate":
+      f.truncate(read_bytes(rng, spans[victim], 1)[0])
+      return
+    for at in read_bytes(rng, spans[victim], 4):
+      f.seek(at)
+      byte = f.read(1)[0]
+      f.seek(at)
+      f.write(bytes([byte ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "data_file"])
 def test_a_damaged_newest_step_falls_back_to_the_newest_intact_one(reference, tmp_path, damage):
   rng = np.random.default_rng(SEED)
   out = copy_of(reference, tmp_path)
   before = step_files(out)
   where = os.path.join(out, "checkpoints", "6")
-  spans = value_spans(where)
-  files = array_files(where, spans)
-  assert files, "no array files found"
-  victim = files[rng.integers(len(files))]
-  with open(victim, "r+b") as f:
-    if damage == "truncate":  # cut inside a chunk: a cut in the unread tail would lose nothing
-      f.truncate(read_bytes(rng, spans[victim], 1)[0])
-    else:  # bytes of chunks overwritten in place: the file still parses, the checksums notice
-      for at in read_bytes(rng, spans[victim], 4):
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0xFF]))
+  if damage == "data_file":  # the arrays whole, the data iterator's file gone
+    os.remove(os.path.join(where, "data", "process_0-of-1.json"))
+  else:
+    spans = value_spans(where)
+    files = array_files(where, spans)
+    assert files, "no array files found"
+    damage_chunks(rng, files[rng.integers(len(files))], spans, damage)
   _, lines = quiet_run(out)
   warnings = [l for l in lines if l.startswith("warning:")]
   assert len(warnings) == 1 and "step 6" in warnings[0] and "resuming from step 4" in warnings[0]
@@ -376,7 +385,9 @@ def test_ctrl_c_during_compilation_stops_cleanly(tmp_path):
 
 def test_verify_finds_damage_in_an_older_step_and_moves_nothing(reference, tmp_path):
   """`python -m nanotext.verify` reads every step, so damage to a step no resume would restore
-  (here step 2 of 2, 4, 6) is found: exit 1, that step named with its array; nothing moved."""
+  (here step 2 of 2, 4, 6) is found: exit 1, that step named with its array; nothing moved. A
+  step whose arrays are whole but whose data-iterator file is gone (4) is damaged too: a resume
+  could not restore it."""
   out = copy_of(reference, tmp_path)
   clean = run_cli("nanotext.verify", out)
   assert clean.returncode == 0 and clean.stderr == "", clean.stderr  # no orbax INFO logs
@@ -389,12 +400,14 @@ def test_verify_finds_damage_in_an_older_step_and_moves_nothing(reference, tmp_p
   with open(victim, "r+b") as f:  # into a chunk: bytes past the chunks are never read
     f.seek(offset + length // 2)
     f.write(b"\xde\xad\xbe\xef")
+  os.remove(os.path.join(out, "checkpoints", "4", "data", "process_0-of-1.json"))
   before = step_files(out)
   proc = run_cli("nanotext.verify", out)
   # Nothing on stderr: the report is the output (orbax's dropped reads were a traceback there)
   assert proc.returncode == 1 and proc.stderr == "", proc.stderr
   rows = {l.split()[1]: l for l in proc.stdout.splitlines() if l.strip().startswith("step")}
-  assert "intact" in rows["6"] and "intact" in rows["4"]
+  assert "intact" in rows["6"]
+  assert "damaged" in rows["4"] and "data-iterator" in rows["4"]  # its arrays are whole
   assert "damaged" in rows["2"] and ("does not match" in rows["2"] or "cannot read" in rows["2"])
   assert step_files(out) == before and not os.path.exists(os.path.join(out, "damaged"))
   one_line_error(run_cli("nanotext.verify", str(tmp_path / "nothing")), "no checkpoints/")
