@@ -95,6 +95,8 @@ def test_convert_subcommand_help_names_its_flags(command):
 
 @pytest.mark.parametrize("argv,message", [
     (["nope"], "unknown subcommand 'nope'"),
+    (["--run=r", "--out=o"], "name a subcommand first"),  # was the help and exit 0
+    ([], "name a subcommand first"),
     (["to-hf", "--hf=x", "--run=r", "--out=o"], "to-hf does not take --hf"),
     (["params-only", "--run=r"], "params-only needs --out")])
 def test_convert_cli_arguments(argv, message):

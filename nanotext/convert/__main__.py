@@ -60,9 +60,11 @@ def subcommand_help(command: str) -> str:
 
 def main(args) -> None:
   """The CLI: `args` are the subcommand and from-hf's key=value overrides."""
-  if not args or args[0] == "help":
+  if args and args[0] == "help":
     print(describe(args[1:]))
     return
+  if not args:  # flags alone did nothing: not a success a script could take for one
+    raise UserError(f"name a subcommand first; {USAGE}")
   command, positional = args[0], list(args[1:])
   if command not in ACCEPTS:
     raise UserError(f"unknown subcommand '{command}'; {USAGE}")
