@@ -13,6 +13,7 @@ does not; 1 if one fails to compile.
 """
 
 import json
+import math
 import os
 import re
 import time
@@ -299,8 +300,19 @@ def precheck(args):
   if f.json:  # before minutes of compiling, not after
     probes.replaceable(f.json, "--json")
     probes.writable_dir(os.path.dirname(os.path.abspath(f.json)), "the folder of --json")
+  if f.json and f.hlo_dir and os.path.abspath(f.json) == os.path.abspath(f.hlo_dir):
+    raise UserError(f"--json and --hlo_dir are both '{f.json}': give the JSON file another path")
   if f.hlo_dir:
     probes.writable_dir(f.hlo_dir, "--hlo_dir")
+
+
+def finite(x):
+  """`x` with every NaN or infinity in it as None: JSON has no NaN (XLA gives no cost for a GPU)."""
+  if isinstance(x, dict):
+    return {k: finite(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [finite(v) for v in x]
+  return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 def main(args):
@@ -311,7 +323,8 @@ def main(args):
                                   hlo_dir=f.hlo_dir, peak=f.peak, passes=f.passes)
   if f.json:  # whole or not at all: a full disk is one line, no half-written file
     try:
-      atomic_write(f.json, [(json.dumps(rec) + "\n").encode() for rec in recs])
+      atomic_write(f.json, [(json.dumps(finite(rec), allow_nan=False) + "\n").encode()
+                            for rec in recs])
     except OSError as e:
       raise os_error(e, f"cannot write --json '{f.json}'") from None
   ok, line = verdict(recs, target.name, f.min_headroom)

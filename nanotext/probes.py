@@ -45,6 +45,17 @@ def writable_dir(path: str, what: str) -> None:
         pass
 
 
+def _links_through_proc(path: str) -> bool:
+  """Whether `path` is a symbolic link whose chain passes through /proc (an open descriptor)."""
+  for _ in range(40):  # the kernel's own limit on a chain of links
+    if not os.path.islink(path):
+      return False
+    path = os.path.join(os.path.dirname(os.path.abspath(path)), os.readlink(path))
+    if os.path.normpath(path).startswith("/proc/"):
+      return True
+  return False
+
+
 def appendable(path: str, what: str) -> None:
   """Raise unless an existing file `path` can be opened for appending (a plain file, not
   immutable or read-only)."""
@@ -62,6 +73,9 @@ def plain_file_or_none(path: str, what: str) -> None:
   """UserError when `path` is a device, a pipe or a socket: a rename would put a file where
   it was (as root, `--out=/dev/null` would replace the system's), and opening a pipe waits
   for a reader. Folders and links to files are the callers' to judge."""
+  if _links_through_proc(path):  # /dev/stdout: the rename would replace the link itself
+    raise UserError(f"{what} '{path}' is a link to a process's open file, not a file: give the "
+                    "path of a file to write")
   try:
     mode = os.stat(path).st_mode
   except OSError:

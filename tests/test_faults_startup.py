@@ -218,6 +218,16 @@ def test_a_pipe_or_a_device_is_never_an_output_file(tmp_path):
   with pytest.raises(UserError, match="is a device"):
     probes.replaceable(str(link), "--out")
   assert sorted(os.listdir(tmp_path)) == ["link", "pipe"]  # nothing staged beside them
+  # /dev/stdout with stdout sent to a file: a link (here two) to a process's open descriptor
+  # of a plain file; a rename onto it would replace the link (the system's /dev/stdout).
+  (tmp_path / "out.txt").write_text("kept")
+  with open(tmp_path / "out.txt", "a") as f:
+    (tmp_path / "fd").symlink_to(f"/proc/self/fd/{f.fileno()}")
+    (tmp_path / "stdout").symlink_to(tmp_path / "fd")
+    for name in ("fd", "stdout"):
+      with pytest.raises(UserError, match="is a link to a process's open file"):
+        probes.replaceable(str(tmp_path / name), "--json")
+  assert os.path.islink(tmp_path / "stdout") and (tmp_path / "out.txt").read_text() == "kept"
 
 
 def test_an_empty_prompt_is_refused_before_training(tmp_path):
