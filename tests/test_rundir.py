@@ -236,6 +236,9 @@ def test_check_run_tells_a_resume_from_another_run(tmp_path):
   same = lambda *o: rundir.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", *o]),
                                      str(tmp_path))
   assert same() is False and same("mesh.fsdp=4", "mesh.tensor=2", "train.steps=9") is False
+  # Where the shards lie (NANOTEXT_CACHE set in another shell, a folder moved) is no other run:
+  # the checkpoint's fingerprint of the training shards judges the data itself.
+  assert same("data.dir=/elsewhere", "data.train_files=/a/*.bin", "data.val_files=/b/*") is False
   with pytest.raises(UserError, match="holds a different run .*model.d_model"):
     same("model.d_model=128")
   assert same("model.d_model=128", "overwrite=true") is True
