@@ -33,7 +33,7 @@ def _check_target(out: str, force: bool, protect=()) -> str:
         if o.startswith(p + os.sep):
           raise UserError(f"--out '{out}' lies inside the input {name}, which would then no "
                           "longer read as it did; choose a path outside it")
-  run = _run_holding(out) or _run_holding(where)
+  run = rundir.run_holding(out) or rundir.run_holding(where)
   if run:
     raise UserError(f"--out '{out}' lies inside the checkpoints/ of the run '{run}', which "
                     "would no longer resume; choose a path outside it")
@@ -43,18 +43,6 @@ def _check_target(out: str, force: bool, protect=()) -> str:
     raise UserError(f"output '{out}' already exists; choose another path or pass --force "
                     "to replace it")
   return out
-
-
-def _run_holding(path: str) -> str:
-  """The run directory whose checkpoints/ folder `path` lies in, else ''."""
-  parent = os.path.dirname(path)
-  while parent != os.path.dirname(parent):
-    if os.path.basename(parent) == "checkpoints":
-      run = os.path.dirname(parent)
-      if any(os.path.exists(os.path.join(run, n)) for n in ("config.yml", ".lock")):
-        return run
-    parent = os.path.dirname(parent)
-  return ""
 
 
 @contextlib.contextmanager

@@ -59,6 +59,18 @@ def check_run_dir(path: str, what: str, holds: str = "config.yml",
     raise UserError(f"{what} '{path}' holds no {holds}: is it {kind}?")
 
 
+def run_holding(path: str) -> str:
+  """The run directory whose checkpoints/ folder `path` lies in, else ''."""
+  parent = os.path.dirname(path)
+  while parent != os.path.dirname(parent):
+    if os.path.basename(parent) == "checkpoints":
+      run = os.path.dirname(parent)
+      if any(os.path.exists(os.path.join(run, n)) for n in ("config.yml", ".lock")):
+        return run
+    parent = os.path.dirname(parent)
+  return ""
+
+
 def check_output_dir_path(out: str) -> str:
   """The absolute output_dir, refused (UserError) when it cannot hold a run."""
   if not out or not out.strip():
@@ -72,6 +84,10 @@ def check_output_dir_path(out: str) -> str:
                     "choose a directory on disk")
   if os.path.exists(path) and not os.path.isdir(path):
     raise UserError(f"output_dir '{out}' exists and is not a directory")
+  holder = run_holding(path) or run_holding(os.path.realpath(path))
+  if holder:  # its checkpoint rotation would delete this run
+    raise UserError(f"output_dir '{out}' lies inside the checkpoints/ of the run '{holder}'; "
+                    "choose a folder outside it")
   ckpt = os.path.join(path, "checkpoints")
   if os.path.lexists(ckpt) and not os.path.isdir(ckpt):
     raise UserError(f"'{ckpt}' exists and is not a directory: move it away (checkpoints are "

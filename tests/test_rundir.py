@@ -51,12 +51,20 @@ def test_stale_locks_are_taken_over_by_pid_and_host(tmp_path, holder, stale):
       held.acquire()
 
 
+def a_step_of_a_run(d) -> str:
+  """A step folder of a run in `d` (its rotation deletes what lies inside)."""
+  (d / "checkpoints" / "14").mkdir(parents=True)
+  (d / "config.yml").write_text("")
+  return str(d / "checkpoints" / "14")
+
+
 @pytest.mark.parametrize("make, needle", [
     (lambda d: "", "output_dir is empty"),
     (lambda d: "/proc/nanotext", "kernel file system"),
     (lambda d: str(d / ("x" * 300)), "too long"),
     (lambda d: (d / "f").write_text("") or str(d / "f"), "not a directory"),
     (lambda d: (d / "checkpoints").write_text("") or str(d), "checkpoints' exists and is not"),
+    (lambda d: a_step_of_a_run(d) + "/nested", "inside the checkpoints/ of the run"),
 ])
 def test_output_dirs_that_cannot_hold_a_run(tmp_path, make, needle):
   with pytest.raises(UserError, match=needle):
