@@ -210,10 +210,15 @@ def advice(cfg, model, program: str, est, capacity: int) -> str:
       continue  # the change breaks another rule (divisibility): not advice
     if total < est.total:
       tried.append((total > capacity, total, f"{text} (~{gib(total)})"))
-  tips = [t for _, _, t in sorted(tried)[:3]]
+  fits = [t for t in sorted(tried) if not t[0]]  # a change that fits leaves out those that do not
+  tips = [t for _, _, t in (fits or sorted(tried))[:3]]
   if est.dominant() in ("parameters", "optimizer state", "gradients"):
     tips.append("a smaller model (model.num_layers, model.d_model)")
-  return "try " + ", ".join(tips + ["or more devices"]) if tips else "use more devices"
+  if not tips:
+    return "use more devices"
+  if tried and not fits:
+    return f"no single change fits; the nearest: {', '.join(tips)}; or more devices"
+  return "try " + ", ".join(tips + ["or more devices"])
 
 
 def dense_attention(model, program: str) -> float:
