@@ -20,7 +20,7 @@ import time
 
 from absl import flags
 
-from nanotext import hlo_memory, metrics, probes, roofline, topology, window_schedule as ws
+from nanotext import gpus, hlo_memory, metrics, probes, roofline, topology, window_schedule as ws
 from nanotext.compile_report import describe, gib, verdict
 from nanotext.errors import UserError, fail, os_error
 from nanotext.fileio import atomic_write
@@ -295,7 +295,8 @@ def precheck(args):
     raise UserError(f"--min_headroom={f.min_headroom} must be in [0, 1)")
   if f.passes < 0:
     raise UserError(f"--passes={f.passes} must be 0 (none listed) or more")
-  topology.parse(f.topology)
+  if isinstance(topology.parse(f.topology), gpus.GpuHost):
+    gpus.pool_fraction()  # a bad value: before the CUDA plugin fails on it with other words
   config.load(args[0], args[1:])
   if f.json:  # before minutes of compiling, not after
     probes.replaceable(f.json, "--json")
