@@ -199,7 +199,8 @@ def test_a_gpu_train_step_holds_one_head_slices_output_at_its_loss(monkeypatch):
   known up front), so its train step holds one slice's kept head output z at the loss, not all
   k (counting all 12 planned the record's H100 step 1.14x the compiler; tests/test_gpu_compile.py
   holds the compiled one). Several GPUs, CPU and TPU plans, and a chunked loss keep what is
-  traced (the record on h100-8 holds 4 of its 12 slices' z)."""
+  traced (the record on h100-8 holds 4 of its 12 slices' z), as are more than UNROLL slices,
+  which run as a loop."""
   from nanotext.model import head_loss
   monkeypatch.setattr(head_loss, "DEFAULT_SLICE_BYTES", 2**16)  # several slices at tiny dims
   sizes = mesh_sizes(fsdp=1)
@@ -210,6 +211,7 @@ def test_a_gpu_train_step_holds_one_head_slices_output_at_its_loss(monkeypatch):
   k = head_loss.slices(rows, length, vocab, "gpu")
   assert k > 2
   z = rows * length * vocab * 2  # bfloat16 head output of every slice
+  monkeypatch.setattr(head_loss, "UNROLL", k)  # unrolled slices
   assert m["gpu"].head_outputs_freed(rows, length, 0) == pytest.approx(z * (k - 1) / k)
   assert m["tpu"].head_outputs_freed(rows, length, 0) == 0
   assert m["cpu"].head_outputs_freed(rows, length, 0) == 0
@@ -219,6 +221,8 @@ def test_a_gpu_train_step_holds_one_head_slices_output_at_its_loss(monkeypatch):
   traced = m["gpu"].trace("none", 0)["loss"] + m["gpu"].head_bytes(rows, length, 0)
   assert traced >= z  # the trace keeps every slice's z
   assert loss == pytest.approx(traced - z * (k - 1) / k, rel=1e-6)
+  monkeypatch.setattr(head_loss, "UNROLL", k - 1)  # a loop, which keeps every slice's z
+  assert m["gpu"].head_outputs_freed(rows, length, 0) == 0
 
 
 @pytest.mark.fast
