@@ -52,45 +52,74 @@ _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def programs(cfg, impl: str = "") -> list:
-  """[(name, window_schedule.Program, steps)] of the run as the trainer compiles them: train
-  programs in order of first use (one per stage (per-layer windows, row length), or one per row
-  length where attention kernel `impl` takes the windows at run time), then the program of the
-  final evaluation (steps None)."""
+  """[(name, window_schedule.Program, steps)] of the run as the trainer compiles them, where
+  attention kernel `impl` serves it (see `program_list`)."""
   from nanotext.model.kernels.dispatch import takes_runtime_window
-  runtime = bool(impl) and takes_runtime_window(impl)
-  steps = {}
-  for step in range(cfg.train.steps):
-    steps.setdefault(ws.step_stage(cfg, step), []).append(step)
-  train = ws.plan(list(steps), runtime)
+  return program_list(cfg, bool(impl) and takes_runtime_window(impl))
+
+
+def program_list(cfg, runtime: bool) -> list:
+  """[(name, window_schedule.Program, (first step, last step))] without jax: train programs in
+  order of first use (one per stage (per-layer windows, row length), or with `runtime` one per
+  row length), then the program of the final evaluation (steps None). Names are unique: `train`
+  (the only one), else train@ and the program's windows (Program.label), and xROWS where row
+  lengths differ."""
+  runs = ws.stage_runs(cfg, 0, cfg.train.steps)
+  train = ws.plan(list(dict.fromkeys(stage for stage, _, _ in runs)), runtime)
   served = {}
-  for stage, program in train.items():
-    served.setdefault(program, []).extend(steps[stage])
+  for stage, first, last in runs:
+    lo, hi = served.get(train[stage], (first, last))
+    served[train[stage]] = (min(lo, first), max(hi, last))
   lengths = {p.seq_len for p in served}
-  out = []
-  for program, used in served.items():
-    lo, hi = (str(w or "causal") for w in program.span)
-    name = "train" if len(served) == 1 else f"train@{lo}..{hi}" if program.runtime else \
-        f"train@{hi}"
-    name += f"x{program.seq_len}" if len(lengths) > 1 else ""
-    out.append((name, program, (min(used), max(used))))
+  out = [("train" if len(served) == 1 else f"train@{program.label()}"
+          + (f"x{program.seq_len}" if len(lengths) > 1 else ""), program, steps)
+         for program, steps in served.items()]
   evals = ws.eval_plan(cfg, ws.eval_points(cfg.train), runtime)
   final = (ws.eval_windows(cfg, cfg.train.steps), cfg.train.eval_seq_len or cfg.train.seq_len)
   return out + [("eval", evals[final], None)]
 
 
+def program_words(spec: str) -> list:
+  """The items of a --programs value; UserError on an empty one."""
+  words = [w.strip() for w in spec.split(",")]
+  if not all(words):
+    what = "is empty" if len(words) == 1 else "has an empty item"
+    raise UserError(f"--programs={spec!r} {what}: give all, or a comma list of first, last, eval "
+                    "or program names (train@1792)")
+  return words
+
+
 def select(progs: list, spec: str) -> list:
-  """The programs `spec` names (all | first,last,eval | names); UserError on unknown names."""
-  words = [w.strip() for w in spec.split(",") if w.strip()]
-  if not words or "all" in words:
-    return progs
-  train = [p for p in progs if p[0] != "eval"]
-  alias = {"first": train[0][0], "last": train[-1][0]}
-  names = {alias.get(w, w) for w in words}
-  unknown = names - {p[0] for p in progs}
+  """The programs `spec` names (all | first,last,eval | names), in run order; `last` is the last
+  train stage's program alone. UserError on an empty item or an unknown name."""
+  words = program_words(spec)
+  names = [p[0] for p in progs]
+  train = [name for name in names if name != "eval"]
+  alias = {"first": train[0], "last": train[-1]} if train else {}
+  unknown = [w for w in words if w != "all" and w not in alias and w not in names]
   if unknown:
-    raise UserError(f"--programs names unknown program(s) {', '.join(sorted(unknown))}; this "
-                    f"run has: first, last, {', '.join(p[0] for p in progs)}")
-  return [p for p in progs if p[0] in names]
+    raise UserError(f"--programs names unknown program(s) {', '.join(unknown)}; choose from "
+                    f"{', '.join(['all', *alias, *names])}")
+  if "all" in words:
+    return progs
+  chosen = {alias.get(w, w) for w in words}
+  return [p for p in progs if p[0] in chosen]
+
+
+def check_programs(cfg, spec: str) -> None:
+  """`select`'s check of --programs before jax loads: until jax resolves the attention kernel,
+  a name counts if the run has it with static windows or with the windows a runtime input."""
+  program_words(spec)
+  static, runtime = (program_list(cfg, r) for r in (False, True))
+  try:
+    select(static, spec)
+  except UserError as e:
+    try:
+      select(runtime, spec)
+    except UserError:
+      other = [p[0] for p in runtime if p[0] not in {q[0] for q in static}]
+      raise UserError(f"{e}" + (f" (or, where the attention kernel takes the windows at run "
+                                f"time, {', '.join(other)})" if other else "")) from None
 
 
 def abstract_batch(run, evaluation: bool = False) -> dict:
@@ -297,7 +326,7 @@ def precheck(args):
     raise UserError(f"--passes={f.passes} must be 0 (none listed) or more")
   if isinstance(topology.parse(f.topology), gpus.GpuHost):
     gpus.pool_fraction()  # a bad value: before the CUDA plugin fails on it with other words
-  config.load(args[0], args[1:])
+  check_programs(config.load(args[0], args[1:]), f.programs)
   if f.json:  # before minutes of compiling, not after
     probes.replaceable(f.json, "--json")
     probes.writable_dir(os.path.dirname(os.path.abspath(f.json)), "the folder of --json")

@@ -130,8 +130,8 @@ def eval_windows(cfg, done: int) -> tuple:
   return effective_windows(w, t.eval_seq_len or t.seq_len)
 
 
-def stages(cfg, start: int, stop: int, key=step_stage) -> list:
-  """The distinct stages (`key` of a step) of 0-based steps start..stop-1, in order of use.
+def stage_runs(cfg, start: int, stop: int, key=step_stage) -> list:
+  """[(stage, first step, last step)]: each run of 0-based steps start..stop-1 with one `key`.
 
   O(stages * log steps), not O(steps): windows and row lengths never shrink as steps go by, so a
   stage is one run of steps whose end is found by bisection (train.steps may be in the billions).
@@ -139,14 +139,18 @@ def stages(cfg, start: int, stop: int, key=step_stage) -> list:
   out, step = [], start
   while step < stop:
     w = key(cfg, step)
-    out.append(w)
     lo, hi = step, stop  # invariant: step lo is in stage w, step hi is past it
     while hi - lo > 1:
       mid = (lo + hi) // 2
       lo, hi = (mid, hi) if key(cfg, mid) == w else (lo, mid)
+    out.append((w, step, hi - 1))
     step = hi
-  return list(dict.fromkeys(out))
+  return out
 
+
+def stages(cfg, start: int, stop: int, key=step_stage) -> list:
+  """The distinct stages (`key` of a step) of 0-based steps start..stop-1, in order of use."""
+  return list(dict.fromkeys(w for w, _, _ in stage_runs(cfg, start, stop, key)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,24 +159,39 @@ class Program:
 
   With `runtime`, `windows` are per-layer static bounds (0 = none) of the windows the program is
   given as an int32 [layers] input each step: kernels size their work by the bound and mask by
-  the input. `span` (the long windows served, first and last) only describes it."""
+  the input. `span` (the per-layer windows of the first and last stage served) only names it."""
   seq_len: int
   windows: tuple
   runtime: bool = False
-  span: tuple = dataclasses.field(default=(0, 0), compare=False)
+  span: tuple = dataclasses.field(default=((), ()), compare=False)
+
+  def label(self) -> str:
+    """Its windows in a word, unique among the programs of one row length: '128..1792' (the
+    stages a runtime program serves), '1792', 'causal', 'causal+896' (see `window_name`)."""
+    if self.runtime:
+      return "..".join(window_name(w) for w in self.span)
+    return window_name(self.windows)
 
   def describe(self, with_len: bool = False) -> str:
     """'windows 128..1792, runtime', 'windows 1792', 'causal' (+ the row length)."""
-    name = lambda w: str(w) if w else "causal"
-    lo, hi = self.span
-    text = f"windows {name(lo)}..{name(hi)}, runtime" if self.runtime else \
-        "causal" if not hi else f"windows {name(hi)}"
+    label = self.label()
+    text = f"windows {label}, runtime" if self.runtime else \
+        label if label == "causal" else f"windows {label}"
     return text + (f", rows of {self.seq_len}" if with_len else "")
 
 
 def long_of(windows) -> int:
-  """The largest of per-layer windows, 0 when every layer is plain causal (names a stage)."""
+  """The largest of per-layer windows, 0 when every layer is plain causal."""
   return max(windows) if any(windows) else 0
+
+
+def window_name(windows) -> str:
+  """Per-layer windows (as the kernels see them) in a word that tells stages apart: the long
+  window ('1792'); 'causal' where every layer sees the whole row; 'causal+896' where the long
+  layers do (their window reached the row length) and the short ones have 896 (a stage the
+  long window alone would name as an earlier one)."""
+  long = long_of(windows)
+  return "causal" if not long else f"causal+{long}" if 0 in windows else str(long)
 
 
 def window_bounds(tuples) -> tuple:
@@ -189,12 +208,11 @@ def plan(stage_list, runtime: bool) -> dict:
     by_len.setdefault(seq_len, []).append(tuple(windows))
   out = {}
   for seq_len, ws in by_len.items():
-    span = (long_of(ws[0]), long_of(ws[-1]))
     if runtime and len(ws) > 1:
-      shared = Program(seq_len, window_bounds(ws), True, span)
+      shared = Program(seq_len, window_bounds(ws), True, (ws[0], ws[-1]))
       out.update({(w, seq_len): shared for w in ws})
     else:
-      out.update({(w, seq_len): Program(seq_len, w, False, (long_of(w),) * 2) for w in ws})
+      out.update({(w, seq_len): Program(seq_len, w) for w in ws})
   return out
 
 

@@ -47,6 +47,55 @@ def test_programs_follow_the_window_schedule():
     nt_compile.select(progs, "train@999")
 
 
+# 1024-token rows: the long window (LS layers) reaches the row length at step 918, so its layers
+# turn plain causal while the short window grows on through 512..896, the long window's earlier
+# sizes.
+REACHES = ["model.num_layers=2", "train.seq_len=1024", "train.eval_seq_len=0"]
+
+
+@pytest.mark.fast
+def test_each_stage_has_its_own_name_once_the_long_window_reaches_the_row():
+  from nanotext import config
+  progs = nt_compile.programs(config.load(SPEEDRUN, REACHES))
+  names = [p[0] for p in progs]
+  assert len(set(names)) == len(names) == 12, names  # 11 window stages + eval
+  assert names[6:8] == ["train@896", "train@causal+512"] and names[-2] == "train@causal+896"
+  assert progs[6][1].windows == (896, 384) and progs[7][1].windows == (0, 512)
+  assert [(p[0], p[2]) for p in nt_compile.select(progs, "last")] == \
+      [("train@causal+896", (1705, 1769))]
+  assert [p[2] for p in nt_compile.select(progs, "train@512")] == [(394, 524)]
+  assert [p[0] for p in nt_compile.select(progs, "first,last,eval")] == \
+      ["train@128", "train@causal+896", "eval"]
+  runtime = nt_compile.programs(config.load(SPEEDRUN, [*REACHES, "train.seq_len_start=512"]),
+                                "xla")
+  assert [p[0] for p in runtime] == ["train@128..causal+384x512", "train@896..causal+896x1024",
+                                     "eval"]
+  assert runtime[0][1].describe() == "windows 128..causal+384, runtime"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("spec, why", [
+    ("", "--programs='' is empty: give all, or a comma list of first, last, eval"),
+    (",", "--programs=',' has an empty item"), ("eval,,last", "has an empty item"),
+    ("all,bogus", "unknown program.s. bogus; choose from all, first, last, train@128, "),
+    ("eval,train@999", "unknown program.s. train@999; choose from .*train@causal.896, eval")])
+def test_bad_program_lists_are_refused(spec, why):
+  from nanotext import config
+  cfg = config.load(SPEEDRUN, REACHES)
+  with pytest.raises(UserError, match=why):
+    nt_compile.select(nt_compile.programs(cfg), spec)
+  with pytest.raises(UserError, match=why):  # before jax loads, either kind of kernel
+    nt_compile.check_programs(cfg, spec)
+
+
+def test_an_unknown_program_exits_2_before_jax_loads():
+  proc = run_cli("nanotext.compile", BASE, *SMALL, "--topology=v6e-8", "--programs=eval,bogus")
+  assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+  assert proc.stderr.startswith("nanotext: error: --programs names unknown program(s) bogus; "
+                                "choose from all, first, last, train, eval")
+  assert len(proc.stderr.splitlines()) == 1
+
+
 @pytest.mark.fast
 def test_verdict_names_the_largest_program_or_those_that_failed():
   rec = lambda name, gib, fits: {"name": name, "total_bytes_per_chip": gib * 2**30,
