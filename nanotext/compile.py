@@ -1,5 +1,5 @@
 """Fit before you fly: `python -m nanotext.compile CONFIG [key=value ...] --topology=NAME
-[--programs=all] [--json=FILE] [--min_headroom=0.1] [--peak] [--passes=N]`.
+[--programs=all] [--json=FILE] [--hlo_dir=DIR] [--min_headroom=0.1] [--peak] [--passes=N]`.
 
 Compiles every program a run would compile (the train programs: one per attention-window stage, or
 one for all stages with a kernel that takes the windows at run time; and the eval program) for a
@@ -309,7 +309,8 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
 
 
 USAGE = ("usage: python -m nanotext.compile CONFIG [key=value ...] --topology=NAME "
-         "[--programs=all] [--json=FILE] [--min_headroom=0.1] [--peak] [--passes=N]")
+         "[--programs=all] [--json=FILE] [--hlo_dir=DIR] [--min_headroom=0.1] [--peak] "
+         "[--passes=N]")
 
 
 def precheck(args):
