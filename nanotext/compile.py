@@ -294,6 +294,12 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
       f"{sharding.describe(run.mesh)}, attention {run.impl}, {run.cfg.train.batch_size} x "
       f"{run.cfg.train.seq_len} tokens per step, grad_accum {run.cfg.train.grad_accum}, remat "
       f"{run.cfg.model.remat}, loss_chunk {run.cfg.train.loss_chunk}")
+  if run.cfg.attention.impl == "auto" and run.impl == "xla" and isinstance(target, gpus.GpuHost):
+    from nanotext.model.kernels import cudnn
+    why = cudnn.problem(run.cfg.model.head_dim, run.cfg.train.seq_len)
+    if why:  # e.g. no cuDNN library on this host: the GPU itself would run another program
+      log(f"note: attention auto took xla, as cuDNN's attention does not build here ("
+          f"{why.splitlines()[0][:120]}); where it does, auto takes cudnn")
   log(run.memory.line())
   chosen = select(programs(run.cfg, run.impl), which)
   run.memory.require(*{"eval" if name == "eval" else "train" for name, _, _ in chosen})

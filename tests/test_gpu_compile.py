@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from conftest import REPO, SPEEDRUN, run_cli
+from conftest import BASE, REPO, SPEEDRUN, run_cli
 from nanotext import compile as nt_compile
 from nanotext import gpus, topology
 from nanotext.errors import UserError
@@ -111,6 +111,24 @@ def test_cudnn_compiles_or_says_why_in_one_line():
     assert "backend is cpu" not in str(e)  # the target is the H100, not this CPU host
   else:
     assert "error" not in recs["eval"], recs["eval"]
+
+
+@pytest.mark.gpu_compile
+def test_auto_says_when_it_takes_xla_for_want_of_cudnn_here(monkeypatch):
+  """Where cuDNN's attention does not build on this host (no cuDNN wheel), auto compiles xla for
+  the GPU; a GPU machine would run cudnn, another program: the output says so."""
+  from nanotext.model.kernels import cudnn
+  monkeypatch.setattr(cudnn, "problem", lambda *a: "RuntimeError: cuDNN not found.")
+  lines = []
+  tiny = ["model.num_layers=2", "model.d_model=128", "model.num_heads=1", "model.head_dim=128",
+          "model.vocab_size=512", "train.seq_len=256", "train.batch_size=2"]
+  nt_compile.run_compile(BASE, tiny, "h100", "eval", log=lines.append)
+  note = [l for l in lines if l.startswith("note: attention auto took xla")]
+  assert len(note) == 1 and "cuDNN not found" in note[0], lines
+  lines.clear()
+  nt_compile.run_compile(BASE, tiny + ["attention.impl=xla", "train.batch_size=4"], "h100",
+                         "eval", log=lines.append)  # another program: no cache hit
+  assert not [l for l in lines if l.startswith("note:")], lines  # xla as asked: no note
 
 
 @pytest.mark.fast
