@@ -134,7 +134,8 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     if eval_exec is not None:
       val_loss = evaluate(state["params"], t_cfg.steps)
       row = metrics.val_row(val_loss, bytes_per_token)
-      writer.write(t_cfg.steps, row)
+      if start_step < t_cfg.steps:  # a finished run started again has its row already
+        writer.write(t_cfg.steps, row)
       log(f"step {t_cfg.steps:>6d} | {metrics.val_text(row)} (final)")
     if start_step < t_cfg.steps:
       save(t_cfg.steps, state, data_state)

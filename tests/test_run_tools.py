@@ -14,7 +14,7 @@ from conftest import BASE, TINY, one_line_error, run_cli
 from nanotext import checkpoint, config, integrity, loop, programs, plot, trees, verify, wiring
 from nanotext.convert import __main__ as convert_cli
 from nanotext.convert import common, hf, hf_tokenizer, params, torch_export
-from nanotext import fileio
+from nanotext import fileio, train
 from nanotext.errors import ResourceError, UserError
 
 pytestmark = pytest.mark.fast
@@ -46,6 +46,21 @@ def test_verify_reads_every_step_and_names_damage(tiny_run, tmp_path):
   lines.clear()
   assert verify.report(out, lines.append) == 1
   assert lines[1].split()[:3] == ["step", "2", "damaged"]
+
+
+def test_a_finished_run_started_again_writes_no_second_row(tiny_run, tmp_path):
+  """The same command after the last step trains nothing: it says the final validation loss
+  again, and metrics.jsonl keeps the one row it has of it (a rerun appended another)."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    before = f.read()
+  assert '"val_loss"' in before
+  lines = []
+  train.run(BASE, ARGS + [f"output_dir={out}"], log=lines.append)
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    assert f.read() == before
+  assert any("(final)" in line for line in lines), lines
 
 
 def test_plot_reads_the_runs_metrics(tiny_run):
