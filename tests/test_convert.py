@@ -109,6 +109,30 @@ def test_to_hf_logits_match(base_run, tmp_path):
   np.testing.assert_allclose(theirs, ours, atol=ATOL, rtol=0)
 
 
+def test_a_layer_norm_epsilon_of_another_size_converts_both_ways(hf_dir, tmp_path):
+  """HF's layer_norm_epsilon is model.norm_eps (it was refused unless 1e-5, and to-hf wrote 1e-5
+  whatever the run's norm_eps: another function, silently)."""
+  src = tmp_path / "hf"
+  src.mkdir()
+  c = json.loads(open(os.path.join(hf_dir[0], "config.json")).read())
+  c["layer_norm_epsilon"] = 0.5  # large enough to move the logits well past ATOL
+  (src / "config.json").write_text(json.dumps(c))
+  os.symlink(os.path.join(hf_dir[0], "model.safetensors"), src / "model.safetensors")
+  run = str(tmp_path / "run")
+  from_hf(str(src), run, TRAIN_KEYS, log=quiet)
+  cfg, _, params = load_run(run)
+  assert cfg.model.norm_eps == 0.5
+  tokens = np.random.default_rng(2).integers(0, 512, (2, 64), dtype=np.int32)
+  theirs = hf_logits(transformers.GPT2LMHeadModel.from_pretrained(str(src)), tokens)
+  np.testing.assert_allclose(nanotext_logits(run, params, tokens), theirs, atol=ATOL, rtol=0)
+  assert np.abs(theirs - hf_logits(hf_dir[1], tokens)).max() > 100 * ATOL  # the epsilon matters
+  to_hf(run, str(tmp_path / "back"), step=0, log=quiet)
+  back = json.loads((tmp_path / "back" / "config.json").read_text())
+  assert back["layer_norm_epsilon"] == 0.5
+  with pytest.raises(UserError, match="model.norm_eps=0.01 conflicts"):
+    from_hf(str(src), str(tmp_path / "other"), TRAIN_KEYS + ["model.norm_eps=0.01"], log=quiet)
+
+
 def test_converted_run_trains_on(converted):
   lines = []
   result = train.run(os.path.join(converted, "config.yml"),
@@ -276,6 +300,7 @@ def test_from_hf_onto_a_speedrun_config_turns_its_features_off(hf_dir, tmp_path)
           log=quiet)
   cfg = config.load(os.path.join(out, "config.yml"))
   hf.check_classic(cfg)  # exported back as it came
+  assert cfg.model.norm_eps == 0  # LayerNorm's 1e-5, GPT-2's: not the config's 2**-7
   assert cfg.attention.window_pattern == "" and not cfg.model.merged_qkv
 
 

@@ -17,7 +17,7 @@ from nanotext.errors import UserError
 from nanotext.trees import fill, flatten
 from nanotext.rundir import check_no_glob, check_run_dir
 
-LN_EPS = 1e-5  # nanotext's LayerNorm epsilon (layers.Norm); GPT-2's layer_norm_epsilon too
+LN_EPS = 1e-5  # LayerNorm's epsilon at model.norm_eps=0 (layers.Norm); GPT-2's too
 # HF activations equal to jax.nn.gelu's default (approximate=True, the tanh form).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 # Buffers some older GPT-2 files carry; they are masks, not weights.
@@ -71,7 +71,8 @@ def _read_hf_config(hf: str) -> dict:
       "scale_attn_by_inverse_layer_idx": lambda v: not v,
       "add_cross_attention": lambda v: not v,
       "tie_word_embeddings": lambda v: v is None or v,
-      "layer_norm_epsilon": lambda v: abs(float(v) - LN_EPS) <= 1e-12,
+      "layer_norm_epsilon": lambda v: not isinstance(v, bool) and isinstance(v, (int, float))
+                                      and 0 < v < 1,
   }
   for key, ok in unsupported.items():
     if key in c and not ok(c[key]):
@@ -153,9 +154,15 @@ def hf_overrides(c: dict) -> dict:
              "model.d_model": d, "model.num_heads": h, "model.head_dim": d // h,
              "model.mlp_dim": c.get("n_inner") or 4 * d, "model.max_seq_len": c["n_positions"],
              # scale_attn_weights=false is plain q.k, which nanotext states as attn_scale=1.
-             "model.attn_scale": 0.0 if c.get("scale_attn_weights", True) else 1.0}
+             "model.attn_scale": 0.0 if c.get("scale_attn_weights", True) else 1.0,
+             "model.norm_eps": _norm_eps(c.get("layer_norm_epsilon", LN_EPS))}
   derived.update(CLASSIC)
   return derived
+
+
+def _norm_eps(hf_eps) -> float:
+  """model.norm_eps of a HF layer_norm_epsilon: 0 (LayerNorm's own default) for GPT-2's 1e-5."""
+  return 0.0 if abs(float(hf_eps) - LN_EPS) <= 1e-12 else float(hf_eps)
 
 
 def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bool = False):
@@ -247,7 +254,7 @@ def hf_config(cfg) -> dict:
   c = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
        "n_positions": m.max_seq_len, "n_embd": m.d_model, "n_layer": m.num_layers,
        "n_head": m.num_heads, "n_inner": m.mlp_dim, "activation_function": "gelu_new",
-       "layer_norm_epsilon": LN_EPS, "initializer_range": m.init_std or 0.02,
+       "layer_norm_epsilon": m.norm_eps or LN_EPS, "initializer_range": m.init_std or 0.02,
        "scale_attn_weights": m.attn_scale != 1.0, "scale_attn_by_inverse_layer_idx": False,
        "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
        # nanotext trains without dropout; HF's 0.1 defaults would change fine-tuning behaviour.
