@@ -201,9 +201,7 @@ def restore_step(manager, step: int, abstract_state):
   except Exception as e:  # orbax raises a bare Exception for a truncated array file
     raise Damaged(f"checkpoint '{where}' does not match this model or is damaged "
                   f"({type(e).__name__}: {error_head(e)})") from None
-  problem = data_problem(out.data)
-  if problem:
-    raise Damaged(f"checkpoint '{where}' is damaged: it holds {problem}")
+  require_whole_data(out.data, where)
   integrity = out["integrity"] if "integrity" in items else None
   verify(out.state, integrity, where)
   return out.state, out.data, out.config, integrity
@@ -224,15 +222,20 @@ def data_problem(data: dict) -> str:
   return ""
 
 
+def require_whole_data(data: dict, where: str) -> None:
+  """Raise Damaged unless the restored data item of step folder `where` is whole."""
+  problem = data_problem(data)
+  if problem:
+    raise Damaged(f"checkpoint '{where}' is damaged: it holds {problem}")
+
+
 def check_data_files(where: str) -> None:
   """Raise Damaged unless the step folder `where` holds every process's readable data file."""
   try:
     data = ProcessJsonHandler().restore(epath.Path(where) / "data")
   except (OSError, ValueError, TypeError) as e:
     raise Damaged(f"cannot read the data-iterator files of '{where}': {error_head(e)}") from None
-  problem = data_problem(data)
-  if problem:
-    raise Damaged(f"checkpoint '{where}' is damaged: it holds {problem}")
+  require_whole_data(data, where)
 
 
 def restore(manager, step: int, abstract_state):
@@ -241,7 +244,8 @@ def restore(manager, step: int, abstract_state):
 
 
 def own_data(data: dict, where: str) -> dict:
-  """This process's entry of a restored `data` item, carried over to another process count.
+  """This process's entry of a restored, whole `data` item (restore_step checks it is),
+  carried over to another process count.
 
   Batch k of every process covers the same global rows whatever the process count
   (pipeline.make_train_iter), so when all saved processes stopped at the same position that
@@ -251,15 +255,12 @@ def own_data(data: dict, where: str) -> dict:
   saved = data.get(pid)
   if saved is not None and saved["count"] == count:
     return saved
-  counts = sorted({d["count"] for d in data.values()})
   positions = {json.dumps([d.get("iterator"), d.get("skipped_steps", 0)], sort_keys=True)
                for d in data.values()}
-  if len(counts) == 1 and len(data) == counts[0] and len(positions) == 1:
-    first = next(iter(data.values()))
-    return {**first, "count": count}
-  why = "no data-iterator state" if not data else \
-      f"data-iterator states of {counts} process(es) that do not agree on a position"
-  raise UserError(f"checkpoint '{where}' holds {why}; this run has {count} process(es). Resume "
+  if len(positions) == 1:
+    return {**next(iter(data.values())), "count": count}
+  raise UserError(f"checkpoint '{where}' holds data-iterator states of {len(data)} process(es) "
+                  f"that do not agree on a position; this run has {count} process(es). Resume "
                   "it with the process count it was saved with, or start a new output_dir with "
                   "checkpoint.load_params_from")
 

@@ -131,13 +131,14 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
                           preempted=True, skipped_steps=mon.skipped, programs=programs)
     mon.flush(final=True)
     counter.active = False
+    trained = start_step < t_cfg.steps  # a finished run started again has its row and step
     if eval_exec is not None:
       val_loss = evaluate(state["params"], t_cfg.steps)
       row = metrics.val_row(val_loss, bytes_per_token)
-      if start_step < t_cfg.steps:  # a finished run started again has its row already
+      if trained:
         writer.write(t_cfg.steps, row)
       log(f"step {t_cfg.steps:>6d} | {metrics.val_text(row)} (final)")
-    if start_step < t_cfg.steps:
+    if trained:
       save(t_cfg.steps, state, data_state)
   log(f"compilations inside the training loop: {counter.count}")
   return LoopResult(state, mon.last_loss, val_loss, counter.count, compile_s,

@@ -210,8 +210,9 @@ def advice(cfg, model, program: str, est, capacity: int) -> str:
       continue  # the change breaks another rule (divisibility): not advice
     if total < est.total:
       tried.append((total > capacity, total, f"{text} (~{gib(total)})"))
-  fits = [t for t in sorted(tried) if not t[0]]  # a change that fits leaves out those that do not
-  tips = [t for _, _, t in (fits or sorted(tried))[:3]]
+  ranked = sorted(tried)
+  fits = [t for t in ranked if not t[0]]  # a change that fits leaves out those that do not
+  tips = [t for _, _, t in (fits or ranked)[:3]]
   if est.dominant() in ("parameters", "optimizer state", "gradients"):
     tips.append("a smaller model (model.num_layers, model.d_model)")
   if not tips:
