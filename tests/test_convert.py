@@ -292,6 +292,13 @@ def test_from_hf_names_a_size_that_is_not_a_positive_integer(hf_dir, tmp_path, e
   assert not (tmp_path / "run").exists()
 
 
+def test_an_explicit_norm_eps_of_gpt2s_own_value_is_no_conflict(hf_dir, tmp_path):
+  """model.norm_eps=1e-5 on a 1e-5 checkpoint is LayerNorm's default (0) spelt out: the same."""
+  cfg, _ = hf.read_hf(hf_dir[0], str(tmp_path / "run"), TRAIN_KEYS + ["model.norm_eps=1e-5"])
+  assert cfg.model.norm_eps == 1e-5
+  assert not os.path.exists(tmp_path / "run")  # read_hf only reads
+
+
 def test_from_hf_onto_a_speedrun_config_turns_its_features_off(hf_dir, tmp_path):
   """--config=configs/shakespeare.yml: its windows, merged QKV, value tables and U-net are not
   GPT-2's, so the run takes GPT-2's (once: 'window_pattern needs window > 0')."""

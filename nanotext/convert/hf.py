@@ -188,8 +188,11 @@ def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   args = [f"{k}={v}" for k, v in derived.items()] + [f"train.seq_len={seq}"] + list(overrides)
   cfg = config.load(base, args + [f"output_dir={out_abs}"])
   for key, want in derived.items():
-    if key.startswith(("model.", "attention.")) and config.get(cfg, key) != want:
-      raise UserError(f"{key}={config.get(cfg, key)!r} conflicts with the Hugging Face "
+    have = config.get(cfg, key)
+    if key == "model.norm_eps":  # 0 is LayerNorm's own 1e-5: an explicit 1e-5 is the same
+      have, want = have or LN_EPS, want or LN_EPS
+    if key.startswith(("model.", "attention.")) and have != want:
+      raise UserError(f"{key}={have!r} conflicts with the Hugging Face "
                       f"checkpoint, which needs {want!r}")
   return cfg, flat
 

@@ -39,7 +39,9 @@ STRUCTURE = {"model.positions": "rope", "model.norm": "rmsnorm", "model.mlp_act"
              "model.qk_norm": True}
 RECORD = {"model.head_dim": 128, "model.num_layers": 12, "model.rope_base": 1024.0,
           "model.rope_truncate": True, "model.attn_scale": 0.12, "model.logit_softcap": 15.0,
-          "model.value_embeds": 3, "model.unet_skips": True, "model.no_attention_layers": [7]}
+          "model.value_embeds": 3, "model.unet_skips": True, "model.no_attention_layers": [7],
+          # F.rms_norm with eps=None: torch.finfo(bfloat16).eps, its activations' dtype
+          "model.norm_eps": 0.0078125}
 
 
 def check_expressible(cfg) -> None:
