@@ -330,7 +330,9 @@ class Model:
       windows = window_schedule.step_windows(self.cfg, self.cfg.train.steps)
       eot = 0 if self.cfg.attention.doc_mask else None
       tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32)
-      graphdef = self.traced_model(self.cfg.model.remat)
+      # A forward pass alone recomputes nothing: the compiled eval is the same at every remat
+      # policy, and peak_live would count a rematted block's output inside and outside its call.
+      graphdef = self.traced_model("none")
       with building_for(self.backend):  # the target's head slices, not the host's
         closed = jax.make_jaxpr(lambda p, x, y: loss_fn(
             graphdef, p, x, y, eot, windows, chunk, train=False))(self.params, tokens, tokens)
