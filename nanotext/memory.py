@@ -218,9 +218,11 @@ class Model:
     if not self.stand_in and (remat == self.cfg.model.remat or remat == "none"
                               and self.cfg.model.remat == "auto"):
       return self.graphdef
-    impl = "blocked" if self.stand_in else self.cfg.attention.impl
-    cfg = config.replace_sections(self.cfg, model={"remat": remat}, attention={"impl": impl})
-    return abstract_model(cfg, self.backend)[0]
+    if ("model", remat) not in self._traces:  # built once: the eval's chunks and train's share it
+      impl = "blocked" if self.stand_in else self.cfg.attention.impl
+      cfg = config.replace_sections(self.cfg, model={"remat": remat}, attention={"impl": impl})
+      self._traces[("model", remat)] = abstract_model(cfg, self.backend)[0]
+    return self._traces[("model", remat)]
 
   def flash_residuals(self, rows: int, length: int) -> float:
     """What a flash-style kernel keeps over all layers: output and float32 log-sum-exp."""
