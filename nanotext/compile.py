@@ -249,18 +249,20 @@ def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_fl
 
 def logits_size(run, train: bool) -> tuple:
   """(elements of the logits one head kernel works on, bytes of one device's whole bf16
-  [tokens, vocab] logits, vocab per device) in the train or eval program."""
+  [tokens, vocab] logits over the step's micro-batches, vocab per device) in the train or eval
+  program."""
   from nanotext import sharding
   from nanotext.model.head_loss import slices
   t, m = run.cfg.train, run.cfg.model
   length = t.seq_len if train else (t.eval_seq_len or t.seq_len)
-  rows = max(1, t.batch_size // (t.grad_accum if train else 1)
-             // sharding.shard_count(("batch",), run.rules, dict(run.mesh.shape)))
+  passes = t.grad_accum if train else max(1, t.eval_accum)  # micro-batches, one after another
+  every = max(1, t.batch_size // sharding.shard_count(("batch",), run.rules, dict(run.mesh.shape)))
+  rows = max(1, every // passes)
   vocab = m.vocab_size // sharding.shard_count(("act_vocab",), run.rules, dict(run.mesh.shape))
   chunk = t.loss_chunk if train else t.eval_loss_chunk
   positions = chunk if 0 < chunk < length else length
   per_slice = rows * positions * vocab // slices(rows, positions, vocab, run.backend)
-  return per_slice, rows * length * vocab * 2, vocab
+  return per_slice, every * length * vocab * 2, vocab
 
 
 def attention_flops(run, program, train: bool) -> float:

@@ -324,11 +324,12 @@ class Model:
                      else 0, recompute_and_attention=0 if work == loss_peak else work,
                      **self.static())
 
-  def eval(self, chunk: int) -> Estimate:
-    """The eval step: forward only, validation rows of train.eval_seq_len, its working set
-    from the traced program (the attention kernel's scores included)."""
-    rows, length = self.eval_rows, self.eval_len
-    if ("eval", chunk) not in self._traces:
+  def eval(self, chunk: int, accum: int = 1) -> Estimate:
+    """The eval step: forward only, validation rows of train.eval_seq_len (`accum` passes of
+    a share of them each, train.eval_accum), its working set from the traced program (the
+    attention kernel's scores included)."""
+    rows, length = self.eval_rows // accum, self.eval_len
+    if ("eval", chunk, accum) not in self._traces:
       windows = window_schedule.step_windows(self.cfg, self.cfg.train.steps)
       eot = 0 if self.cfg.attention.doc_mask else None
       tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32)
@@ -345,10 +346,11 @@ class Model:
       # frees it after them (h100-8: the evals' all-gathers are per layer, 11-17 of them; all
       # parameters gathered at once was 1.17-1.18x the compiler); a TPU's is left at all at once.
       gathered = self.gathered_leaves if self.backend == "gpu" else None
-      self._traces[("eval", chunk)] = peak_live(
+      self._traces[("eval", chunk, accum)] = peak_live(
           closed.jaxpr, self.stored_bytes, lambda e: flash and scope(e) == "kernel", self.backend,
           accumulated=head, arg_bytes=gathered)
-    return _estimate("eval step", parameters=self.param_bytes, batch=2 * 4 * rows * length,
+    return _estimate("eval step", parameters=self.param_bytes,
+                     batch=2 * 4 * self.eval_rows * length,
                      gathered_parameters=0 if self.backend == "gpu" else self.gathered_bytes,
                      gemm_workspace=self.workspace_bytes(),
-                     activations_and_logits=self._traces[("eval", chunk)])
+                     activations_and_logits=self._traces[("eval", chunk, accum)])

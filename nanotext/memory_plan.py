@@ -25,7 +25,7 @@ HEADROOM = 0.10  # auto leaves this share of a device free: runtime buffers, fra
 # 1.11 planned / compiled); its TPU compiler's schedule keeps more alive in a long forward pass,
 # and the CPU's buffer reuse is less predictable.
 TOLERANCE = {"gpu": 0.15, "tpu": 0.25, "cpu": 0.25}
-KEYS = ("model.remat", "train.loss_chunk", "train.eval_loss_chunk")
+KEYS = ("model.remat", "train.loss_chunk", "train.eval_loss_chunk", "train.eval_accum")
 
 
 class DoesNotFit(UserError):
@@ -62,7 +62,8 @@ class Plan:
     """The start-up log line."""
     c = self.choice
     chosen = (f"remat={c['model.remat']}, loss_chunk={c['train.loss_chunk']}, "
-              f"eval_loss_chunk={c['train.eval_loss_chunk']}")
+              f"eval_loss_chunk={c['train.eval_loss_chunk']}"
+              + (f", eval_accum={c['train.eval_accum']}" if c["train.eval_accum"] > 1 else ""))
     of = f" of {gib(self.capacity)} per device ({self.source})" if self.capacity else \
         " per device (device memory unknown)"
     return (f"memory plan: {chosen} ({self.train.program} ~{gib(self.train.total)}, "
@@ -130,21 +131,33 @@ class Planner:
     except DoesNotFit as e:  # kept for Plan.require, as the eval step's below
       train_problem, why, train = str(e), "the train step does not fit", e.estimate
       remat, chunk = train_ladder[-1]
+    if t.eval_accum > 0 and model.eval_rows % t.eval_accum:  # before a trace of no rows
+      raise UserError(f"train.eval_accum={t.eval_accum} does not divide each device's "
+                      f"{model.eval_rows} validation row(s) (train.batch_size={t.batch_size} "
+                      f"over the devices the batch is split on): give a divisor of "
+                      f"{model.eval_rows}, or -1 (auto)")
     eval_chunk = auto_chunk([model.eval_len])
-    eval_ladder = [(c,) for c in ((0, eval_chunk) if eval_chunk else (0,))] \
-        if t.eval_loss_chunk == -1 else [(t.eval_loss_chunk,)]
-    eval_ladder = self._preferred(eval_ladder, KEYS[2:], (t.eval_loss_chunk == -1,))
+    eval_chunks = ((0, eval_chunk) if eval_chunk else (0,)) if t.eval_loss_chunk == -1 else \
+        (t.eval_loss_chunk,)
+    # Whole rows at once first; then each device's rows in 2, 3, ... passes (a forward pass
+    # keeps nothing between them).
+    accums = [a for a in range(1, model.eval_rows + 1) if model.eval_rows % a == 0] \
+        if t.eval_accum == -1 else [t.eval_accum]
+    eval_ladder = [(c, a) for a in accums for c in eval_chunks]
+    eval_ladder = self._preferred(eval_ladder, KEYS[2:], (t.eval_loss_chunk == -1,
+                                                          t.eval_accum == -1))
     problem = ""
     try:
       self._attention_first(model, "eval")
-      (eval_chunk,), evaluation, eval_why = self._choose(
-          eval_ladder, lambda c: model.eval(*c), cfg, model, "eval")
+      (eval_chunk, eval_accum), evaluation, eval_why = self._choose(
+          eval_ladder, lambda ca: model.eval(*ca), cfg, model, "eval")
     except DoesNotFit as e:  # kept for Plan.require: only a run that evaluates is refused
       problem, eval_why, evaluation = str(e), "the eval step does not fit", e.estimate
-      (eval_chunk,) = eval_ladder[-1]
-    if (t.eval_loss_chunk == -1 and eval_chunk) or eval_why.startswith(("may", "the eval")):
+      eval_chunk, eval_accum = eval_ladder[-1]
+    if (t.eval_loss_chunk == -1 and eval_chunk) or (t.eval_accum == -1 and eval_accum > 1) \
+        or eval_why.startswith(("may", "the eval")):
       why = f"{why}; {eval_why}"  # said only when it changes something
-    self.plan = Plan(dict(zip(KEYS, (remat, chunk, eval_chunk))), train, evaluation,
+    self.plan = Plan(dict(zip(KEYS, (remat, chunk, eval_chunk, eval_accum))), train, evaluation,
                      self.capacity, self.source, why, problem, train_problem)
     return self.plan.choice
 
@@ -174,8 +187,7 @@ class Planner:
   def _why(self, ladder, choice, tried, program) -> str:
     if len(ladder) == 1:
       return "it fits as configured"
-    keys = ("model.remat", "train.loss_chunk") if program == "train" else \
-        ("train.eval_loss_chunk",)
+    keys = KEYS[:2] if program == "train" else KEYS[2:]
     if self.prefer and tuple(self.prefer.get(k) for k in keys) == choice:
       return "kept from the run's config.yml"
     if not tried:
@@ -237,7 +249,8 @@ def _leanest(model, cfg, program):
   if program == "eval":
     chunks = {0, auto_chunk([model.eval_len])} if t.eval_loss_chunk == -1 else \
         {t.eval_loss_chunk}
-    return min((model.eval(c) for c in chunks), key=lambda e: e.total)
+    accum = model.eval_rows if t.eval_accum == -1 else t.eval_accum  # one row a pass
+    return min((model.eval(c, accum) for c in chunks), key=lambda e: e.total)
   remat = "full" if m.remat == "auto" else m.remat
   chunk = auto_chunk(seq_lens(t)) if t.loss_chunk == -1 else t.loss_chunk
   return model.train(remat, chunk)
@@ -275,6 +288,9 @@ def changes(cfg, model, program: str, est, capacity: int) -> list:
     c = auto_chunk([model.eval_len])
     if c:
       change(f"train.eval_loss_chunk={c}", train={"eval_loss_chunk": c})
+  if program == "eval" and t.eval_accum == 1 and model.eval_rows > 1:
+    k = min(a for a in range(2, model.eval_rows + 1) if model.eval_rows % a == 0)
+    change(f"train.eval_accum={k}", train={"eval_accum": k})
   if program == "eval" and t.eval_seq_len > t.seq_len:
     change(f"train.eval_seq_len={t.seq_len}", train={"eval_seq_len": t.seq_len})
   if model.impl in memory.DENSE_KERNELS and dominant in (
@@ -304,6 +320,11 @@ def keys_that_help(cfg, mesh_sizes: dict, programs=("train",)) -> str:
     length = t.eval_seq_len or t.seq_len
     if not t.eval_loss_chunk and auto_chunk([length]):
       keys.append(f"train.eval_loss_chunk={auto_chunk([length])}")
+    rows = t.batch_size // sharding.shard_count(("batch",), sharding.parse_rules(cfg.mesh.rules),
+                                                mesh_sizes)
+    if rows // t.eval_accum > 1:
+      keys.append(f"train.eval_accum={2 * t.eval_accum if rows % (2 * t.eval_accum) == 0 else rows}"
+                  " (the validation rows in more passes)")
     keys.append("train.eval_seq_len" if t.eval_seq_len else "train.batch_size")
   if sharding.fsdp_for_data(mesh_sizes):
     keys.append(f"{sharding.FSDP_FOR_DATA} (shard parameters and optimizer state)")
@@ -320,5 +341,5 @@ def saved_choice(output_dir: str) -> dict:
   except (OSError, ValueError, yaml.YAMLError, AttributeError, TypeError):
     return {}  # no run there, or a damaged file (not UTF-8, not YAML): rundir says so later
   ok = lambda k, v: v in memory.REMATS if k == "model.remat" else \
-      type(v) is int and v >= 0  # a resolved choice, not auto
+      type(v) is int and v >= (1 if k == "train.eval_accum" else 0)  # a resolved choice
   return {k: v for k, v in found.items() if ok(k, v)}

@@ -209,7 +209,7 @@ def out_of_memory(e: Exception) -> str:
     return ""
   return (f"the device ran out of memory ({head[len('RESOURCE_EXHAUSTED: '):][:120]}); checkpoints "
           "already written are intact. Lower the memory per device: model.remat=dots, "
-          "train.loss_chunk=256, train.grad_accum, train.eval_seq_len / eval_batches, or more "
+          "train.loss_chunk=256, train.grad_accum, train.eval_accum, train.eval_seq_len, or more "
           "devices on mesh.fsdp (python -m nanotext.compile reports what each program needs)")
 
 

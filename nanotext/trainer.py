@@ -39,12 +39,6 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
     return loss, loss / x.shape[1] if row_sum else loss
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
-  def micro_batches(a_BT, accum):
-    # Row r goes to micro-batch r % accum, so each device's rows spread over all micro-batches.
-    b, t = a_BT.shape
-    a = a_BT.reshape(b // accum, accum, t).swapaxes(0, 1)
-    return sharding.constrain(a, (None, "batch", "act_length"))
-
   def step_fn(state, batch, schedule, *runtime_windows):
     live = runtime_windows[0] if runtime_windows else None
     B, T = batch["inputs"].shape
@@ -84,6 +78,14 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
                            out_shardings=(run.state_shardings, None), donate_argnums=0), run)
 
 
+def micro_batches(a_BT, accum: int):
+  """[B, T] -> [accum, B / accum, T]: row r in micro-batch r % accum, so each device's rows
+  spread over all micro-batches (a scan step takes its share of every device's rows)."""
+  b, t = a_BT.shape
+  a = a_BT.reshape(b // accum, accum, t).swapaxes(0, 1)
+  return sharding.constrain(a, (None, "batch", "act_length"))
+
+
 class TrainStep:
   """The jitted train step, called, traced and lowered as (state, batch[, windows]): it supplies
   the program's schedule argument, the run's float32 [train.steps, cooldown steps]
@@ -119,12 +121,23 @@ def schedule_of(run: Run) -> jax.Array:
 def make_eval_step(run: Run, windows=None, runtime: bool = False):
   """jit(params, batch) -> mean loss at per-layer `windows` (None: the final ones), with the
   evaluation head (no FP8, as the record's eval mode); with `runtime`, jit(params, batch,
-  windows [layers] int32) and `windows` their static bounds."""
+  windows [layers] int32) and `windows` their static bounds. train.eval_accum > 1: the rows in
+  as many forward passes one after another, their means averaged (equal token counts: the
+  batch's mean)."""
+  accum = max(1, run.cfg.train.eval_accum)  # -1 (auto) is resolved by the memory plan
+
   def eval_fn(params, batch, *runtime_windows):
+    live = runtime_windows[0] if runtime_windows else None
+    loss = lambda x, y: loss_fn(run.graphdef, params, x, y, run.eot_id, windows,
+                                chunk=run.cfg.train.eval_loss_chunk, train=False,
+                                runtime_windows=live)
     with sharding.use_rules(run.rules, run.mesh):
-      return loss_fn(run.graphdef, params, batch["inputs"], batch["targets"], run.eot_id,
-                     windows, chunk=run.cfg.train.eval_loss_chunk, train=False,
-                     runtime_windows=runtime_windows[0] if runtime_windows else None)
+      if accum == 1:
+        return loss(batch["inputs"], batch["targets"])
+      xs = (micro_batches(batch["inputs"], accum), micro_batches(batch["targets"], accum))
+      total, _ = jax.lax.scan(lambda s, xy: (s + loss(*xy), None), jnp.zeros([], jnp.float32),
+                              xs)
+      return total / accum
   batch_sh = {"inputs": run.batch_sharding, "targets": run.batch_sharding}
   return jax.jit(eval_fn, in_shardings=(run.state_shardings["params"], batch_sh)
                  + windows_sharding(run, runtime))
