@@ -238,6 +238,17 @@ def check_data_files(where: str) -> None:
   require_whole_data(data, where)
 
 
+def check_config_item(where: str) -> None:
+  """Raise Damaged unless the step folder `where` holds the readable config item a resume
+  restores beside the state."""
+  try:
+    saved = ocp.JsonCheckpointHandler().restore(epath.Path(where) / "config")
+  except Exception as e:  # a missing folder, a truncated or garbled file: orbax's many kinds
+    raise Damaged(f"cannot read the config saved in '{where}': {error_head(e)}") from None
+  if not isinstance(saved, dict):
+    raise Damaged(f"the config saved in '{where}' is not a mapping")
+
+
 def restore(manager, step: int, abstract_state):
   """(state, data, config) of a verified step; raises UserError (Damaged) if it is not sound."""
   return restore_step(manager, step, abstract_state)[:3]

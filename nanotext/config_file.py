@@ -18,6 +18,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     seen = set()
     for key_node, _ in node.value:
       key = self.construct_object(key_node, deep=deep)
+      if not isinstance(key, (str, int, float, bool)) and key is not None:  # a list, a mapping
+        raise yaml.constructor.ConstructorError(
+            None, None, "a key that is not a plain name", key_node.start_mark)
       if key in seen:
         raise yaml.constructor.ConstructorError(
             None, None, f"duplicate key '{key}'", key_node.start_mark)

@@ -34,6 +34,7 @@ def check_step(manager, step: int, keep: int = 0) -> tuple:
     state, integrity = checkpoint.read_on_one_device(manager, step)
     checkpoint.verify(state, integrity, where)
     checkpoint.check_data_files(where)
+    checkpoint.check_config_item(where)
   except checkpoint.Damaged as e:
     kept = rundir.steps_on_disk(os.path.dirname(str(manager.directory)))[-keep:] if keep else []
     rotating = bool(keep) and len(kept) == keep and step < kept[0]

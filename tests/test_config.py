@@ -57,6 +57,8 @@ def test_a_config_file_is_one_mapping_of_plain_values(tmp_path):
     config_file.read(write(tmp_path / "b.yml", "train:\n  steps: 3\n  steps: 4\n"))
   with pytest.raises(UserError, match="plain values only"):
     config_file.read(write(tmp_path / "c.yml", "seed: !!python/name:os.system\n"))
+  with pytest.raises(UserError, match="line 2: a key that is not a plain name"):  # a TypeError
+    config_file.read(write(tmp_path / "d.yml", "seed: 1\n? [a, b]\n: 2\n"))
 
 
 def test_override_int_and_str():
@@ -426,6 +428,10 @@ def test_a_retired_key_in_an_old_runs_config_is_ignored(tmp_path):
     ("optim.muon_ns_steps=0", "must be positive"),
     ("optim.muon_momentum_warmup=-5", "must not be negative"),
     ("data.eot_id=-7", "must be at least -1"),
+    # a traceback where -32 divided train.seq_len; a warmup silently off; an MFU of -4.9e10 %
+    ("train.seq_len_start=-32", "train.seq_len_start=-32 must not be negative"),
+    ("train.seq_len_step=-8", "train.seq_len_step=-8 must not be negative"),
+    ("metrics.peak_flops=-5", "metrics.peak_flops=-5.0 must not be negative"),
 ])
 def test_values_that_trained_nonsense_or_crashed_are_refused(override, message):
   from nanotext import wiring

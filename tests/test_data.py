@@ -443,3 +443,20 @@ def test_bin_needs_train_or_val_files():
   with pytest.raises(UserError, match="data.source=bin needs data.train_files"):
     check_config(data_cfg(source="bin", train_files="", val_files=""))
   check_config(data_cfg(source="bin", train_files="", val_files="/some/val_*.bin"))
+
+
+@pytest.mark.fast
+def test_prepare_keeps_a_folder_of_other_shards(tmp_path):
+  """--out (or data.dir) naming text_shards' output: prepare wrote its two shards and meta.json
+  over that corpus's first ones and kept the rest, a folder of two corpora."""
+  binfile.write_shard(tmp_path / "train_000000.bin", np.arange(100))
+  binfile.write_shard(tmp_path / "train_000001.bin", np.arange(100))
+  (tmp_path / "meta.json").write_text('{"tokenizer": "gpt2", "train_tokens": 200}\n')
+  before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+  one_line_error(run_cli("nanotext.data.prepare", f"--out={tmp_path}"),
+                 "holds files this preparation did not write", "set --out")
+  (tmp_path / "train_000001.bin").unlink()  # one shard and a meta.json of another's: kept too
+  with pytest.raises(UserError, match="'meta.json'.*set data.dir"):
+    prepare_shakespeare(str(tmp_path))
+  assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == \
+      {k: v for k, v in before.items() if k != "train_000001.bin"}

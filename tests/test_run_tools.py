@@ -48,6 +48,45 @@ def test_verify_reads_every_step_and_names_damage(tiny_run, tmp_path):
   assert lines[1].split()[:3] == ["step", "2", "damaged"]
 
 
+@pytest.mark.parametrize("damage", ["truncated", "removed"])
+def test_verify_reads_the_saved_config_a_resume_restores(tiny_run, tmp_path, damage):
+  """A step whose config item cannot be read: a resume set it aside as damaged, verify called
+  it intact."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  item = os.path.join(out, "checkpoints", "2", "config")
+  if damage == "truncated":
+    os.truncate(os.path.join(item, "metadata"), 10)
+  else:
+    shutil.rmtree(item)
+  lines = []
+  assert verify.report(out, lines.append) == 1
+  assert lines[1].split()[:3] == ["step", "2", "damaged"] and "config saved in" in lines[1]
+  with pytest.raises(checkpoint.Damaged):  # what the resume reads, refused the same way
+    checkpoint.restore_step(checkpoint.reader(out), 2,
+                            wiring.prepare(BASE, ARGS + [f"output_dir={out}"]).abstract_state())
+
+
+@pytest.mark.parametrize("key,value", [("num_layers", 3), ("mlp_dim", 512), ("vocab_size", 640)])
+def test_convert_refuses_a_config_yml_that_builds_another_model(tiny_run, tmp_path, key, value):
+  """config.yml edited after training: to-hf raised a KeyError (a traceback) for a layer more,
+  and for a wider MLP or vocabulary wrote a config.json that contradicted its weights."""
+  import yaml
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  with open(os.path.join(out, "config.yml")) as f:
+    saved = yaml.safe_load(f)
+  saved["model"][key] = value
+  with open(os.path.join(out, "config.yml"), "w") as f:
+    yaml.safe_dump(saved, f)
+  with pytest.raises(UserError, match=r"against its config\.yml \(check the model\.\* keys"):
+    common.load_run(out)
+  if key == "num_layers":  # the CLI: one line, exit 2, nothing written
+    one_line_error(run_cli("nanotext.convert", "to-hf", f"--run={out}",
+                           f"--out={tmp_path / 'hf'}"), "check the model.* keys", "blocks.2.")
+    assert not os.path.exists(tmp_path / "hf")
+
+
 def test_a_finished_run_started_again_writes_no_second_row(tiny_run, tmp_path):
   """The same command after the last step trains nothing: it says the final validation loss
   again, and metrics.jsonl keeps the one row it has of it (a rerun appended another)."""

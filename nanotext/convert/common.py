@@ -13,11 +13,16 @@ from nanotext import rundir
 
 def load_run(run: str, step: int = -1):
   """(config, step, params as numpy) of a run directory's newest (or given) checkpoint, or of a
-  params-only folder (what `params-only` writes: one step)."""
-  from nanotext import config
+  params-only folder (what `params-only` writes: one step), in the model's own tree: a
+  parameter its config.yml does not build is refused, naming it."""
+  from nanotext import config, wiring
+  from nanotext.trees import fill, flatten
   rundir.check_run_dir(run, "--run")
   cfg = config.load(os.path.join(run, "config.yml"))
+  _, _, abstract = wiring.for_sampling(cfg, jax.local_devices())
   step, params = read_params(run, step, "--run", "--step")
+  params = fill(abstract, flatten(params), f"--run '{run}' step {step} against its config.yml "
+                "(check the model.* keys there)", cast=False)
   return cfg, step, jax.device_get(params)
 
 

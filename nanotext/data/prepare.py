@@ -65,6 +65,26 @@ def _cached(out_dir: str, digest: str) -> dict | None:
     return None
 
 
+def _foreign(out_dir: str) -> str:
+  """The first entry of out_dir that a preparation would not have written ("" if none): a
+  stale or damaged cache of its own is rebuilt, other shards (text_shards', FineWeb's) are kept.
+  """
+  try:
+    names = sorted(os.listdir(out_dir))
+  except OSError:
+    return ""  # absent, or not a folder: makedirs says so
+  ours = (TRAIN_FILE, VAL_FILE, META_FILE)
+  for name in names:
+    if name not in ours and not name.startswith(tuple("." + o for o in ours)):  # staging
+      return name
+  try:
+    with open(os.path.join(out_dir, META_FILE), encoding="utf-8") as f:
+      meta = json.load(f)
+  except (OSError, ValueError):
+    return ""  # no record, or a damaged one: a preparation cut short
+  return "" if isinstance(meta, dict) and "train_works" in meta else META_FILE
+
+
 def prepare_shakespeare(out_dir: str | None = None, what: str = "data.dir") -> dict:
   """Write train/val shards and meta.json under out_dir unless valid ones already exist.
 
@@ -79,6 +99,10 @@ def prepare_shakespeare(out_dir: str | None = None, what: str = "data.dir") -> d
   meta = _cached(out_dir, digest)
   if meta is not None:
     return _result(out_dir, meta)
+  foreign = _foreign(out_dir)
+  if foreign:
+    raise UserError(f"'{out_dir}' holds files this preparation did not write ('{foreign}'); "
+                    f"nothing was changed: set {what} to a new or empty folder")
   try:  # Fail before the slow tokenization when out_dir cannot be written.
     os.makedirs(out_dir, exist_ok=True)
   except OSError as e:
