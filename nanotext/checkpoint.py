@@ -282,9 +282,10 @@ def abstract_with_shardings(tree, shardings):
                       tree, shardings)
 
 
-def latest_params(output_dir: str, step: int = -1, what: str = "output_dir"):
+def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
+                  step_arg: str = "step="):
   """Parameters of a run's newest (or given) checkpoint on one local device; for sampling.
-  `what` names the argument in errors (convert's --run).
+  `what` and `step_arg` name the arguments in errors (convert's --run and --step).
 
   The newest step of a run still training may be removed (rotated out) while it is read, file
   by file: a read that fails as a file of it or the step vanishes, or once a newer step is on
@@ -309,7 +310,7 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir"):
       params, integrity = read_on_one_device(manager, at, "params")
       verify(params, integrity, where, prefix="params/")
       return at, params
-    except Damaged:
+    except Damaged as e:
       gone = vanished(where, files)
       if step >= 0 and gone:
         raise UserError(f"{what} '{output_dir}': the checkpoint of step {at} was removed "
@@ -317,7 +318,9 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir"):
                         "steps)") from None
       newer = max(steps_on_disk(output_dir), default=at) > at
       if step >= 0 or attempt == 2 or not (gone or newer):
-        raise
+        older = [s for s in steps_on_disk(output_dir) if s < at][-3:]
+        raise Damaged(f"{e}; the older step(s) {older}: read one with {step_arg}{older[-1]}"
+                      if older else str(e)) from None
   raise AssertionError("unreachable")
 
 

@@ -17,6 +17,15 @@ def _umask() -> int:
   return mask
 
 
+def _shared(path: str) -> None:
+  """Files under `path` (or the file) readable as the umask allows: mkstemp's and safetensors'
+  private 0600 would outlive the rename."""
+  mode = 0o666 & ~_umask()
+  for folder, _, names in os.walk(path) if os.path.isdir(path) else [("", None, [path])]:
+    for name in names:
+      os.chmod(os.path.join(folder, name), mode)
+
+
 def _check_target(out: str, force: bool, protect=()) -> str:
   out = os.path.abspath(out)
   # What a rename of `out` replaces, its folder's links resolved (a link at `out` itself is
@@ -116,6 +125,7 @@ def staged_dir(out: str, *, force: bool, protect=()):
   except BaseException:
     fileio.remove_tree(tmp)  # a failed orbax save may still be writing into it
     raise
+  _shared(tmp)
   try:
     if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
       old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
@@ -141,10 +151,10 @@ def staged_file(out: str, *, force: bool, protect=()):
   with writing(out):
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
   os.close(fd)
-  os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's private 0600 would outlive the rename
   try:
     with writing(out):
       yield tmp
+    _shared(tmp)
     os.replace(tmp, out)
   finally:
     if os.path.exists(tmp):

@@ -197,3 +197,38 @@ def test_a_failed_conversion_outlasts_a_writer_still_finishing_in_it(tmp_path):
       raise OSError(28, "No space left on device")
   writer.join()
   assert os.listdir(tmp_path) == []
+
+
+def test_converted_files_are_readable_as_the_umask_allows(tmp_path):
+  """safetensors writes its file 0600 (as mkstemp makes one): to-hf's model.safetensors and
+  every export-torch file were unreadable to anyone else, the other outputs 0644."""
+  from nanotext.outputs import staged_dir, staged_file
+  old = os.umask(0o022)
+  try:
+    with staged_file(str(tmp_path / "model.safetensors"), force=False) as tmp:
+      with open(tmp, "wb") as f:
+        f.write(b"x")
+      os.chmod(tmp, 0o600)
+    with staged_dir(str(tmp_path / "hf"), force=False) as tmp:
+      os.makedirs(os.path.join(tmp, "sub"))
+      for name in ("model.safetensors", os.path.join("sub", "a.json")):
+        with open(os.path.join(tmp, name), "wb") as f:
+          f.write(b"x")
+        os.chmod(os.path.join(tmp, name), 0o600)
+  finally:
+    os.umask(old)
+  for path in ("model.safetensors", "hf/model.safetensors", "hf/sub/a.json"):
+    assert os.stat(tmp_path / path).st_mode & 0o777 == 0o644, path
+
+
+def test_a_damaged_newest_step_names_the_step_to_read_instead(tiny_run, tmp_path):
+  """'read an older one' named neither the steps there nor how to pick one."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  os.makedirs(os.path.join(out, "checkpoints", "7"))  # newer than step 2, and empty
+  with pytest.raises(UserError, match=r"holds no state/.*older step\(s\) \[2\]: read one with "
+                                      r"--step=2$"):
+    common.load_run(out)
+  one_line_error(run_cli("nanotext.convert", "params-only", f"--run={out}",
+                         f"--out={tmp_path / 'p'}"), "read one with --step=2")
+  assert common.load_run(out, 2)[1] == 2

@@ -31,7 +31,7 @@ def read_params(path: str, step: int, what: str, step_arg: str):
   params-only folder; `what` and `step_arg` name the caller's arguments in errors."""
   from nanotext import checkpoint
   if not os.path.isdir(os.path.join(path, "params")):
-    return checkpoint.latest_params(path, step, what=what)
+    return checkpoint.latest_params(path, step, what=what, step_arg=step_arg.rstrip("=") + "=")
   if step >= 0:
     raise UserError(f"{what} '{path}' is a params-only folder (one step): leave {step_arg} out")
   return load_params(path)
