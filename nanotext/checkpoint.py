@@ -316,11 +316,13 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
         raise UserError(f"{what} '{output_dir}': the checkpoint of step {at} was removed "
                         "while it was read (a run training into it keeps checkpoint.keep "
                         "steps)") from None
-      newer = max(steps_on_disk(output_dir), default=at) > at
-      if step >= 0 or attempt == 2 or not (gone or newer):
-        older = [s for s in steps_on_disk(output_dir) if s < at][-3:]
-        raise Damaged(f"{e}; the older step(s) {older}: read one with {step_arg}{older[-1]}"
-                      if older else str(e)) from None
+      on_disk = steps_on_disk(output_dir)
+      if step >= 0 or attempt == 2 or not (gone or max(on_disk, default=at) > at):
+        older = [s for s in on_disk if s < at][-3:]
+        if older:
+          raise Damaged(f"{e}; the older step(s) {older}: read one with "
+                        f"{step_arg.rstrip('=')}={older[-1]}") from None
+        raise
   raise AssertionError("unreachable")
 
 

@@ -215,26 +215,11 @@ def encode_prompt(tokenizer, prompt: str) -> list:
   return ids
 
 
-def in_model_order(abstract_params, params, where: str):
-  """A restored params tree rebuilt in the model's own tree, matched name by name.
-
-  Saved trees key list items by strings, so a restore without a target returns layers in
-  string order ('0', '1', '10', '11', '2', ...): merged by position, 11 or more layers would be
-  permuted. Shapes are checked; dtypes stay as saved (a params-only folder may be bfloat16)."""
-  from nanotext.trees import fill, flatten
-  return fill(abstract_params, flatten(params), f"checkpoint '{where}'", cast=False)
-
-
 def restore(out: str, cfg, step: int = -1, *, checked: bool = False) -> tuple:
   """(step, graphdef, params) of a run's newest (or given) checkpoint, or of a params-only
-  folder, on one local device in the model's own tree. The model is built from `cfg` (as
-  config.load reads it; `checked`: wiring.check already ran) by wiring, as training builds it."""
-  import jax
-  from nanotext import wiring
-  from nanotext.convert.common import read_params
-  _, graphdef, abstract_params = wiring.for_sampling(cfg, jax.local_devices(), checked=checked)
-  step, params = read_params(out, step, "output_dir", "step=")
-  return step, graphdef, in_model_order(abstract_params, params, f"{out} step {step}")
+  folder, on one local device in the model's own tree (convert.common.model_params)."""
+  from nanotext.convert.common import model_params
+  return model_params(out, cfg, step, "output_dir", "step=", checked=checked)
 
 
 def parse(argv) -> tuple:

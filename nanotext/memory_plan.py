@@ -79,6 +79,17 @@ def auto_chunk(lengths) -> int:
   return max((c for c in range(1, min(memory.CHUNK, g - 1) + 1) if g % c == 0), default=0)
 
 
+def passes(rows: int) -> list:
+  """The train.eval_accum values that split `rows` validation rows per device evenly."""
+  return [a for a in range(1, rows + 1) if rows % a == 0]
+
+
+def more_passes(rows: int, accum: int) -> int:
+  """The next train.eval_accum above a fixed `accum` that splits `rows` evenly (0: none; auto
+  has tried them all)."""
+  return next((a for a in passes(rows) if a > accum), 0) if accum > 0 else 0
+
+
 def parameter_floor(cfg) -> int:
   """A lower bound on parameter bytes, from the config alone (no model is built): every block's
   two MLP matrices and the token table. Enough to refuse absurd sizes at once."""
@@ -141,8 +152,7 @@ class Planner:
         (t.eval_loss_chunk,)
     # Whole rows at once first; then each device's rows in 2, 3, ... passes (a forward pass
     # keeps nothing between them).
-    accums = [a for a in range(1, model.eval_rows + 1) if model.eval_rows % a == 0] \
-        if t.eval_accum == -1 else [t.eval_accum]
+    accums = passes(model.eval_rows) if t.eval_accum == -1 else [t.eval_accum]
     eval_ladder = [(c, a) for a in accums for c in eval_chunks]
     eval_ladder = self._preferred(eval_ladder, KEYS[2:], (t.eval_loss_chunk == -1,
                                                           t.eval_accum == -1))
@@ -288,9 +298,9 @@ def changes(cfg, model, program: str, est, capacity: int) -> list:
     c = auto_chunk([model.eval_len])
     if c:
       change(f"train.eval_loss_chunk={c}", train={"eval_loss_chunk": c})
-  if program == "eval" and t.eval_accum == 1 and model.eval_rows > 1:
-    k = min(a for a in range(2, model.eval_rows + 1) if model.eval_rows % a == 0)
-    change(f"train.eval_accum={k}", train={"eval_accum": k})
+  more = more_passes(model.eval_rows, t.eval_accum)
+  if program == "eval" and more:
+    change(f"train.eval_accum={more}", train={"eval_accum": more})
   if program == "eval" and t.eval_seq_len > t.seq_len:
     change(f"train.eval_seq_len={t.seq_len}", train={"eval_seq_len": t.seq_len})
   if model.impl in memory.DENSE_KERNELS and dominant in (
@@ -322,9 +332,9 @@ def keys_that_help(cfg, mesh_sizes: dict, programs=("train",)) -> str:
       keys.append(f"train.eval_loss_chunk={auto_chunk([length])}")
     rows = t.batch_size // sharding.shard_count(("batch",), sharding.parse_rules(cfg.mesh.rules),
                                                 mesh_sizes)
-    if rows // t.eval_accum > 1:
-      keys.append(f"train.eval_accum={2 * t.eval_accum if rows % (2 * t.eval_accum) == 0 else rows}"
-                  " (the validation rows in more passes)")
+    more = more_passes(rows, t.eval_accum)
+    if more:
+      keys.append(f"train.eval_accum={more} (the validation rows in more passes)")
     keys.append("train.eval_seq_len" if t.eval_seq_len else "train.batch_size")
   if sharding.fsdp_for_data(mesh_sizes):
     keys.append(f"{sharding.FSDP_FOR_DATA} (shard parameters and optimizer state)")

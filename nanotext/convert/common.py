@@ -13,17 +13,30 @@ from nanotext import rundir
 
 def load_run(run: str, step: int = -1):
   """(config, step, params as numpy) of a run directory's newest (or given) checkpoint, or of a
-  params-only folder (what `params-only` writes: one step), in the model's own tree: a
-  parameter its config.yml does not build is refused, naming it."""
-  from nanotext import config, wiring
-  from nanotext.trees import fill, flatten
+  params-only folder (what `params-only` writes: one step), in the model's own tree."""
+  from nanotext import config
   rundir.check_run_dir(run, "--run")
   cfg = config.load(os.path.join(run, "config.yml"))
-  _, _, abstract = wiring.for_sampling(cfg, jax.local_devices())
-  step, params = read_params(run, step, "--run", "--step")
-  params = fill(abstract, flatten(params), f"--run '{run}' step {step} against its config.yml "
-                "(check the model.* keys there)", cast=False)
+  step, _, params = model_params(run, cfg, step, "--run", "--step")
   return cfg, step, jax.device_get(params)
+
+
+def model_params(path: str, cfg, step: int, what: str, step_arg: str, *,
+                 checked: bool = False) -> tuple:
+  """(step, graphdef, params) of `path`'s newest (or given) checkpoint, or of a params-only
+  folder, on one local device in the tree of the model `cfg` builds (as config.load reads it;
+  `checked`: wiring.check already ran), matched name by name: a parameter that model does not
+  have, or has in another shape, is refused, naming it (an edited config.yml).
+
+  Saved trees key list items by strings, so a restore without a target returns layers in
+  string order ('0', '1', '10', '11', '2', ...): merged by position, 11 or more layers would be
+  permuted. Dtypes stay as saved (a params-only folder may be bfloat16)."""
+  from nanotext import wiring
+  from nanotext.trees import fill, flatten
+  _, graphdef, abstract = wiring.for_sampling(cfg, jax.local_devices(), checked=checked)
+  step, params = read_params(path, step, what, step_arg)
+  return step, graphdef, fill(abstract, flatten(params), f"{what} '{path}' step {step} against "
+                              "its config.yml (check the model.* keys there)", cast=False)
 
 
 def read_params(path: str, step: int, what: str, step_arg: str):
@@ -31,7 +44,7 @@ def read_params(path: str, step: int, what: str, step_arg: str):
   params-only folder; `what` and `step_arg` name the caller's arguments in errors."""
   from nanotext import checkpoint
   if not os.path.isdir(os.path.join(path, "params")):
-    return checkpoint.latest_params(path, step, what=what, step_arg=step_arg.rstrip("=") + "=")
+    return checkpoint.latest_params(path, step, what=what, step_arg=step_arg)
   if step >= 0:
     raise UserError(f"{what} '{path}' is a params-only folder (one step): leave {step_arg} out")
   return load_params(path)
