@@ -77,6 +77,17 @@ def verify_named(arrays: dict, integrity, where: str) -> None:
                   "checksum saved with it")
 
 
+def record_of_params_only(folder: str):
+  """The integrity record of a params-only folder: its convert.json's checksums of params/
+  (None: a folder written before they existed, or a convert.json that cannot say)."""
+  try:
+    with open(os.path.join(folder, "convert.json"), encoding="utf-8") as f:
+      sums = json.load(f).get("checksums")
+    return {"checksums": sums} if isinstance(sums, dict) else None
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
 def record_beside(item: str):
   """The integrity record of the step whose `state` item is `item` (None: none readable)."""
   try:

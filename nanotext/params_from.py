@@ -9,7 +9,8 @@ import orbax.checkpoint as ocp
 
 from nanotext.checkpoint import error_head
 from nanotext.errors import UserError
-from nanotext.integrity import Damaged, name_of, record_beside, verify_named
+from nanotext.integrity import (Damaged, name_of, record_beside, record_of_params_only,
+                                verify_named)
 from nanotext.rundir import check_no_glob, is_step_name, step_files, vanished
 from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
 
@@ -68,7 +69,7 @@ def _load_params(item: str, whole_state: bool, abstract_params):
   if whole_state and not (isinstance(meta, dict) and "params" in meta):
     raise UserError(f"checkpoint '{where}' holds no parameters")
   saved = meta["params"] if whole_state else meta
-  integrity = record_beside(item) if whole_state else None
+  integrity = record_beside(item) if whole_state else record_of_params_only(where)
   if _stacked(saved) != _stacked(abstract_params):
     return _load_other_layout(ckptr, item, whole_state, saved, abstract_params, where, integrity)
   _check_same_params(saved, abstract_params, where)

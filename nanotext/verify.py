@@ -1,9 +1,10 @@
 """Check every checkpoint of a run against its checksums: `python -m nanotext.verify DIR`.
 
 A resume verifies only the step it restores (and the newer ones it has to skip); this reads
-every step of `DIR/checkpoints`, so damage to an older step is found before it is needed. Each
-step is read onto one local device whatever mesh wrote it. Nothing is moved or deleted. A run
-may be training into DIR meanwhile. Exit status: 0 when every step is intact, 1 when one is
+every step of `DIR/checkpoints`, so damage to an older step is found before it is needed (or the
+one step of a params-only folder, `convert params-only`). Each step is read onto one local
+device whatever mesh wrote it. Nothing is moved or deleted. A run may be training into DIR
+meanwhile. Exit status: 0 when every step is intact, 1 when one is
 damaged, 2 for a directory that is not a run, 130 on Ctrl-C.
 """
 
@@ -25,8 +26,6 @@ def check_step(manager, step: int, keep: int = 0) -> tuple:
   gone: removed while it was read (the step or a file seen in it vanished), or, beside a run
   training into the folder with checkpoint.keep=`keep`, older than the newest `keep` steps on
   disk, which that run is removing."""
-  import jax
-  import numpy as np
   from nanotext import checkpoint
   where = checkpoint.step_dir(manager, step)
   files = rundir.step_files(where)
@@ -41,6 +40,13 @@ def check_step(manager, step: int, keep: int = 0) -> tuple:
     if rotating or rundir.vanished(where, files):
       return "gone", "removed while it was read (the run in progress keeps checkpoint.keep)"
     return "damaged", str(e)
+  return _read(state, integrity)
+
+
+def _read(state, integrity) -> tuple:
+  """(status, detail) of a tree read and checked: intact, or unverified without checksums."""
+  import jax
+  import numpy as np
   leaves = jax.tree.leaves(state)
   size = sum(np.dtype(x.dtype).itemsize * x.size for x in leaves) / 2**20
   if not (integrity or {}).get("checksums"):
@@ -81,8 +87,7 @@ def report(out: str, log=print) -> int:
   root = checkpoint.checkpoint_dir(out)
   rundir.check_no_glob(os.path.abspath(out), "the run directory")
   if not os.path.isdir(root) and os.path.isdir(os.path.join(out, "params")):
-    raise UserError(f"'{out}' is a params-only folder (convert params-only), not a run: it has "
-                    "no checkpoints/ to verify (generate and convert read it as it is)")
+    return params_only_report(out, log)
   if not os.path.isdir(root):
     raise UserError(f"'{out}' holds no checkpoints/ directory (is it a nanotext run directory?)")
   live = running(out)
@@ -115,6 +120,20 @@ def report(out: str, log=print) -> int:
   if damaged:
     log(f"{damaged} damaged step(s): a resume never restores them; it uses the newest intact step")
   return 1 if damaged else 0
+
+
+def params_only_report(out: str, log=print) -> int:
+  """report() of a params-only folder: its one step, intact, unverified or damaged."""
+  from nanotext.convert.common import load_params
+  from nanotext.integrity import record_of_params_only
+  log(f"a params-only folder: {out}")
+  try:
+    step, params = load_params(out)  # checks the checksums written with it
+    status, detail = _read(params, record_of_params_only(out))
+  except UserError as e:  # unreadable, or not what was written (integrity.Damaged)
+    step, status, detail = "?", "damaged", str(e)
+  log(f"  step {step:>7}  {status:<10s}  {detail}")
+  return 1 if status == "damaged" else 0
 
 
 def main(argv) -> None:

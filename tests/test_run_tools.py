@@ -2,6 +2,7 @@
 convert (params-only, the HF mapping, the CLI's argument handling) and the parameter trees. The
 fast tier's end-to-end file (tests/test_faults_tools.py: the same tools under damage and races)."""
 
+import json
 import os
 import shutil
 import threading
@@ -14,7 +15,7 @@ from conftest import BASE, TINY, one_line_error, run_cli
 from nanotext import checkpoint, config, integrity, loop, programs, plot, trees, verify, wiring
 from nanotext.convert import __main__ as convert_cli
 from nanotext.convert import common, hf, hf_tokenizer, params, torch_export
-from nanotext import fileio, train
+from nanotext import fileio, params_from, train
 from nanotext.errors import ResourceError, UserError
 
 pytestmark = pytest.mark.fast
@@ -232,3 +233,45 @@ def test_a_damaged_newest_step_names_the_step_to_read_instead(tiny_run, tmp_path
   one_line_error(run_cli("nanotext.convert", "params-only", f"--run={out}",
                          f"--out={tmp_path / 'p'}"), "read one with --step=2")
   assert common.load_run(out, 2)[1] == 2
+
+
+def _swap_weights(folder: str, params) -> None:
+  """`folder`'s params/ written again holding `params` with one weight changed: bytes that
+  still read, as a garbled compressed chunk can, but are not the ones written."""
+  import orbax.checkpoint as ocp
+  flat = jax.tree.leaves(params)
+  flat[0] = np.asarray(flat[0]) + 1
+  where = os.path.join(folder, "params")
+  shutil.rmtree(where)
+  ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+  ckptr.save(where, ocp.args.StandardSave(jax.tree.unflatten(jax.tree.structure(params), flat)))
+  ckptr.close()
+
+
+def test_a_params_only_folder_is_checked_against_its_checksums(tiny_run, tmp_path):
+  """Garbled weights in a params-only folder gave generate's text and evaluate's val_loss (nan,
+  inf) with exit 0, where a full checkpoint damaged the same way is refused; a folder written
+  before the checksums existed is read as before."""
+  out = str(tmp_path / "p")
+  params.params_only(tiny_run[0], out, log=lambda line: None)
+  good = common.load_params(out)[1]
+  abstract = wiring.prepare(BASE, ARGS).abstract_state()["params"]
+  old = str(tmp_path / "old")
+  shutil.copytree(out, old)
+  with open(os.path.join(old, "convert.json")) as f:
+    record = json.load(f)
+  assert len(record.pop("checksums")) == len(jax.tree.leaves(good))
+  with open(os.path.join(old, "convert.json"), "w") as f:
+    json.dump(record, f)
+  assert integrity.checksums(common.load_params(old)[1]) == integrity.checksums(good)
+  lines = []
+  assert verify.report(old, lines.append) == 0 and lines[1].split()[2] == "unverified", lines
+  _swap_weights(out, good)
+  with pytest.raises(integrity.Damaged, match=r"is damaged: array params/\S+ .*does not match"):
+    common.load_params(out)
+  with pytest.raises(integrity.Damaged, match=r"is damaged: array params/\S+ .*does not match"):
+    params_from.load(out, abstract)
+  lines.clear()
+  assert verify.report(out, lines.append) == 1 and lines[1].split()[2] == "damaged", lines
+  one_line_error(run_cli("nanotext.evaluate", f"output_dir={out}"),
+                 "does not match")

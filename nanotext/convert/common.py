@@ -51,8 +51,10 @@ def read_params(path: str, step: int, what: str, step_arg: str):
 
 
 def load_params(path: str):
-  """(step, params) of a params-only folder, on one local device."""
+  """(step, params) of a params-only folder, on one local device, checked against the checksums
+  written with it (a folder written before they existed is read unchecked)."""
   import orbax.checkpoint as ocp
+  from nanotext.integrity import record_of_params_only, verify
   where = os.path.join(path, "params")
   if not os.path.isdir(where):
     raise UserError(f"'{path}' holds no params/ folder (is it a params-only checkpoint?)")
@@ -68,7 +70,9 @@ def load_params(path: str):
                     f"{str(e).splitlines()[0][:200]}") from None
   finally:
     ckptr.close()
-  return params_only_step(path), params
+  step = params_only_step(path)
+  verify(params, record_of_params_only(path), path, prefix="params/")
+  return step, params
 
 
 def params_only_step(path: str) -> int:

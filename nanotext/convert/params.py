@@ -3,7 +3,8 @@
 Layout written (and read by `common.load_params`):
   <out>/config.yml     the source run's resolved config, unchanged
   <out>/params/        an orbax StandardCheckpointer folder holding the params tree only
-  <out>/convert.json   {"source": run dir, "step": N, "dtype": "float32" | "bfloat16" | "as saved"}
+  <out>/convert.json   {"source": run dir, "step": N, "dtype": "float32" | "bfloat16" | "as saved",
+                       "checksums": {"params/<name>": 16 hex digits} of the arrays written}
 """
 
 import json
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from nanotext.convert.common import load_run
+from nanotext.integrity import checksums
 from nanotext.outputs import check_out, staged_dir
 from nanotext.errors import UserError
 from nanotext.rundir import check_no_glob
@@ -46,6 +48,7 @@ def params_only(run: str, out: str, *, step: int = -1, dtype: str = "", force: b
       ckptr.close()
     with open(os.path.join(tmp, "convert.json"), "w") as f:
       json.dump({"source": os.path.abspath(run), "step": int(step),
-                 "dtype": dtype or "as saved"}, f, indent=2)
+                 "dtype": dtype or "as saved", "checksums": checksums({"params": params})},
+                f, indent=2)
   log(f"wrote {out_abs} (params of step {step} of {run}{f', as {dtype}' if dtype else ''})")
   return out_abs
