@@ -145,7 +145,8 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   execs, rows, damaged = None, [], []
   for at, path in todo:
     try:
-      source, params = params_from.load(path, abstract, what="output_dir")
+      source, params = params_from.load(path, abstract, what="output_dir",
+                                         step_arg="step=")
     except (Damaged, UserError) as e:
       if at is None:
         raise

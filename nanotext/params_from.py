@@ -19,7 +19,8 @@ from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_bloc
 def find_item(path: str, what: str = "checkpoint.load_params_from") -> tuple:
   """(item dir, whether it holds the whole train state) of a run dir, its checkpoints/ dir, a
   step dir (the newest step where there are several) or a params-only folder (convert); `what`
-  names the argument in errors."""
+  names the argument in errors. A newest step without its state/ folder is Damaged: reading
+  an older one instead would answer for another step than the one asked for."""
   check_no_glob(os.path.abspath(path), what)
   if not os.path.isdir(path):
     raise UserError(f"{what}='{path}' is not a directory")
@@ -30,29 +31,61 @@ def find_item(path: str, what: str = "checkpoint.load_params_from") -> tuple:
     return os.path.join(os.path.abspath(path), "params"), False
   root = root if os.path.isdir(root) else path
   steps = [int(n) for n in os.listdir(root) if is_step_name(n)
-           and os.path.isdir(os.path.join(root, n, "state"))]
+           and os.path.isdir(os.path.join(root, n))]
   if not steps:
     raise UserError(f"{what}='{path}' holds no complete checkpoint "
                     "(give a run directory, a checkpoint step directory or a params-only "
                     "folder)")
-  return os.path.join(os.path.abspath(root), str(max(steps)), "state"), True
+  step_dir = os.path.join(os.path.abspath(root), str(max(steps)))
+  if not os.path.isdir(os.path.join(step_dir, "state")):
+    raise Damaged(f"the checkpoint '{step_dir}' holds no state/ folder (incomplete or damaged)")
+  return os.path.join(step_dir, "state"), True
 
 
-def load(path: str, abstract_params, what: str = "checkpoint.load_params_from"):
+def load(path: str, abstract_params, what: str = "checkpoint.load_params_from",
+         step_arg: str = ""):
   """Only the parameters of a checkpoint, into `abstract_params`' shapes and shardings,
   checked against the checksums saved with them. A step that a run still training removes
   while it is read (a file of it or the step vanishes) is no error: the newest step by then is
-  read instead."""
+  read instead. A damaged newest step is refused, naming the older steps and how to read one
+  (`step_arg`, e.g. 'step=', else the step directory)."""
   for attempt in range(3):
-    item, whole_state = find_item(path, what)
-    files = step_files(os.path.dirname(item))
+    item = None
     try:
+      item, whole_state = find_item(path, what)
+      files = step_files(os.path.dirname(item))
       return os.path.dirname(item), _load_params(item, whole_state, abstract_params)
-    except Damaged:
-      if attempt == 2 or not (vanished(os.path.dirname(item), files) or
-                              find_item(path, what)[0] != item):  # a newer step by now
-        raise
+    except Damaged as e:
+      if item is not None and attempt < 2 and (vanished(os.path.dirname(item), files) or
+                                               _newest(path, what) != item):  # a newer step
+        continue
+      raise Damaged(f"{e}{_older(path, what, step_arg)}") from None
   raise AssertionError("unreachable")
+
+
+def _newest(path: str, what: str):
+  """find_item's item now; None where the newest step is damaged."""
+  try:
+    return find_item(path, what)[0]
+  except Damaged:
+    return None
+
+
+def _older(path: str, what: str, step_arg: str) -> str:
+  """'; the older step(s) [..]: read one with ...' for a run or checkpoints/ folder, else ''."""
+  root = os.path.join(path, "checkpoints")
+  root = root if os.path.isdir(root) else path
+  if os.path.isdir(os.path.join(path, "state")) or not os.path.isdir(root):
+    return ""  # a step directory given by name: its own step was asked for
+  steps = sorted(int(n) for n in os.listdir(root) if is_step_name(n)
+                 and os.path.isdir(os.path.join(root, n, "state")))
+  newest = max((int(n) for n in os.listdir(root) if is_step_name(n)), default=-1)
+  older = [s for s in steps if s < newest][-3:]
+  if not older:
+    return ""
+  how = f"{step_arg}{older[-1]}" if step_arg else \
+      f"{what}={os.path.join(os.path.abspath(root), str(older[-1]))}"
+  return f"; the older step(s) {older}: read one with {how}"
 
 
 def _load_params(item: str, whole_state: bool, abstract_params):

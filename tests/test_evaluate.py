@@ -8,8 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import one_line_error, run_cli
-from nanotext import evaluate, params_from
+from conftest import BASE, TINY, one_line_error, run_cli
+from nanotext import evaluate, params_from, wiring
 from nanotext.convert import params
 from nanotext.errors import UserError
 
@@ -87,10 +87,10 @@ def test_a_step_removed_while_it_is_read_is_left_out(tiny_run, tmp_path, monkeyp
   shutil.copytree(os.path.join(out, "checkpoints", "2"), os.path.join(out, "checkpoints", "1"))
   load = params_from.load
 
-  def rotated_away(path, abstract, what):  # as a run still training removes its oldest step
+  def rotated_away(path, abstract, what, **kw):  # as a run training removes its oldest step
     if path.endswith(os.sep + "1"):
       shutil.rmtree(path)
-    return load(path, abstract, what)
+    return load(path, abstract, what, **kw)
   monkeypatch.setattr(params_from, "load", rotated_away)
   lines = []
   rows = evaluate.evaluate(out, "all", log=lines.append)
@@ -117,6 +117,15 @@ def test_a_damaged_step_is_named_and_the_others_evaluated(tiny_run, tmp_path):
   assert "holds no state/ folder" in lines[-1]
   with pytest.raises(UserError, match="step 5 holds no state/ folder"):
     evaluate.evaluate(out, 5, log=lambda line: None)
+  # The newest step asked for (no step=): refused naming the older one, as generate and convert
+  # refuse it; it read step 2 and printed its loss as the run's.
+  with pytest.raises(UserError, match=r"/5' holds no state/ folder .*older step\(s\) \[2\]: "
+                                      r"read one with step=2$"):
+    evaluate.evaluate(out, log=lambda line: None)
+  abstract = wiring.prepare(BASE, TINY).abstract_state()["params"]
+  with pytest.raises(UserError, match=r"older step\(s\) \[2\]: read one with "
+                                      r"checkpoint.load_params_from=\S+/checkpoints/2$"):
+    params_from.load(out, abstract)
   os.remove(os.path.join(out, "checkpoints", "2", "state", "_METADATA"))
   with pytest.raises(UserError, match="state/_METADATA is missing or damaged"):
     evaluate.evaluate(out, 2, log=lambda line: None)
