@@ -97,6 +97,7 @@ def run_cli(main, argv=None) -> None:
   drop_storage_error_logs()
   try:
     main(sys.argv[1:] if argv is None else argv)
+    signals.exiting()  # only Python's shutdown (atexit callbacks) is left
   except UserError as e:
     fail(str(e))
   except ResourceError as e:

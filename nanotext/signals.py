@@ -42,6 +42,15 @@ def install() -> None:
   threading.Thread(target=_watch, args=(read,), name="nanotext-signals", daemon=True).start()
 
 
+def exiting() -> None:
+  """From here the process only shuts down, its work done: a signal ends it at once in one line
+  (it raised Terminated into an atexit callback such as jax's backend teardown, where Python
+  prints a traceback and exits 0)."""
+  if threading.current_thread() is threading.main_thread():
+    for signum in SIGNALS:
+      signal.signal(signum, lambda signum, frame: _stop(signum, "while exiting, its work done"))
+
+
 def _raise_terminated(signum, frame):
   del signum, frame
   raise Terminated()

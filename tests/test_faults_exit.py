@@ -111,6 +111,30 @@ def test_a_signal_in_python_code_unwinds_and_is_one_line(tmp_path, signum, messa
   assert err.strip().splitlines() == [f"nanotext: error: {message}"]
 
 
+# A tool that finished its work, signalled while Python shuts down (jax's atexit teardown of its
+# backends takes seconds): the signal arrives inside an atexit callback.
+LATE = """
+import atexit, os, signal, sys
+from nanotext import cli
+def main(args):
+  atexit.register(lambda: (os.kill(os.getpid(), int(sys.argv[1])), print("not reached")))
+  print("done")
+cli.run(main, "usage: tool", argv=["tool"])
+"""
+
+
+@pytest.mark.parametrize("signum", signals.SIGNALS)
+def test_a_signal_while_the_process_exits_is_one_line(signum):
+  """Terminated raised into the atexit callback: Python printed 'Exception ignored in atexit
+  callback' with its traceback, and the process exited 0 as if no signal had come."""
+  proc = subprocess.run([sys.executable, "-c", LATE, str(int(signum))], cwd=REPO, text=True,
+                        capture_output=True, timeout=PROCESS_TIMEOUT_S)
+  assert proc.returncode == 128 + signum and proc.stdout == "done\n", (proc.stdout, proc.stderr)
+  name = signal.Signals(signum).name
+  assert proc.stderr.splitlines() == [f"nanotext: error: stopped by {name} (while exiting, its "
+                                      "work done)"], proc.stderr
+
+
 @pytest.mark.parametrize("signum", signals.SIGNALS)  # every signal the tools honour
 def test_a_signal_while_the_main_thread_is_inside_a_call(tmp_path, signum):
   """Python would run the handler only once the call returned: the watching thread ends the
