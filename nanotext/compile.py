@@ -325,8 +325,8 @@ def precheck(args):
   """The flags, the target's name and the config, checked before jax loads."""
   from nanotext import config
   f = flags.FLAGS
-  if not args:
-    raise UserError(USAGE)
+  if not args or ("=" in args[0] and not os.path.isfile(args[0])):
+    raise UserError(f"no config file given; {USAGE}")
   if not f.topology:
     raise UserError(f"--topology is required; known: {', '.join(topology.known())}")
   if not 0 <= f.min_headroom < 1:

@@ -110,7 +110,7 @@ def verdict(recs, target_name, min_headroom) -> tuple:
     return True, (f"verdict: fits {target_name}: {len(recs)} program(s), largest {worst['name']} "
                   f"at {gib(worst['total_bytes_per_chip'])} of {gib(hbm)} per device "
                   f"({100 * (1 - worst['total_bytes_per_chip'] / hbm):.1f}% headroom, "
-                  f">= {100 * min_headroom:.0f}% asked)")
+                  f">= {100 * min_headroom:g}% asked)")
   bad = [r["name"] for r in recs if not r["fits"]]
   return False, (f"{', '.join(bad)}: needs up to {gib(worst['total_bytes_per_chip'])} per device "
-                 f"but {target_name} has {gib(hbm)} and {100 * min_headroom:.0f}% is kept free")
+                 f"but {target_name} has {gib(hbm)} and {100 * min_headroom:g}% is kept free")

@@ -19,19 +19,25 @@ _STARTED = time.perf_counter()  # the start-up line's clock: from the entry poin
 USAGE = ("usage: python -m nanotext.train CONFIG.yml [key=value ...] "
          "(or --config=CONFIG.yml [--set=key=value ...])")
 
-_CONFIG = flags.DEFINE_string("config", None, "Config YAML (instead of the first argument).")
+# Multi: a second --config is refused, not silently the one used.
+_CONFIG = flags.DEFINE_multi_string("config", [], "Config YAML (instead of the first argument).")
 _SET = flags.DEFINE_multi_string("set", [], "A key=value override; repeatable.")
 
 
 def parse_args(argv) -> tuple:
   """(config path, overrides) from positional arguments and the absl flags."""
-  args = list(argv)
-  path = _CONFIG.value
-  if path is None:
-    if not args or "=" in args[0]:
-      raise UserError(f"no config file given; {USAGE}")
-    path = args.pop(0)
-  return path, args + list(_SET.value)
+  args, given = list(argv), list(_CONFIG.value or [])
+  if len(given) > 1:
+    raise UserError(f"--config is given {len(given)} times ({', '.join(given)}): give one "
+                    "config file")
+  if given and args and (os.path.splitext(args[0])[1] in (".yml", ".yaml")
+                         or os.path.isfile(args[0])):
+    raise UserError(f"two config files: --config={given[0]} and '{args[0]}'; give one")
+  if given:
+    return given[0], args + list(_SET.value)
+  if not args or "=" in args[0]:
+    raise UserError(f"no config file given; {USAGE}")
+  return args.pop(0), args + list(_SET.value)
 
 
 def precheck(args) -> None:

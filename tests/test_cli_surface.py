@@ -149,3 +149,21 @@ def test_compile_flags_out_of_range_are_one_line_before_jax_loads(flag, want, tm
   lines = [l for l in proc.stderr.splitlines() if l.strip()]
   assert proc.returncode == 2 and len(lines) == 1, (proc.stdout, proc.stderr)
   assert lines[0].startswith("nanotext: error:") and want in lines[0], lines[0]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv,want", [
+    (["nanotext.train", "--config=configs/base.yml", "configs/shakespeare.yml"],
+     "two config files: --config=configs/base.yml and 'configs/shakespeare.yml'; give one"),
+    (["nanotext.train", "--config=configs/base.yml", "--config=configs/shakespeare.yml"],
+     "--config is given 2 times"),
+    (["nanotext.train", "train.steps=3"], "no config file given"),
+    (["nanotext.compile", "train.steps=3", "--topology=h100"], "no config file given")])
+def test_the_config_file_argument_is_one_and_named(argv, want, tmp_path):
+  """A second config file was 'not of the form key=value' (given positionally after --config)
+  or silently the one used (--config twice); compile without one said the file 'train.steps=3'
+  does not exist. Refused before jax loads."""
+  fake = tmp_path / "fake"
+  (fake / "jax").mkdir(parents=True)
+  (fake / "jax" / "__init__.py").write_text("raise SystemExit('jax was imported')\n")
+  one_line_error(run_cli(*argv, env={"PYTHONPATH": str(fake)}, timeout=120), want)

@@ -107,6 +107,8 @@ def test_verdict_names_the_largest_program_or_those_that_failed():
   ok, line = compile_report.verdict([rec("train", 15.0, False), rec("eval", 1.0, True)], "h100",
                                     0.1)
   assert not ok and line.startswith("train: needs up to 15.00 GiB per device but h100 has")
+  ok, line = compile_report.verdict([rec("train", 15.0, False)], "h100", 0.995)
+  assert line.endswith("and 99.5% is kept free")  # was '100%'
   ok, line = compile_report.verdict([{**rec("eval", 1.0, True), "error": "x"}], "h100", 0.1)
   assert not ok and line.startswith("eval failed to compile for h100")
   assert compile_report.gib(3 * 2**20) == "3.0 MiB" and compile_report.gib(2**30) == "1.00 GiB"
