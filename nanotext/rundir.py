@@ -84,6 +84,9 @@ def check_output_dir_path(out: str) -> str:
                     "choose a directory on disk")
   if os.path.exists(path) and not os.path.isdir(path):
     raise UserError(f"output_dir '{out}' exists and is not a directory")
+  if os.path.islink(path) and not os.path.exists(path):
+    raise UserError(f"output_dir '{out}' is a symbolic link to '{os.readlink(path)}', which "
+                    "does not exist: create that folder, or choose another output_dir")
   holder = run_holding(path) or run_holding(os.path.realpath(path))
   if holder:  # its checkpoint rotation would delete this run
     raise UserError(f"output_dir '{out}' lies inside the checkpoints/ of the run '{holder}'; "
@@ -101,7 +104,7 @@ def check_run(cfg, out: str) -> bool:
   from nanotext import config, config_file
   path = os.path.join(out, "config.yml")
   if not os.path.lexists(path):
-    return False
+    return _without_config(cfg, out)
   try:
     old = config_file.read(path)
   except UserError as e:
@@ -123,6 +126,20 @@ def check_run(cfg, out: str) -> bool:
                     f"train.steps={cfg.train.steps}: raise train.steps to continue that run, or "
                     "choose another output_dir")
   return False
+
+
+def _without_config(cfg, out: str) -> bool:
+  """check_run of a folder without config.yml: a run's rows or steps there are not appended to
+  or resumed blind (whose are they?); True to replace them under overwrite=true."""
+  metrics = os.path.join(out, "metrics.jsonl")
+  found = (["metrics.jsonl"] if os.path.isfile(metrics) and os.path.getsize(metrics) else []) + \
+      ([f"checkpoint steps {steps_on_disk(out)}"] if steps_on_disk(out) else [])
+  if found and not cfg.overwrite:
+    raise UserError(f"output_dir '{cfg.output_dir}' holds {' and '.join(found)} but no "
+                    "config.yml, so this run cannot tell whose they are; put that run's "
+                    "config.yml back to continue it, choose another output_dir, or pass "
+                    "overwrite=true to replace them")
+  return bool(found)
 
 
 def has_checkpoint(out: str) -> bool:

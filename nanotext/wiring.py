@@ -139,6 +139,10 @@ def check(cfg):
   watch.check_config(cfg.train)
   window_schedule.check_config(cfg.train)
   sharding.parse_rules(cfg.mesh.rules)  # its errors quote the rules as written (lists)
+  if cfg.data.eot_id >= cfg.model.vocab_size:  # inserted before documents, or never matched
+    raise UserError(f"data.eot_id={cfg.data.eot_id} is no token of the model "
+                    f"(model.vocab_size={cfg.model.vocab_size}): give an id below it, or -1 for "
+                    "the tokenizer's")
   return cfg
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, TINY
-from nanotext import checkpoint, config, lock, rundir, sharding, window_schedule
+from nanotext import checkpoint, config, lock, rundir, sharding, window_schedule, wiring
 from nanotext.data import binfile, fingerprint, pipeline
 from nanotext.errors import UserError
 
@@ -65,6 +65,8 @@ def a_step_of_a_run(d) -> str:
     (lambda d: (d / "f").write_text("") or str(d / "f"), "not a directory"),
     (lambda d: (d / "checkpoints").write_text("") or str(d), "checkpoints' exists and is not"),
     (lambda d: a_step_of_a_run(d) + "/nested", "inside the checkpoints/ of the run"),
+    (lambda d: os.symlink(d / "gone", d / "link") or str(d / "link"),  # was 'File exists'
+     "is a symbolic link to '.*gone', which does not exist"),
 ])
 def test_output_dirs_that_cannot_hold_a_run(tmp_path, make, needle):
   with pytest.raises(UserError, match=needle):
@@ -257,3 +259,29 @@ def test_check_run_tells_a_resume_from_another_run(tmp_path):
   with pytest.raises(UserError, match="config.yml' is damaged"):
     same()
   assert same("overwrite=true") is True
+
+
+def test_a_runs_files_without_its_config_yml_are_not_continued_blind(tmp_path):
+  """A metrics.jsonl (or checkpoint steps) in a folder without config.yml was appended to (or
+  resumed) as this run's; an empty metrics.jsonl is what a start killed early leaves."""
+  check = lambda *o: rundir.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", *o]),
+                                      str(tmp_path))
+  (tmp_path / "metrics.jsonl").write_text("")
+  assert check() is False
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+  with pytest.raises(UserError, match="holds metrics.jsonl but no config.yml.*overwrite=true"):
+    check()
+  (tmp_path / "metrics.jsonl").unlink()
+  (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+  with pytest.raises(UserError, match=r"holds checkpoint steps \[2\] but no config.yml"):
+    check()
+  assert check("overwrite=true") is True
+
+
+def test_an_eot_id_past_the_vocabulary_is_refused():
+  """It was accepted: the tables' lookup clamps an id past them (inserted before each document
+  of a packed text source), and attention.doc_mask never saw a document end."""
+  assert wiring.load(BASE, TINY + ["data.eot_id=511"]).data.eot_id == 511
+  with pytest.raises(UserError, match=r"data.eot_id=512 is no token of the model "
+                                      r"\(model.vocab_size=512\)"):
+    wiring.load(BASE, TINY + ["data.eot_id=512"])
