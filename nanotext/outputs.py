@@ -91,8 +91,8 @@ def check_out(out: str, *, force: bool, protect=(), folder: bool = True) -> None
     raise UserError(f"--out '{out}' lies in a kernel file system ({rundir.kernel_fs(out)}): "
                     "choose a path on disk")
   if folder and os.path.isfile(out):
-    raise UserError(f"--out '{out}' is a file; this conversion writes a directory: give a "
-                    "directory path")
+    raise UserError(f"--out '{out}' is a file, and a folder is written there: give a "
+                    "folder path")
   out = _check_target(out, force, protect)
   if not folder and os.path.isdir(out):
     raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
@@ -111,8 +111,8 @@ def staged_dir(out: str, *, force: bool, protect=()):
   A failure leaves `out` as it was: a partial conversion never stands where a good one stood.
   """
   if os.path.isfile(out):
-    raise UserError(f"--out '{out}' is a file; this conversion writes a directory: give a "
-                    "directory path")
+    raise UserError(f"--out '{out}' is a file, and a folder is written there: give a "
+                    "folder path")
   out = _check_target(out, force, protect)
   parent, name = os.path.split(out)
   _make_parent(out, parent)

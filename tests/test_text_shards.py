@@ -81,6 +81,10 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
     one_line_error(run_cli("nanotext.data.text_shards", *args, f"--out={out}",
                            "--tokenizer=shakespeare"), needle)
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+  out.write_text("x")  # it said 'this conversion writes a directory'
+  one_line_error(run_cli("nanotext.data.text_shards", *paths, f"--out={out}",
+                         "--tokenizer=shakespeare"), "is a file, and a folder is written there")
+  out.unlink()
   out.mkdir()
   (out / "keep").write_text("x")
   one_line_error(run_cli("nanotext.data.text_shards", *paths, f"--out={out}",
