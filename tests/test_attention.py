@@ -109,6 +109,16 @@ def test_splash_rejects_untileable_length():
     resolve_impl("splash", "cpu", seq_len=200)
 
 
+@pytest.mark.parametrize("impl,backend", [("splash", "gpu"), ("flash", "gpu"), ("flash_gpu", "tpu")])
+def test_a_kernel_for_the_other_accelerator_is_refused(impl, backend):
+  """compile --topology=h100 with attention.impl=splash said 'fits' for a program that runs the
+  kernel in Pallas's interpreter; on CPU the interpreter is the tests' path and stays."""
+  with pytest.raises(UserError, match=f"attention.impl={impl} is a .* kernel: on a "
+                                      f"{backend.upper()} it runs in Pallas's interpreter"):
+    resolve_impl(impl, backend, head_dim=128, seq_len=1024)
+  assert resolve_impl(impl, "cpu", head_dim=128, seq_len=1024) == impl
+
+
 def test_window_at_least_T_is_causal():
   q, k, v, g, _ = inputs(64)
   causal = forward_and_grads(kernel("xla"), q, k, v, g, scale=SCALE)

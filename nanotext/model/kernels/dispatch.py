@@ -59,6 +59,10 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
   if impl in ("cudnn", "cpu") and block_windows and window:
     raise UserError(f"attention.impl={impl} cannot express block-granular windows "
                     "(attention.block_windows=true); use attention.impl=blocked or auto")
+  if (impl, backend) in (("splash", "gpu"), ("flash", "gpu"), ("flash_gpu", "tpu")):
+    other = "TPU" if backend == "gpu" else "GPU"
+    raise UserError(f"attention.impl={impl} is a {other} kernel: on a {backend.upper()} it runs in "
+                    "Pallas's interpreter (a test mode, far slower); use attention.impl=auto")
   if impl == "cudnn":
     if backend != "gpu":
       raise UserError(f"attention.impl=cudnn needs an NVIDIA GPU with cuDNN, but the backend is "
