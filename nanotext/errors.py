@@ -96,8 +96,10 @@ def run_cli(main, argv=None) -> None:
   quiet_background_errors()
   drop_storage_error_logs()
   try:
-    main(sys.argv[1:] if argv is None else argv)
-    signals.exiting()  # only Python's shutdown (atexit callbacks) is left
+    try:
+      main(sys.argv[1:] if argv is None else argv)
+    finally:  # what is left (one line, or Python's shutdown after a return or sys.exit) only exits
+      signals.exiting()
   except UserError as e:
     fail(str(e))
   except ResourceError as e:

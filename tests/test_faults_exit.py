@@ -119,16 +119,19 @@ from nanotext import cli
 def main(args):
   atexit.register(lambda: (os.kill(os.getpid(), int(sys.argv[1])), print("not reached")))
   print("done")
+  if sys.argv[2] == "sys.exit":  # as verify ends
+    sys.exit(1)
 cli.run(main, "usage: tool", argv=["tool"])
 """
 
 
+@pytest.mark.parametrize("ending", ["return", "sys.exit"])
 @pytest.mark.parametrize("signum", signals.SIGNALS)
-def test_a_signal_while_the_process_exits_is_one_line(signum):
+def test_a_signal_while_the_process_exits_is_one_line(signum, ending):
   """Terminated raised into the atexit callback: Python printed 'Exception ignored in atexit
   callback' with its traceback, and the process exited 0 as if no signal had come."""
-  proc = subprocess.run([sys.executable, "-c", LATE, str(int(signum))], cwd=REPO, text=True,
-                        capture_output=True, timeout=PROCESS_TIMEOUT_S)
+  proc = subprocess.run([sys.executable, "-c", LATE, str(int(signum)), ending], cwd=REPO,
+                        text=True, capture_output=True, timeout=PROCESS_TIMEOUT_S)
   assert proc.returncode == 128 + signum and proc.stdout == "done\n", (proc.stdout, proc.stderr)
   name = signal.Signals(signum).name
   assert proc.stderr.splitlines() == [f"nanotext: error: stopped by {name} (while exiting, its "
