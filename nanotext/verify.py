@@ -124,14 +124,16 @@ def report(out: str, log=print) -> int:
 
 def params_only_report(out: str, log=print) -> int:
   """report() of a params-only folder: its one step, intact, unverified or damaged."""
-  from nanotext.convert.common import load_params
+  from nanotext.convert.common import load_params, params_only_step
   from nanotext.integrity import record_of_params_only
   log(f"a params-only folder: {out}")
+  step = "?"
   try:
+    step = params_only_step(out)
     step, params = load_params(out)  # checks the checksums written with it
     status, detail = _read(params, record_of_params_only(out))
   except UserError as e:  # unreadable, or not what was written (integrity.Damaged)
-    step, status, detail = "?", "damaged", str(e)
+    status, detail = "damaged", str(e)
   log(f"  step {step:>7}  {status:<10s}  {detail}")
   return 1 if status == "damaged" else 0
 
