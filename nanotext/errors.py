@@ -98,8 +98,10 @@ def run_cli(main, argv=None) -> None:
   try:
     try:
       main(sys.argv[1:] if argv is None else argv)
-    finally:  # what is left (one line, or Python's shutdown after a return or sys.exit) only exits
+    except SystemExit:  # as verify ends
       signals.exiting()
+      raise
+    signals.exiting()  # only Python's shutdown (atexit callbacks) is left
   except UserError as e:
     fail(str(e))
   except ResourceError as e:

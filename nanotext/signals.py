@@ -19,6 +19,7 @@ GRACE_S = 10.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _owner = None  # callable(signum), told in the watching thread; None: the grace period
 _pending = []  # signals waiting out the grace period
+_exiting = False  # set by exiting(): a signal stops the process at once
 
 
 class Terminated(BaseException):
@@ -43,12 +44,15 @@ def install() -> None:
 
 
 def exiting() -> None:
-  """From here the process only shuts down, its work done: a signal ends it at once in one line
-  (it raised Terminated into an atexit callback such as jax's backend teardown, where Python
-  prints a traceback and exits 0)."""
+  """From here the process only shuts down, its work done: a signal ends it at once in one line,
+  from the watching thread, whatever the main thread is in (Terminated raised into an atexit
+  callback such as jax's backend teardown printed a traceback and exited 0; Python 3.12 refused
+  the grace period's thread at shutdown with another)."""
+  global _exiting
   if threading.current_thread() is threading.main_thread():
-    for signum in SIGNALS:
-      signal.signal(signum, lambda signum, frame: _stop(signum, "while exiting, its work done"))
+    _exiting = True
+    for signum in SIGNALS:  # a handler that does nothing: the wakeup pipe still hears it
+      signal.signal(signum, lambda signum, frame: None)
 
 
 def _raise_terminated(signum, frame):
@@ -79,7 +83,9 @@ def _watch(fd: int) -> None:
     for signum in data:
       if signum not in SIGNALS:
         continue
-      if _owner is not None:
+      if _exiting:
+        _stop(signum, "while exiting, its work done")
+      elif _owner is not None:
         _owner(signum)
       elif _pending:  # a second signal while the first waits: stop now
         _stop(signum, "a second signal")

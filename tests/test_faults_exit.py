@@ -114,10 +114,11 @@ def test_a_signal_in_python_code_unwinds_and_is_one_line(tmp_path, signum, messa
 # A tool that finished its work, signalled while Python shuts down (jax's atexit teardown of its
 # backends takes seconds): the signal arrives inside an atexit callback.
 LATE = """
-import atexit, os, signal, sys
+import atexit, os, signal, sys, time
 from nanotext import cli
 def main(args):
-  atexit.register(lambda: (os.kill(os.getpid(), int(sys.argv[1])), print("not reached")))
+  atexit.register(lambda: (os.kill(os.getpid(), int(sys.argv[1])), time.sleep(60),
+                           print("not reached")))
   print("done")
   if sys.argv[2] == "sys.exit":  # as verify ends
     sys.exit(1)
