@@ -50,10 +50,15 @@ def _split_rows():
 
 
 def seed_keys(seeds):
-  """One PRNG key per seed, [B]: key i is jax.random.key(seeds[i]) (64-bit seeds too)."""
+  """One PRNG key per seed, [B]: key i is jax.random.key(seeds[i]), all 64 bits of it. Without
+  jax_enable_x64 jax.random.key keeps the low 32 (seeds 2**32 apart drew the same text); the
+  threefry key of a 64-bit seed is its two 32-bit halves, high first."""
   import jax
   import numpy as np
-  data = np.stack([np.asarray(jax.random.key_data(jax.random.key(s))) for s in seeds])
+  if jax.random.key_data(jax.random.key(0)).shape != (2,):  # another PRNG: as jax makes it
+    data = np.stack([np.asarray(jax.random.key_data(jax.random.key(s))) for s in seeds])
+  else:
+    data = np.array([[(s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF] for s in seeds], np.uint32)
   return jax.random.wrap_key_data(data)
 
 

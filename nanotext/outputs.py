@@ -42,6 +42,12 @@ def _check_target(out: str, force: bool, protect=()) -> str:
         if o.startswith(p + os.sep):
           raise UserError(f"--out '{out}' lies inside the input {name}, which would then no "
                           "longer read as it did; choose a path outside it")
+  for o in dict.fromkeys((out, where)):  # a run's own folder: replaced, the run loses it
+    parent = os.path.dirname(o)
+    if os.path.basename(o) in rundir.RUN_FILES and os.path.lexists(os.path.join(parent,
+                                                                                "config.yml")):
+      raise UserError(f"--out '{out}' is the {os.path.basename(o)} of the run '{parent}'; "
+                      "choose a path outside it")
   run = rundir.run_holding(out) or rundir.run_holding(where)
   if run:
     raise UserError(f"--out '{out}' lies inside the checkpoints/ of the run '{run}', which "

@@ -208,3 +208,15 @@ def test_samples_are_drawn_in_batches_that_fit(monkeypatch):
   cfg = wiring.prepare(BASE, slides).cfg
   monkeypatch.setattr(generate, "BATCH_BYTES", 3 * (row + 32 * 512 * 4))
   assert generate.batch_rows(graphdef, params, cfg, 4, 1000) == 3
+
+
+@pytest.mark.fast
+def test_seeds_2_to_the_32_apart_draw_different_keys():
+  """Without jax_enable_x64 jax.random.key keeps a seed's low 32 bits: seed 3 and 2**32 + 3
+  (and -1 and 2**32 - 1) sampled the same text under different labels."""
+  data = lambda seeds: np.asarray(jax.random.key_data(generate.seed_keys(seeds)))
+  small = [0, 3, 2**32 - 1]
+  np.testing.assert_array_equal(data(small), np.stack(
+      [jax.random.key_data(jax.random.key(s)) for s in small]))  # as before for 32-bit seeds
+  rows = data([3, 2**32 + 3, -1, 2**32 - 1, 2**63 - 1])
+  assert len({tuple(r) for r in rows}) == 5, rows

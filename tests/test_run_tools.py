@@ -275,3 +275,16 @@ def test_a_params_only_folder_is_checked_against_its_checksums(tiny_run, tmp_pat
   assert verify.report(out, lines.append) == 1 and lines[1].split()[1:3] == ["2", "damaged"], lines
   one_line_error(run_cli("nanotext.evaluate", f"output_dir={out}"),
                  "does not match")
+
+
+@pytest.mark.parametrize("name", ["checkpoints", "tb"])
+def test_force_never_replaces_a_folder_of_a_run(tiny_run, tmp_path, name):
+  """--out=RUN/checkpoints --force replaced every step of the run with the conversion (the
+  guard refused only paths inside checkpoints/)."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  os.makedirs(os.path.join(out, name), exist_ok=True)
+  before = sorted(os.listdir(os.path.join(out, name)))
+  with pytest.raises(UserError, match=f"is the {name} of the run"):
+    params.params_only(tiny_run[0], os.path.join(out, name), force=True, log=lambda line: None)
+  assert sorted(os.listdir(os.path.join(out, name))) == before
