@@ -64,16 +64,22 @@ def verify(tree, integrity, where: str, prefix: str = "") -> None:
 
 
 def verify_named(arrays: dict, integrity, where: str) -> None:
-  """verify() of {saved name: array}; names the checksums do not list are not checked."""
+  """verify() of {saved name: array}. With checksums saved, an array they do not list is
+  damaged too (a record edited or from another tree checked nothing and said intact)."""
   saved = (integrity or {}).get("checksums")
   if not saved or not arrays:  # a step written before checksums existed: nothing to compare
     return
+  unlisted = [k for k in arrays if k not in saved]
+  if unlisted:
+    more = f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""
+    raise Damaged(f"checkpoint '{where}' is damaged: array {unlisted[0]}{more} has no checksum "
+                  "saved with it")
   values = jax.device_get(_pairs([jnp.asarray(x) for x in arrays.values()]))
   got = {k: f"{int(v[0]):08x}{int(v[1]):08x}" for k, v in zip(arrays, values)}
-  bad = [k for k, v in got.items() if saved.get(k, v) != v]
+  bad = [k for k, v in got.items() if saved[k] != v]
   if bad:
-    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-    raise Damaged(f"checkpoint '{where}' is damaged: array {bad[0]}{more} does not match the "
+    more, verb = (f" and {len(bad) - 1} more", "do") if len(bad) > 1 else ("", "does")
+    raise Damaged(f"checkpoint '{where}' is damaged: array {bad[0]}{more} {verb} not match the "
                   "checksum saved with it")
 
 

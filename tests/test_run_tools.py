@@ -266,6 +266,12 @@ def test_a_params_only_folder_is_checked_against_its_checksums(tiny_run, tmp_pat
   assert integrity.checksums(common.load_params(old)[1]) == integrity.checksums(good)
   lines = []
   assert verify.report(old, lines.append) == 0 and lines[1].split()[2] == "unverified", lines
+  # A record that lists none of the arrays (a name edited) checked nothing and said 'intact'.
+  record["checksums"] = {"params/embed/embeddings": "0" * 16}
+  with open(os.path.join(old, "convert.json"), "w") as f:
+    json.dump(record, f)
+  lines.clear()
+  assert verify.report(old, lines.append) == 1 and "has no checksum saved with it" in lines[1]
   _swap_weights(out, good)
   with pytest.raises(integrity.Damaged, match=r"is damaged: array params/\S+ .*does not match"):
     common.load_params(out)
