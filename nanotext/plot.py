@@ -99,6 +99,7 @@ def plot(runs: list, out: str, title: str = "") -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey="row")
+  plain = lambda text: text.replace("$", r"\$")  # not mathtext: '$x^$' was a traceback
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   any_bpb = False
   for i, run in enumerate(runs):
@@ -115,11 +116,11 @@ def plot(runs: list, out: str, title: str = "") -> None:
         ax = axes[row][col]
         if run["train"]:
           ax.plot([x(s) for s, _ in run["train"]], [v * f for _, v in run["train"]],
-                  color=color, lw=1.2, alpha=0.8, label=f"{run['name']} train")
+                  color=color, lw=1.2, alpha=0.8, label=plain(f"{run['name']} train"))
         if run["val"]:
           ys = [(b if row and b else v * f) for _, v, b in run["val"]]
           ax.plot([x(s) for s, _, _ in run["val"]], ys, color=color, ls="--", marker="o",
-                  ms=5, label=f"{run['name']} val")
+                  ms=5, label=plain(f"{run['name']} val"))
           ax.annotate(f"{ys[-1]:.3f}", (x(run["val"][-1][0]), ys[-1]), textcoords="offset points",
                       xytext=(4, 6), fontsize=8, color=color)
   axes[0][0].set_ylabel("loss (nats/token)")
@@ -143,7 +144,7 @@ def plot(runs: list, out: str, title: str = "") -> None:
   handles, labels = axes[0][0].get_legend_handles_labels()
   if handles:
     axes[0][0].legend(handles, labels, fontsize=8)
-  fig.suptitle(title or "  vs  ".join(r["name"] for r in runs), fontsize=11)
+  fig.suptitle(plain(title or "  vs  ".join(r["name"] for r in runs)), fontsize=11)
   if any_bpb:  # say how the train curve got into bits per byte
     fig.text(0.5, 0.005, "train bits per byte = train loss / ln 2 / the validation text's bytes "
              "per token", ha="center", fontsize=8, color="gray")

@@ -89,3 +89,13 @@ def test_odd_numbers_are_drawn_or_named_never_a_traceback(tmp_path):
   metrics.write_bytes(b'garbage\n\x00\xff\n{"ste')
   one_line_error(run_cli("nanotext.plot", str(run), f"--out={tmp_path / 'y.png'}"),
                  "no line of the metrics.jsonl")
+
+
+@pytest.mark.plots
+def test_dollars_in_a_title_or_run_name_are_text(tmp_path):
+  """matplotlib read '$...$' as math: a title or a run folder named 'cost $x^$' was a
+  ValueError traceback, exit 1."""
+  run = fake_run(tmp_path / "pr$^$")
+  out = tmp_path / "o.png"
+  proc = run_cli("nanotext.plot", run, f"--out={out}", "--title=cost $\\frac$ and $x^$")
+  assert proc.returncode == 0 and out.exists(), proc.stderr
