@@ -22,7 +22,7 @@ from etils import epath
 from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.integrity import Damaged, checksums, verify
 from nanotext import probes
-from nanotext.rundir import check_no_glob, step_files, steps_on_disk, vanished
+from nanotext.rundir import check_no_glob, older_steps, step_files, steps_on_disk, vanished
 
 
 def _not_news(record) -> bool:
@@ -318,11 +318,7 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
                         "steps)") from None
       on_disk = steps_on_disk(output_dir)
       if step >= 0 or attempt == 2 or not (gone or max(on_disk, default=at) > at):
-        older = [s for s in on_disk if s < at][-3:]
-        if older:
-          raise Damaged(f"{e}; the older step(s) {older}: read one with "
-                        f"{step_arg.rstrip('=')}={older[-1]}") from None
-        raise
+        raise Damaged(f"{e}{older_steps(on_disk, at, step_arg.rstrip('=') + '=')}") from None
   raise AssertionError("unreachable")
 
 

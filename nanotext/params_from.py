@@ -11,7 +11,7 @@ from nanotext.checkpoint import error_head
 from nanotext.errors import UserError
 from nanotext.integrity import (Damaged, name_of, record_beside, record_of_params_only,
                                 verify_named)
-from nanotext.rundir import check_no_glob, is_step_name, step_files, vanished
+from nanotext.rundir import check_no_glob, is_step_name, older_steps, step_files, vanished
 from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
 
 
@@ -72,20 +72,16 @@ def _newest(path: str, what: str):
 
 
 def _older(path: str, what: str, step_arg: str) -> str:
-  """'; the older step(s) [..]: read one with ...' for a run or checkpoints/ folder, else ''."""
+  """rundir.older_steps for a run or checkpoints/ folder (readable steps, those with state/);
+  '' for a step directory given by name: its own step was asked for."""
   root = os.path.join(path, "checkpoints")
   root = root if os.path.isdir(root) else path
   if os.path.isdir(os.path.join(path, "state")) or not os.path.isdir(root):
-    return ""  # a step directory given by name: its own step was asked for
-  steps = sorted(int(n) for n in os.listdir(root) if is_step_name(n)
-                 and os.path.isdir(os.path.join(root, n, "state")))
-  newest = max((int(n) for n in os.listdir(root) if is_step_name(n)), default=-1)
-  older = [s for s in steps if s < newest][-3:]
-  if not older:
     return ""
-  how = f"{step_arg}{older[-1]}" if step_arg else \
-      f"{what}={os.path.join(os.path.abspath(root), str(older[-1]))}"
-  return f"; the older step(s) {older}: read one with {how}"
+  names = [n for n in os.listdir(root) if is_step_name(n)]
+  readable = [int(n) for n in names if os.path.isdir(os.path.join(root, n, "state"))]
+  arg = step_arg or f"{what}={os.path.abspath(root)}{os.sep}"
+  return older_steps(readable, max(map(int, names), default=-1), arg)
 
 
 def _load_params(item: str, whole_state: bool, abstract_params):

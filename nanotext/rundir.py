@@ -154,6 +154,13 @@ def steps_on_disk(out: str) -> list:
     return []
 
 
+def older_steps(steps, newest: int, arg: str) -> str:
+  """'; the older step(s) [..]: read one with ARG<step>' for a damaged step `newest`, naming the
+  last three of `steps` below it ('' where there is none): the tools' one advice."""
+  older = sorted(s for s in steps if s < newest)[-3:]
+  return f"; the older step(s) {older}: read one with {arg}{older[-1]}" if older else ""
+
+
 def step_files(step_dir: str) -> frozenset:
   """Every file under a checkpoint step directory, as relative paths (empty once it is gone)."""
   return frozenset(os.path.relpath(os.path.join(d, f), step_dir)
