@@ -2,7 +2,7 @@
 
 A step directory holds four items: `state` (params, optimizer state, step: sharded arrays, each
 process writes its shards), `data` (one JSON file per process, `process_<i>-of-<n>.json`, with
-that process's grain iterator state, because each process reads a different stride of the data),
+that process's data position, because each process reads a different stride of the data),
 `config` (the resolved config, written by process 0) and `integrity` (a checksum of every array
 and the training data's fingerprint). Orbax writes a step into a temporary directory and renames
 it when every item is complete, so a killed save leaves no step behind; the checksums catch what

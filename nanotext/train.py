@@ -4,6 +4,7 @@ Thin on purpose: config -> mesh -> state -> data -> loop. Overrides can also be 
 flags: `--config=CONFIG --set=train.steps=50 --set=model.num_layers=2`.
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -98,6 +99,7 @@ def run(path: str, overrides, log=print, started: float | None = None):
   # Signals: before the first step they stop the run at once (output_dir put back); from then
   # on they only set a flag, and the loop saves and stops (the final save included).
   with Preemption(cfg.train.log_every, on_early_stop=session.stop_early) as preemption, \
+      contextlib.closing(train_iter), \
       session.open(preemption, state_bytes(run_)), \
       checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep,
                               async_save=cfg.checkpoint["async"], fingerprint=data_fingerprint,

@@ -98,7 +98,7 @@ class Run:
                 vocab_size=self.cfg.model.embed_rows or self.cfg.model.vocab_size)
 
   def train_iter(self):
-    """The checkpointable grain iterator of this process's training rows."""
+    """The checkpointable iterator of this process's training rows (pipeline.TrainIter)."""
     check_vocab(self.cfg)
     return pipeline.make_train_iter(self.cfg.data, seed=self.cfg.seed, **self.data_kwargs())
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import one_line_error, run_cli
-from nanotext.data import binfile, prepare
+from nanotext.data import binfile, pipeline, prepare
 from nanotext.data.corpus import load_corpus
 from nanotext.data.pipeline import check_config, make_train_iter, make_val_batches
 from nanotext.data.prepare import VAL_WORKS, prepare_shakespeare
@@ -402,15 +402,52 @@ def test_synthetic():
   assert len(val) == 2 and not np.array_equal(val[0]["inputs"], a[0]["inputs"])
 
 
-def test_worker_processes_match_in_process(arange_bins):
-  expected = take(make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=9), 6)
-  arange_bins.workers = 1  # One worker: each spawn costs about a second.
-  it = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=9)
-  assert_same(take(it, 3), expected[:3])
-  state = it.get_state()
-  fresh = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=9)
-  fresh.set_state(state)
-  assert_same(take(fresh, 3), expected[3:])
+def test_the_data_position_resumes_under_another_worker_count(arange_bins):
+  """data.workers is resume-ok: grain's own state differs per worker count (0 -> 2 was a
+  KeyError, 2 -> 0 too), so the saved state is the position, read back by any count."""
+  expected = take(make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=9), 9)
+  arange_bins.workers = 2
+  two = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=9)
+  assert_same(take(two, 3), expected[:3])
+  assert two.get_state() == {"batches": 3}
+  # grain's own state of a worker pipeline (checkpoints written before) reads as its position.
+  assert pipeline.position(two._it.get_state()) == 3
+  two.close()
+  arange_bins.workers = 0
+  none = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=9)
+  none.set_state(json.loads(json.dumps(two.get_state())))
+  assert_same(take(none, 3), expected[3:6])
+  arange_bins.workers = 1
+  one = make_train_iter(arange_bins, seq_len=8, batch_size=4, seed=9)
+  one.set_state(none.get_state())
+  assert_same(take(one, 3), expected[6:9])
+  one.close()
+  assert pipeline.position({"next_index": 4}) == 4  # grain's in-process state
+  for bad in ({}, {"batches": -1}, {"batches": "3"}, [3], {"iterators_in_use_states": [{}]}):
+    with pytest.raises(UserError, match="not one nanotext reads"):
+      pipeline.position(bad)
+
+
+def test_worker_processes_end_with_the_training_process(arange_bins, tmp_path):
+  """A run's exits (os._exit after an error or a signal, a kill) skip grain's cleanup: its
+  workers lived on with the caller's pipes open, so `train ... | tail` never returned."""
+  script = tmp_path / "orphan.py"
+  script.write_text(
+      "import os, sys, threading, time, ml_collections\n"
+      "from nanotext.data.pipeline import make_train_iter\n"
+      "if __name__ == '__main__':\n"
+      f"  cfg = ml_collections.ConfigDict({arange_bins.to_dict()!r})\n"
+      "  cfg.workers = 2\n"
+      "  it = make_train_iter(cfg, seq_len=8, batch_size=4, seed=1)\n"
+      "  threading.Thread(target=next, args=(it,), daemon=True).start()\n"
+      "  time.sleep(0.5)  # the workers are starting (or have started: either way)\n"
+      "  print('exit', flush=True)\n"
+      "  os._exit(3)\n")
+  # communicate() returns once every holder of the pipes has closed them: the workers included.
+  done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                        timeout=300, cwd=REPO)
+  assert done.returncode == 3 and done.stdout == "exit\n", done.stderr[-2000:]
+  assert done.stderr == ""  # multiprocessing's tracker frees the shared memory without a word
 
 
 def test_shard_windows_never_cross_a_shard(tmp_path):

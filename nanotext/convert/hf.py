@@ -6,7 +6,6 @@ are; only the merged c_attn [d, 3d] splits into q | k | v (head-major within eac
 
 import json
 import os
-import dataclasses
 
 import numpy as np
 
@@ -205,7 +204,7 @@ def write_run(run, flat: dict, hf: str, out: str, *, force: bool = False, log=pr
   cfg = run.cfg
   params = fill(run.abstract_state()["params"], stacked(cfg, flat), "the Hugging Face checkpoint")
   state = run.state_from_params(params)
-  data_state = {"iterator": _fresh_iterator_state(cfg)}
+  data_state = {"iterator": {"batches": 0}}  # a new run's data position
   with staged_dir(out_abs, force=force, protect=(hf,)) as tmp:
     config.save(cfg, os.path.join(tmp, "config.yml"))
     manager = checkpoint.make_manager(tmp, keep=cfg.checkpoint.keep)
@@ -217,22 +216,6 @@ def write_run(run, flat: dict, hf: str, out: str, *, force: bool = False, log=pr
   log(f"wrote {out_abs}: {run.num_params:,} parameters at step 0; train on with "
       f"python -m nanotext.train {os.path.join(out_abs, 'config.yml')} output_dir={out_abs}")
   return out_abs
-
-
-def _fresh_iterator_state(cfg) -> dict:
-  """The data-iterator state a new run starts from (train.py restores it with the params).
-
-  The state of an unread grain pipeline holds indices only, so when the run's data is not on
-  this machine the same pipeline over synthetic tokens gives the identical state.
-  """
-  from nanotext.data import pipeline
-  kw = dict(seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, seed=cfg.seed,
-            vocab_size=cfg.model.vocab_size)
-  try:
-    return pipeline.make_train_iter(cfg.data, **kw).get_state()
-  except (UserError, OSError):
-    data = dataclasses.replace(cfg.data, source="synthetic", workers=0)
-    return pipeline.make_train_iter(data, **kw).get_state()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,11 @@
 """grain input pipelines: a checkpointable training iterator and fixed validation batches."""
 
+import functools
+import os
+import sys
+import threading
+import time
+
 import grain
 import numpy as np
 from absl import flags
@@ -37,7 +43,7 @@ def _split_batch(batch: np.ndarray) -> dict:
 
 def make_train_iter(data_cfg, *, seq_len: int, batch_size: int, seed: int,
                     process_index: int = 0, process_count: int = 1,
-                    vocab_size: int = DEFAULT_VOCAB) -> grain.DatasetIterator:
+                    vocab_size: int = DEFAULT_VOCAB) -> "TrainIter":
   """Endless, checkpointable iterator of this process's batches of batch_size.
 
   Shuffled per epoch, or with data.shuffle=false in shard order, whole global batches per shard
@@ -57,12 +63,98 @@ def make_train_iter(data_cfg, *, seq_len: int, batch_size: int, seed: int,
   # Every process sees the same global order and keeps its own stride of it: disjoint data.
   ds = ds[process_index::process_count]
   ds = ds.batch(batch_size, drop_remainder=True).map(_split_batch)
-  it_ds = ds.to_iter_dataset(READ_OPTIONS)
-  if data_cfg.workers > 0:
-    if not flags.FLAGS.is_parsed():  # grain workers read absl flags; library callers never parse.
-      flags.FLAGS.mark_as_parsed()
-    it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.workers))
-  return iter(it_ds)
+  if data_cfg.workers > 0 and not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()  # grain workers read absl flags; library callers never parse.
+  return TrainIter(ds, data_cfg.workers)
+
+
+class TrainIter:
+  """This process's batches, read from a position on; the position (batches read) is its whole
+  state, so a checkpoint resumes under any data.workers (grain's own state differs per count)."""
+
+  def __init__(self, batches: grain.MapDataset, workers: int):
+    self._batches, self._workers = batches, workers
+    self.position, self._it = 0, None
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    if self._it is None:
+      ds = self._batches[self.position:].to_iter_dataset(READ_OPTIONS)
+      if self._workers:
+        _start_quiet_tracker()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self._workers),
+                            worker_init_fn=functools.partial(_end_with_parent, os.getpid()))
+      self._it = iter(ds)
+    batch = next(self._it)
+    self.position += 1
+    return batch
+
+  def get_state(self) -> dict:
+    return {"batches": self.position}
+
+  def set_state(self, state: dict) -> None:
+    self.close()
+    self.position = position(state)
+
+  def close(self) -> None:
+    """Stop the worker processes (a new read starts them again)."""
+    it, self._it = self._it, None
+    if it is not None and hasattr(it, "close"):
+      it.close()
+
+
+def position(state) -> int:
+  """Batches read, from a saved data state: TrainIter's, or grain's in checkpoints written before
+  it ({'next_index': n} in process; with workers, an interleave of each worker's own)."""
+  n = None
+  if isinstance(state, dict):
+    if "batches" in state:
+      n = state["batches"]
+    elif "next_index" in state:
+      n = state["next_index"]
+    elif isinstance(state.get("iterators_in_use_states"), list):
+      counts = [s.get("next_index") if isinstance(s, dict) else None
+                for s in state["iterators_in_use_states"]]
+      n = sum(counts) if all(isinstance(c, int) for c in counts) else None
+  if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+    return n
+  raise UserError(f"the saved data position {str(state)[:200]} is not one nanotext reads: start "
+                  "a new output_dir with checkpoint.load_params_from=<this run>")
+
+
+def _start_quiet_tracker() -> None:
+  """Start multiprocessing's resource tracker with its stdout and stderr on /dev/null: after a
+  run's os._exit it frees the workers' shared memory itself, and said so in warnings on
+  the terminal below the run's one line."""
+  from multiprocessing import resource_tracker
+  sys.stdout.flush()
+  sys.stderr.flush()
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  saved = [os.dup(1), os.dup(2)]
+  try:
+    for fd in (1, 2):
+      os.dup2(devnull, fd)
+    resource_tracker.ensure_running()
+  finally:
+    for fd, old in zip((1, 2), saved):
+      os.dup2(old, fd)
+      os.close(old)
+    os.close(devnull)
+
+
+def _end_with_parent(parent: int, worker_index: int, worker_count: int) -> None:
+  """In each grain worker: exit once the training process (pid `parent`, given by it: it may be
+  gone before a worker starts) is gone. Its exits (os._exit, a kill) skip the cleanup that stops
+  workers, and an orphan keeps the caller's pipes open (`train ... | tail` never returned)."""
+  del worker_index, worker_count
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(0.2)
+    os._exit(0)
+  threading.Thread(target=watch, daemon=True, name="nanotext-parent-watch").start()
 
 
 def make_val_batches(data_cfg, *, seq_len: int, batch_size: int, num_batches: int,
