@@ -75,10 +75,10 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     losses = [eval_execs(stage, params, b) for b in val_batches]
     return float(np.mean(jax.device_get(losses)))
 
+  start_row = None
   if at_start:  # the record validates the initial weights too (outside its timed steps)
-    row = metrics.val_row(evaluate(state["params"], 0), bytes_per_token)
-    writer.write(0, row)
-    log(f"step {0:>6d} | {metrics.val_text(row)}")
+    start_row = metrics.val_row(evaluate(state["params"], 0), bytes_per_token)
+    log(f"step {0:>6d} | {metrics.val_text(start_row)}")
   mon = Monitor(run, writer, log, counter, start_step=start_step, skipped=skipped_steps,
                 windows_of=lambda step: step_windows(cfg, step))
   profiler = Profiler(cfg, log)
@@ -99,6 +99,8 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     stack.callback(profiler.stop)  # a trace in progress is written even if the loop fails
     counter.active = True
     preemption.begin_training()  # a signal from here on saves and stops; before, it just stops
+    if start_row is not None:  # written once training began: a stop before it changes nothing
+      writer.write(0, start_row)
     for step in range(start_step, t_cfg.steps):
       done = step + 1
       with profiler.step(step):

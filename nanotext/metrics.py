@@ -11,7 +11,7 @@ import sys
 import time
 import types
 
-from nanotext.fileio import append_whole
+from nanotext.fileio import append_whole, atomic_write
 from nanotext.errors import os_error
 
 # Dense bf16 peak FLOP/s per device, from vendor spec sheets; MFU is quoted against these.
@@ -97,9 +97,13 @@ class Writer:
   disk that fills up or a file-size limit mid-run is one line (exit 1), no half line left, and
   the checkpoints intact."""
 
-  def __init__(self, output_dir: str, *, tensorboard: bool, enabled: bool = True):
+  def __init__(self, output_dir: str, *, tensorboard: bool, enabled: bool = True,
+               resumed_at: int | None = None):
+    """`resumed_at`: the step the run starts from; the first write drops the rows of steps
+    after it (a killed run's steps past its newest checkpoint, trained again now)."""
     self.enabled = enabled
     self._jsonl = self._tb = None
+    self._resumed_at = resumed_at
     if not enabled:
       return
     os.makedirs(output_dir, exist_ok=True)
@@ -110,16 +114,44 @@ class Writer:
   def write(self, step: int, values: dict) -> None:
     if not self.enabled:
       return
+    if self._resumed_at is not None:
+      self._drop_rows_after(self._resumed_at)
+      self._resumed_at = None
     row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
     self._jsonl.append((json.dumps(row) + "\n").encode())
     if self._tb is not None:
       self._tb.scalars(int(step), {k: v for k, v in row.items()
                                    if k != "step" and isinstance(v, (int, float))})
 
+  def _drop_rows_after(self, step: int) -> None:
+    """Rewrite metrics.jsonl (atomically) without rows of steps after `step`; from step 0,
+    without any (the run writes them all again)."""
+    path = self._jsonl.path
+    try:
+      with open(path, "rb") as f:
+        lines = f.readlines()
+      keep = [line for line in lines if not _after(line, step)]
+      if len(keep) < len(lines):
+        atomic_write(path, keep)
+        self._jsonl.close()
+        self._jsonl = _Appender(path)
+    except OSError as e:
+      raise os_error(e, f"cannot rewrite '{path}'") from None
+
   def close(self) -> None:
     for f in (self._jsonl, self._tb):
       if f is not None:
         f.close()
+
+
+def _after(line: bytes, step: int) -> bool:
+  """Whether a metrics.jsonl row is of a step after `step` (any step, from 0); a line that is
+  not a row is kept."""
+  try:
+    at = json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError):
+    return False
+  return isinstance(at, (int, float)) and (at > step or step == 0)
 
 
 class _Appender:

@@ -165,7 +165,8 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
   is_main = jax.process_index() == 0
   if is_main:
     config.save(cfg, os.path.join(cfg.output_dir, "config.yml"))
-  writer = metrics.Writer(cfg.output_dir, tensorboard=cfg.metrics.tensorboard, enabled=is_main)
+  writer = metrics.Writer(cfg.output_dir, tensorboard=cfg.metrics.tensorboard, enabled=is_main,
+                          resumed_at=start.step)
   clock.lap("output_dir")
   val = [trainer.global_batch(run_, b) for b in val_local]
   try:

@@ -72,10 +72,18 @@ def assert_kept(before: dict, out: str, steps) -> None:
   assert kept and {k: now.get(k) for k in kept} == kept
 
 
+def row_kinds(out) -> list:
+  """(step, which metrics) of each metrics.jsonl row, in file order."""
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    return [(r["step"], "val_loss" in r) for r in map(json.loads, f)]
+
+
 def assert_same_as(reference, out) -> None:
   ref_out, ref_losses, ref_params = reference
   got = losses(out)
   assert {s: got[s] for s in ref_losses} == ref_losses  # bitwise: == on floats
+  # Each step's rows once, in order: a resume drops the rows of steps past its checkpoint.
+  assert row_kinds(out) == row_kinds(ref_out)
   step, p = params(out)
   assert step == 6 and all(np.array_equal(a, b) for a, b in zip(p, ref_params, strict=True))
 

@@ -65,6 +65,33 @@ def test_writer_appends_across_instances(tmp_path):
   assert read_jsonl(tmp_path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}]
 
 
+def test_a_resumed_writer_drops_the_rows_past_its_step(tmp_path):
+  """A run killed past its newest checkpoint wrote rows it trains again on resume: they were
+  kept, so steps came twice (and a resume with a lower train.steps left rows past it)."""
+  w = metrics.Writer(str(tmp_path), tensorboard=False)
+  for step in (1, 2, 3, 4, 4, 5):
+    w.write(step, {"loss": float(step)})
+  w.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write("not a row\n")  # kept: only rows of later steps go
+  w = metrics.Writer(str(tmp_path), tensorboard=False, resumed_at=3)
+  assert len(read_lines(tmp_path)) == 7  # nothing changes before the run writes
+  w.write(4, {"loss": 40.0})
+  w.write(5, {"loss": 50.0})
+  w.close()
+  assert read_lines(tmp_path) == ['{"step": 1, "loss": 1.0}', '{"step": 2, "loss": 2.0}',
+                                  '{"step": 3, "loss": 3.0}', "not a row",
+                                  '{"step": 4, "loss": 40.0}', '{"step": 5, "loss": 50.0}']
+  w = metrics.Writer(str(tmp_path), tensorboard=False, resumed_at=0)  # a start from scratch
+  w.write(0, {"val_loss": 9.0})
+  w.close()
+  assert read_lines(tmp_path) == ["not a row", '{"step": 0, "val_loss": 9.0}']
+
+
+def read_lines(folder) -> list:
+  return (folder / "metrics.jsonl").read_text().splitlines()
+
+
 def test_disabled_writer_writes_nothing(tmp_path):
   """A writer on a process other than 0 creates no directory and no file."""
   out = tmp_path / "run"
