@@ -1,5 +1,6 @@
 """What watches the training loop: compilations, metrics read late, signals, the profiler."""
 
+import collections
 import contextlib
 import os
 import signal
@@ -210,6 +211,9 @@ class Preemption:
     return self.received is not None
 
 
+RATE_STEPS = 10  # tokens/s and MFU are over the last max(this, train.log_every) steps
+
+
 class Monitor:
   """Reads finished steps' metrics late, checks them finite, counts skips, writes log rows."""
 
@@ -220,8 +224,12 @@ class Monitor:
     self.tokens_per_step = t_cfg.batch_size * t_cfg.seq_len
     self._flops = {}  # (per-layer windows, row length) -> FLOPs per step (schedules change them)
     self.peak = cfg.metrics.peak_flops * run.mesh.devices.size  # the run's devices, not all
-    self.clock = [start_step, time.perf_counter()]  # last reported step and when it was read
-    self.start = tuple(self.clock)  # for the ETA: the loop's own pace, evals and saves included
+    # (step, when it was read) of the rows in the rate's window: steps are read in bursts
+    # (a pause of the host lets the device run ahead), so a rate over one step could be 3x high
+    self.reads = collections.deque([(start_step, time.perf_counter())])
+    self.start = self.reads[0]  # for the ETA: the loop's own pace, evals and saves included
+    self.rate_steps = max(RATE_STEPS, t_cfg.log_every)
+    self.said_peak = False
     self.unverified = []  # [(step, device metrics)] not yet read back
     self.skipped, self.last_loss, self.verified = skipped, float("nan"), start_step
 
@@ -269,11 +277,17 @@ class Monitor:
 
   def _row(self, step: int, loss: float, grad_norm: float) -> None:
     now = time.perf_counter()
-    steps, dt = step - self.clock[0], now - self.clock[1]
-    self.clock[:] = [step, now]
+    self.reads.append((step, now))
+    while len(self.reads) > 2 and step - self.reads[1][0] >= self.rate_steps:
+      self.reads.popleft()
+    steps, dt = step - self.reads[0][0], now - self.reads[0][1]
     tok_s = steps * self.tokens_per_step / dt if dt > 0 else 0.0
     flops = self.flops_per_step(step)
     mfu = tok_s / self.tokens_per_step * flops / self.peak if self.peak else 0.0
+    if mfu > 1 and not self.said_peak:
+      self.said_peak = True
+      self.log(f"mfu above 100%: these devices beat metrics.peak_flops "
+               f"({self.peak / self.run.mesh.devices.size:.3g} FLOP/s each); set it to theirs")
     cfg = self.run.cfg
     lr = optim.current_lr(cfg.optim, cfg.train.steps, step - 1)
     row = {"loss": loss, "lr": lr, "tokens_per_sec": tok_s, "mfu": mfu, "grad_norm": grad_norm,
@@ -285,5 +299,5 @@ class Monitor:
     self.writer.write(step, row)
     skips = f" | {self.skipped} skipped" if self.skipped else ""
     self.log(f"step {step:>6d}/{cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | "
-             f"{tok_s:,.0f} tok/s | mfu {100 * mfu:.1f}% | eta "
+             f"{tok_s:,.0f} tok/s | mfu {f'{100 * mfu:.1f}%' if mfu <= 1 else '>100%'} | eta "
              f"{metrics.duration(row['eta_sec'])}{skips}")

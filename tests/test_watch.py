@@ -160,17 +160,42 @@ def test_monitor_row_values(monkeypatch):
                      "skipped_steps", "eta_sec"}  # no attn_window without a schedule
   assert r1["loss"] == 5.0 and r1["grad_norm"] == 0.75 and r4["grad_norm"] == 0.25
   assert r1["compiles"] == 3 and r1["skipped_steps"] == 0
+  # Rates since the start while fewer than watch.RATE_STEPS steps are read.
   assert [r["tokens_per_sec"] for r in (r1, r2, r4)] == pytest.approx(
-      [tokens / 0.5, tokens, tokens / 2])
+      [tokens / 0.5, 2 * tokens / 1.5, 4 * tokens / 5.5])
   assert r1["lr"] == optim.current_lr(cfg.optim, 6, 0)
   assert r2["lr"] == optim.current_lr(cfg.optim, 6, 1) > r1["lr"]  # still warming up
   assert r4["lr"] == optim.current_lr(cfg.optim, 6, 3)
   peak = cfg.metrics.peak_flops * 8  # the run's 8 devices
   flops = metrics.flops_per_token(cfg.model, 32) * tokens
   assert [r["mfu"] for r in (r1, r2, r4)] == pytest.approx(
-      [2 * flops / peak, flops / peak, flops / peak / 2])
+      [2 * flops / peak, 4 / 3 * flops / peak, 8 / 11 * flops / peak])
   assert lines[1].startswith("step      2/6 | loss 4.0000 | lr ")
-  assert "256 tok/s" in lines[1] and "skipped" not in lines[1]
+  assert "341 tok/s" in lines[1] and "skipped" not in lines[1]
+
+
+def test_monitor_rates_span_steps_not_one_burst(monkeypatch):
+  """log_every=1 rated each step alone: steps read back in a burst (the device ran ahead
+  while the host paused) gave one row 1,482,528 tok/s and mfu 481%. Rates span the last
+  watch.RATE_STEPS steps; an mfu over 100% is a peak set too low, and the log says so once."""
+  clock = Clock()
+  monkeypatch.setattr(watch, "time", clock)
+  mon, rows, lines = monitor("train.steps=30", "train.log_every=1", "metrics.peak_flops=1e4")
+  for step in range(1, 26):
+    clock.now += 0.001 if step in (13, 14) else 1.0  # 13 and 14 come back at once
+    mon.add(step, dev(1.0))
+    mon.flush_if_logging()
+    mon.flush()
+  tok_s = {s: r["tokens_per_sec"] for s, r in rows.rows}
+  tokens = 8 * 32
+  assert tok_s[5] == pytest.approx(tokens)
+  assert tok_s[14] == pytest.approx(watch.RATE_STEPS * tokens / (watch.RATE_STEPS - 2 + 0.002))
+  assert tok_s[25] == pytest.approx(tokens)  # the burst is out of the window
+  assert max(tok_s.values()) < 1.3 * tokens
+  assert all(r["mfu"] > 1 for _, r in rows.rows)  # the row keeps what was measured
+  warned = [l for l in lines if l.startswith("mfu above 100%")]
+  assert len(warned) == 1 and "metrics.peak_flops" in warned[0]
+  assert all("mfu >100% |" in l for l in lines if l.startswith("step "))
 
 
 @pytest.mark.parametrize("devices", [1, 8])
