@@ -12,6 +12,7 @@ cleanly (KeyboardInterrupt, Terminated: finally blocks run) before the thread en
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -20,6 +21,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _owner = None  # callable(signum), told in the watching thread; None: the grace period
 _pending = []  # signals waiting out the grace period
 _exiting = False  # set by exiting(): a signal stops the process at once
+_watching = False  # install() ran: the watching thread hears every signal
 
 
 class Terminated(BaseException):
@@ -35,6 +37,8 @@ def install() -> None:
   # Python leaves SIGINT ignored where the process started with it ignored (a background job
   # of a script), while the training loop honours it: one behaviour in every phase instead.
   signal.signal(signal.SIGINT, signal.default_int_handler)
+  global _watching
+  _watching = True
   read, write = os.pipe()
   os.set_blocking(write, False)
   signal.set_wakeup_fd(write, warn_on_full_buffer=False)
@@ -53,6 +57,34 @@ def exiting() -> None:
     _exiting = True
     for signum in SIGNALS:  # a handler that does nothing: the wakeup pipe still hears it
       signal.signal(signum, lambda signum, frame: None)
+
+
+@contextlib.contextmanager
+def ending_with(message: str):
+  """While the block runs (extra work after the run's own is done and saved), a signal ends
+  the process at once from the watching thread: `message` on stdout ({} is the signal's name)
+  and exit status 0. The main thread's handlers do nothing meanwhile, so it cannot unwind
+  into exit 128 + signal first."""
+  if not _watching:  # a library caller's process: its own handlers stay
+    yield
+    return
+  previous = {s: signal.getsignal(s) for s in SIGNALS}
+  for signum in previous:
+    signal.signal(signum, lambda signum, frame: None)
+
+  def end(signum: int) -> None:
+    try:
+      sys.stdout.flush()
+    except (OSError, ValueError):
+      pass
+    os.write(1, (message.format(signal.Signals(signum).name) + "\n").encode())
+    os._exit(0)
+  try:
+    with owned_by(end):
+      yield
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
 
 
 def _raise_terminated(signum, frame):

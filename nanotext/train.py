@@ -11,7 +11,7 @@ import time
 
 from absl import flags, logging
 
-from nanotext import cli
+from nanotext import cli, signals
 from nanotext.errors import ResourceError, UserError, drop_stdout, fail, stdout_widowed
 from nanotext.generate import sample_text, encode_prompt
 from nanotext.xla_flags import maybe_set_cpu_flags
@@ -129,7 +129,9 @@ def report(run_, cfg, result, log) -> None:
   except UserError as e:  # e.g. tiktoken offline: the run itself succeeded
     logging.warning("no sample: %s", e)
     return
-  text = sample_text(run_.graphdef, result.state["params"], cfg, tokenizer, cfg.sample.prompt)
+  with signals.ending_with("received {} during the end-of-run sample: skipped it; the run is "
+                           "complete, its final checkpoint saved"):
+    text = sample_text(run_.graphdef, result.state["params"], cfg, tokenizer, cfg.sample.prompt)
   log(f"sample: {cfg.sample.prompt}{text}")
 
 

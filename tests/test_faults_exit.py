@@ -174,3 +174,34 @@ def test_a_signal_before_the_first_step_while_the_main_thread_is_inside_a_call(t
                                           f"step: nothing to save, output_dir '{out}' is as it "
                                           "was")
   assert not out.exists()
+
+
+TRAIN_SAMPLE = """
+import signal, sys, time
+from nanotext import train
+from nanotext.data import tokenizer
+def stuck(*a, **k):  # the end-of-run sample: a decode compiled and run in the main thread
+  signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
+  open(sys.argv[1], "w").close()
+  time.sleep(600)
+tokenizer.known_vocab_size = lambda name: 512  # TINY has no tokenizer: it would not sample
+tokenizer.get_tokenizer = lambda name: None
+train.sample_text = stuck
+train.encode_prompt = lambda tokenizer, prompt: [1]
+train.cli.run(train.main, train.USAGE, argv=["train", *sys.argv[2:]], jax=True)
+"""
+
+
+@pytest.mark.parametrize("signum", signals.SIGNALS)  # every signal the tools honour
+def test_a_signal_during_the_end_of_run_sample_skips_it(tmp_path, signum):
+  """The run is complete and saved: the sample is extra. A signal there exited 143 (after the
+  grace period, with the decode in one call) as if the run had failed."""
+  out = tmp_path / "run"
+  status, stdout, err = signalled(TRAIN_SAMPLE, [str(tmp_path / "m"), BASE, *TINY,
+                                                 f"output_dir={out}", "sample.max_new_tokens=4"],
+                                  signum, tmp_path / "m")
+  assert status == 0 and err.strip() == "", err
+  name = signal.Signals(signum).name
+  assert stdout.splitlines()[-1] == (f"received {name} during the end-of-run sample: skipped "
+                                     "it; the run is complete, its final checkpoint saved")
+  assert sorted(os.listdir(out / "checkpoints")) == ["4"]
