@@ -91,6 +91,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
       checkpoint.save(manager, step, state, {"iterator": data_state,
                                              "skipped_steps": mon.skipped}, config_dict)
       counter.active = active
+      mon.saved = step
 
   val_loss = float("nan")
   batch = first
@@ -114,6 +115,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
       mon.add(done, step_metrics)
       if (t_cfg.eval_every and done % t_cfg.eval_every == 0 and done < t_cfg.steps
           and eval_exec is not None):
+        mon.flush()  # the steps evaluated are finite first (no val_loss nan row before an abort)
         val_loss = evaluate(state["params"], done)
         row = metrics.val_row(val_loss, bytes_per_token)
         writer.write(done, row)

@@ -232,6 +232,7 @@ class Monitor:
     self.said_peak = False
     self.unverified = []  # [(step, device metrics)] not yet read back
     self.skipped, self.last_loss, self.verified = skipped, float("nan"), start_step
+    self.saved = start_step if start_step else None  # the newest checkpoint's step (the loop's)
 
   def flops_per_step(self, step: int) -> float:
     """Training FLOPs of (1-based) step `step`, at its schedule stage's windows and row length."""
@@ -264,10 +265,12 @@ class Monitor:
       loss, grad_norm = float(v["loss"]), float(v["grad_norm"])
       finite = np.isfinite(loss) and np.isfinite(grad_norm)
       if not finite and self.run.cfg.train.on_nonfinite == "abort":
+        what = "loss" if not np.isfinite(loss) else "gradient norm"
+        then = ("no checkpoint was saved before it: rerun" if self.saved is None else
+                f"the newest checkpoint (step {self.saved}) is the last finite state: resume")
         raise NonFiniteError(
-            f"step {step} has a non-finite {'loss' if not np.isfinite(loss) else 'gradient norm'}"
-            f" (loss {loss}, grad_norm {grad_norm}); stopped before checkpointing it, the newest "
-            f"checkpoint is the last finite state (train.on_nonfinite=skip skips such steps)")
+            f"step {step} has a non-finite {what} (loss {loss}, grad_norm {grad_norm}); stopped "
+            f"before checkpointing it, and {then} with train.on_nonfinite=skip to skip such steps")
       self.skipped += not finite
       self.verified = step
       if finite:

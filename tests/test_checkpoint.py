@@ -155,8 +155,21 @@ def test_nonfinite_loss_aborts_before_the_bad_state_is_saved(tmp_path):
   assert proc.returncode == 1, proc.stderr[-3000:]
   err = [l for l in proc.stderr.splitlines() if l.startswith("nanotext: error:")]
   assert len(err) == 1 and "step 6 has a non-finite loss" in err[0], proc.stderr[-3000:]
+  assert "the newest checkpoint (step 4) is the last finite state: resume with " \
+      "train.on_nonfinite=skip" in err[0]
   assert "Traceback" not in proc.stderr
   assert steps_on_disk(out) == [2, 4]  # keep=2; step 6 was never written
+  # The eval at step 6 came after the bad step was read: no val_loss nan row.
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    assert all(np.isfinite(r.get("val_loss", 0)) for r in map(json.loads, f))
+  # The advice can be followed: on_nonfinite may change on resume (it was refused).
+  restore = nan_poison.install(args[0], args[1:] + ["train.on_nonfinite=skip"], 6)
+  try:
+    result, lines = quiet_run(args[1:] + ["train.on_nonfinite=skip"])
+  finally:
+    restore()
+  assert any("resumed from the checkpoint of step 4" in l for l in lines)
+  assert result.skipped_steps == 1 and int(result.state["step"]) == 8
 
 
 def test_skip_leaves_the_state_and_counts_the_step(tmp_path):
