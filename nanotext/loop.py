@@ -141,7 +141,8 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
       row = metrics.val_row(val_loss, bytes_per_token)
       if trained:
         writer.write(t_cfg.steps, row)
-      log(f"step {t_cfg.steps:>6d} | {metrics.val_text(row)} (final)")
+      again = "" if trained else "; the run was complete: evaluated again, not recorded"
+      log(f"step {t_cfg.steps:>6d} | {metrics.val_text(row)} (final{again})")
     if trained:
       save(t_cfg.steps, state, data_state)
   log(f"compilations inside the training loop: {counter.count}")

@@ -164,10 +164,12 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
   if start.data is not None:
     train_iter.set_state(start.data["iterator"])
     skipped = start.data.get("skipped_steps", 0)
-  is_main = jax.process_index() == 0
-  if is_main:
+  # A finished run started again only evaluates (and samples): its config.yml, rows and
+  # TensorBoard folder stay those of its training.
+  writes = jax.process_index() == 0 and start.step < cfg.train.steps
+  if writes:
     config.save(cfg, os.path.join(cfg.output_dir, "config.yml"))
-  writer = metrics.Writer(cfg.output_dir, tensorboard=cfg.metrics.tensorboard, enabled=is_main,
+  writer = metrics.Writer(cfg.output_dir, tensorboard=cfg.metrics.tensorboard, enabled=writes,
                           resumed_at=start.step)
   clock.lap("output_dir")
   val = [trainer.global_batch(run_, b) for b in val_local]

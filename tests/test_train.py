@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -151,6 +152,20 @@ def test_resume_continues_from_the_latest_checkpoint(tmp_path):
   assert any("resumed from the checkpoint of step 4" in l for l in lines)
   steps = [r["step"] for r in metrics_of(str(tmp_path)) if "loss" in r]
   assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_finished_run_started_again_changes_nothing(tiny_run, tmp_path):
+  """Started again with resume-ok keys changed, a finished run rewrote config.yml with values
+  it never trained with, and TensorBoard's folder appeared; it evaluates and says so only."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  before = {n: open(os.path.join(out, n), "rb").read() for n in ("config.yml", "metrics.jsonl")}
+  _, lines = quiet_run(BASE, TINY + ["train.steps=2", "train.eval_every=0", f"output_dir={out}",
+                                     "sample.max_new_tokens=0", "train.eval_batches=1",
+                                     "train.log_every=5", "metrics.tensorboard=true"])
+  assert any("(final; the run was complete: evaluated again, not recorded)" in l for l in lines)
+  assert {n: open(os.path.join(out, n), "rb").read() for n in before} == before
+  assert not os.path.exists(os.path.join(out, "tb"))
 
 
 def test_speedrun_family_trains_with_muon(tmp_path):
