@@ -2,7 +2,7 @@
 the overwrite transaction, and quarantine. `session.Session` puts them in order for one run.
 
 - `check_run`: the same run resumes (another mesh or device count included); a different one
-  needs overwrite=true; a run already past train.steps is refused.
+  needs overwrite=true; a run already past train.steps is refused (replaced under overwrite).
 - Overwrite: the previous run's files are moved into `output_dir/.overwritten/` and deleted only
   once the new run has a checkpoint on disk (`commit`); until then any failure, or a kill followed
   by the next start, moves them back (`roll_back` / `recover`).
@@ -100,7 +100,8 @@ def check_output_dir_path(out: str) -> str:
 
 def check_run(cfg, out: str) -> bool:
   """Refuse an output_dir that holds a different run unless overwrite=true, or a run already
-  past train.steps; True when the previous run is to be replaced (set aside, then deleted)."""
+  past train.steps (replaced under overwrite=true); True when the previous run is to be replaced
+  (set aside, then deleted)."""
   from nanotext import config, config_file
   path = os.path.join(out, "config.yml")
   if not os.path.lexists(path):
@@ -122,9 +123,11 @@ def check_run(cfg, out: str) -> bool:
     return True
   done = steps_on_disk(out)
   if done and max(done) > cfg.train.steps:
+    if cfg.overwrite:  # it cannot be continued: replaced, as asked
+      return True
     raise UserError(f"output_dir '{cfg.output_dir}' holds a checkpoint of step {max(done)}, past "
-                    f"train.steps={cfg.train.steps}: raise train.steps to continue that run, or "
-                    "choose another output_dir")
+                    f"train.steps={cfg.train.steps}: raise train.steps to continue that run, "
+                    "choose another output_dir, or pass overwrite=true to replace it")
   return False
 
 

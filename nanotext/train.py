@@ -86,7 +86,10 @@ def run(path: str, overrides, log=print, started: float | None = None):
   clock.lap("backend")
   # A resumed run keeps the remat and loss chunks it chose before, where they still fit.
   # Checks, derived values and the vocabulary / process-count rules all happen in wiring.
-  run_ = wiring.from_config(cfg, prefer=memory_plan.saved_choice(cfg.output_dir), checked=True)
+  prefer = memory_plan.saved_choice(cfg.output_dir)
+  run_ = wiring.from_config(cfg, prefer=prefer, checked=True)
+  if prefer and cfg.overwrite and replaces(run_.cfg):  # the choices of the run replaced
+    run_ = wiring.from_config(cfg, prefer={}, checked=True)
   run_.memory.require("train", "eval")  # every run validates at its end
   cfg = run_.cfg
   # Everything up to `session.open` is only read: a mistake found there changes nothing.
@@ -112,6 +115,15 @@ def run(path: str, overrides, log=print, started: float | None = None):
   if not (result.preempted or preemption.received):
     report(run_, cfg, result, log)
   return result
+
+
+def replaces(cfg) -> bool:
+  """Whether this run (overwrite=true) replaces the run in output_dir; only reads."""
+  from nanotext import rundir
+  try:
+    return rundir.check_run(cfg, cfg.output_dir)
+  except UserError:  # said again, where it counts, when the session opens
+    return False
 
 
 def report(run_, cfg, result, log) -> None:

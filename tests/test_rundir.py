@@ -253,8 +253,9 @@ def test_check_run_tells_a_resume_from_another_run(tmp_path):
     same("model.d_model=128")
   assert same("model.d_model=128", "overwrite=true") is True
   (tmp_path / "checkpoints" / "6").mkdir(parents=True)
-  with pytest.raises(UserError, match="step 6, past train.steps=4"):
+  with pytest.raises(UserError, match="step 6, past train.steps=4.*pass overwrite=true"):
     same()
+  assert same("overwrite=true") is True  # it cannot be continued: replaced, as asked
   (tmp_path / "config.yml").write_bytes(b"model: [\xff")
   with pytest.raises(UserError, match="config.yml' is damaged"):
     same()

@@ -168,6 +168,27 @@ def test_a_finished_run_started_again_changes_nothing(tiny_run, tmp_path):
   assert not os.path.exists(os.path.join(out, "tb"))
 
 
+def test_an_overwrite_plans_afresh_and_replaces_a_run_past_its_steps(tiny_run, tmp_path):
+  """overwrite=true kept the replaced run's memory-plan choices (remat, loss chunks), and a
+  run of the same identity past train.steps was refused whatever overwrite said."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  path = os.path.join(out, "config.yml")
+  with open(path) as f:
+    old = yaml.safe_load(f)
+  assert old["model"]["remat"] == "none"  # what the plan chooses for TINY here
+  old["model"]["remat"], old["seed"] = "full", 5  # another run, that chose full
+  with open(path, "w") as f:
+    yaml.safe_dump(old, f)
+  common = TINY + [f"output_dir={out}", "train.eval_every=0", "sample.max_new_tokens=0",
+                   "overwrite=true", "checkpoint.every=1"]
+  quiet_run(BASE, common + ["train.steps=2"])
+  with open(path) as f:
+    assert yaml.safe_load(f)["model"]["remat"] == "none"
+  quiet_run(BASE, common + ["train.steps=1"])  # step 2 on disk, past 1
+  assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["1"]
+
+
 def test_speedrun_family_trains_with_muon(tmp_path):
   result, _ = quiet_run(SPEEDRUN, CORPUS + [f"output_dir={tmp_path}", "model.mlp_dim=0",
                                             "train.steps=6", "sample.max_new_tokens=0"])
