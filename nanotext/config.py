@@ -125,7 +125,11 @@ def _file_chain(path: Path) -> list:
   while True:
     path = path.resolve() if path.exists() else path
     if path in seen:
-      raise UserError(f"config file '{path}' inherits from itself (via 'base:')")
+      cycle = " -> ".join(f"'{p}'" for p in seen[seen.index(path):] + [path])
+      raise UserError(f"config file '{path}' inherits from itself (via 'base:'): {cycle}"
+                      if seen[-1] == path else
+                      f"config files inherit in a circle (via 'base:'): {cycle}; remove one "
+                      "'base:' line")
     if len(seen) >= MAX_BASE_DEPTH:
       raise UserError(f"config file '{seen[0]}' has a chain of 'base:' files more than "
                       f"{MAX_BASE_DEPTH} deep")

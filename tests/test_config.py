@@ -121,8 +121,11 @@ def test_multi_level_inheritance_and_overrides(tmp_path):
 
 def test_inheritance_cycle(tmp_path):
   write(tmp_path / "a.yml", "base: b.yml\n")
-  a = write(tmp_path / "b.yml", "base: a.yml\n")
-  assert "inherits from itself" in error(path=a)
+  b = write(tmp_path / "b.yml", "base: a.yml\n")
+  # Not 'b.yml inherits from itself': the circle, named file by file.
+  assert f"in a circle (via 'base:'): '{b}' -> '{tmp_path / 'a.yml'}' -> '{b}'" in error(path=b)
+  own = write(tmp_path / "own.yml", "base: own.yml\n")
+  assert "own.yml' inherits from itself" in error(path=own)
 
 
 def test_missing_parent(tmp_path):

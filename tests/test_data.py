@@ -450,6 +450,23 @@ def test_worker_processes_end_with_the_training_process(arange_bins, tmp_path):
   assert done.stderr == ""  # multiprocessing's tracker frees the shared memory without a word
 
 
+def test_too_little_training_data_says_what_there_is(tmp_path):
+  """A shard with 3 windows under data.shuffle=false (whole global batches per shard) said it
+  held no sequence of 33 tokens; a folder as the shard glob said it did not exist."""
+  binfile.write_shard(tmp_path / "train_0.bin", np.arange(100))
+  cfg = data_cfg(source="bin", train_files=str(tmp_path / "train_*.bin"), shuffle=False)
+  with pytest.raises(UserError, match=r"no training shard holds one whole global batch of 8 "
+                     r"sequences of 33 tokens.*100 tokens.*set data.shuffle=true"):
+    make_train_iter(cfg, seq_len=32, batch_size=8, seed=0)
+  cfg.update(shuffle=True)
+  assert next(make_train_iter(cfg, seq_len=32, batch_size=8, seed=0))["inputs"].shape == (8, 32)
+  with pytest.raises(UserError, match=r"no sequence of 129 tokens .*100 tokens"):
+    make_train_iter(cfg, seq_len=128, batch_size=8, seed=0)
+  cfg.update(train_files=str(tmp_path))
+  with pytest.raises(UserError, match=r"is a folder: name its .bin files"):
+    make_train_iter(cfg, seq_len=32, batch_size=8, seed=0)
+
+
 def test_shard_windows_never_cross_a_shard(tmp_path):
   from nanotext.data.sources import ShardSource, SyntheticSource
   a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")

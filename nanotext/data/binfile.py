@@ -31,6 +31,9 @@ def write_shard(path: str, tokens) -> None:
 
 def read_header(path: str) -> int:
   """Validate a shard's header and size; return its token count."""
+  if os.path.isdir(path):
+    raise UserError(f"shard '{path}' is a folder: name its .bin files (a glob such as "
+                    f"'{os.path.join(path, '*.bin')}')")
   if not os.path.isfile(path):
     raise UserError(f"shard '{path}' does not exist")
   size = os.path.getsize(path)

@@ -53,6 +53,11 @@ def make_train_iter(data_cfg, *, seq_len: int, batch_size: int, seed: int,
   group = 0 if data_cfg.shuffle else batch_size * process_count
   source = open_source(data_cfg, "train", seq_len=seq_len, seed=seed, vocab_size=vocab_size,
                        group=group)
+  if len(source) == 0 and group:
+    raise UserError(f"no training shard holds one whole global batch of {group} sequences of "
+                    f"{seq_len + 1} tokens, which data.shuffle=false reads from each shard "
+                    f"({source!r}): add data, lower train.batch_size or train.seq_len, or set "
+                    "data.shuffle=true")
   if len(source) == 0:
     raise UserError(f"training data holds no sequence of {seq_len + 1} tokens "
                     f"({source!r}): add data or lower train.seq_len")

@@ -36,6 +36,7 @@ class ShardSource:
   def __init__(self, files: list[str], seq_len: int, max_tokens: int = 0, group: int = 0,
                vocab_size: int | None = None):
     counts = [binfile.read_header(f) for f in files]  # Validates every shard up front.
+    self._tokens = sum(counts)
     windows = [_record_windows(c, seq_len, group) if group else _windows(c, seq_len)
                for c in counts]
     if max_tokens > 0:  # Keep only the first max_tokens // seq_len windows, in file order.
@@ -75,7 +76,7 @@ class ShardSource:
     return {**self.__dict__, "_readers": None}
 
   def __repr__(self) -> str:
-    return f"ShardSource({len(self._files)} files, {len(self)} sequences)"
+    return f"ShardSource({len(self._files)} files, {self._tokens} tokens, {len(self)} sequences)"
 
 
 class PackedDocSource:
