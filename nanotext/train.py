@@ -110,6 +110,9 @@ def run(path: str, overrides, log=print, started: float | None = None):
     log(f"model: {run_.num_params:,} parameters | {sharding_summary(run_)} | "
         f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens/step")
     log(run_.memory.line())
+    if len(val_local) < cfg.train.eval_batches:
+      log(f"validation: {len(val_local)} batch{'es' if len(val_local) > 1 else ''}, all the "
+          f"validation data holds (train.eval_batches={cfg.train.eval_batches})")
     clock.lap("output_dir")
     result = _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock)
   if not (result.preempted or preemption.received):

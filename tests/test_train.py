@@ -189,6 +189,18 @@ def test_an_overwrite_plans_afresh_and_replaces_a_run_past_its_steps(tiny_run, t
   assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["1"]
 
 
+def test_validation_capped_by_its_data_says_so(tmp_path):
+  """train.eval_batches beyond the validation data was capped without a word (evaluate says)."""
+  from nanotext.data import binfile
+  binfile.write_shard(str(tmp_path / "train.bin"), np.arange(2000) % 512)
+  binfile.write_shard(str(tmp_path / "val.bin"), np.arange(300) % 512)  # 9 rows: 1 batch of 8
+  _, lines = quiet_run(BASE, TINY + [f"output_dir={tmp_path / 'run'}", "train.steps=1",
+                                     "data.source=bin", f"data.train_files={tmp_path}/train.bin",
+                                     f"data.val_files={tmp_path}/val.bin",
+                                     "sample.max_new_tokens=0"])
+  assert "validation: 1 batch, all the validation data holds (train.eval_batches=2)" in lines
+
+
 def test_speedrun_family_trains_with_muon(tmp_path):
   result, _ = quiet_run(SPEEDRUN, CORPUS + [f"output_dir={tmp_path}", "model.mlp_dim=0",
                                             "train.steps=6", "sample.max_new_tokens=0"])
