@@ -64,7 +64,7 @@ def _metrics_row(raw: bytes):
     row = json.loads(raw.decode("utf-8"))
     step = row["step"]
     if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
-        or step != int(step):
+        or step != int(step) or not 0 <= step <= MAX_STEP:  # 1e308 broke matplotlib's layout
       return None
     values = [number(row.get(k)) for k in ("loss", "val_loss", "val_bpb")]
   except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
@@ -73,6 +73,7 @@ def _metrics_row(raw: bytes):
 
 
 MAX_VALUE = 1e100
+MAX_STEP = 2**53  # steps past it are no run's (and a float no longer counts them)
 
 
 def _tokens_per_step(run_dir: str) -> int | None:
