@@ -93,8 +93,9 @@ def report(out: str, log=print) -> int:
   live = running(out)
   manager = checkpoint.reader(out)
   steps = sorted(manager.all_steps(), reverse=True)
-  log(f"{len(steps)} checkpoint(s) in {root}" + (", newest first:" if steps else "") +
-      (f" (a run is training into it: {live})" if live else ""))
+  said = f"{len(steps)} checkpoint(s) in {root}, newest first:" if steps else \
+      f"no checkpoint in {root} yet: nothing to verify"
+  log(said + (f" (a run is training into it: {live})" if live else ""))
   damaged, keep = 0, _keep(out) if live else 0
   for step in steps:
     status, detail = check_step(manager, step, keep)

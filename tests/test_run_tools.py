@@ -47,6 +47,10 @@ def test_verify_reads_every_step_and_names_damage(tiny_run, tmp_path):
   lines.clear()
   assert verify.report(out, lines.append) == 1
   assert lines[1].split()[:3] == ["step", "2", "damaged"]
+  shutil.rmtree(os.path.join(out, "checkpoints", "2"))
+  lines.clear()
+  assert verify.report(out, lines.append) == 0  # nothing damaged; it said "0 checkpoint(s)"
+  assert lines[0].endswith("checkpoints yet: nothing to verify")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "removed"])
