@@ -172,7 +172,7 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
     losses = [execs(stage, params, b) for b in val]
     row = metrics.val_row(float(np.mean(jax.device_get(losses))), bytes_per_token)
     rows.append({"step": at, **row, "tokens": tokens})
-    log(f"step {at:>6d} | {metrics.val_text(row)}")
+    log(f"step {at if at >= 0 else '?':>6} | {metrics.val_text(row)}")  # ?: no convert.json
   if damaged:  # the intact steps are above; the status says not every step was read
     raise UserError(f"step(s) {', '.join(map(str, damaged))} of '{out}' could not be read "
                     f"(python -m nanotext.verify {out} says how each is damaged)")

@@ -287,8 +287,9 @@ def print_batch(graphdef, params, cfg, tokenizer, prompt_ids, seeds, step, first
   """The samples of `seeds`, drawn as one batch: the first printed as it is drawn (long samples
   take minutes), the others as the batch ends."""
   s = cfg.sample
-  label = lambda i: f"step {step}" if num == 1 else \
-      f"step {step}, sample {first + i + 1} of {num}, seed {seeds[i]}"
+  at = step if step >= 0 else "unknown (no convert.json)"  # a params-only folder's
+  label = lambda i: f"step {at}" if num == 1 else \
+      f"step {at}, sample {first + i + 1} of {num}, seed {seeds[i]}"
   drawn = [[] for _ in seeds]
 
   def first_row():

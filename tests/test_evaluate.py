@@ -58,8 +58,15 @@ def test_a_damaged_convert_json_is_named_not_read_as_no_step(tiny_run, tmp_path)
     f.write('{"step": ')  # cut short
   with pytest.raises(UserError, match="convert.json' is damaged"):
     evaluate.evaluate(folder, log=lambda line: None)
+  for step in ("-5", "true", "2.5"):  # hand-edited: -5 was shown as the step
+    with open(os.path.join(folder, "convert.json"), "w") as f:
+      f.write('{"step": %s}' % step)
+    with pytest.raises(UserError, match="convert.json' is damaged"):
+      evaluate.evaluate(folder, log=lambda line: None)
   os.remove(os.path.join(folder, "convert.json"))  # none at all: the step is not known
-  assert [r["step"] for r in evaluate.evaluate(folder, log=lambda line: None)] == [-1]
+  lines = []
+  assert [r["step"] for r in evaluate.evaluate(folder, log=lines.append)] == [-1]
+  assert lines[-1].startswith("step      ? | val_loss")  # it printed step -1
 
 
 @pytest.mark.fast

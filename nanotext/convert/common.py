@@ -81,7 +81,10 @@ def params_only_step(path: str) -> int:
   where = os.path.join(path, "convert.json")
   try:
     with open(where, encoding="utf-8") as f:
-      return int(json.load(f)["step"])
+      step = json.load(f)["step"]
+    if type(step) is not int or step < 0:
+      raise ValueError(f"step {step!r}")
+    return step
   except FileNotFoundError:
     return -1
   except (OSError, ValueError, KeyError, TypeError) as e:
