@@ -24,20 +24,24 @@ MIN_ADDRESS_SPACE, PER_CORE = 1.5 * 2**30, 256 * 2**20
 
 
 def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = False,
-        precheck=None) -> None:
+        precheck=None, at_once: str = "") -> None:
   """Run `main(args)` as this process's program; never returns.
 
   `doc` follows the usage line in --help; `describe(args)`, when given, returns the whole help
   text instead (a tool with subcommands describes the one named). `jax`: the tool starts a jax
   backend, so the environment that would make XLA abort is checked first. `precheck(args)`, run
   before anything imports jax (a second or more), refuses bad arguments early: a config file
-  that is missing or malformed, an unknown key, a value of the wrong type."""
+  that is missing or malformed, an unknown key, a value of the wrong type. `at_once`: the line
+  a signal stops the process with, at once, until the tool takes the signals (signals.at_once:
+  for a start that writes nothing)."""
   argv = list(sys.argv if argv is None else argv)
   describe = describe or (lambda args: help_text(usage, doc))
   # A file-size limit (ulimit -f) is then EFBIG from the write, said in one line, not a kill
   # (Python ignores SIGXFSZ already; a launcher may have reset it).
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
   signals.install()  # SIGTERM and Ctrl-C honoured even inside a long call into XLA
+  if at_once:
+    signals.at_once(at_once)
 
   def checked_main(args):
     if not flags.FLAGS["verbosity"].present:  # orbax logs every file it reads or writes at INFO

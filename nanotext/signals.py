@@ -22,6 +22,8 @@ _owner = None  # callable(signum), told in the watching thread; None: the grace 
 _pending = []  # signals waiting out the grace period
 _exiting = False  # set by exiting(): a signal stops the process at once
 _watching = False  # install() ran: the watching thread hears every signal
+_at_once = ""  # at_once(): with no owner, a signal stops the process with this line
+_done = ""  # work_done(): with no owner, a signal ends the process with this line, status 0
 
 
 class Terminated(BaseException):
@@ -69,22 +71,49 @@ def ending_with(message: str):
     yield
     return
   previous = {s: signal.getsignal(s) for s in SIGNALS}
-  for signum in previous:
-    signal.signal(signum, lambda signum, frame: None)
-
-  def end(signum: int) -> None:
-    try:
-      sys.stdout.flush()
-    except (OSError, ValueError):
-      pass
-    os.write(1, (message.format(signal.Signals(signum).name) + "\n").encode())
-    os._exit(0)
+  _quiet_handlers()
   try:
-    with owned_by(end):
+    with owned_by(lambda signum: _end(signum, message)):
       yield
   finally:
     for signum, handler in previous.items():
       signal.signal(signum, handler)
+
+
+def at_once(message: str) -> None:
+  """From here, while no owner holds the signals, a signal stops the process at once from the
+  watching thread: `message` ({} the signal's name) and exit 128 + signal. For a tool's start
+  that writes nothing: raised there, Terminated or KeyboardInterrupt landed in library code
+  that swallows it (jax's plugin loader, its gc callback, a dataclass being built) and the
+  run went on, or came out as a bug's traceback."""
+  global _at_once
+  if _watching and threading.current_thread() is threading.main_thread():
+    _at_once = message
+    _quiet_handlers()
+
+
+def work_done(message: str) -> None:
+  """From here, while no owner holds the signals, a signal ends the process at once with
+  `message` ({} the signal's name) on stdout and exit status 0: the work is done and saved.
+  Python's handlers stay as they are (an owner's now; after at_once, quiet)."""
+  global _done
+  if _watching:
+    _done = message
+
+
+def _quiet_handlers() -> None:
+  """Python's handlers do nothing: the watching thread acts (the wakeup pipe still hears)."""
+  for signum in SIGNALS:
+    signal.signal(signum, lambda signum, frame: None)
+
+
+def _end(signum: int, message: str) -> None:
+  try:
+    sys.stdout.flush()
+  except (OSError, ValueError):
+    pass
+  os.write(1, (message.format(signal.Signals(signum).name) + "\n").encode())
+  os._exit(0)
 
 
 def _raise_terminated(signum, frame):
@@ -119,6 +148,11 @@ def _watch(fd: int) -> None:
         _stop(signum, "while exiting, its work done")
       elif _owner is not None:
         _owner(signum)
+      elif _done:
+        _end(signum, _done)
+      elif _at_once:
+        os.write(2, f"nanotext: error: {_at_once.format(signal.Signals(signum).name)}\n".encode())
+        os._exit(128 + signum)
       elif _pending:  # a second signal while the first waits: stop now
         _stop(signum, "a second signal")
       else:

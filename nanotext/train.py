@@ -115,7 +115,9 @@ def run(path: str, overrides, log=print, started: float | None = None):
           f"validation data holds (train.eval_batches={cfg.train.eval_batches})")
     clock.lap("output_dir")
     result = _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock)
-  if not (result.preempted or preemption.received):
+  if preemption.received and not result.preempted:  # while the run's files were closed
+    log(f"received {preemption.received} after the last step: the final checkpoint is saved")
+  elif not result.preempted:
     report(run_, cfg, result, log)
   return result
 
@@ -196,8 +198,8 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
     checkpoint.wait(manager)  # the run is not over until its last save is on disk
   finally:
     writer.close()
-  if preemption.received and not result.preempted:
-    log(f"received {preemption.received} after the last step: the final checkpoint is saved")
+  if not result.preempted:  # once the run gives the signals back (closing its workers, saves)
+    signals.work_done("received {} after the last step: the final checkpoint is saved")
   return result
 
 
@@ -269,4 +271,6 @@ def _print(line: str) -> None:
 
 
 if __name__ == "__main__":
-  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck)
+  # Until the run takes the signals (watch.Preemption) it has only read: a signal stops it.
+  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck,
+          at_once="stopped by {} before the first step: nothing to save, nothing written")
