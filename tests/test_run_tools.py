@@ -104,7 +104,8 @@ def test_a_finished_run_started_again_writes_no_second_row(tiny_run, tmp_path):
   train.run(BASE, ARGS + [f"output_dir={out}"], log=lines.append)
   with open(os.path.join(out, "metrics.jsonl")) as f:
     assert f.read() == before
-  assert any("(final)" in line for line in lines), lines
+  assert any("(final; the run was complete: evaluated again, not recorded)" in line
+             for line in lines), lines
 
 
 def test_plot_reads_the_runs_metrics(tiny_run):
