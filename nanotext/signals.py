@@ -151,8 +151,7 @@ def _watch(fd: int) -> None:
       elif _done:
         _end(signum, _done)
       elif _at_once:
-        os.write(2, f"nanotext: error: {_at_once.format(signal.Signals(signum).name)}\n".encode())
-        os._exit(128 + signum)
+        _die(signum, _at_once.format(signal.Signals(signum).name))
       elif _pending:  # a second signal while the first waits: stop now
         _stop(signum, "a second signal")
       else:
@@ -167,6 +166,10 @@ def _deadline(signum: int) -> None:
 
 
 def _stop(signum: int, why: str) -> None:
-  name = signal.Signals(signum).name
-  os.write(2, f"nanotext: error: stopped by {name} ({why})\n".encode())
+  _die(signum, f"stopped by {signal.Signals(signum).name} ({why})")
+
+
+def _die(signum: int, line: str) -> None:
+  """The process ends now: one error line, exit 128 + signal (the shell's status for it)."""
+  os.write(2, f"nanotext: error: {line}\n".encode())
   os._exit(128 + signum)
