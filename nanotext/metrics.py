@@ -118,7 +118,10 @@ class Writer:
       self._drop_rows_after(self._resumed_at)
       self._resumed_at = None
     row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
-    self._jsonl.append((json.dumps(row) + "\n").encode())
+    # strict JSON (jq, JavaScript and pandas' strict readers reject NaN): non-finite is null
+    strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+              for k, v in row.items()}
+    self._jsonl.append((json.dumps(strict, allow_nan=False) + "\n").encode())
     if self._tb is not None:
       self._tb.scalars(int(step), {k: v for k, v in row.items()
                                    if k != "step" and isinstance(v, (int, float))})

@@ -52,10 +52,13 @@ def read_run(run_dir: str) -> dict:
 
 def _metrics_row(raw: bytes):
   """(step, loss, val_loss, val_bpb) of one metrics.jsonl line (None where absent), or None
-  when the line is not a metrics row."""
+  when the line is not a metrics row. A null value is a non-finite one (a skipped step's
+  loss): drawn as a gap."""
   def number(x):
-    if x is None:
+    if x is _ABSENT:
       return None
+    if x is None:
+      return math.nan
     if isinstance(x, bool) or not isinstance(x, (int, float)):
       raise ValueError(f"not a number: {x!r}")
     # no loss is that large: drawn as a gap, as NaN is (near 1e308 matplotlib's layout fails)
@@ -66,12 +69,13 @@ def _metrics_row(raw: bytes):
     if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
         or step != int(step) or not 0 <= step <= MAX_STEP:  # 1e308 broke matplotlib's layout
       return None
-    values = [number(row.get(k)) for k in ("loss", "val_loss", "val_bpb")]
+    values = [number(row.get(k, _ABSENT)) for k in ("loss", "val_loss", "val_bpb")]
   except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
     return None
   return (int(step), *values)
 
 
+_ABSENT = object()
 MAX_VALUE = 1e100
 MAX_STEP = 2**53  # steps past it are no run's (and a float no longer counts them)
 

@@ -82,10 +82,12 @@ def test_odd_numbers_are_drawn_or_named_never_a_traceback(tmp_path):
   metrics = run / "metrics.jsonl"
   metrics.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "val_loss": 0.0, "val_bpb": 1.5}\n'
                      '{"step": 3, "loss": 1.7e308, "val_loss": 1e308, "val_bpb": 1e308}\n'
-                     '{"step": 1e308, "loss": 1.0}\n{"step": -5, "loss": 1.0}\n')
+                     '{"step": 1e308, "loss": 1.0}\n{"step": -5, "loss": 1.0}\n'
+                     '{"step": 4, "loss": null}\n')  # a skipped step's non-finite loss
   got = plot.read_run(str(run))
-  assert [s for s, _ in got["train"]] == [1, 3]  # steps no run has are not metrics rows
+  assert [s for s, _ in got["train"]] == [1, 3, 4]  # steps no run has are not metrics rows
   assert plot._bpb_scale(got) is None and got["train"][1][1] != got["train"][1][1]  # NaN
+  assert got["train"][2][1] != got["train"][2][1] and got["skipped"] == [4, 5]
   proc = run_cli("nanotext.plot", str(run), f"--out={tmp_path / 'x.png'}")
   assert proc.returncode == 0 and (tmp_path / "x.png").stat().st_size > 0, proc.stderr
   metrics.write_bytes(b'garbage\n\x00\xff\n{"ste')
