@@ -88,8 +88,9 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     mon.flush()
     if manager is not None:
       active, counter.active = counter.active, False  # orbax compiles its own transfers
-      checkpoint.save(manager, step, state, {"iterator": data_state,
-                                             "skipped_steps": mon.skipped}, config_dict)
+      with mon.paused():
+        checkpoint.save(manager, step, state, {"iterator": data_state,
+                                               "skipped_steps": mon.skipped}, config_dict)
       counter.active = active
       mon.saved = step
 
@@ -116,7 +117,8 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
       if (t_cfg.eval_every and done % t_cfg.eval_every == 0 and done < t_cfg.steps
           and eval_exec is not None):
         mon.flush()  # the steps evaluated are finite first (no val_loss nan row before an abort)
-        val_loss = evaluate(state["params"], done)
+        with mon.paused():
+          val_loss = evaluate(state["params"], done)
         row = metrics.val_row(val_loss, bytes_per_token)
         writer.write(done, row)
         log(f"step {done:>6d} | {metrics.val_text(row)}")

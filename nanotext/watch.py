@@ -226,7 +226,9 @@ class Monitor:
     self.peak = cfg.metrics.peak_flops * run.mesh.devices.size  # the run's devices, not all
     # (step, when it was read) of the rows in the rate's window: steps are read in bursts
     # (a pause of the host lets the device run ahead), so a rate over one step could be 3x high
-    self.reads = collections.deque([(start_step, time.perf_counter())])
+    # (the third: seconds paused for evals and saves by then, which the rates leave out)
+    self.paused_s = 0.0
+    self.reads = collections.deque([(start_step, time.perf_counter(), 0.0)])
     self.start = self.reads[0]  # for the ETA: the loop's own pace, evals and saves included
     self.rate_steps = max(RATE_STEPS, t_cfg.log_every)
     self.said_peak = False
@@ -242,6 +244,16 @@ class Monitor:
       self._flops[stage] = metrics.flops_per_token(cfg.model, stage[1],
                                                    stage[0]) * self.tokens_per_step
     return self._flops[stage]
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Time spent inside (an eval, a checkpoint save) is not training: tokens/s and MFU leave
+    it out (a row after a save read 10x low at log_every=1); the ETA keeps it."""
+    began = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.paused_s += time.perf_counter() - began
 
   def add(self, step: int, dev) -> None:
     self.unverified.append((step, dev))
@@ -280,10 +292,11 @@ class Monitor:
 
   def _row(self, step: int, loss: float, grad_norm: float) -> None:
     now = time.perf_counter()
-    self.reads.append((step, now))
+    self.reads.append((step, now, self.paused_s))
     while len(self.reads) > 2 and step - self.reads[1][0] >= self.rate_steps:
       self.reads.popleft()
-    steps, dt = step - self.reads[0][0], now - self.reads[0][1]
+    steps = step - self.reads[0][0]
+    dt = now - self.reads[0][1] - (self.paused_s - self.reads[0][2])
     tok_s = steps * self.tokens_per_step / dt if dt > 0 else 0.0
     flops = self.flops_per_step(step)
     mfu = tok_s / self.tokens_per_step * flops / self.peak if self.peak else 0.0

@@ -199,6 +199,24 @@ def test_monitor_rates_span_steps_not_one_burst(monkeypatch):
   assert all("mfu >100% |" in l for l in lines if l.startswith("step "))
 
 
+def test_monitor_rates_leave_out_evals_and_saves(monkeypatch):
+  """A checkpoint save or an eval between two rows is not training: tokens/s left it in (a row
+  after a save read ~10x low at log_every=1); the ETA, the loop's own pace, keeps it."""
+  clock = Clock()
+  monkeypatch.setattr(watch, "time", clock)
+  mon, rows, _ = monitor("train.steps=30", "train.log_every=1")
+  for step in range(1, 13):
+    clock.now += 1.0
+    mon.add(step, dev(1.0))
+    mon.flush()
+    if step in (4, 8):
+      with mon.paused():
+        clock.now += 9.0
+  tokens = 8 * 32
+  assert [r["tokens_per_sec"] for _, r in rows.rows] == pytest.approx([tokens] * 12)
+  assert rows.rows[-1][1]["eta_sec"] == pytest.approx(18 * 30 / 12)  # 12 steps took 30 s
+
+
 @pytest.mark.parametrize("devices", [1, 8])
 def test_monitor_mfu_is_against_the_runs_devices(devices):
   """The peak is that of the devices the run uses: the 8 fake CPU devices share one machine."""
