@@ -23,6 +23,11 @@ HELP = ("-h", "-?", "-help", "--help", "--helpshort", "--helpfull")
 MIN_ADDRESS_SPACE, PER_CORE = 1.5 * 2**30, 256 * 2**20
 
 
+# at_once's line for a tool that only reads (verify, evaluate, generate): a signal ends it where
+# it lands, Python's handlers never raised into library code that could swallow it.
+READ_ONLY_STOP = "stopped by {}; this tool only reads, nothing was changed"
+
+
 def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = False,
         precheck=None, at_once: str = "") -> None:
   """Run `main(args)` as this process's program; never returns.

@@ -193,4 +193,4 @@ def is_main() -> bool:
 
 if __name__ == "__main__":
   from nanotext import cli
-  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck)
+  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck, at_once=cli.READ_ONLY_STOP)

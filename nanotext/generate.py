@@ -326,4 +326,4 @@ def batch_rows(graphdef, params, cfg, prompt_len: int, num: int) -> int:
 
 if __name__ == "__main__":
   from nanotext import cli
-  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck)
+  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck, at_once=cli.READ_ONLY_STOP)

@@ -10,13 +10,11 @@ damaged, 2 for a directory that is not a run, 130 on Ctrl-C.
 
 import json
 import os
-import signal
 import sys
 
-# jax, numpy and orbax are imported inside the functions: a Ctrl-C while they load (seconds)
-# is then caught by errors.run_cli and ends in one line, not a traceback.
+# jax, numpy and orbax are imported inside the functions: --help and a bad argument need none.
 from nanotext import lock, rundir
-from nanotext.errors import UserError, fail
+from nanotext.errors import UserError
 
 USAGE = "usage: python -m nanotext.verify OUTPUT_DIR"
 
@@ -144,13 +142,12 @@ def main(argv) -> None:
   if len(args) != 1:
     raise UserError(USAGE)
   out = args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0]
-  # Orbax reads in threads and an event loop that swallow a KeyboardInterrupt raised inside them
-  # (verify went on and exited 0) or turn it into a read error (a step called damaged, exit 1):
-  # Ctrl-C ends verify where it lands instead. It only reads, so nothing is lost.
-  signal.signal(signal.SIGINT, lambda signum, frame: fail("interrupted", 130))
-  sys.exit(report(out))
+  sys.exit(report(out, log=lambda line: print(line, flush=True)))  # a signal ends it at once
 
 
 if __name__ == "__main__":
   from nanotext import cli
-  cli.run(main, USAGE, __doc__, jax=True)
+  # Orbax reads in threads and an event loop that swallow a KeyboardInterrupt raised inside them
+  # (verify went on and exited 0) or turn it into a read error (a step called damaged, exit 1):
+  # a signal ends verify where it lands instead. It only reads, so nothing is lost.
+  cli.run(main, USAGE, __doc__, jax=True, at_once=cli.READ_ONLY_STOP)

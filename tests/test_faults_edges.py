@@ -96,3 +96,35 @@ def test_a_signal_as_the_run_ends_says_the_final_checkpoint_is_saved(tmp_path, p
   assert stdout.splitlines()[-1] == ("received SIGTERM after the last step: the final "
                                      "checkpoint is saved")
   assert sorted(os.listdir(out / "checkpoints")) == ["4"]
+
+
+READ_ONLY = """
+import runpy, sys, time
+from nanotext import cli
+marker = sys.argv[1]
+def swallowing(*a, **k):  # the tool's start, in library code that swallows what is raised into it
+  open(marker, "w").close()
+  for _ in range(600):
+    try:
+      time.sleep(1)
+    except BaseException:
+      pass
+cli.parse = swallowing
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("tool,signum", [("nanotext.verify", signal.SIGINT),
+                                         ("nanotext.evaluate", signal.SIGTERM),
+                                         ("nanotext.generate", signal.SIGTERM)])
+def test_a_tool_that_only_reads_stops_at_once_on_a_signal(tmp_path, tool, signum):
+  """verify, evaluate and generate write nothing: a signal ends them where it lands, in one
+  line. Raised into the main thread it could land in library code that swallows it (the tool
+  went on, or exited 0 as if done)."""
+  status, _, err = signalled(READ_ONLY, [str(tmp_path / "m"), tool, str(tmp_path)], signum,
+                             tmp_path / "m")
+  name = signal.Signals(signum).name
+  assert (status, err) == (128 + signum, f"nanotext: error: stopped by {name}; this tool only "
+                           "reads, nothing was changed\n")

@@ -210,7 +210,8 @@ def test_ctrl_c_during_verify_is_one_line(reference, tmp_path):
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
-  assert err.strip().splitlines()[-1] == "nanotext: error: interrupted"
+  assert err.strip().splitlines()[-1] == ("nanotext: error: stopped by SIGINT; this tool only "
+                                          "reads, nothing was changed")
 
 
 # --- convert ----------------------------------------------------------------------------------
