@@ -55,7 +55,7 @@ def load_params(path: str):
   written with it (a folder written before they existed is read unchecked)."""
   import orbax.checkpoint as ocp
   from nanotext.integrity import record_of_params_only, verify
-  where = os.path.join(path, "params")
+  where = os.path.abspath(os.path.join(path, "params"))  # orbax refuses a relative path
   if not os.path.isdir(where):
     raise UserError(f"'{path}' holds no params/ folder (is it a params-only checkpoint?)")
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
