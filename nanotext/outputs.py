@@ -8,7 +8,7 @@ import shutil
 import tempfile
 
 from nanotext.errors import ResourceError, UserError, write_error
-from nanotext import fileio, probes, rundir
+from nanotext import fileio, probes, rundir, signals
 
 
 def _umask() -> int:
@@ -133,13 +133,20 @@ def staged_dir(out: str, *, force: bool, protect=()):
     raise
   _shared(tmp)
   try:
-    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
-      old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-      os.replace(out, os.path.join(old, name))  # aside first: rename cannot replace a full folder
-      os.replace(tmp, out)
-      shutil.rmtree(old, ignore_errors=True)
-    else:
-      os.replace(tmp, out)
+    # A signal between the two renames left no output: the old one aside, the new one removed.
+    with signals.held():
+      if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+        os.replace(out, os.path.join(old, name))  # aside first: rename cannot replace a folder
+        try:
+          os.replace(tmp, out)
+        except OSError:
+          os.replace(os.path.join(old, name), out)
+          os.rmdir(old)
+          raise
+        shutil.rmtree(old, ignore_errors=True)
+      else:
+        os.replace(tmp, out)
   finally:
     if os.path.isdir(tmp):
       shutil.rmtree(tmp, ignore_errors=True)

@@ -101,6 +101,24 @@ def work_done(message: str) -> None:
     _done = message
 
 
+@contextlib.contextmanager
+def held():
+  """SIGTERM and Ctrl-C that arrive during the block (renames that must happen together) take
+  effect at its end, through the handler they would have met; from the main thread only."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  got = []
+  previous = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in SIGNALS}
+  try:
+    yield
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+    if got and callable(previous[got[0]]):
+      previous[got[0]](got[0], None)
+
+
 def _quiet_handlers() -> None:
   """Python's handlers do nothing: the watching thread acts (the wakeup pipe still hears)."""
   for signum in SIGNALS:

@@ -205,6 +205,36 @@ def test_a_failed_conversion_outlasts_a_writer_still_finishing_in_it(tmp_path):
   assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_replacing_an_output_is_whole_under_a_signal_or_a_failed_rename(tmp_path, monkeypatch,
+                                                                        fails):
+  """--force onto an existing folder sets the old one aside, then renames the new one in. A
+  Ctrl-C between the two renames left neither: the old aside under a hidden name, the new one
+  deleted. Now the signal takes effect after the swap, and a failed second rename puts the old
+  one back."""
+  import signal
+  from nanotext import outputs
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "OLD").write_text("the previous export")
+  real = os.replace
+
+  def replace(a, b):
+    if fails and os.path.basename(a).startswith(".out.tmp-"):
+      raise OSError(5, "Input/output error")
+    real(a, b)
+    if a == str(out) and not fails:  # the old output just set aside
+      signal.raise_signal(signal.SIGINT)
+
+  monkeypatch.setattr(outputs.os, "replace", replace)
+  with pytest.raises(OSError if fails else KeyboardInterrupt):
+    with outputs.staged_dir(str(out), force=True) as tmp:
+      with open(os.path.join(tmp, "NEW"), "w") as f:
+        f.write("the new export")
+  assert os.listdir(out) == ["OLD" if fails else "NEW"]
+  assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing aside, nothing staged left
+
+
 def test_converted_files_are_readable_as_the_umask_allows(tmp_path):
   """safetensors writes its file 0600 (as mkstemp makes one): to-hf's model.safetensors and
   every export-torch file were unreadable to anyone else, the other outputs 0644."""
