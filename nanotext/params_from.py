@@ -30,8 +30,11 @@ def find_item(path: str, what: str = "checkpoint.load_params_from") -> tuple:
   if not os.path.isdir(root) and os.path.isdir(os.path.join(path, "params")):
     return os.path.join(os.path.abspath(path), "params"), False
   root = root if os.path.isdir(root) else path
-  steps = [int(n) for n in os.listdir(root) if is_step_name(n)
-           and os.path.isdir(os.path.join(root, n))]
+  try:
+    names = os.listdir(root)
+  except (FileNotFoundError, NotADirectoryError):  # a step a run in progress just removed
+    raise Damaged(f"'{path}' was removed while it was read") from None
+  steps = [int(n) for n in names if is_step_name(n) and os.path.isdir(os.path.join(root, n))]
   if not steps:
     raise UserError(f"{what}='{path}' holds no complete checkpoint "
                     "(give a run directory, a checkpoint step directory or a params-only "

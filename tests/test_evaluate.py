@@ -88,17 +88,29 @@ def test_validation_shards_alone_evaluate_a_run_and_train_none(tiny_run, tmp_pat
 
 
 @pytest.mark.fast
-def test_a_step_removed_while_it_is_read_is_left_out(tiny_run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_step_removed_while_it_is_read_is_left_out(tiny_run, tmp_path, monkeypatch, when):
+  """Removed before its read, or in the middle of finding its state/ (was a FileNotFoundError
+  traceback: a run with checkpoint.keep rotating it away, state/ first)."""
   out = str(tmp_path / "run")
   shutil.copytree(tiny_run[0], out)
   shutil.copytree(os.path.join(out, "checkpoints", "2"), os.path.join(out, "checkpoints", "1"))
-  load = params_from.load
+  load, isdir = params_from.load, os.path.isdir
+  one = os.path.join(out, "checkpoints", "1")
 
   def rotated_away(path, abstract, what, **kw):  # as a run training removes its oldest step
     if path.endswith(os.sep + "1"):
       shutil.rmtree(path)
     return load(path, abstract, what, **kw)
-  monkeypatch.setattr(params_from, "load", rotated_away)
+
+  def removed_meanwhile(path):
+    if str(path) == os.path.join(one, "state") and isdir(one):
+      shutil.rmtree(one)
+    return isdir(path)
+  if when == "before":
+    monkeypatch.setattr(params_from, "load", rotated_away)
+  else:
+    monkeypatch.setattr(params_from.os.path, "isdir", removed_meanwhile)
   lines = []
   rows = evaluate.evaluate(out, "all", log=lines.append)
   assert [r["step"] for r in rows] == [2]
