@@ -273,6 +273,7 @@ def main(argv) -> None:
   from nanotext.data.tokenizer import get_tokenizer
   out, step, num, cfg_path, overrides = parse(argv)
   cfg = wiring.load(cfg_path, overrides)  # checked as train checks it
+  wiring.check_vocab(cfg)  # prompt ids past the table's rows: a clamped lookup, garbage
   check_seeds(cfg, num)
   tokenizer = get_tokenizer(cfg.data.tokenizer)
   prompt_ids = encode_prompt(tokenizer, cfg.sample.prompt)  # before the checkpoint is read

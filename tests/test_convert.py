@@ -316,6 +316,19 @@ def test_from_hf_onto_a_speedrun_config_turns_its_features_off(hf_dir, tmp_path)
 
 
 @pytest.mark.fast
+def test_from_hf_refuses_a_vocabulary_smaller_than_the_tokenizers(hf_dir, tmp_path):
+  """The HF checkpoint's 512 ids under the shipped 8,192-token tokenizer: the run was written,
+  then train and evaluate refused it and generate sampled from clamped lookups, exit 0."""
+  text = [a for a in TRAIN_KEYS if not a.startswith("data.")] + [
+      "data.source=shakespeare", "data.tokenizer=shakespeare"]
+  with pytest.raises(UserError, match=r"vocab_size=512 is smaller than the vocabulary of "
+                                      r"data.tokenizer 'shakespeare' \(8192\); pass "
+                                      r"data.tokenizer="):
+    from_hf(hf_dir[0], str(tmp_path / "run"), text, log=quiet)
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.fast
 def test_from_hf_refuses_weights_that_are_not_finite(hf_dir, tmp_path):
   from safetensors.numpy import save_file
   src = tmp_path / "hf"

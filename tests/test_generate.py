@@ -118,6 +118,29 @@ def test_same_seed_same_tokens():
   assert all(0 <= t < 512 for t in a)
 
 
+def test_tiktoken_ids_past_its_vocabulary_decode_to_no_text():
+  """The speedrun's 50,304 rows pad GPT-2's 50,257 ids: a young model samples the padding rows,
+  and tiktoken raised KeyError on them (a traceback at the end-of-run sample)."""
+  from nanotext.data.tokenizer import TiktokenTokenizer
+
+  class Encoding:  # tiktoken's interface, as far as decode uses it
+    n_vocab, eot_token = 4, 3
+    def decode(self, ids):
+      return "".join("abc|"[i] for i in ids)
+  assert TiktokenTokenizer(Encoding()).decode([0, 50300, 1, 4, -1, 2]) == "abc"
+
+
+def test_a_run_whose_tokenizer_outgrows_its_tables_is_refused(tmp_path):
+  """Prompt ids past model.vocab_size were looked up clamped: generate printed garbage, exit 0.
+  Refused, before its checkpoint is read, as train and evaluate refuse it."""
+  out = tmp_path / "run"
+  out.mkdir()
+  with open(BASE) as f:
+    (out / "config.yml").write_text(f.read().replace("vocab_size: 8192 ", "vocab_size: 512 "))
+  with pytest.raises(UserError, match=r"model.vocab_size=512 is smaller than the 'shakespeare'"):
+    generate.main([f"output_dir={out}", "max_new_tokens=2"])
+
+
 def test_empty_prompt_is_a_user_error():
   """A prompt that encodes to nothing is refused before any compile."""
   with pytest.raises(UserError, match="no tokens"):

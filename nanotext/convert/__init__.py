@@ -48,7 +48,16 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   mapping, and only this front module (like train and generate) reaches up to it.
   """
   from nanotext import wiring
+  from nanotext.errors import UserError
   cfg, flat = read_hf(hf, out, overrides, config_path=config_path, force=force)
+  try:  # a run that train, evaluate and generate would refuse
+    wiring.check_vocab(cfg)
+  except UserError:
+    raise UserError(
+        f"the Hugging Face checkpoint's vocab_size={cfg.model.vocab_size} is smaller than the "
+        f"vocabulary of data.tokenizer '{cfg.data.tokenizer}' "
+        f"({wiring.tokenizer_vocab(cfg.data)}); pass data.tokenizer=NAME, the tokenizer its "
+        "ids are of") from None
   return write_run(wiring.from_config(cfg), flat, hf, out, force=force, log=log)
 
 

@@ -78,7 +78,9 @@ class TiktokenTokenizer:
     return self._enc.encode_ordinary(text)
 
   def decode(self, ids) -> str:
-    return self._enc.decode([int(i) for i in ids])
+    """Ids past the encoding's (a vocabulary padded to 50304: rows no token has, which a
+    young model samples) stand for no text; tiktoken raised KeyError on them."""
+    return self._enc.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
   def token_bytes(self):
     """Bytes each id stands for (0 for <|endoftext|>)."""
