@@ -329,6 +329,27 @@ def test_from_hf_refuses_a_vocabulary_smaller_than_the_tokenizers(hf_dir, tmp_pa
 
 
 @pytest.mark.fast
+def test_from_hf_reads_shards_and_names_a_damaged_index(hf_dir, tmp_path):
+  """A sharded save (model.safetensors.index.json) reads as the single file does; an index that
+  is not JSON, has no weight_map or names a path outside its folder was a traceback."""
+  sharded = tmp_path / "sharded"
+  hf_dir[1].save_pretrained(sharded, max_shard_size="100KB")
+  assert not (sharded / "model.safetensors").exists()
+  _, want = hf.read_hf(hf_dir[0], str(tmp_path / "a"), TRAIN_KEYS)
+  _, got = hf.read_hf(str(sharded), str(tmp_path / "b"), TRAIN_KEYS)
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  index = sharded / "model.safetensors.index.json"
+  for text in ("{not json", '{"metadata": {}}', "[1, 2]", '{"weight_map": {"a": "../x"}}',
+               '{"weight_map": {}}'):
+    index.write_text(text)
+    with pytest.raises(UserError, match="model.safetensors.index.json' is not a safetensors "
+                                        "index"):
+      hf.read_hf(str(sharded), str(tmp_path / "c"), TRAIN_KEYS)
+
+
+@pytest.mark.fast
 def test_from_hf_refuses_weights_that_are_not_finite(hf_dir, tmp_path):
   from safetensors.numpy import save_file
   src = tmp_path / "hf"

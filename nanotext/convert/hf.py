@@ -96,8 +96,7 @@ def _read_hf_tensors(hf: str) -> dict:
   if os.path.isfile(single):
     files = [single]
   elif os.path.isfile(index):
-    with open(index) as f:
-      files = [os.path.join(hf, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+    files = [os.path.join(hf, n) for n in _shard_names(index)]
   else:
     raise UserError(f"'{hf}' holds no model.safetensors (a pytorch_model.bin must be re-saved "
                     "with save_pretrained(safe_serialization=True) first)")
@@ -110,6 +109,24 @@ def _read_hf_tensors(hf: str) -> dict:
     for name, value in tensors.items():
       out[name.removeprefix("transformer.")] = value
   return out
+
+
+def _shard_names(index: str) -> list:
+  """The shard files a model.safetensors.index.json names (its weight_map's values: plain file
+  names in its folder); a damaged index is one line."""
+  try:
+    with open(index, "rb") as f:
+      names = json.loads(f.read().decode("utf-8"))["weight_map"].values()
+    names = sorted(set(names))
+    if not names or not all(isinstance(n, str) and n and os.path.basename(n) == n
+                            and n not in (".", "..") for n in names):
+      raise ValueError("its weight_map names no shard files of its folder")
+  except OSError as e:
+    raise UserError(f"cannot read '{index}': {e.strerror}") from None
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise UserError(f"'{index}' is not a safetensors index ({type(e).__name__}: "
+                    f"{str(e)[:120]}); save the model again with save_pretrained") from None
+  return names
 
 
 def _hf_to_flat(c: dict, t: dict) -> dict:
