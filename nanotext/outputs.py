@@ -79,14 +79,21 @@ def writing(out: str):
     raise ResourceError(f"writing '{out}' failed: {text.splitlines()[0][:200]}") from None
 
 
-def _make_parent(out: str, parent: str) -> None:
-  """Create the folder --out goes into; a file in the way is bad input, not a traceback."""
+def _make_parent(out: str, parent: str) -> list:
+  """Create the folder --out goes into; a file in the way is bad input, not a traceback. The
+  folders made, innermost first (a failed write removes them: nothing on disk changed)."""
+  made, missing = [], parent
+  while missing and not os.path.lexists(missing):
+    made.append(missing)
+    missing = os.path.dirname(missing)
   try:
     os.makedirs(parent, exist_ok=True)
-  except (FileExistsError, NotADirectoryError):
-    raise UserError(f"--out '{out}': a file stands where its folder '{parent}' would be") \
-        from None
+    return made
   except OSError as e:
+    _remove_made(made)  # those made before the one that failed
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+      raise UserError(f"--out '{out}': a file stands where its folder '{parent}' would be") \
+          from None
     raise UserError(f"--out '{out}': cannot create '{parent}' ({e.strerror})") from None
 
 
@@ -110,6 +117,15 @@ def check_out(out: str, *, force: bool, protect=(), folder: bool = True) -> None
   probes.writable_dir(os.path.dirname(out), "the folder of --out")
 
 
+def _remove_made(made: list) -> None:
+  """Remove the folders _make_parent made, where they are still empty."""
+  for folder in made:
+    try:
+      os.rmdir(folder)
+    except OSError:
+      return
+
+
 @contextlib.contextmanager
 def staged_dir(out: str, *, force: bool, protect=()):
   """Yield a temporary folder next to `out`; on success it replaces `out` in one rename.
@@ -121,15 +137,20 @@ def staged_dir(out: str, *, force: bool, protect=()):
                     "folder path")
   out = _check_target(out, force, protect)
   parent, name = os.path.split(out)
-  _make_parent(out, parent)
-  with writing(out):
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+  made = _make_parent(out, parent)
+  try:
+    with writing(out):
+      tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+  except BaseException:
+    _remove_made(made)
+    raise
   os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's private 0700 would outlive the rename
   try:
     with writing(out):
       yield tmp
   except BaseException:
     fileio.remove_tree(tmp)  # a failed orbax save may still be writing into it
+    _remove_made(made)
     raise
   _shared(tmp)
   try:
@@ -160,9 +181,13 @@ def staged_file(out: str, *, force: bool, protect=()):
   if os.path.isdir(out):
     raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
   parent, name = os.path.split(out)
-  _make_parent(out, parent)
-  with writing(out):
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
+  made = _make_parent(out, parent)
+  try:
+    with writing(out):
+      fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=parent)
+  except BaseException:
+    _remove_made(made)
+    raise
   os.close(fd)
   try:
     with writing(out):
@@ -172,3 +197,4 @@ def staged_file(out: str, *, force: bool, protect=()):
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)
+      _remove_made(made)

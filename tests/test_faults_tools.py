@@ -234,12 +234,12 @@ def test_convert_refuses_an_out_inside_a_run(reference, tmp_path):
 
 
 def test_a_file_size_limit_while_converting_is_one_line_status_1(reference, tmp_path):
-  out = tmp_path / "p"
+  out = tmp_path / "a" / "b" / "p"
   proc = cli("nanotext.convert", "params-only", f"--run={reference[0]}", f"--out={out}",
              shell="ulimit -f 64")
   assert_one_error_line(proc, 1, "File too large")
   assert "meta_path" not in proc.stderr and "ERROR" not in proc.stderr
-  assert os.listdir(tmp_path) == []  # no --out, no staging folder left
+  assert os.listdir(tmp_path) == []  # no --out, no staging folder, no folder made for it
 
 
 # --- plot -------------------------------------------------------------------------------------

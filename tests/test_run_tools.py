@@ -235,6 +235,18 @@ def test_replacing_an_output_is_whole_under_a_signal_or_a_failed_rename(tmp_path
   assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing aside, nothing staged left
 
 
+def test_a_failed_write_removes_the_folders_made_for_its_out(tmp_path):
+  """--out=a/b/c onto a full disk left the empty a/b it had made."""
+  from nanotext.outputs import staged_dir, staged_file
+  (tmp_path / "kept").mkdir()
+  for staged, out in ((staged_dir, tmp_path / "a" / "b" / "c"),
+                      (staged_file, tmp_path / "kept" / "d" / "e.safetensors")):
+    with pytest.raises(ResourceError, match="No space left"):
+      with staged(str(out), force=False):
+        raise OSError(28, "No space left on device")
+    assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(tmp_path / "kept") == []
+
+
 def test_converted_files_are_readable_as_the_umask_allows(tmp_path):
   """safetensors writes its file 0600 (as mkstemp makes one): to-hf's model.safetensors and
   every export-torch file were unreadable to anyone else, the other outputs 0644."""
