@@ -291,8 +291,8 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
   by file: a read that fails as a file of it or the step vanishes, or once a newer step is on
   disk, reads the step newest by then instead; a given step that vanishes is not there."""
   if step < -1:
-    raise UserError(f"step={step} is not a checkpoint step: give a step >= 0, or -1 (the "
-                    "default) for the newest")
+    raise UserError(f"{step_arg.removesuffix('=')}={step} is not a checkpoint step: give a "
+                    "step >= 0, or -1 (the default) for the newest")
   if not os.path.isdir(checkpoint_dir(output_dir)):
     raise UserError(f"{what} '{output_dir}' holds no checkpoints")
   for attempt in range(3):

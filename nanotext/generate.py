@@ -210,13 +210,13 @@ def sample_text(graphdef, params, cfg, tokenizer, prompt: str) -> str:
   return tokenizer.decode(list(sample_ids(graphdef, params, cfg, tokenizer, prompt)))
 
 
-def encode_prompt(tokenizer, prompt: str) -> list:
+def encode_prompt(tokenizer, prompt: str, key: str = "sample.prompt") -> list:
   """The prompt's token ids; UserError for one that encodes to none (checked before a run
-  trains and before generate reads a checkpoint, not after)."""
+  trains and before generate reads a checkpoint, not after). `key`: the argument's name."""
   ids = tokenizer.encode(prompt)
   if not ids:
-    raise UserError(f"sample.prompt={prompt!r} encodes to no tokens; give a non-empty prompt "
-                    "(or sample.max_new_tokens=0 for no sample)")
+    other = " (or sample.max_new_tokens=0 for no sample)" if key == "sample.prompt" else ""
+    raise UserError(f"{key}={prompt!r} encodes to no tokens; give a non-empty prompt{other}")
   return ids
 
 
@@ -276,7 +276,7 @@ def main(argv) -> None:
   wiring.check_vocab(cfg)  # prompt ids past the table's rows: a clamped lookup, garbage
   check_seeds(cfg, num)
   tokenizer = get_tokenizer(cfg.data.tokenizer)
-  prompt_ids = encode_prompt(tokenizer, cfg.sample.prompt)  # before the checkpoint is read
+  prompt_ids = encode_prompt(tokenizer, cfg.sample.prompt, "prompt")  # before the checkpoint
   step, graphdef, params = restore(out, cfg, step, checked=True)
   rows = batch_rows(graphdef, params, cfg, len(prompt_ids), num)
   for first in range(0, num, rows):  # sample i draws with seed + i

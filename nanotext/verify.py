@@ -87,7 +87,9 @@ def report(out: str, log=print) -> int:
   if not os.path.isdir(root) and os.path.isdir(os.path.join(out, "params")):
     return params_only_report(out, log)
   if not os.path.isdir(root):
-    raise UserError(f"'{out}' holds no checkpoints/ directory (is it a nanotext run directory?)")
+    missing = "does not exist" if not os.path.lexists(out) else \
+        "is not a directory" if not os.path.isdir(out) else "holds no checkpoints/ directory"
+    raise UserError(f"'{out}' {missing} (give a nanotext run directory)")
   live = running(out)
   manager = checkpoint.reader(out)
   steps = sorted(manager.all_steps(), reverse=True)
@@ -133,6 +135,7 @@ def params_only_report(out: str, log=print) -> int:
     status, detail = _read(params, record_of_params_only(out))
   except UserError as e:  # unreadable, or not what was written (integrity.Damaged)
     status, detail = "damaged", str(e)
+  step = "unknown (no convert.json)" if step == -1 else step
   log(f"  step {step:>7}  {status:<10s}  {detail}")
   return 1 if status == "damaged" else 0
 

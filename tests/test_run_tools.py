@@ -4,6 +4,7 @@ fast tier's end-to-end file (tests/test_faults_tools.py: the same tools under da
 
 import json
 import os
+import re
 import shutil
 import threading
 
@@ -245,6 +246,23 @@ def test_a_failed_write_removes_the_folders_made_for_its_out(tmp_path):
       with staged(str(out), force=False):
         raise OSError(28, "No space left on device")
     assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(tmp_path / "kept") == []
+
+
+def test_the_tools_name_what_was_given(tiny_run, tmp_path):
+  """convert named --step as step=; verify called a missing path or a file a folder without
+  checkpoints/, and a params-only folder without convert.json 'step -1' (generate: unknown)."""
+  with pytest.raises(UserError, match=r"^--step=-5 is not a checkpoint step"):
+    params.params_only(tiny_run[0], str(tmp_path / "p"), step=-5, log=lambda line: None)
+  (tmp_path / "file").write_text("x")
+  for path, what in ((tmp_path / "nope", "does not exist"), (tmp_path / "file",
+                                                             "is not a directory")):
+    with pytest.raises(UserError, match=f"'{re.escape(str(path))}' {what}"):
+      verify.report(str(path), lambda line: None)
+  params.params_only(tiny_run[0], str(tmp_path / "p"), log=lambda line: None)
+  os.remove(tmp_path / "p" / "convert.json")
+  lines = []
+  assert verify.report(str(tmp_path / "p"), lines.append) == 0
+  assert lines[1].split()[:4] == ["step", "unknown", "(no", "convert.json)"], lines
 
 
 def test_converted_files_are_readable_as_the_umask_allows(tmp_path):

@@ -64,7 +64,8 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple:
   """(train, val): val is the stream's last `val_fraction` (at least one token each)."""
   n_val = int(round(tokens.size * val_fraction))
   if tokens.size < 2 or not 0 < n_val < tokens.size:
-    raise UserError(f"{tokens.size:,} tokens cannot be split into training and validation "
+    raise UserError(f"{tokens.size:,} token{'s' * (tokens.size != 1)} cannot be split into "
+                    "training and validation "
                     f"tokens at --val_fraction={val_fraction}: give more text or another fraction")
   return tokens[:-n_val], tokens[-n_val:]
 
