@@ -284,6 +284,8 @@ def test_refuses_out_that_holds_the_run_through_a_link(base_run, tmp_path):
     (lambda c: {k: v for k, v in c.items() if k != "n_embd"}, "n_embd=None"),
     (lambda c: {**c, "n_embd": 64.5}, "n_embd=64.5"),
     (lambda c: {**c, "n_layer": -1}, "n_layer=-1"),
+    (lambda c: {**c, "n_inner": "abc"}, "n_inner='abc'"),  # was named model.mlp_dim
+    (lambda c: {**c, "n_inner": -5}, "n_inner=-5"),
 ])
 def test_from_hf_names_a_size_that_is_not_a_positive_integer(hf_dir, tmp_path, edit, message):
   src = tmp_path / "hf"

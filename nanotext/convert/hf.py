@@ -81,6 +81,10 @@ def _read_hf_config(hf: str) -> dict:
     v = c.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
       raise UserError(f"'{path}' gives {key}={v!r}: a GPT-2 config needs a positive integer")
+  v = c.get("n_inner")  # None: 4 * n_embd
+  if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+    raise UserError(f"'{path}' gives n_inner={v!r}: a positive integer, or null for "
+                    "4 * n_embd")
   # reorder_and_upcast_attn only changes where the float32 upcast happens: same function.
   return c
 
