@@ -2,11 +2,13 @@
 
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import PROCESS_TIMEOUT_S, REPO, run_cli
 from nanotext.data import binfile, fineweb
 from nanotext.errors import UserError
 
@@ -86,7 +88,28 @@ def test_corrupt_download_leaves_nothing(remote, tmp_path):
   with pytest.raises(UserError, match="fineweb_train_000002.bin.*not a valid shard"):
     fineweb.download(3, str(out), fetch=fetch, log=quiet)
   assert listing(out) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin"]
-  assert os.listdir(out / fineweb.TMP_DIR) == []
+  assert not os.path.exists(out / fineweb.TMP_DIR)  # nothing in it to resume
+
+
+def test_a_failed_download_keeps_only_what_a_next_run_resumes(tmp_path):
+  """A failure with nothing downloaded left the folder it made (the Hub's lock files in it);
+  one with part of a file downloaded keeps the staging folder: the next run resumes there."""
+  def unreachable(name, tmp_dir):
+    os.makedirs(os.path.join(tmp_dir, ".cache"), exist_ok=True)
+    open(os.path.join(tmp_dir, ".cache", f"{name}.lock"), "w").close()
+    raise UserError("cannot download: the Hub is unreachable")
+  out = tmp_path / "new" / "out"
+  with pytest.raises(UserError, match="unreachable"):
+    fineweb.download(1, str(out), fetch=unreachable, log=quiet)
+  assert os.listdir(tmp_path / "new") == []
+
+  def cut_off(name, tmp_dir):
+    with open(os.path.join(tmp_dir, f"{name}.incomplete"), "wb") as f:
+      f.write(b"part of it")
+    raise UserError("cannot download: connection reset")
+  with pytest.raises(UserError, match="reset"):
+    fineweb.download(1, str(out), fetch=cut_off, log=quiet)
+  assert os.listdir(out / fineweb.TMP_DIR) == ["fineweb_val_000000.bin.incomplete"]
 
 
 def test_fetch_returning_file_elsewhere_is_copied(remote, tmp_path):
@@ -140,4 +163,28 @@ def test_cli_offline_hub_error(tmp_path):
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("nanotext: error: cannot download 'fineweb_val_000000.bin'")
   assert "unreachable" in last
-  assert listing(tmp_path / "x") == []
+  assert not os.path.exists(tmp_path / "x")  # made for the download, nothing in it
+
+
+HUB_RETRYING = """
+import logging, runpy, sys
+import huggingface_hub
+def download(*a, **k):  # the Hub's client retrying a refused connection, then giving up
+  for i in range(3):
+    logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry %d/5].", i)
+  raise ConnectionError("Connection refused")
+huggingface_hub.hf_hub_download = download
+sys.argv = ["fineweb", "--train-shards=1", "--out=" + sys.argv[1]]
+runpy.run_module("nanotext.data.fineweb", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_the_hubs_retries_are_not_printed(tmp_path):
+  """An unreachable Hub printed each retry twice (its handler, then absl's): 23 lines."""
+  pytest.importorskip("huggingface_hub")
+  result = subprocess.run([sys.executable, "-c", HUB_RETRYING, str(tmp_path / "x")], cwd=REPO,
+                          capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      "nanotext: error: cannot download 'fineweb_val_000000.bin' from the Hugging Face dataset "
+      "kjj0/fineweb10B-gpt2: ConnectionError: Connection refused"], result.stderr

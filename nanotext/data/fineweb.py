@@ -1,6 +1,7 @@
 """Download the pre-tokenized GPT-2 FineWeb-10B `.bin` shards the modded-nanogpt speedrun uses."""
 
 import glob
+import logging
 import os
 import shutil
 import time
@@ -48,6 +49,10 @@ def check_train_shards(train_shards) -> int:
 
 def hf_fetch(filename: str, tmp_dir: str) -> str:
   """Download `filename` from REPO_ID into tmp_dir with huggingface_hub; returns its path."""
+  # Its retries on a failed connection were 22 warnings on stderr, each twice (its own handler
+  # and absl's): the download says once what failed. Its modules set their level from this
+  # variable as they load (lazily, later); the level below is for a hub loaded already.
+  os.environ.setdefault("HF_HUB_VERBOSITY", "error")
   try:  # Lazy: importing this module (and the tests) must not need huggingface_hub.
     import huggingface_hub
     from huggingface_hub import errors
@@ -55,6 +60,7 @@ def hf_fetch(filename: str, tmp_dir: str) -> str:
     raise UserError("downloading FineWeb needs huggingface_hub: pip install huggingface_hub"
                     ) from None
   where = f"'{filename}' from the Hugging Face dataset {REPO_ID}"
+  logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
   try:
     # local_dir keeps one copy (no second one in ~/.cache/huggingface) and lets an
     # interrupted download resume from tmp_dir/.cache on the next run.
@@ -136,10 +142,41 @@ def download(train_shards: int, out_dir: str | None = None, fetch=None, log=_log
   out_dir = os.path.abspath(os.path.expanduser(out_dir or DEFAULT_OUT))
   fetch = fetch or hf_fetch
   tmp_dir = os.path.join(out_dir, TMP_DIR)
+  made = [d for d in (out_dir, tmp_dir) if not os.path.lexists(d)]
   try:
     os.makedirs(tmp_dir, exist_ok=True)
   except OSError as e:
     raise UserError(f"cannot create '{tmp_dir}' ({e}): choose another --out") from None
+  try:
+    return _download_all(train_shards, out_dir, tmp_dir, fetch, log)
+  except BaseException:
+    if not _resumable(tmp_dir):  # nothing a next run resumes: the folders as they were
+      if tmp_dir in made:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+      if out_dir in made:
+        _rmdir(out_dir)
+    raise
+
+
+def _resumable(tmp_dir: str) -> bool:
+  """Whether the staging folder holds part of a download (huggingface_hub's .incomplete)."""
+  for folder, _, names in os.walk(tmp_dir):
+    for name in names:
+      path = os.path.join(folder, name)
+      if name.endswith(".incomplete") and os.path.getsize(path) > 0:
+        return True
+  return False
+
+
+def _rmdir(folder: str) -> None:
+  try:
+    os.rmdir(folder)
+  except OSError:  # not empty: shards downloaded before the failure stay
+    pass
+
+
+def _download_all(train_shards: int, out_dir: str, tmp_dir: str, fetch, log) -> dict:
+  """download()'s work, once its folders exist."""
   names = file_names(train_shards)
   tokens = {"train": 0, "val": 0}
   downloaded, skipped = [], []
