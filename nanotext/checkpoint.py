@@ -282,6 +282,9 @@ def abstract_with_shardings(tree, shardings):
                       tree, shardings)
 
 
+READS = 3  # latest_params' tries at a newest step that a run in progress rotates away
+
+
 def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
                   step_arg: str = "step="):
   """Parameters of a run's newest (or given) checkpoint on one local device; for sampling.
@@ -295,7 +298,8 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
                     "step >= 0, or -1 (the default) for the newest")
   if not os.path.isdir(checkpoint_dir(output_dir)):
     raise UserError(f"{what} '{output_dir}' holds no checkpoints")
-  for attempt in range(3):
+  tried = []  # the newest steps rotated away while read
+  for _ in range(READS):
     manager = reader(output_dir)  # a fresh listing each time
     at = manager.latest_step() if step < 0 else step
     if at is None:
@@ -317,9 +321,13 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
                         "while it was read (a run training into it keeps checkpoint.keep "
                         "steps)") from None
       on_disk = steps_on_disk(output_dir)
-      if step >= 0 or attempt == 2 or not (gone or max(on_disk, default=at) > at):
+      rotated = gone or max(on_disk, default=at) > at
+      if step >= 0 or not rotated:
         raise Damaged(f"{e}{older_steps(on_disk, at, step_arg.rstrip('=') + '=')}") from None
-  raise AssertionError("unreachable")
+      tried.append(at)
+  raise UserError(f"{what} '{output_dir}': a run training into it removed each newest step "
+                  f"before it could be read (steps {', '.join(map(str, tried))}); read it with "
+                  "a larger checkpoint.keep, or once the run has ended")
 
 
 def read_on_one_device(manager, step: int, part: str = ""):

@@ -102,6 +102,25 @@ def test_the_newest_step_rotated_away_while_read_is_read_again(reference, tmp_pa
     checkpoint.latest_params(out, 2)
 
 
+def test_steps_rotated_away_faster_than_read_are_said_to_be(reference, tmp_path, monkeypatch):
+  """checkpoint.every=1 with keep=1 rotates each newest step away while it is read: the third
+  such read ended with the step's read error, as if it were damaged."""
+  out = copy_of(reference, tmp_path)
+  read = checkpoint.read_on_one_device
+  newer = iter(range(10, 100))
+
+  def rotated_away(m, step, part=""):  # a newer step saved, this one half deleted
+    where = checkpoint.step_dir(m, step)
+    shutil.copytree(where, checkpoint.step_dir(m, next(newer)))
+    os.remove(array_files(where)[0])
+    return read(m, step, part)
+  monkeypatch.setattr(checkpoint, "read_on_one_device", rotated_away)
+  with pytest.raises(UserError, match=r"removed each newest step before it could be read "
+                                      r"\(steps 6, 10, 11\); read it with a larger "
+                                      r"checkpoint.keep"):
+    checkpoint.latest_params(out)
+
+
 def test_generate_refuses_a_negative_step_and_an_empty_prompt_first(reference, tmp_path):
   """step=-5 sampled the newest step; the prompt is checked before the checkpoint is read."""
   out = with_tokenizer(copy_of(reference, tmp_path))
