@@ -176,6 +176,23 @@ def parse_flags(argv):
     fail(str(e))
 
 
+def _raised_in_orbax(exc_info) -> bool:
+  """Whether a log record's exception passed through orbax's or tensorstore's code (a read of
+  a step that a run in progress removed: "Future exception was never retrieved")."""
+  exc = exc_info[1] if isinstance(exc_info, tuple) else exc_info
+  seen = set()
+  while isinstance(exc, BaseException) and id(exc) not in seen:
+    seen.add(id(exc))
+    tb = exc.__traceback__
+    while tb is not None:
+      name = tb.tb_frame.f_code.co_filename
+      if f"{os.sep}orbax{os.sep}" in name or "tensorstore" in name:
+        return True
+      tb = tb.tb_next
+    exc = exc.__cause__ or exc.__context__
+  return False
+
+
 def quiet_background_errors() -> None:
   """Keep a failed checkpoint write to the one line the run prints about it.
 
@@ -189,8 +206,9 @@ def quiet_background_errors() -> None:
 
   class NoTraceback(pylogging.Filter):
     def filter(self, record):
-      if record.name == "asyncio" and "orbax" in record.getMessage():
-        return False  # an orbax write task's failure that asyncio found unread when collected
+      if record.name == "asyncio" and ("orbax" in record.getMessage()
+                                       or _raised_in_orbax(record.exc_info)):
+        return False  # an orbax task's or future's failure asyncio found unread when collected
       if "orbax" in record.pathname:
         record.exc_info, record.exc_text = None, None
       return True
