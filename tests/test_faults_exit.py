@@ -139,6 +139,31 @@ def test_a_signal_while_the_process_exits_is_one_line(signum, ending):
                                       "work done)"], proc.stderr
 
 
+# The same at the very end: Python's finalization, past the exit handlers, collecting __main__.
+FINAL = """
+import os, sys, time
+from nanotext import cli
+class Late:
+  def __del__(self, kill=os.kill, pid=os.getpid(), signum=int(sys.argv[1]), sleep=time.sleep):
+    kill(pid, signum)
+    sleep(0.5)
+late = Late()
+def main(args):
+  print("done")
+cli.run(main, "usage: tool", argv=["tool"])
+"""
+
+
+@pytest.mark.parametrize("signum", signals.SIGNALS)
+def test_a_signal_as_python_finalizes_does_not_kill_the_finished_tool(signum):
+  """Python's finalization resets the handlers to the default: a signal there killed the
+  finished tool without a word (status -2 / -15; the convert, generate and evaluate runs of a
+  probe, 0.6 s after their last line). Ignored there, the process ends as it was ending."""
+  proc = subprocess.run([sys.executable, "-c", FINAL, str(int(signum))], cwd=REPO, text=True,
+                        capture_output=True, timeout=PROCESS_TIMEOUT_S)
+  assert (proc.returncode, proc.stdout, proc.stderr) == (0, "done\n", ""), proc.stderr
+
+
 @pytest.mark.parametrize("signum", signals.SIGNALS)  # every signal the tools honour
 def test_a_signal_while_the_main_thread_is_inside_a_call(tmp_path, signum):
   """Python would run the handler only once the call returned: the watching thread ends the
