@@ -119,7 +119,8 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   line."""
   import jax
   import numpy as np
-  from nanotext import distributed, memory_plan, metrics, params_from, programs, trainer, wiring
+  from nanotext import (distributed, memory_plan, metrics, params_from, programs, rundir, trainer,
+                        wiring)
   from nanotext.data.pipeline import val_bytes_per_token
   from nanotext.integrity import Damaged
   from nanotext.model.kernels.dispatch import takes_runtime_window
@@ -150,7 +151,8 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
     except (Damaged, UserError) as e:
       if at is None:
         raise
-      if os.path.isdir(path):  # there, and not readable
+      # there, and not readable; or being removed by the run training into `out`, state/ first
+      if os.path.isdir(path) and not rundir.rotated_out(out, at, rundir.live_keep(out)):
         why = str(e) if os.path.isdir(os.path.join(path, "state")) else \
             f"the checkpoint of step {at} holds no state/ folder (incomplete or damaged)"
         if step != "all":

@@ -9,10 +9,12 @@ the overwrite transaction, and quarantine. `session.Session` puts them in order 
 - Damaged checkpoint steps are moved to `output_dir/damaged/`, never deleted.
 """
 
+import json
 import os
 import shutil
 import time
 
+from nanotext import config_file, lock
 from nanotext.errors import UserError
 
 ASIDE = ".overwritten"  # the previous run while an overwrite is not yet committed
@@ -155,6 +157,37 @@ def steps_on_disk(out: str) -> list:
     return sorted(int(n) for n in os.listdir(os.path.join(out, "checkpoints")) if is_step_name(n))
   except (FileNotFoundError, NotADirectoryError):
     return []
+
+
+def running(out: str) -> str:
+  """'pid N on HOST' of a run that holds output_dir's lock now, else ''."""
+  try:
+    with open(os.path.join(out, lock.LOCK)) as f:
+      holder = json.loads(f.read())
+  except (OSError, ValueError):
+    return ""
+  if not isinstance(holder, dict) or not lock.alive(holder):
+    return ""
+  return f"pid {holder.get('pid')} on {holder.get('host')}"
+
+
+def live_keep(out: str) -> int:
+  """checkpoint.keep of a run training into `out` now (its config.yml); 0 with none, or where
+  that cannot be read."""
+  if not running(out):
+    return 0
+  try:
+    keep = config_file.read(os.path.join(out, "config.yml"))["checkpoint"]["keep"]
+  except (UserError, KeyError, TypeError):
+    return 0
+  return keep if isinstance(keep, int) and keep > 0 else 0
+
+
+def rotated_out(out: str, step: int, keep: int) -> bool:
+  """Whether `step` is older than the newest `keep` steps on disk: a run training into `out`
+  with checkpoint.keep=`keep` (live_keep) is removing it, file by file."""
+  kept = steps_on_disk(out)[-keep:] if keep else []
+  return bool(keep) and len(kept) == keep and step < kept[0]
 
 
 def older_steps(steps, newest: int, arg: str) -> str:

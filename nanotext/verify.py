@@ -8,12 +8,11 @@ meanwhile. Exit status: 0 when every step is intact, 1 when one is
 damaged, 2 for a directory that is not a run, 130 on Ctrl-C.
 """
 
-import json
 import os
 import sys
 
 # jax, numpy and orbax are imported inside the functions: --help and a bad argument need none.
-from nanotext import lock, rundir
+from nanotext import rundir
 from nanotext.errors import UserError
 
 USAGE = "usage: python -m nanotext.verify OUTPUT_DIR"
@@ -33,9 +32,8 @@ def check_step(manager, step: int, keep: int = 0) -> tuple:
     checkpoint.check_data_files(where)
     checkpoint.check_config_item(where)
   except checkpoint.Damaged as e:
-    kept = rundir.steps_on_disk(os.path.dirname(str(manager.directory)))[-keep:] if keep else []
-    rotating = bool(keep) and len(kept) == keep and step < kept[0]
-    if rotating or rundir.vanished(where, files):
+    out = os.path.dirname(str(manager.directory))
+    if rundir.rotated_out(out, step, keep) or rundir.vanished(where, files):
       return "gone", "removed while it was read (the run in progress keeps checkpoint.keep)"
     return "damaged", str(e)
   return _read(state, integrity)
@@ -50,29 +48,6 @@ def _read(state, integrity) -> tuple:
   if not (integrity or {}).get("checksums"):
     return "unverified", f"{len(leaves)} arrays, {size:,.1f} MiB read; no checksums saved with it"
   return "intact", f"{len(leaves)} arrays, {size:,.1f} MiB, every checksum matches"
-
-
-def _keep(out: str) -> int:
-  """checkpoint.keep in the run's config.yml (the run training into `out` wrote it); 0 if
-  unreadable."""
-  from nanotext import config_file
-  try:
-    keep = config_file.read(os.path.join(out, "config.yml"))["checkpoint"]["keep"]
-  except (UserError, KeyError, TypeError):
-    return 0
-  return keep if isinstance(keep, int) and keep > 0 else 0
-
-
-def running(out: str) -> str:
-  """'pid N on HOST' of a run that holds output_dir's lock now, else ''."""
-  try:
-    with open(os.path.join(out, lock.LOCK)) as f:
-      holder = json.loads(f.read())
-  except (OSError, ValueError):
-    return ""
-  if not isinstance(holder, dict) or not lock.alive(holder):
-    return ""
-  return f"pid {holder.get('pid')} on {holder.get('host')}"
 
 
 def report(out: str, log=print) -> int:
@@ -90,13 +65,13 @@ def report(out: str, log=print) -> int:
     missing = "does not exist" if not os.path.lexists(out) else \
         "is not a directory" if not os.path.isdir(out) else "holds no checkpoints/ directory"
     raise UserError(f"'{out}' {missing} (give a nanotext run directory)")
-  live = running(out)
+  live = rundir.running(out)
   manager = checkpoint.reader(out)
   steps = sorted(manager.all_steps(), reverse=True)
   said = f"{len(steps)} checkpoint(s) in {root}, newest first:" if steps else \
       f"no checkpoint in {root} yet: nothing to verify"
   log(said + (f" (a run is training into it: {live})" if live else ""))
-  damaged, keep = 0, _keep(out) if live else 0
+  damaged, keep = 0, rundir.live_keep(out)
   for step in steps:
     status, detail = check_step(manager, step, keep)
     damaged += status == "damaged"

@@ -2,8 +2,10 @@
 run's own, for a run or a params-only folder, on any device count; nothing in the run is
 written; bad arguments are one line."""
 
+import json
 import os
 import shutil
+import socket
 
 import numpy as np
 import pytest
@@ -118,6 +120,27 @@ def test_a_step_removed_while_it_is_read_is_left_out(tiny_run, tmp_path, monkeyp
   shutil.copytree(os.path.join(out, "checkpoints", "2"), os.path.join(out, "checkpoints", "1"))
   with pytest.raises(UserError, match="step 1 was removed"):
     evaluate.evaluate(out, 1, log=lambda line: None)
+
+
+@pytest.mark.fast
+def test_a_step_a_live_run_is_removing_is_left_out_not_called_damaged(tiny_run, tmp_path):
+  """A run with checkpoint.keep=2 removes its oldest step state/ first: caught between the two,
+  the step was 'incomplete or damaged' and evaluate exited 2. With no run training there, it
+  is damaged."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  root = os.path.join(out, "checkpoints")
+  for n in ("1", "3"):
+    shutil.copytree(os.path.join(root, "2"), os.path.join(root, n))
+  shutil.rmtree(os.path.join(root, "1", "state"))  # keep=2: steps 2 and 3 stay
+  with pytest.raises(UserError, match=r"step\(s\) 1 of .* could not be read"):
+    evaluate.evaluate(out, "all", log=lambda line: None)
+  with open(os.path.join(out, ".lock"), "w") as f:  # a run training into it: this process
+    json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+  lines = []
+  rows = evaluate.evaluate(out, "all", log=lines.append)
+  assert [r["step"] for r in rows] == [2, 3]
+  assert any(line.split()[:3] == ["step", "1", "|"] and "removed" in line for line in lines)
 
 
 @pytest.mark.fast
