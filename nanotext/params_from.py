@@ -95,8 +95,9 @@ def _load_params(item: str, whole_state: bool, abstract_params):
   except Exception as e:  # orbax raises many kinds for unreadable folders
     raise Damaged(f"cannot read the checkpoint '{where}': {error_head(e)}") from None
   if meta is None:  # orbax's answer for a missing or unreadable _METADATA
-    raise Damaged(f"cannot read the checkpoint '{where}': its {os.path.basename(item)}/_METADATA "
-                  "is missing or damaged (python -m nanotext.verify names what else is)")
+    raise Damaged(f"cannot read the checkpoint '{where}': the metadata of its "
+                  f"{os.path.basename(item)}/ (_METADATA, manifest.ocdbt) is missing or damaged "
+                  "(python -m nanotext.verify names what is)")
   meta = meta.tree
   if whole_state and not (isinstance(meta, dict) and "params" in meta):
     raise UserError(f"checkpoint '{where}' holds no parameters")

@@ -168,9 +168,11 @@ def test_a_damaged_step_is_named_and_the_others_evaluated(tiny_run, tmp_path):
   with pytest.raises(UserError, match=r"older step\(s\) \[2\]: read one with "
                                       r"checkpoint.load_params_from=\S+/checkpoints/2$"):
     params_from.load(out, abstract)
-  os.remove(os.path.join(out, "checkpoints", "2", "state", "_METADATA"))
-  with pytest.raises(UserError, match="state/_METADATA is missing or damaged"):
-    evaluate.evaluate(out, 2, log=lambda line: None)
+  for name in ("manifest.ocdbt", "_METADATA"):  # named alone, the first was called the second
+    os.remove(os.path.join(out, "checkpoints", "2", "state", name))
+    with pytest.raises(UserError, match=r"the metadata of its state/ \(_METADATA, "
+                                        r"manifest.ocdbt\) is missing or damaged"):
+      evaluate.evaluate(out, 2, log=lambda line: None)
 
 
 @pytest.mark.fast

@@ -206,7 +206,13 @@ def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   if c["vocab_size"] == 50257:  # the real GPT-2 vocabulary: train on with its tokenizer
     derived.setdefault("data.tokenizer", "gpt2")
   args = [f"{k}={v}" for k, v in derived.items()] + [f"train.seq_len={seq}"] + list(overrides)
-  cfg = config.load(base, args + [f"output_dir={out_abs}"])
+  try:
+    cfg = config.load(base, args + [f"output_dir={out_abs}"])
+  except UserError as e:  # model.* keys are the checkpoint's: name them as its config.json does
+    if "model.max_seq_len" not in str(e):
+      raise
+    raise UserError(f"{e} (model.max_seq_len is the Hugging Face checkpoint's "
+                    f"n_positions={c['n_positions']})") from None
   for key, want in derived.items():
     have = config.get(cfg, key)
     if key == "model.norm_eps":  # 0 is LayerNorm's own 1e-5: an explicit 1e-5 is the same
