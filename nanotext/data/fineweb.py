@@ -142,7 +142,10 @@ def download(train_shards: int, out_dir: str | None = None, fetch=None, log=_log
   out_dir = os.path.abspath(os.path.expanduser(out_dir or DEFAULT_OUT))
   fetch = fetch or hf_fetch
   tmp_dir = os.path.join(out_dir, TMP_DIR)
-  made = [d for d in (out_dir, tmp_dir) if not os.path.lexists(d)]
+  made, missing = [], tmp_dir  # the folders this download makes, innermost first
+  while not os.path.lexists(missing):
+    made.append(missing)
+    missing = os.path.dirname(missing)
   try:
     os.makedirs(tmp_dir, exist_ok=True)
   except OSError as e:
@@ -153,8 +156,9 @@ def download(train_shards: int, out_dir: str | None = None, fetch=None, log=_log
     if not _resumable(tmp_dir):  # nothing a next run resumes: the folders as they were
       if tmp_dir in made:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-      if out_dir in made:
-        _rmdir(out_dir)
+      for folder in made[1:]:
+        if not _rmdir(folder):
+          break
     raise
 
 
@@ -168,11 +172,12 @@ def _resumable(tmp_dir: str) -> bool:
   return False
 
 
-def _rmdir(folder: str) -> None:
+def _rmdir(folder: str) -> bool:
   try:
     os.rmdir(folder)
+    return True
   except OSError:  # not empty: shards downloaded before the failure stay
-    pass
+    return False
 
 
 def _download_all(train_shards: int, out_dir: str, tmp_dir: str, fetch, log) -> dict:
