@@ -11,6 +11,7 @@ from conftest import BASE, TINY, one_line_error, run_cli
 from nanotext import wiring
 from nanotext.data import binfile, text_shards
 from nanotext.data.tokenizer import get_tokenizer
+from nanotext.errors import UserError
 
 pytestmark = pytest.mark.fast
 
@@ -104,3 +105,19 @@ def test_an_input_named_through_a_link_into_out_survives_force(tmp_path):
   one_line_error(run_cli("nanotext.data.text_shards", str(links / "a.txt"), f"--out={corpus}",
                          "--tokenizer=shakespeare", "--force"), "would replace the input")
   assert sorted(os.listdir(corpus)) == ["a.txt", "notes.md"]
+
+
+def test_the_gpt2_tokenizer_without_tiktoken_names_both_ways_to_choose(monkeypatch):
+  """text_shards' default tokenizer needs tiktoken; the line named data.tokenizer only, a key
+  text_shards does not take."""
+  import builtins
+  real = builtins.__import__
+
+  def no_tiktoken(name, *a, **k):
+    if name == "tiktoken":
+      raise ImportError("No module named 'tiktoken'")
+    return real(name, *a, **k)
+  monkeypatch.setattr(builtins, "__import__", no_tiktoken)
+  with pytest.raises(UserError, match=r"data.tokenizer, or text_shards' --tokenizer\) needs "
+                                      r"tiktoken"):
+    get_tokenizer("gpt2")

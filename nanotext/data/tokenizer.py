@@ -146,7 +146,9 @@ def get_tokenizer(name: str) -> Tokenizer:
     try:
       import tiktoken
     except ImportError:
-      raise UserError("data.tokenizer 'gpt2' needs tiktoken: pip install tiktoken") from None
+      raise UserError("the 'gpt2' tokenizer (data.tokenizer, or text_shards' --tokenizer) needs "
+                      "tiktoken: pip install tiktoken, or choose the shipped 'shakespeare'") \
+          from None
     try:
       return TiktokenTokenizer(tiktoken.get_encoding("gpt2"))
     except Exception as e:  # tiktoken downloads its vocabulary on first use.
