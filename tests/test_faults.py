@@ -418,4 +418,4 @@ def test_verify_finds_damage_in_an_older_step_and_moves_nothing(reference, tmp_p
   assert "damaged" in rows["4"] and "data-iterator" in rows["4"]  # its arrays are whole
   assert "damaged" in rows["2"] and ("does not match" in rows["2"] or "cannot read" in rows["2"])
   assert step_files(out) == before and not os.path.exists(os.path.join(out, "damaged"))
-  one_line_error(run_cli("nanotext.verify", str(tmp_path / "nothing")), "no checkpoints/")
+  one_line_error(run_cli("nanotext.verify", str(tmp_path / "nothing")), "does not exist")
