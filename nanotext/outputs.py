@@ -155,7 +155,7 @@ def staged_dir(out: str, *, force: bool, protect=()):
   _shared(tmp)
   try:
     # A signal between the two renames left no output: the old one aside, the new one removed.
-    with signals.held():
+    with signals.held("after --out was written: it is complete"):
       if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
         os.replace(out, os.path.join(old, name))  # aside first: rename cannot replace a folder

@@ -113,21 +113,33 @@ def work_done(message: str) -> None:
 
 
 @contextlib.contextmanager
-def held():
-  """SIGTERM and Ctrl-C that arrive during the block (renames that must happen together) take
-  effect at its end, through the handler they would have met; from the main thread only."""
+def held(done: str):
+  """SIGTERM and Ctrl-C that arrive during the block (renames that must happen together) wait
+  for its end, a second one too: the watching thread does not end the process meanwhile. Then,
+  the block done, the process ends in one line `stopped by SIG... {done}`; the block failed,
+  the handler they would have met runs. From the main thread only."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
   got = []
   previous = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in SIGNALS}
   try:
-    yield
-  finally:
-    for signum, handler in previous.items():
-      signal.signal(signum, handler)
-    if got and callable(previous[got[0]]):
-      previous[got[0]](got[0], None)
+    with owned_by(got.append):  # the watching thread's turn: deferred as well
+      yield
+  except BaseException:
+    _restore(previous, got)
+    raise
+  if got and _watching:
+    _die(got[0], f"stopped by {signal.Signals(got[0]).name} {done}")
+  _restore(previous, got)
+
+
+def _restore(previous: dict, got: list) -> None:
+  """Python's handlers as they were; the first signal `got` meanwhile handed to its own."""
+  for signum, handler in previous.items():
+    signal.signal(signum, handler)
+  if got and callable(previous[got[0]]):
+    previous[got[0]](got[0], None)
 
 
 def _quiet_handlers() -> None:

@@ -217,3 +217,38 @@ cli.run(main, "usage: tool", argv=["tool"])
 def test_work_that_ends_with_a_signal_exits_0_at_once(tmp_path, signum):
   status, out, err = signalled(ENDING, [str(tmp_path / "m")], signum, tmp_path / "m")
   assert (status, out, err) == (0, f"got {signal.Signals(signum).name}\n", "")
+
+
+# Ctrl-C twice while convert --force swaps its output: the old one just set aside.
+SWAP = """
+import os, signal, sys, time
+from nanotext import cli, outputs
+out, real = sys.argv[1], os.replace
+def replace(a, b):
+  real(a, b)
+  if a == out:
+    for _ in range(2):
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.3)
+os.replace = replace
+def main(args):
+  with outputs.staged_dir(out, force=True) as tmp:
+    open(os.path.join(tmp, "NEW"), "w").close()
+  print("not reached: the signal ends it once the output is whole")
+cli.run(main, "usage: tool", argv=["tool"])
+"""
+
+
+def test_signals_during_an_outputs_swap_wait_for_it(tmp_path):
+  """The second Ctrl-C ended the process from the watching thread between the two renames: no
+  output at --out, the old one hidden aside. Both wait for the swap; one line says the output
+  is whole."""
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "OLD").write_text("the previous export")
+  proc = subprocess.run([sys.executable, "-c", SWAP, str(out)], cwd=REPO, text=True,
+                        capture_output=True, timeout=PROCESS_TIMEOUT_S)
+  assert (proc.returncode, proc.stdout) == (130, ""), proc.stderr
+  assert proc.stderr == ("nanotext: error: stopped by SIGINT after --out was written: it is "
+                         "complete\n")
+  assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["NEW"]
