@@ -176,13 +176,23 @@ def parse_flags(argv):
     fail(str(e))
 
 
-def _raised_in_orbax(exc_info) -> bool:
-  """Whether a log record's exception passed through orbax's or tensorstore's code (a read of
-  a step that a run in progress removed: "Future exception was never retrieved")."""
-  exc = exc_info[1] if isinstance(exc_info, tuple) else exc_info
+STORAGE_STATUS = re.compile(r"[A-Z][A-Z_]{3,}: ")  # tensorstore's errors: 'NOT_FOUND: Error ...'
+
+
+def _storage_failure(record) -> bool:
+  """Whether an asyncio log record is of a checkpoint read or write that failed in orbax or
+  tensorstore (a step a run in progress removed, a damaged chunk): its exception passed
+  through their code, or is one of tensorstore's statuses, set on a future from C++ with no
+  frame of theirs ("Future exception was never retrieved")."""
+  if "orbax" in record.getMessage() or re.search(r"exception=\w+\('[A-Z][A-Z_]{3,}: ",
+                                                 record.getMessage()):
+    return True
+  exc = record.exc_info[1] if isinstance(record.exc_info, tuple) else record.exc_info
   seen = set()
   while isinstance(exc, BaseException) and id(exc) not in seen:
     seen.add(id(exc))
+    if STORAGE_STATUS.match(str(exc)):
+      return True
     tb = exc.__traceback__
     while tb is not None:
       name = tb.tb_frame.f_code.co_filename
@@ -206,8 +216,7 @@ def quiet_background_errors() -> None:
 
   class NoTraceback(pylogging.Filter):
     def filter(self, record):
-      if record.name == "asyncio" and ("orbax" in record.getMessage()
-                                       or _raised_in_orbax(record.exc_info)):
+      if record.name == "asyncio" and _storage_failure(record):
         return False  # an orbax task's or future's failure asyncio found unread when collected
       if "orbax" in record.pathname:
         record.exc_info, record.exc_text = None, None

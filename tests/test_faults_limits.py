@@ -65,7 +65,7 @@ log.error("Task exception was never retrieved\\nfuture: <Task finished coro=<wri
 log.error("Task exception was never retrieved\\nfuture: <Task finished coro=<mine()>>")
 def raised_in(path):  # an exception raised in code of that file
   ns = {}
-  exec(compile("def read():\\n  raise ValueError('NOT_FOUND: array index')\\n", path, "exec"), ns)
+  exec(compile("def read():\\n  raise ValueError('no such array index')\\n", path, "exec"), ns)
   try:
     ns["read"]()
   except ValueError as e:
@@ -73,6 +73,12 @@ def raised_in(path):  # an exception raised in code of that file
 for path, name in (("/x/orbax/checkpoint/serialization.py", "theirs"), ("/x/ours.py", "ours")):
   log.error("Future exception was never retrieved\\nfuture: <Future finished exception="
             "ValueError('NOT_FOUND')> %s", name, exc_info=raised_in(path))
+# tensorstore's statuses, set on a future from C++: no frame of orbax's or tensorstore's
+status = ValueError('FAILED_PRECONDITION: Error reading "a/0.0" in OCDBT database: Truncated')
+log.error("Future exception was never retrieved\\nfuture: <Future finished exception=%r> cpp",
+          status)
+log.error("Task exception was never retrieved\\nfuture: <Task finished coro=<_wrap_awaitable()>"
+          " task", exc_info=status)
 """
 
 
@@ -86,6 +92,7 @@ def test_an_unread_orbax_write_task_is_not_logged():
   assert proc.returncode == 0, proc.stderr
   assert "orbax" not in proc.stderr, proc.stderr
   assert "mine()" in proc.stderr and "> ours" in proc.stderr and "> theirs" not in proc.stderr
+  assert "FAILED_PRECONDITION" not in proc.stderr
 
 
 # A read coroutine in a file under orbax/ (as orbax's _read_array_index_and_device_put) and one
