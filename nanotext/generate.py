@@ -261,6 +261,17 @@ def precheck(argv) -> None:
   check_seeds(config.load(path, overrides), num)
 
 
+def check_vocab(cfg) -> None:
+  """The tokenizer's ids fit the model's rows, whatever the run trained on (synthetic ids
+  included): prompt ids past them were looked up clamped, and the samples garbage."""
+  from nanotext import wiring
+  vocab = wiring.tokenizer_vocab(cfg.data)
+  if vocab is not None and vocab > cfg.model.vocab_size:
+    raise UserError(f"the run's tokenizer '{cfg.data.tokenizer}' has {vocab} ids, more than its "
+                    f"model's model.vocab_size={cfg.model.vocab_size} rows: its prompts cannot "
+                    "be read by this model, so it cannot sample")
+
+
 def check_seeds(cfg, num: int) -> None:
   """Sample i draws with sample.seed + i: the last must still be a 64-bit seed."""
   if cfg.sample.seed + num - 1 > INT64_MAX:
@@ -273,7 +284,7 @@ def main(argv) -> None:
   from nanotext.data.tokenizer import get_tokenizer
   out, step, num, cfg_path, overrides = parse(argv)
   cfg = wiring.load(cfg_path, overrides)  # checked as train checks it
-  wiring.check_vocab(cfg)  # prompt ids past the table's rows: a clamped lookup, garbage
+  check_vocab(cfg)
   check_seeds(cfg, num)
   tokenizer = get_tokenizer(cfg.data.tokenizer)
   prompt_ids = encode_prompt(tokenizer, cfg.sample.prompt, "prompt")  # before the checkpoint

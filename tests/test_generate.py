@@ -130,14 +130,18 @@ def test_tiktoken_ids_past_its_vocabulary_decode_to_no_text():
   assert TiktokenTokenizer(Encoding()).decode([0, 50300, 1, 4, -1, 2]) == "abc"
 
 
-def test_a_run_whose_tokenizer_outgrows_its_tables_is_refused(tmp_path):
+@pytest.mark.parametrize("source", ["shakespeare", "synthetic"])
+def test_a_run_whose_tokenizer_outgrows_its_tables_is_refused(tmp_path, source):
   """Prompt ids past model.vocab_size were looked up clamped: generate printed garbage, exit 0.
-  Refused, before its checkpoint is read, as train and evaluate refuse it."""
+  Refused before its checkpoint is read, whatever the run trained on (train and evaluate
+  check text data only: synthetic ids are drawn below the rows)."""
   out = tmp_path / "run"
   out.mkdir()
   with open(BASE) as f:
-    (out / "config.yml").write_text(f.read().replace("vocab_size: 8192 ", "vocab_size: 512 "))
-  with pytest.raises(UserError, match=r"model.vocab_size=512 is smaller than the 'shakespeare'"):
+    text = f.read().replace("vocab_size: 8192 ", "vocab_size: 512 ")
+  (out / "config.yml").write_text(text.replace("source: shakespeare ", f"source: {source} "))
+  with pytest.raises(UserError, match=r"tokenizer 'shakespeare' has 8192 ids, more than its "
+                                      r"model's model.vocab_size=512 rows"):
     generate.main([f"output_dir={out}", "max_new_tokens=2"])
 
 
