@@ -139,7 +139,12 @@ def report(run_, cfg, result, log) -> None:
     reached = result.val_loss <= target
     log(f"target val_loss <= {target}: {'reached' if reached else 'not reached'} "
         f"(final val_loss {result.val_loss:.4f})")
-  if known_vocab_size(cfg.data.tokenizer) is None or not cfg.sample.max_new_tokens:
+  vocab = known_vocab_size(cfg.data.tokenizer)
+  if vocab is None or not cfg.sample.max_new_tokens:
+    return
+  if vocab > cfg.model.vocab_size:  # synthetic ids: the prompt's would be looked up clamped
+    log(f"no sample: the tokenizer '{cfg.data.tokenizer}' has {vocab} ids, more than the "
+        f"model's {cfg.model.vocab_size} rows")
     return
   try:
     tokenizer = get_tokenizer(cfg.data.tokenizer)

@@ -211,6 +211,19 @@ def test_speedrun_family_trains_with_muon(tmp_path):
     assert yaml.safe_load(f)["optim"]["name"] == "muon"
 
 
+@pytest.mark.fast
+def test_no_sample_where_the_tokenizer_outgrows_the_model(tmp_path):
+  """Synthetic ids fit any vocab_size, the shipped tokenizer's 8192 do not fit 512 rows: the
+  end-of-run sample looked its prompt up clamped and printed garbage."""
+  from nanotext import train
+  cfg = config.load(BASE, TINY + ["data.source=synthetic", "data.tokenizer=shakespeare",
+                                  "sample.max_new_tokens=4", f"output_dir={tmp_path}"])
+  lines = []
+  train.report(None, cfg, None, lines.append)
+  assert lines == ["no sample: the tokenizer 'shakespeare' has 8192 ids, more than the model's "
+                   "512 rows"]
+
+
 def test_target_val_loss_is_reported(corpus_run):
   _, result, lines = corpus_run
   assert f"target val_loss <= 8.0: reached (final val_loss {result.val_loss:.4f})" in lines
