@@ -261,15 +261,14 @@ def precheck(argv) -> None:
   check_seeds(config.load(path, overrides), num)
 
 
-def check_vocab(cfg) -> None:
-  """The tokenizer's ids fit the model's rows, whatever the run trained on (synthetic ids
-  included): prompt ids past them were looked up clamped, and the samples garbage."""
-  from nanotext import wiring
-  vocab = wiring.tokenizer_vocab(cfg.data)
-  if vocab is not None and vocab > cfg.model.vocab_size:
-    raise UserError(f"the run's tokenizer '{cfg.data.tokenizer}' has {vocab} ids, more than its "
-                    f"model's model.vocab_size={cfg.model.vocab_size} rows: its prompts cannot "
-                    "be read by this model, so it cannot sample")
+def past_rows(cfg, ids) -> str:
+  """Why prompt `ids` cannot be read by the model ('' where they can): an id past its token
+  table's rows, which a lookup would clamp (the samples then garbage)."""
+  rows = cfg.model.embed_rows if cfg.model.embed_rows > 0 else cfg.model.vocab_size
+  if max(ids, default=0) < rows:
+    return ""
+  return (f"the prompt's token id {max(ids)} (tokenizer '{cfg.data.tokenizer}') is past the "
+          f"model's {rows} token rows")
 
 
 def check_seeds(cfg, num: int) -> None:
@@ -284,10 +283,11 @@ def main(argv) -> None:
   from nanotext.data.tokenizer import get_tokenizer
   out, step, num, cfg_path, overrides = parse(argv)
   cfg = wiring.load(cfg_path, overrides)  # checked as train checks it
-  check_vocab(cfg)
   check_seeds(cfg, num)
   tokenizer = get_tokenizer(cfg.data.tokenizer)
   prompt_ids = encode_prompt(tokenizer, cfg.sample.prompt, "prompt")  # before the checkpoint
+  if past_rows(cfg, prompt_ids):
+    raise UserError(f"{past_rows(cfg, prompt_ids)}: give a prompt of other text")
   step, graphdef, params = restore(out, cfg, step, checked=True)
   rows = batch_rows(graphdef, params, cfg, len(prompt_ids), num)
   for first in range(0, num, rows):  # sample i draws with seed + i

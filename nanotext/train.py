@@ -13,7 +13,7 @@ from absl import flags, logging
 
 from nanotext import cli, signals
 from nanotext.errors import ResourceError, UserError, drop_stdout, fail, stdout_widowed
-from nanotext.generate import sample_text, encode_prompt
+from nanotext.generate import encode_prompt, past_rows, sample_text
 from nanotext.xla_flags import maybe_set_cpu_flags
 
 _STARTED = time.perf_counter()  # the start-up line's clock: from the entry point's import
@@ -139,17 +139,16 @@ def report(run_, cfg, result, log) -> None:
     reached = result.val_loss <= target
     log(f"target val_loss <= {target}: {'reached' if reached else 'not reached'} "
         f"(final val_loss {result.val_loss:.4f})")
-  vocab = known_vocab_size(cfg.data.tokenizer)
-  if vocab is None or not cfg.sample.max_new_tokens:
-    return
-  if vocab > cfg.model.vocab_size:  # synthetic ids: the prompt's would be looked up clamped
-    log(f"no sample: the tokenizer '{cfg.data.tokenizer}' has {vocab} ids, more than the "
-        f"model's {cfg.model.vocab_size} rows")
+  if known_vocab_size(cfg.data.tokenizer) is None or not cfg.sample.max_new_tokens:
     return
   try:
     tokenizer = get_tokenizer(cfg.data.tokenizer)
   except UserError as e:  # e.g. tiktoken offline: the run itself succeeded
     logging.warning("no sample: %s", e)
+    return
+  why = past_rows(cfg, tokenizer.encode(cfg.sample.prompt))  # a synthetic-data run's small table
+  if why:
+    log(f"no sample: {why}")
     return
   with signals.ending_with("received {} during the end-of-run sample: skipped it; the run is "
                            "complete, its final checkpoint saved"):

@@ -131,18 +131,20 @@ def test_tiktoken_ids_past_its_vocabulary_decode_to_no_text():
 
 
 @pytest.mark.parametrize("source", ["shakespeare", "synthetic"])
-def test_a_run_whose_tokenizer_outgrows_its_tables_is_refused(tmp_path, source):
-  """Prompt ids past model.vocab_size were looked up clamped: generate printed garbage, exit 0.
-  Refused before its checkpoint is read, whatever the run trained on (train and evaluate
-  check text data only: synthetic ids are drawn below the rows)."""
+def test_a_prompt_past_the_models_rows_is_refused(tmp_path, source):
+  """Prompt ids past the token table's rows were looked up clamped: generate printed garbage,
+  exit 0 (a run whose tokenizer outgrows its model: written by from-hf, or trained on synthetic
+  ids). Refused before the checkpoint is read; a prompt whose ids fit is read."""
   out = tmp_path / "run"
   out.mkdir()
   with open(BASE) as f:
     text = f.read().replace("vocab_size: 8192 ", "vocab_size: 512 ")
   (out / "config.yml").write_text(text.replace("source: shakespeare ", f"source: {source} "))
-  with pytest.raises(UserError, match=r"tokenizer 'shakespeare' has 8192 ids, more than its "
-                                      r"model's model.vocab_size=512 rows"):
-    generate.main([f"output_dir={out}", "max_new_tokens=2"])
+  with pytest.raises(UserError, match=r"the prompt's token id \d+ \(tokenizer 'shakespeare'\) "
+                                      r"is past the model's 512 token rows"):
+    generate.main([f"output_dir={out}", "prompt=Thou art a villain", "max_new_tokens=2"])
+  with pytest.raises(UserError, match="holds no checkpoints"):  # past the prompt's check
+    generate.main([f"output_dir={out}", "prompt=a", "max_new_tokens=2"])
 
 
 def test_empty_prompt_is_a_user_error():

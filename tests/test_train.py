@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -212,16 +213,18 @@ def test_speedrun_family_trains_with_muon(tmp_path):
 
 
 @pytest.mark.fast
-def test_no_sample_where_the_tokenizer_outgrows_the_model(tmp_path):
-  """Synthetic ids fit any vocab_size, the shipped tokenizer's 8192 do not fit 512 rows: the
-  end-of-run sample looked its prompt up clamped and printed garbage."""
+def test_no_sample_where_the_prompt_is_past_the_models_rows(tmp_path):
+  """Synthetic ids fit any vocab_size, a prompt's ids under the shipped tokenizer need not fit
+  512 rows: the end-of-run sample looked them up clamped and printed garbage."""
   from nanotext import train
   cfg = config.load(BASE, TINY + ["data.source=synthetic", "data.tokenizer=shakespeare",
-                                  "sample.max_new_tokens=4", f"output_dir={tmp_path}"])
+                                  "sample.max_new_tokens=4", "sample.prompt=Thou art a villain",
+                                  f"output_dir={tmp_path}"])
   lines = []
   train.report(None, cfg, None, lines.append)
-  assert lines == ["no sample: the tokenizer 'shakespeare' has 8192 ids, more than the model's "
-                   "512 rows"]
+  assert len(lines) == 1 and re.fullmatch(r"no sample: the prompt's token id \d+ \(tokenizer "
+                                          r"'shakespeare'\) is past the model's 512 token rows",
+                                          lines[0]), lines
 
 
 def test_target_val_loss_is_reported(corpus_run):
