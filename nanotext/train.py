@@ -146,7 +146,7 @@ def report(run_, cfg, result, log) -> None:
   except UserError as e:  # e.g. tiktoken offline: the run itself succeeded
     logging.warning("no sample: %s", e)
     return
-  why = past_rows(cfg, tokenizer.encode(cfg.sample.prompt))  # a synthetic-data run's small table
+  why = past_rows(cfg, encode_prompt(tokenizer, cfg.sample.prompt))  # a synthetic run's table
   if why:
     log(f"no sample: {why}")
     return
