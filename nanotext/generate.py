@@ -286,8 +286,9 @@ def main(argv) -> None:
   check_seeds(cfg, num)
   tokenizer = get_tokenizer(cfg.data.tokenizer)
   prompt_ids = encode_prompt(tokenizer, cfg.sample.prompt, "prompt")  # before the checkpoint
-  if past_rows(cfg, prompt_ids):
-    raise UserError(f"{past_rows(cfg, prompt_ids)}: give a prompt of other text")
+  why = past_rows(cfg, prompt_ids)
+  if why:
+    raise UserError(f"{why}: give a prompt of other text")
   step, graphdef, params = restore(out, cfg, step, checked=True)
   rows = batch_rows(graphdef, params, cfg, len(prompt_ids), num)
   for first in range(0, num, rows):  # sample i draws with seed + i
