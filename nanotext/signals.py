@@ -48,16 +48,19 @@ def install() -> None:
   # A forked child (a data-loading worker) would write its own Ctrl-C into this pipe.
   os.register_at_fork(after_in_child=lambda: signal.set_wakeup_fd(-1))
   threading.Thread(target=_watch, args=(read,), name="nanotext-signals", daemon=True).start()
-  atexit.register(_ignore_from_here)
 
 
 def _ignore_from_here() -> None:
-  """The exit handlers registered before this one (it runs after those registered later) are
-  the last work: Python's finalization then resets its handlers to the default, and a signal
-  killed the finished process without a word (status -2 / -15). Ignored from here, it is
-  lost with the process, which ends as it was ending."""
-  for signum in SIGNALS:
-    signal.signal(signum, signal.SIG_IGN)
+  """After every exit handler (registered as `nanotext` is imported, before any module imports
+  jax: the last to run), Python's finalization resets its handlers to the default, and a signal
+  killed the finished tool without a word (status -2 / -15). Ignored from here, it is lost
+  with the process, which ends as it was ending. Until here the watching thread acts."""
+  if _watching and threading.current_thread() is threading.main_thread():
+    for signum in SIGNALS:
+      signal.signal(signum, signal.SIG_IGN)
+
+
+atexit.register(_ignore_from_here)
 
 
 def exiting() -> None:
