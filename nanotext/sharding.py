@@ -65,7 +65,11 @@ def parse_rules(rules) -> tuple:
     if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
       raise UserError(f"mesh.rules entry {rule!r} must be [logical_name, mesh_axis or list]")
     name, axes = rule
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    if not (isinstance(axes, (list, tuple)) and all(isinstance(a, str) for a in axes)):
+      raise UserError(f"mesh.rules entry {rule!r} must be [logical_name, mesh_axis or list]: "
+                      "mesh axes are names")
+    axes = tuple(axes)
     if name not in LOGICAL_AXES:
       raise UserError(f"mesh.rules names unknown logical axis '{name}'; known: "
                       f"{', '.join(LOGICAL_AXES)}")

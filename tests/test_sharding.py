@@ -47,6 +47,9 @@ def test_logical_to_spec_uses_each_mesh_axis_once():
     ([["bogus", "fsdp"]], "unknown logical axis 'bogus'"),
     ([["embed", "model"]], "unknown mesh axis 'model'"),
     ([["embed"]], "must be"),
+    ([["batch", 5]], "mesh axes are names"),  # were TypeError tracebacks
+    ([["batch", {"data": 1}]], "mesh axes are names"),
+    ([["batch", ["data", 3]]], "mesh axes are names"),
 ])
 def test_bad_rules(rules, match):
   with pytest.raises(UserError, match=match):
