@@ -73,6 +73,13 @@ def run_holding(path: str) -> str:
   return ""
 
 
+def training_mark(path: str) -> str:
+  """What at `path` shows a training run's folder (its checkpoints/, metrics, lock), else ''.
+  A params-only folder holds config.yml too: that one alone is no mark."""
+  return next((n for n in ("checkpoints", "metrics.jsonl", "tb", lock.LOCK)
+               if os.path.lexists(os.path.join(path, n))), "")
+
+
 def check_output_dir_path(out: str) -> str:
   """The absolute output_dir, refused (UserError) when it cannot hold a run."""
   if not out or not out.strip():

@@ -121,3 +121,31 @@ def test_the_gpt2_tokenizer_without_tiktoken_names_both_ways_to_choose(monkeypat
   with pytest.raises(UserError, match=r"data.tokenizer, or text_shards' --tokenizer\) needs "
                                       r"tiktoken"):
     get_tokenizer("gpt2")
+
+
+@pytest.mark.parametrize("mark", ["checkpoints", "metrics.jsonl", ".lock"])
+def test_force_never_replaces_a_training_run(tmp_path, mark):
+  """--force onto a run's output_dir exit 0 and left only shards (config, metrics and
+  checkpoints gone), a live, locked run's too; convert shares the check."""
+  from nanotext import outputs
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.yml").write_text("x: 1\n")
+  (run / mark).mkdir() if mark == "checkpoints" else (run / mark).write_text("")
+  for out in (run, tmp_path / "link"):
+    if out != run:
+      out.symlink_to(run)
+    with pytest.raises(UserError, match=f"training run's folder \\(it holds {mark}\\)"):
+      outputs.check_out(str(out), force=True)
+  assert sorted(os.listdir(run)) == sorted(["config.yml", mark])
+  params_only = tmp_path / "p"  # config.yml alone: a params-only folder, replaced with --force
+  params_only.mkdir()
+  (params_only / "config.yml").write_text("x: 1\n")
+  outputs.check_out(str(params_only), force=True)
+
+
+def test_out_at_the_root_is_refused():
+  """'/' passed the check against the inputs ('/' + os.sep is '//', under which nothing lies)."""
+  from nanotext import outputs
+  with pytest.raises(UserError, match="file system's root"):
+    outputs.check_out("/", force=True, protect=["/etc/hostname"])
