@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import BASE, SPEEDRUN
+from conftest import BASE, SPEEDRUN, TINY
 from nanotext import config, sharding, wiring
 from nanotext.model import GPT, Keys, count_params
 from nanotext.model import rope
@@ -227,3 +227,16 @@ def test_a_program_for_a_gpu_keeps_its_bf16_matmuls():
       jaxpr = jax.make_jaxpr(lambda a, b: matmul(a, b))(x, w)  # a new trace per target
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 1 and (dots[0].outvars[0].aval.dtype == jnp.float32) == wide, target
+
+
+@pytest.mark.parametrize("truncate,head_dim,need", [(True, 30, "a multiple of 4 with "
+                                                     "model.rope_truncate=true"),
+                                                    (False, 31, "even")])
+def test_rotary_head_dim_names_the_rule_it_breaks(truncate, head_dim, need):
+  """30 is even: 'need an even head_dim' was said of it where rope_truncate asked for 4."""
+  from nanotext.errors import UserError
+  from nanotext.model import gpt
+  cfg = config.load(BASE, [*TINY, "model.positions=rope", f"model.rope_truncate={truncate}",
+                           f"model.head_dim={head_dim}"])
+  with pytest.raises(UserError, match=f"need a head_dim {need}; got model.head_dim={head_dim}"):
+    gpt.check_config(cfg.model)

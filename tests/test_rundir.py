@@ -232,10 +232,13 @@ def test_window_stages_are_found_without_visiting_every_step():
 
 def test_token_ids_past_the_vocab_name_the_shard(tmp_path):
   path = str(tmp_path / "bad.bin")
-  binfile.write_shard(path, np.r_[np.arange(2000) % 500, [700], np.arange(100)])
-  cfg = config.load(BASE, TINY + ["data.source=bin", f"data.train_files={path}"])
+  # The first bad id and its place (the line named the window's largest id beside them).
+  binfile.write_shard(path, np.r_[np.arange(2000) % 500, [700, 900], np.arange(100)])
+  cfg = config.load(BASE, TINY + ["data.source=bin", f"data.train_files={path}",
+                                  "data.shuffle=false"])
   it = pipeline.make_train_iter(cfg.data, seq_len=32, batch_size=8, seed=0, vocab_size=512)
-  with pytest.raises(UserError, match=f"shard '{path}' holds token id 700 .*512 rows of the embedding tables"):
+  with pytest.raises(UserError, match=f"shard '{path}' holds token id 700 \\(at token 2000\\), "
+                                      "not below the 512 rows of the embedding tables"):
     for _ in range(20):
       next(it)
 

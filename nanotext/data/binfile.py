@@ -53,6 +53,12 @@ def read_header(path: str) -> int:
     raise UserError(
         f"shard '{path}' header claims {count} tokens but the file holds {have} "
         "(truncated?)")
+  if size != HEADER_BYTES + count * TOKEN_DTYPE.itemsize:  # modded-nanogpt's loader asserts it
+    raise UserError(
+        f"shard '{path}' header claims {count} tokens but the file holds "
+        f"{size - HEADER_BYTES} bytes after it ({have} tokens"
+        f"{' and a stray byte' if (size - HEADER_BYTES) % 2 else ''}): a header written for "
+        "another file, or data appended after it; rewrite the shard")
   return count
 
 

@@ -64,11 +64,11 @@ class ShardSource:
     window = self._readers[k].tokens(offset, self._seq_len + 1).astype(np.int32)
     # An id past the embedding table would only show up later as a NaN loss; a max is cheap.
     if self._vocab is not None and window.size and window.max() >= self._vocab:
-      at = offset + int(np.argmax(window >= self._vocab))
-      raise UserError(f"shard '{self._files[k]}' holds token id {int(window.max())} (at token "
-                      f"{at}), not below the {self._vocab} rows of the embedding tables "
-                      "(model.embed_rows, at most model.vocab_size): the shard was made with "
-                      "another tokenizer, or the tables are too small")
+      first = int(np.argmax(window >= self._vocab))
+      raise UserError(f"shard '{self._files[k]}' holds token id {int(window[first])} (at token "
+                      f"{offset + first}), not below the {self._vocab} rows of the embedding "
+                      "tables (model.embed_rows, at most model.vocab_size): the shard was made "
+                      "with another tokenizer, or the tables are too small")
     return window
 
   def __getstate__(self):

@@ -37,8 +37,8 @@ def check_config(m, attn_cfg=None) -> None:
                     f"{m.num_heads}; set model.head_dim explicitly or change one of them")
   head_dim = m.head_dim or m.d_model // m.num_heads
   if m.positions == "rope" and head_dim % (4 if m.rope_truncate else 2):
-    raise UserError(f"rotary embeddings need an even head_dim (a multiple of 4 with "
-                    f"model.rope_truncate); got model.head_dim={head_dim}")
+    need = "a multiple of 4 with model.rope_truncate=true" if m.rope_truncate else "even"
+    raise UserError(f"rotary embeddings need a head_dim {need}; got model.head_dim={head_dim}")
   layers = m.no_attention_layers
   if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
     raise UserError(f"model.no_attention_layers={layers!r} must be a list of 0-based layer "
