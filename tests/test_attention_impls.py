@@ -111,3 +111,19 @@ def test_flash_compiles_to_mosaic_for_a_tpu():
   with sharding.use_rules(sharding.parse_rules([]), mesh):
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg)
   assert lowered.compile().as_text().count('custom_call_target="tpu_custom_call"') == 3
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("impl,says", [
+    ("splash", "needs train.eval_seq_len to be a multiple of 128"),
+    ("flash", "cannot tile train.eval_seq_len=200: .*; use attention.impl=blocked or auto"),
+    ("flash_gpu", "cannot tile train.eval_seq_len=200")])
+def test_an_eval_length_a_kernel_cannot_tile_is_named_as_such(impl, says):
+  """train.seq_len=128 tiled and eval_seq_len=200 did not: the line named train.seq_len (got
+  200), found only as eval was traced; flash's advice named splash, which tiles no more."""
+  from nanotext import config
+  from nanotext.model import gpt
+  cfg = config.load(BASE, [*TINY, "train.seq_len=128", "train.eval_seq_len=200",
+                           "model.positions=rope", f"attention.impl={impl}"])
+  with pytest.raises(UserError, match=says):
+    gpt.abstract_model(cfg, "cpu")

@@ -86,6 +86,10 @@ def abstract_model(cfg, backend: str):
                       seq_len=cfg.train.seq_len, window=cfg.attention.window,
                       block_windows=cfg.attention.block_windows,
                       doc_mask=cfg.attention.doc_mask)
+  if cfg.train.eval_seq_len and cfg.train.eval_seq_len != cfg.train.seq_len:  # named as such
+    resolve_impl(impl, backend, head_dim=cfg.model.head_dim, seq_len=cfg.train.eval_seq_len,
+                 window=cfg.attention.window, block_windows=cfg.attention.block_windows,
+                 doc_mask=cfg.attention.doc_mask, seq_key="train.eval_seq_len")
   build = lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=Keys(jax.random.key(cfg.seed)))
   graphdef, abstract = nnx.split(nnx.eval_shape(build))  # no arrays
   return graphdef, abstract, impl

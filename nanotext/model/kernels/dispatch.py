@@ -30,7 +30,8 @@ DENSE_MAX_T = 4096
 
 
 def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0,
-                 window: int = 0, block_windows: bool = False, doc_mask: bool = False) -> str:
+                 window: int = 0, block_windows: bool = False, doc_mask: bool = False,
+                 seq_key: str = "train.seq_len") -> str:
   """The concrete kernel for `attention.impl` on this backend (the one place that decides).
 
   `head_dim` and `seq_len` (0 = unknown) let `auto` check that the kernel accepts the model's
@@ -40,6 +41,7 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
   (cuDNN and jax's xla path have no such mask) or the sequence is longer than DENSE_MAX_T;
   otherwise on CPU up to DENSE_MAX_T tokens the cpu kernel (faster there than xla's full score
   matrix), on GPU cudnn when a trial trace of cuDNN flash attention succeeds, else xla.
+  `seq_key` names the key of `seq_len` in the errors.
   """
   if impl not in IMPLS:
     raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
@@ -73,10 +75,12 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
                       f"(head_dim={head_dim or 'unknown'}, seq_len={seq_len or 'unknown'}): "
                       f"{problem}; use attention.impl=xla or auto")
   if impl == "splash" and seq_len:
-    splash.block_size(seq_len)  # raises UserError early for a sequence length splash cannot tile
-  if impl == "flash" and (problem := flash.problem(seq_len, head_dim, window)):
-    raise UserError(f"attention.impl=flash {problem}; use attention.impl=splash, blocked or auto")
-  if impl == "flash_gpu" and (problem := flash_gpu.problem(seq_len, head_dim)):
+    splash.block_size(seq_len, seq_key)  # a UserError early for a length it cannot tile
+  if impl == "flash" and (problem := flash.problem(seq_len, head_dim, window, seq_key)):
+    other = "splash, " if window else ""  # splash tiles what flash tiles, and windows too
+    raise UserError(f"attention.impl=flash {problem}; use attention.impl={other}blocked or auto")
+  if impl == "flash_gpu" and (problem := flash_gpu.problem(seq_len, head_dim,
+                                                           seq_key=seq_key)):
     raise UserError(f"attention.impl=flash_gpu {problem}; use attention.impl=blocked or auto")
   return impl
 

@@ -28,13 +28,13 @@ from nanotext.model.kernels.per_device import per_device, platform
 LANES = 128  # key tiles (and the segment-id broadcast) are this wide
 
 
-def problem(seq_len: int, head_dim: int, window: int = 0):
+def problem(seq_len: int, head_dim: int, window: int = 0, seq_key: str = "train.seq_len"):
   """None if the kernel can run this (0 = unknown), else why not, for a UserError."""
   if window:
     return (f"cannot express sliding windows (attention.window={window}; jax's Pallas flash "
             "kernel masks only causally and by document)")
   if seq_len % LANES:
-    return f"cannot tile train.seq_len={seq_len}: it is not a multiple of {LANES}"
+    return f"cannot tile {seq_key}={seq_len}: it is not a multiple of {LANES}"
   if head_dim > LANES and head_dim % LANES:
     return f"cannot tile model.head_dim={head_dim}: above {LANES} it must be a multiple of it"
   return None

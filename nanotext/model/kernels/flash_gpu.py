@@ -44,11 +44,11 @@ from nanotext.model.kernels.flash_gpu_programs import Tiles
 from nanotext.model.kernels.per_device import opted_in, platform
 
 
-def problem(seq_len: int, head_dim: int, tiles: Tiles = Tiles()):
+def problem(seq_len: int, head_dim: int, tiles: Tiles = Tiles(), seq_key: str = "train.seq_len"):
   """None if the kernel can run this (0 = unknown), else why not, for a UserError."""
   step = max(tiles.block_q, tiles.block_k, tiles.block_q_bwd, tiles.block_k_bwd)
   if seq_len and seq_len % step:
-    return f"cannot tile train.seq_len={seq_len}: it is not a multiple of {step}"
+    return f"cannot tile {seq_key}={seq_len}: it is not a multiple of {step}"
   if head_dim and (head_dim < 16 or head_dim & (head_dim - 1) or head_dim > 256):
     return f"cannot tile model.head_dim={head_dim}: it must be a power of two from 16 to 256"
   return None

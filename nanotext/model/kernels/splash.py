@@ -13,12 +13,12 @@ from nanotext.model.kernels.per_device import per_device, platform
 LANES = 128  # splash tiles must be multiples of the TPU lane width, also in interpret mode
 
 
-def block_size(T: int) -> int:
+def block_size(T: int, seq_key: str = "train.seq_len") -> int:
   """Largest of 512/256/128 dividing T: splash tiles must be lane-width multiples dividing T."""
   for block in (512, 256, LANES):
     if T % block == 0:
       return block
-  raise UserError(f"attention.impl=splash needs train.seq_len to be a multiple of {LANES} "
+  raise UserError(f"attention.impl=splash needs {seq_key} to be a multiple of {LANES} "
                   f"(got {T}); use attention.impl=xla or auto")
 
 
