@@ -27,6 +27,27 @@ class _UniqueKeyLoader(yaml.SafeLoader):
       seen.add(key)
     return super().construct_mapping(node, deep)
 
+  def construct_yaml_int(self, node):
+    digits = str(node.value).replace("_", "").lstrip("+-")
+    if ":" in digits or (len(digits) > 1 and digits[0] == "0"):  # 010 was 8, 1:30 was 90
+      raise yaml.constructor.ConstructorError(
+          None, None, f"{node.value} reads as a number in another base (YAML 1.1's octal, hex, "
+          "binary or base 60); write it in decimal, or quote it to mean a string",
+          node.start_mark)
+    return super().construct_yaml_int(node)
+
+  def construct_yaml_float(self, node):
+    if ":" in str(node.value):
+      raise yaml.constructor.ConstructorError(
+          None, None, f"{node.value} reads as a base-60 number (YAML 1.1); write it in decimal, "
+          "or quote it to mean a string", node.start_mark)
+    return super().construct_yaml_float(node)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float",
+                                 _UniqueKeyLoader.construct_yaml_float)
+
 
 # A config is a few kilobytes; these bounds keep a hostile file (a YAML alias bomb, a huge file)
 # to one line instead of minutes of work and a MemoryError.
@@ -57,8 +78,12 @@ def read(path) -> dict:
     if (e.problem or "").startswith("duplicate key"):
       raise UserError(f"config file '{path}' has a {e.problem} (line {line}); each key may "
                       "appear once per section") from None
-    raise UserError(f"config file '{path}' line {line}: {e.problem} (a config holds plain "
-                    "values only: no !!python or other tags)") from None
+    problem = e.problem or ""
+    if "tag:yaml.org,2002:merge" in problem:
+      problem = "a YAML merge key (<<) is not read here: write the keys out"
+    elif "constructor" in problem:
+      problem += " (a config holds plain values only: no !!python or other tags)"
+    raise UserError(f"config file '{path}' line {line}: {problem}") from None
   except yaml.YAMLError as e:
     line = getattr(getattr(e, "problem_mark", None), "line", None)
     where = f" (line {line + 1})" if line is not None else ""

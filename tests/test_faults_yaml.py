@@ -78,3 +78,23 @@ def test_a_huge_config_file_is_refused_unread(tmp_path):
   with open(path, "w") as f:
     f.write("# " + "x" * (2 << 20) + "\n")
   refused(path, match="more than a config can be")
+
+
+@pytest.mark.parametrize("value", ["010", "0x10", "0b11", "1:00", "-1:30", "1:30.5"])
+def test_yaml_11_numbers_in_other_bases_are_refused(tmp_path, value):
+  """steps: 010 trained 8 steps (octal) and 1:30 read as 90 (base 60), saved so without a word,
+  where train.steps=010 on the command line is 10."""
+  path = tmp_path / "n.yml"
+  path.write_text(f"base: {BASE}\ntrain:\n  steps: {value}\n")
+  refused(path, match=f"line 3: {value} reads as a .*number.*write it in decimal")
+  path.write_text(f"base: {BASE}\ntrain:\n  steps: 10\noptim:\n  lr: 0.001\n  warmup_steps: 0\n")
+  cfg = config.load(str(path))  # decimal, 0 and a float with a leading 0 read as they did
+  assert (cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_steps) == (10, 0.001, 0)
+
+
+def test_a_merge_key_is_named_not_called_a_tag(tmp_path):
+  path = tmp_path / "m.yml"
+  path.write_text(f"base: {BASE}\nd: &d\n  steps: 3\ntrain:\n  <<: *d\n")
+  with pytest.raises(UserError) as e:
+    config.load(str(path))
+  assert "merge key (<<)" in str(e.value) and "tag" not in str(e.value)
