@@ -249,6 +249,8 @@ def test_check_run_tells_a_resume_from_another_run(tmp_path):
   same = lambda *o: rundir.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", *o]),
                                      str(tmp_path))
   assert same() is False and same("mesh.fsdp=4", "mesh.tensor=2", "train.steps=9") is False
+  # What the memory plan advises where a resumed step no longer fits: the same step, in parts.
+  assert same("train.grad_accum=2") is False
   # Where the shards lie (NANOTEXT_CACHE set in another shell, a folder moved) is no other run:
   # the checkpoint's fingerprint of the training shards judges the data itself.
   assert same("data.dir=/elsewhere", "data.train_files=/a/*.bin", "data.val_files=/b/*") is False
