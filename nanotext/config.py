@@ -339,12 +339,27 @@ def save(cfg, path) -> None:
   atomic_write(str(path), [to_yaml(cfg).encode("utf-8")])
 
 
+# Keys whose default stands for another key's value, left so in a saved config: a resume that
+# spells the value out (train.eval_seq_len=32 where seq_len is 32) is the same run.
+_STANDS_FOR = {"train.eval_seq_len": (0, "train.seq_len"),
+               "model.embed_rows": (0, "model.vocab_size"),
+               "model.embed_dtype": ("", "model.param_dtype")}
+
+
+def _spelled_out(flat: dict) -> dict:
+  out = dict(flat)
+  for key, (default, other) in _STANDS_FOR.items():
+    if key in out and other in out and out[key] == default:
+      out[key] = out[other]
+  return out
+
+
 def run_identity_diff(old: dict, new: dict) -> list:
   """Keys (with old -> new values) whose change makes `new` a different run than `old`.
 
   A key only one side has was added to (or removed from) nanotext between the two: not a change
   of the run (a resume takes the key's value from here on)."""
-  a, b = _flatten(old), _flatten(new)
+  a, b = _spelled_out(_flatten(old)), _spelled_out(_flatten(new))
   free = [k for k, rules in key_rules().items() if "resume-ok" in rules]
   def ignored(k):
     return any(k == p or k.startswith(p + ".") for p in free)

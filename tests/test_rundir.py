@@ -251,6 +251,11 @@ def test_check_run_tells_a_resume_from_another_run(tmp_path):
   assert same() is False and same("mesh.fsdp=4", "mesh.tensor=2", "train.steps=9") is False
   # What the memory plan advises where a resumed step no longer fits: the same step, in parts.
   assert same("train.grad_accum=2") is False
+  # What a default stands for, spelled out (TINY: seq_len 32, vocab_size 512, float32 params).
+  assert same("train.eval_seq_len=32", "model.embed_rows=512", "model.embed_dtype=float32") \
+      is False
+  with pytest.raises(UserError, match=r"holds a different run \(train.eval_seq_len: 32 -> 16\)"):
+    same("train.eval_seq_len=16")
   # Where the shards lie (NANOTEXT_CACHE set in another shell, a folder moved) is no other run:
   # the checkpoint's fingerprint of the training shards judges the data itself.
   assert same("data.dir=/elsewhere", "data.train_files=/a/*.bin", "data.val_files=/b/*") is False
