@@ -78,7 +78,10 @@ class Profiler:
     self.dir = p.dir or os.path.join(cfg.output_dir, "profile")
     if jax.process_count() > 1:
       self.dir = os.path.join(self.dir, f"process_{jax.process_index()}")
-    self.log, self.tracing = log, False
+    self.log, self.tracing, self.traced = log, False, None
+    if self.first is not None and self.first >= cfg.train.steps:
+      log(f"profile.start_step={p.start_step} is past the run's last step (train.steps="
+          f"{cfg.train.steps}, counted from 0): no profile is written")
 
   def step(self, step: int):
     """Context around 0-based step `step`: starts the trace at the first and annotates steps."""
@@ -87,6 +90,7 @@ class Profiler:
       self.tracing = True
     if not self.tracing:
       return contextlib.nullcontext()
+    self.traced = step
     return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
   def after(self, step: int, state) -> None:
@@ -100,7 +104,8 @@ class Profiler:
       jax.profiler.stop_trace()
       self.tracing = False
       # Logged with the 1-based step numbers of the metric lines.
-      self.log(f"profile of steps {self.first + 1}..{self.last + 1} written to {self.dir}")
+      last = self.last if self.traced is None else min(self.last, self.traced)  # run ended
+      self.log(f"profile of steps {self.first + 1}..{last + 1} written to {self.dir}")
 
 
 class NonFiniteError(RuntimeError):

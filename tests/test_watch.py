@@ -338,3 +338,25 @@ def test_profiler_traces_its_steps(monkeypatch):
   assert got == [None, ("annotate", 1), ("annotate", 2), None]
   assert calls == [("start", "/tmp/p"), ("stop",)]
   assert lines == ["profile of steps 2..3 written to /tmp/p"]
+
+
+def test_a_profile_past_the_runs_end_says_which_steps_it_holds(monkeypatch):
+  """A 4-step run with profile.steps=10 said 'steps 2..11'; a start past the last step wrote
+  nothing and said nothing."""
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda d: None)
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
+  cfg = prepared(*LATE, "train.steps=4", "profile.start_step=1", "profile.steps=10",
+                 "profile.dir=/tmp/p").cfg
+  lines = []
+  prof = watch.Profiler(cfg, lines.append)
+  for step in range(4):
+    with prof.step(step):
+      pass
+    prof.after(step, jnp.zeros(1))
+  prof.stop()  # as the loop ends
+  assert lines == ["profile of steps 2..4 written to /tmp/p"]
+  lines.clear()
+  watch.Profiler(prepared(*LATE, "train.steps=4", "profile.start_step=4", "profile.steps=1").cfg,
+                 lines.append)
+  assert lines == ["profile.start_step=4 is past the run's last step (train.steps=4, counted "
+                   "from 0): no profile is written"]
