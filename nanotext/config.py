@@ -9,6 +9,7 @@ tree (frozen dataclasses whose fields and types are made from base.yml, so a new
 there alone).
 """
 
+import datetime
 import dataclasses
 import difflib
 import re
@@ -106,6 +107,9 @@ def coerce(key: str, value, default):
   if kind is str:
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
       return str(value)
+    if isinstance(value, (bool, datetime.date)) or value is None:  # YAML read it as one
+      raise bad("a string (YAML reads yes/no/on/off/true/false, null and dates as such "
+                "values: quote it)")
     raise bad("a string")
   if kind is list:
     if isinstance(value, str):

@@ -34,6 +34,8 @@ def parse_args(argv) -> tuple:
   if given and args and (os.path.splitext(args[0])[1] in (".yml", ".yaml")
                          or os.path.isfile(args[0])):
     raise UserError(f"two config files: --config={given[0]} and '{args[0]}'; give one")
+  if given and not given[0].strip():
+    raise UserError(f"--config is empty: give a config file's path; {USAGE}")
   if given:
     return given[0], args + list(_SET.value)
   if not args or "=" in args[0]:

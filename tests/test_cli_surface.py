@@ -158,6 +158,7 @@ def test_compile_flags_out_of_range_are_one_line_before_jax_loads(flag, want, tm
     (["nanotext.train", "--config=configs/base.yml", "--config=configs/shakespeare.yml"],
      "--config is given 2 times"),
     (["nanotext.train", "train.steps=3"], "no config file given"),
+    (["nanotext.train", "--config="], "--config is empty"),  # named the working directory
     (["nanotext.compile", "train.steps=3", "--topology=h100"], "no config file given")])
 def test_the_config_file_argument_is_one_and_named(argv, want, tmp_path):
   """A second config file was 'not of the form key=value' (given positionally after --config)

@@ -98,3 +98,12 @@ def test_a_merge_key_is_named_not_called_a_tag(tmp_path):
   with pytest.raises(UserError) as e:
     config.load(str(path))
   assert "merge key (<<)" in str(e.value) and "tag" not in str(e.value)
+
+
+@pytest.mark.parametrize("value,read", [("no", "False"), ("2024-01-01", "datetime.date"),
+                                        ("null", "None")])
+def test_a_string_key_given_what_yaml_reads_as_another_value_says_quote_it(tmp_path, value, read):
+  """'expects a string, got datetime.date(2024, 1, 1)' left the fix to the user."""
+  path = tmp_path / "s.yml"
+  path.write_text(f"base: {BASE}\noutput_dir: {value}\n")
+  refused(path, match=f"output_dir' expects a string .*quote it\\), got {read}")
