@@ -149,3 +149,11 @@ def test_out_at_the_root_is_refused():
   from nanotext import outputs
   with pytest.raises(UserError, match="file system's root"):
     outputs.check_out("/", force=True, protect=["/etc/hostname"])
+
+
+def test_a_byte_order_mark_is_no_text_and_line_ends_read_as_newlines(tmp_path):
+  """A BOM from an editor was tokenized as the document's first character."""
+  plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+  plain.write_bytes("ROMEO: hi\nJULIET: ho\n".encode())
+  marked.write_bytes(b"\xef\xbb\xbf" + "ROMEO: hi\r\nJULIET: ho\r\n".encode())
+  assert text_shards.read_text(str(marked)) == text_shards.read_text(str(plain))

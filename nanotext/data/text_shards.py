@@ -33,10 +33,11 @@ def check_file(path: str) -> None:
 
 
 def read_text(path: str) -> str:
-  """A document's text; UserError for a path that is not a readable UTF-8 file."""
+  """A document's text, line ends as \n and a leading byte-order mark dropped (an editor's mark,
+  not text); UserError for a path that is not a readable UTF-8 file."""
   check_file(path)
   try:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
       return f.read()
   except UnicodeDecodeError as e:
     raise UserError(f"'{path}' is not UTF-8 text (byte {e.start}): convert it first") from None
