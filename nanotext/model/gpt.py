@@ -60,12 +60,10 @@ def check_config(m, attn_cfg=None) -> None:
 
 def check_scan(m, attn_cfg) -> None:
   """model.scan_layers=true needs identical blocks: refuse (one line) the keys that differ them.
-
   Value embeddings on some layers, MLP-only layers, U-net skips between layers, the first
   layer's v carried to the others and a window pattern with both sizes make block i differ from
   block j; x0 lambdas, a learned attention scale and fused QKV are per-layer parameters that
-  stack like any other.
-  """
+  stack like any other."""
   if not m.scan_layers:
     return
   no_attn = [i for i in m.no_attention_layers if i < m.num_layers]
@@ -82,14 +80,12 @@ def check_scan(m, attn_cfg) -> None:
 
 def abstract_model(cfg, backend: str):
   """(graphdef, abstract parameter State, attention kernel) of cfg's model on `backend`."""
-  impl = resolve_impl(cfg.attention.impl, backend, head_dim=cfg.model.head_dim,
-                      seq_len=cfg.train.seq_len, window=cfg.attention.window,
-                      block_windows=cfg.attention.block_windows,
-                      doc_mask=cfg.attention.doc_mask)
-  if cfg.train.eval_seq_len and cfg.train.eval_seq_len != cfg.train.seq_len:  # named as such
-    resolve_impl(impl, backend, head_dim=cfg.model.head_dim, seq_len=cfg.train.eval_seq_len,
-                 window=cfg.attention.window, block_windows=cfg.attention.block_windows,
-                 doc_mask=cfg.attention.doc_mask, seq_key="train.eval_seq_len")
+  a, t = cfg.attention, cfg.train
+  kw = dict(head_dim=cfg.model.head_dim, window=a.window, block_windows=a.block_windows,
+            doc_mask=a.doc_mask)
+  impl = resolve_impl(a.impl, backend, seq_len=t.seq_len, **kw)
+  if t.eval_seq_len not in (0, t.seq_len):  # the kernel takes eval's rows too
+    resolve_impl(impl, backend, seq_len=t.eval_seq_len, seq_key="train.eval_seq_len", **kw)
   build = lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=Keys(jax.random.key(cfg.seed)))
   graphdef, abstract = nnx.split(nnx.eval_shape(build))  # no arrays
   return graphdef, abstract, impl
