@@ -71,7 +71,9 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
   paths = texts(tmp_path)
   out = tmp_path / "shards"
   (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
-  cases = [([str(tmp_path / "missing.txt")], "is not a file"),
+  os.link(paths[0], tmp_path / "hard.txt")  # a hard link was tokenized twice
+  cases = [([*paths, str(tmp_path / "hard.txt")], "are the same file: give it once"),
+           ([*paths, os.path.join(str(tmp_path), ".", "a.txt")], "are the same file"),([str(tmp_path / "missing.txt")], "is not a file"),
            ([str(tmp_path)], "is not a file"),
            ([*paths, str(tmp_path / "latin1.txt")], "is not UTF-8"),
            ([*paths, "--val_fraction=0"], "--val_fraction=0.0 must lie between 0 and 1"),
@@ -82,6 +84,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
     one_line_error(run_cli("nanotext.data.text_shards", *args, f"--out={out}",
                            "--tokenizer=shakespeare"), needle)
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+  os.unlink(tmp_path / "hard.txt")
   out.write_text("x")  # it said 'this conversion writes a directory'
   one_line_error(run_cli("nanotext.data.text_shards", *paths, f"--out={out}",
                          "--tokenizer=shakespeare"), "is a file, and a folder is written there")

@@ -100,10 +100,11 @@ def main(args) -> None:
   if F.shard_tokens < 1:
     raise UserError(f"--shard_tokens={F.shard_tokens} must be positive")
   seen = {}
-  for path in args:  # every name, before minutes of tokenizing (nothing is written before)
+  for i, path in enumerate(args):  # every name, before minutes of tokenizing (nothing written)
     check_file(path)
-    first = seen.setdefault(os.path.realpath(path), path)  # twice: its text trained on twice
-    if args.count(path) > 1:
+    st = os.stat(path)  # a link, another spelling or a hard link: its text trained on twice
+    first = args[seen.setdefault((st.st_dev, st.st_ino), i)]
+    if seen[(st.st_dev, st.st_ino)] != i and first == path:
       raise UserError(f"'{path}' is given twice: give each file once")
     if first != path:
       raise UserError(f"'{path}' and '{first}' are the same file: give it once")
