@@ -45,10 +45,9 @@ def _check_target(out: str, force: bool, protect=()) -> str:
   if os.path.dirname(out) == out or os.path.dirname(where) == where:
     raise UserError(f"--out '{out}' is the file system's root; choose a folder under it")
   for o in dict.fromkeys((out, where)):  # a run's own folder: replaced, the run loses it
-    if os.path.isdir(o) and rundir.training_mark(o):
-      raise UserError(f"--out '{out}' is a training run's folder (it holds "
-                      f"{rundir.training_mark(o)}), which this tool never replaces; choose "
-                      "another path")
+    if os.path.isdir(o) and (mark := rundir.training_mark(o)):
+      raise UserError(f"--out '{out}' is a training run's folder (it holds {mark}), which this "
+                      "tool never replaces; choose another path")
     parent = os.path.dirname(o)
     if os.path.basename(o) in rundir.RUN_FILES and os.path.lexists(os.path.join(parent,
                                                                                 "config.yml")):

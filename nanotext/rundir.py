@@ -76,8 +76,8 @@ def run_holding(path: str) -> str:
 def training_mark(path: str) -> str:
   """What at `path` shows a training run's folder (its checkpoints/, metrics, lock), else ''.
   A params-only folder holds config.yml too: that one alone is no mark."""
-  return next((n for n in ("checkpoints", "metrics.jsonl", "tb", lock.LOCK)
-               if os.path.lexists(os.path.join(path, n))), "")
+  marks = [n for n in RUN_FILES if n != "config.yml"] + [lock.LOCK]
+  return next((n for n in marks if os.path.lexists(os.path.join(path, n))), "")
 
 
 def check_output_dir_path(out: str) -> str:

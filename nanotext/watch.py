@@ -104,8 +104,8 @@ class Profiler:
       jax.profiler.stop_trace()
       self.tracing = False
       # Logged with the 1-based step numbers of the metric lines.
-      last = self.last if self.traced is None else min(self.last, self.traced)  # run ended
-      self.log(f"profile of steps {self.first + 1}..{last + 1} written to {self.dir}")
+      # The last step traced: before self.last where the run ended first.
+      self.log(f"profile of steps {self.first + 1}..{self.traced + 1} written to {self.dir}")
 
 
 class NonFiniteError(RuntimeError):

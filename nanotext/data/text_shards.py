@@ -103,11 +103,10 @@ def main(args) -> None:
   for i, path in enumerate(args):  # every name, before minutes of tokenizing (nothing written)
     check_file(path)
     st = os.stat(path)  # a link, another spelling or a hard link: its text trained on twice
-    first = args[seen.setdefault((st.st_dev, st.st_ino), i)]
-    if seen[(st.st_dev, st.st_ino)] != i and first == path:
-      raise UserError(f"'{path}' is given twice: give each file once")
-    if first != path:
-      raise UserError(f"'{path}' and '{first}' are the same file: give it once")
+    j = seen.setdefault((st.st_dev, st.st_ino), i)
+    if j != i:
+      raise UserError(f"'{path}' is given twice: give each file once" if args[j] == path else
+                      f"'{path}' and '{args[j]}' are the same file: give it once")
   out = os.path.abspath(F.out)
   check_out(out, force=F.force, protect=[os.path.abspath(a) for a in args])
   tok = get_tokenizer(F.tokenizer)
