@@ -62,42 +62,51 @@ def seed_keys(seeds):
   return jax.random.wrap_key_data(data)
 
 
+def documents(buf_BT, eot: int | None):
+  """The document ids of token buffers, as training masks them (None: no document masks)."""
+  from nanotext.model.kernels.masks import segment_ids_from_tokens
+  return None if eot is None else segment_ids_from_tokens(buf_BT, eot)
+
+
 @functools.lru_cache(maxsize=8)  # one set of programs for every sample of a command
-def make_sampler(graphdef, max_len: int, temperature: float, top_k: int):
+def make_sampler(graphdef, max_len: int, temperature: float, top_k: int, eot: int | None = None):
   """jit(params, buf_BT, pos, keys_B) -> each row's next token id after position `pos` of a
-  buffer, the whole buffer run again (compiled once per buffer shape)."""
+  buffer, the whole buffer run again (compiled once per buffer shape); with `eot` (the model's
+  attention.doc_mask) each token sees only its own document, as in training."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
   def next_tokens(params, buf, pos, keys):
-    logits_BV = nnx.merge(graphdef, params)(buf, train=False)[:, pos].astype(jnp.float32)
-    return pick(temperature, top_k)(logits_BV, keys)
+    logits_BV = nnx.merge(graphdef, params)(buf, documents(buf, eot), train=False)[:, pos]
+    return pick(temperature, top_k)(logits_BV.astype(jnp.float32), keys)
   del max_len
   return jax.jit(next_tokens)
 
 
 @functools.lru_cache(maxsize=8)
-def make_cached(graphdef, temperature: float, top_k: int):
+def make_cached(graphdef, temperature: float, top_k: int, eot: int | None = None):
   """(prompt, step): jit(params, caches, buf_BT, n, keys_B) -> (each row's token after the first
-  n of a buffer, caches holding their keys and values); jit(params, caches, tokens_B, pos,
-  keys_B) -> (each row's token after its token at position pos, caches with it added).
-  Compiled once per buffer and cache shape; the caches' buffers are donated (written in place)."""
+  n of a buffer, caches holding their keys and values); jit(params, caches, tokens_B, docs_B,
+  pos, keys_B) -> (each row's token after its token at position pos, in document docs_B (None
+  without `eot`), caches with it added). Compiled once per buffer and cache shape; the caches'
+  buffers are donated (written in place)."""
   import jax
   from flax import nnx
   def prompt(params, caches, buf, n, keys):
-    logits_BV, caches = nnx.merge(graphdef, params).extend(buf, caches, 0, n - 1)
+    logits_BV, caches = nnx.merge(graphdef, params).extend(buf, caches, 0, n - 1,
+                                                           documents(buf, eot))
     return pick(temperature, top_k)(logits_BV, keys), caches
-  def step(params, caches, tokens, pos, keys):
-    logits_BV, caches = nnx.merge(graphdef, params).extend(tokens[:, None], caches, pos, 0)
+  def step(params, caches, tokens, docs, pos, keys):
+    logits_BV, caches = nnx.merge(graphdef, params).extend(
+        tokens[:, None], caches, pos, 0, None if docs is None else docs[:, None])
     return pick(temperature, top_k)(logits_BV, keys), caches
   return jax.jit(prompt, donate_argnums=1), jax.jit(step, donate_argnums=1)
 
 
-def sample(graphdef, params, prompt_ids, *, max_len: int, max_new_tokens: int,
-           temperature: float, top_k: int, seed: int, cache: bool = True) -> list:
-  """Autoregressively extend `prompt_ids`; the context is the last `max_len` tokens."""
-  return list(stream(graphdef, params, prompt_ids, max_len=max_len, max_new_tokens=max_new_tokens,
-                     temperature=temperature, top_k=top_k, seed=seed, cache=cache))
+def sample(graphdef, params, prompt_ids, *, seed: int, **kw) -> list:
+  """Autoregressively extend `prompt_ids`; the context is the last `max_len` tokens (`stream_rows`'
+  keywords)."""
+  return list(stream(graphdef, params, prompt_ids, seed=seed, **kw))
 
 
 def stream(graphdef, params, prompt_ids, *, seed: int, **kw):
@@ -107,21 +116,22 @@ def stream(graphdef, params, prompt_ids, *, seed: int, **kw):
 
 
 def stream_rows(graphdef, params, prompt_ids, *, seeds, max_len: int, max_new_tokens: int,
-                temperature: float, top_k: int, cache: bool = True):
+                temperature: float, top_k: int, cache: bool = True, eot: int | None = None):
   """A sample per seed, drawn together as the rows of one batch: a list of each row's token per
   step, yielded as they are drawn. From the key-value cache while the context fits in max_len
   (`cached`), then with the whole context of the last max_len tokens run again for each token
   (it slides, and every position moves). Row i draws what seed i alone would, but for logits
-  that a batch rounds differently from one row and that tie at that rounding."""
+  that a batch rounds differently from one row and that tie at that rounding. `eot`: documents
+  begin at this token and see nothing before it (a model trained with attention.doc_mask)."""
   import numpy as np
   if not prompt_ids:
     raise UserError("the prompt encodes to no tokens; give a non-empty prompt")
   rows = [list(prompt_ids) for _ in seeds]
   keys = seed_keys(seeds)
   if cache and len(prompt_ids) < max_len and max_new_tokens:
-    keys = yield from cached(graphdef, params, rows, keys, max_len=max_len,
+    keys = yield from cached(graphdef, params, rows, keys, max_len=max_len, eot=eot,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
-  step_fn = make_sampler(graphdef, max_len, temperature, top_k)
+  step_fn = make_sampler(graphdef, max_len, temperature, top_k, eot)
   for _ in range(max_new_tokens - (len(rows[0]) - len(prompt_ids))):
     ctx = np.asarray([r[-max_len:] for r in rows], np.int32)
     buf = np.zeros((len(rows), bucket(ctx.shape[1], max_len)), np.int32)
@@ -140,14 +150,14 @@ def append(rows: list, tokens) -> list:
 
 
 def cached(graphdef, params, rows: list, keys, *, max_len: int, max_new_tokens: int,
-           temperature: float, top_k: int):
+           temperature: float, top_k: int, eot: int | None = None):
   """Tokens drawn after each row (appended to it as they are yielded) while the context fits in
   max_len: the prompt runs once (in a bucket), then each row's token alone against every
   layer's cached keys and values (model/kv_cache.py). Returns the random keys to go on with."""
   import numpy as np
   from flax import nnx
   from nanotext.model import kv_cache
-  prompt, step = make_cached(graphdef, temperature, top_k)
+  prompt, step = make_cached(graphdef, temperature, top_k, eot)
   n = len(rows[0])
   length = bucket(min(n + max_new_tokens, max_len), max_len)  # positions it may hold
   caches = kv_cache.empty(nnx.merge(graphdef, params), len(rows), length)
@@ -155,13 +165,16 @@ def cached(graphdef, params, rows: list, keys, *, max_len: int, max_new_tokens: 
   buf[:, :n] = rows[0]  # one prompt for every row
   keys, sub = split(keys)
   tokens, caches = prompt(params, caches, buf, n, sub)
+  docs = None if eot is None else np.full(len(rows), rows[0].count(eot), np.int32)
   for drawn in range(1, max_new_tokens + 1):
     new = append(rows, tokens)
     yield new
     if drawn == max_new_tokens or len(rows[0]) > length:  # done, or the context slides from here
       return keys
     keys, sub = split(keys)
-    tokens, caches = step(params, caches, np.asarray(new, np.int32), len(rows[0]) - 1, sub)
+    if docs is not None:  # each row's document: an end-of-text token opens the next
+      docs = docs + (np.asarray(new) == eot)
+    tokens, caches = step(params, caches, np.asarray(new, np.int32), docs, len(rows[0]) - 1, sub)
   return keys
 
 
@@ -202,7 +215,13 @@ def sample_ids(graphdef, params, cfg, tokenizer, prompt: str, seed: int | None =
   s = cfg.sample
   return stream(graphdef, params, encode_prompt(tokenizer, prompt), max_len=cfg.model.max_seq_len,
                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                seed=s.seed if seed is None else seed)
+                seed=s.seed if seed is None else seed, eot=doc_eot(cfg))
+
+
+def doc_eot(cfg) -> int | None:
+  """The token that opens a document where the model was trained with document masks, else None."""
+  from nanotext import wiring
+  return wiring.doc_mask_eot(cfg) if cfg.attention.doc_mask else None
 
 
 def sample_text(graphdef, params, cfg, tokenizer, prompt: str) -> str:
@@ -308,7 +327,7 @@ def print_batch(graphdef, params, cfg, tokenizer, prompt_ids, seeds, step, first
   def first_row():
     for tokens in stream_rows(graphdef, params, prompt_ids, seeds=seeds,
                               max_len=cfg.model.max_seq_len, max_new_tokens=s.max_new_tokens,
-                              temperature=s.temperature, top_k=s.top_k):
+                              temperature=s.temperature, top_k=s.top_k, eot=doc_eot(cfg)):
       for ids, t in zip(drawn, tokens):
         ids.append(t)
       yield tokens[0]

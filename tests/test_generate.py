@@ -249,3 +249,12 @@ def test_seeds_2_to_the_32_apart_draw_different_keys():
       [jax.random.key_data(jax.random.key(s)) for s in small]))  # as before for 32-bit seeds
   rows = data([3, 2**32 + 3, -1, 2**32 - 1, 2**63 - 1])
   assert len({tuple(r) for r in rows}) == 5, rows
+
+
+@pytest.mark.fast
+def test_a_model_trained_with_document_masks_samples_with_them():
+  """generate and the closing sample pass the run's end-of-text id (documents then see nothing
+  before their end-of-text; test_kv_cache) where attention.doc_mask is on, and only there."""
+  assert generate.doc_eot(wiring.load(BASE, TINY)) is None
+  assert generate.doc_eot(wiring.load(BASE, TINY + ["attention.doc_mask=true",
+                                                    "data.eot_id=7"])) == 7

@@ -15,6 +15,7 @@ from flax import nnx
 from conftest import BASE, REPO, SPEEDRUN
 from nanotext import generate, wiring
 from nanotext.model import kv_cache
+from nanotext.model.kernels.masks import segment_ids_from_tokens
 
 SMALL = ["model.d_model=64", "model.num_heads=2", "model.head_dim=32", "model.mlp_dim=128",
          "model.vocab_size=256", "model.align=0", "model.dtype=float32",
@@ -109,8 +110,46 @@ def test_samples_drawn_together_are_those_drawn_one_by_one():
   assert [list(r) for r in zip(*together)] == alone and len(alone[0]) == 66
   assert len({tuple(r) for r in alone}) == 3  # the seeds do differ
   model = nnx.merge(graphdef, params)
-  held = sum(x.nbytes for c in kv_cache.empty(model, 1, 128) if c is not None for x in c[:2])
+  held = sum(x.nbytes for c in kv_cache.empty(model, 1, 128) if c is not None for x in c[:3])
   assert kv_cache.row_bytes(model, 128) == held > 0
+
+
+@pytest.mark.parametrize("case", ["record", "scanned"])
+def test_the_cache_keeps_each_token_to_its_document(case):
+  """With document masks (attention.doc_mask, end-of-text 0 here), a prompt and then one token at
+  a time give the logits of the whole context run with training's segment ids; the document
+  before an end-of-text is then out of sight (it was seen: logits differ by up to 0.47)."""
+  graphdef, params = model_and_params(case)
+  tokens = np.array(jax.random.randint(jax.random.key(2), (1, LENGTH), 1, 256), np.int32)
+  tokens[0, [3, 20, 33]] = 0  # one in the prompt, two after it
+  docs = segment_ids_from_tokens(tokens, 0)
+  run = jax.jit(lambda p, t, d: nnx.merge(graphdef, p)(t, d, train=False)[0])
+  whole = run(params, tokens, docs)
+  prompt = jax.jit(lambda p, c, t, d: nnx.merge(graphdef, p).extend(t, c, 0, PROMPT - 1, d))
+  step = jax.jit(lambda p, c, t, pos, d: nnx.merge(graphdef, p).extend(t, c, pos, 0, d))
+  got, caches = prompt(params, kv_cache.empty(nnx.merge(graphdef, params), 1, 64),
+                       tokens[:, :PROMPT], docs[:, :PROMPT])
+  rows = [got[0]]
+  for pos in range(PROMPT, LENGTH - 1):
+    got, caches = step(params, caches, tokens[:, pos:pos + 1], pos, docs[:, pos:pos + 1])
+    rows.append(got[0])
+  np.testing.assert_allclose(np.stack(rows), whole[PROMPT - 1:LENGTH - 1], rtol=1e-4, atol=1e-4)
+  unmasked = run(params, tokens, None)
+  assert float(jnp.max(jnp.abs(unmasked[21:] - whole[21:]))) > 1e-2  # the masks do matter
+
+
+@pytest.mark.fast
+def test_text_after_an_end_of_text_does_not_depend_on_the_document_before_it():
+  """Sampled continuations (the cache's, then past max_len the sliding context's) of two prompts
+  that differ only before their end-of-text token are the same with the model's document masks;
+  without them they differ."""
+  graphdef, params = model_and_params("record")
+  kw = dict(max_len=64, max_new_tokens=66, temperature=1.0, top_k=20, seed=3)
+  draw = lambda prefix, **more: generate.sample(graphdef, params, prefix + [0, 42, 7],
+                                                **{**kw, **more})
+  first = draw([5, 17, 3], eot=0)
+  assert first == draw([99, 18, 250], eot=0) == draw([99, 18, 250], eot=0, cache=False)
+  assert draw([5, 17, 3]) != draw([99, 18, 250])
 
 
 def test_windows_hide_what_the_cache_still_holds():

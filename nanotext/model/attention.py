@@ -127,13 +127,14 @@ class CausalSelfAttention(nnx.Module):
                                         0 if kv is None else kv.pos)
     with jax.named_scope("attention_kernel"):
       if kv is not None:
-        kv = kv_cache.write(kv, k, v)
+        kv = kv_cache.write(kv, k, v, segment_ids_BT)
       if kv is None or at_start(kv.pos):  # training, or a prompt: the chunk is the whole context
         out_BTHK = dot_product_attention(q, k, v, impl=self.impl, scale=scale, window=window,
                                          segment_ids_BT=segment_ids_BT, block=self.block,
                                          runtime_window=runtime_window)
       else:
-        out_BTHK = kv_cache.attend(q, kv, scale=scale, window=window, block=self.block)
+        out_BTHK = kv_cache.attend(q, kv, segment_ids_BT, scale=scale, window=window,
+                                   block=self.block)
     return self._out(out_BTHK), v1_BTHK, kv
 
   def _qkv(self, x_BTD, qkv, ve_BTHK, v1_BTHK, freq, fused: bool, offset):

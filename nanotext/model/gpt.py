@@ -236,13 +236,13 @@ class GPT(nnx.Module):
     return self.ln_f(self._blocks(self._embed(tokens_BT), segment_ids_BT, windows,
                                   runtime_windows)[0])
 
-  def extend(self, tokens_BT, caches: list, pos, last):
+  def extend(self, tokens_BT, caches: list, pos, last, segment_ids_BT=None):
     """(float32 logits [B, V] at chunk index `last`, caches): a chunk of tokens at positions pos,
     pos + 1, ... run after the context the key-value caches (kv_cache.empty) hold, each layer's
     keys and values written into them; `pos` a static 0 for a prompt, then traced. The layers'
-    configured windows apply; no document masks (as in sampling)."""
+    windows apply, and document masks with `segment_ids_BT` (counted from the context's start)."""
     caches = kv_cache.at(caches, pos)
-    x_BTD, caches = self._blocks(self._embed(tokens_BT, pos), caches=caches)
+    x_BTD, caches = self._blocks(self._embed(tokens_BT, pos), segment_ids_BT, caches=caches)
     x_B1D = self.ln_f(jax.lax.dynamic_slice_in_dim(x_BTD, last, 1, axis=1))
     return self.logits(x_B1D, train=False)[:, 0], caches
 
@@ -373,14 +373,14 @@ def scan_blocks(blocks: Block, policy: str, windows, x_BTD, x0_BTD, segment_ids_
       return jax.lax.scan(body, x_BTD, stacked)[0], None
   pos = caches[0].pos
   def cached(x_BTD, xs):
-    layer, k, v = xs
-    x_BTD, _, kv = nnx.merge(graphdef, layer)(x_BTD, x0_BTD, None, windows[0],
-                                              kv=kv_cache.KV(k, v, pos))
-    return x_BTD, (kv.k, kv.v)
-  stack = lambda name: jnp.stack([getattr(c, name) for c in caches])
+    layer, kv = xs
+    x_BTD, _, kv = nnx.merge(graphdef, layer)(x_BTD, x0_BTD, segment_ids_BT, windows[0],
+                                              kv=kv._replace(pos=pos))
+    return x_BTD, kv._replace(pos=None)
   with jax.named_scope("blocks"):
-    x_BTD, (ks, vs) = jax.lax.scan(cached, x_BTD, (stacked, stack("k"), stack("v")))
-  return x_BTD, [kv_cache.KV(k, v, pos) for k, v in zip(ks, vs)]
+    x_BTD, kvs = jax.lax.scan(cached, x_BTD, (stacked, jax.tree.map(
+        lambda *layers: jnp.stack(layers), *[c._replace(pos=None) for c in caches])))
+  return x_BTD, [kv_cache.KV(kvs.k[i], kvs.v[i], kvs.docs[i], pos) for i in range(len(caches))]
 
 
 def norm_eps(cfg) -> dict:
