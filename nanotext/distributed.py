@@ -10,10 +10,15 @@ keys left at their defaults (launchers find env vars easier to set per process t
 import dataclasses
 import os
 import socket
+import threading
 
+from nanotext import errors
 from nanotext.errors import UserError
 
 ENV_PREFIX = "NANOTEXT_"
+# XLA's own deadline comes this much after distributed.init_timeout, so the watchdog's line is
+# what a user sees: at XLA's, the process aborts with a C++ check failure (exit 134, ~45 lines).
+XLA_GRACE_S = 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +104,13 @@ def maybe_initialize(dist_cfg, log=print) -> bool:
     return False
   if jax.distributed.is_initialized():
     return True  # an in-process caller (a notebook, a test) already joined
+  watchdog = threading.Timer(p.init_timeout, errors.fail, (not_joined(p),))
+  watchdog.daemon = True
+  watchdog.start()
   try:
     jax.distributed.initialize(
         coordinator_address=p.coordinator_address, num_processes=p.num_processes,
-        process_id=p.process_id, initialization_timeout=p.init_timeout,
+        process_id=p.process_id, initialization_timeout=p.init_timeout + XLA_GRACE_S,
         # Only auto mode may consult SLURM/MPI/TPU env; explicit settings must win as given.
         cluster_detection_method=None if p.auto else "deactivate")
   except (ValueError, RuntimeError) as e:
@@ -114,6 +122,18 @@ def maybe_initialize(dist_cfg, log=print) -> bool:
     hint = " (distributed.auto=true found no cluster: set distributed.coordinator_address)" \
         if p.auto and p.coordinator_address is None else ""
     raise UserError(f"cannot join the distributed run at {where}: {first}{hint}") from None
+  finally:
+    watchdog.cancel()
   log(f"process {jax.process_index()}/{jax.process_count()} on host {socket.gethostname()} "
       f"with {jax.local_device_count()} local devices ({jax.device_count()} in all)")
   return True
+
+
+def not_joined(p: Plan) -> str:
+  """The line for a run whose processes did not all meet within distributed.init_timeout (the
+  main thread then waits inside XLA: the watchdog prints it and exits 2)."""
+  who = f"process {p.process_id} of {p.num_processes}" if p.num_processes else "this process"
+  where = p.coordinator_address or "the auto-detected coordinator"
+  return (f"cannot join the distributed run at {where}: {who} waited distributed.init_timeout="
+          f"{p.init_timeout} s and not every process joined (start all of them, with the same "
+          "coordinator address, process 0 the one at it, or raise the timeout)")

@@ -159,3 +159,21 @@ def test_cli_reports_a_bad_distributed_key():
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
   assert r.stderr.strip().splitlines()[-1].startswith(
       "nanotext: error: distributed.num_processes and distributed.process_id need")
+
+
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_run_whose_other_processes_never_join_ends_in_one_line(process_id, tmp_path):
+  """Process 0 alone (its peers never started), or process 1 with nothing at the coordinator's
+  address: after distributed.init_timeout one line and exit 2, where XLA aborted the process
+  with a C++ check failure (exit 134, ~45 lines); nothing written."""
+  out = tmp_path / "run"
+  r = run_cli("nanotext.train", BASE, *TINY, f"output_dir={out}",
+              f"distributed.coordinator_address=127.0.0.1:{free_port()}",
+              "distributed.num_processes=2", f"distributed.process_id={process_id}",
+              "distributed.local_device_count=4", "distributed.init_timeout=2", timeout=120)
+  assert r.returncode == 2, r.stderr
+  assert "Traceback" not in r.stderr and "Check failure" not in r.stderr, r.stderr
+  line = r.stderr.strip().splitlines()[-1]
+  assert line.startswith("nanotext: error: cannot join the distributed run at 127.0.0.1:"), line
+  assert f"process {process_id} of 2 waited distributed.init_timeout=2 s" in line
+  assert not out.exists()
