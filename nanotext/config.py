@@ -346,6 +346,7 @@ def save(cfg, path) -> None:
 # Keys whose default stands for another key's value, left so in a saved config: a resume that
 # spells the value out (train.eval_seq_len=32 where seq_len is 32) is the same run.
 _STANDS_FOR = {"train.eval_seq_len": (0, "train.seq_len"),
+               "model.max_seq_len": (0, "train.seq_len"),
                "model.embed_rows": (0, "model.vocab_size"),
                "model.embed_dtype": ("", "model.param_dtype")}
 
@@ -367,5 +368,19 @@ def run_identity_diff(old: dict, new: dict) -> list:
   free = [k for k, rules in key_rules().items() if "resume-ok" in rules]
   def ignored(k):
     return any(k == p or k.startswith(p + ".") for p in free)
-  return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) & set(b))
-          if not ignored(k) and a.get(k) != b.get(k)]
+  changed = {k for k in set(a) & set(b) if not ignored(k) and a[k] != b[k]}
+  # a key that follows another (max_seq_len: train.seq_len's) after it: the one a user changed
+  follows = lambda k: k in _STANDS_FOR and _STANDS_FOR[k][1] in changed
+  return [f"{k}: {yaml_scalar(a[k])} -> {yaml_scalar(b[k])}"
+          for k in sorted(changed, key=lambda k: (follows(k), k))]
+
+
+def yaml_scalar(v) -> str:
+  """A config value as a YAML file or `key=value` spells it: true, null, [1, 2], '' ."""
+  if isinstance(v, bool):
+    return str(v).lower()
+  if v is None:
+    return "null"
+  if isinstance(v, (list, tuple)):
+    return "[" + ", ".join(map(yaml_scalar, v)) + "]"
+  return repr(v) if v == "" else str(v)

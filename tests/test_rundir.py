@@ -256,6 +256,11 @@ def test_check_run_tells_a_resume_from_another_run(tmp_path):
       is False
   with pytest.raises(UserError, match=r"holds a different run \(train.eval_seq_len: 32 -> 16\)"):
     same("train.eval_seq_len=16")
+  # the key changed first, what follows it (max_seq_len: 0 = seq_len) after; values as YAML's
+  with pytest.raises(UserError, match=r"run \(train.seq_len: 32 -> 16 and 2 more\)"):
+    same("train.seq_len=16")
+  with pytest.raises(UserError, match=r"run \(attention.doc_mask: false -> true\)"):
+    same("attention.doc_mask=true")
   # Where the shards lie (NANOTEXT_CACHE set in another shell, a folder moved) is no other run:
   # the checkpoint's fingerprint of the training shards judges the data itself.
   assert same("data.dir=/elsewhere", "data.train_files=/a/*.bin", "data.val_files=/b/*") is False
