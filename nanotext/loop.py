@@ -148,5 +148,10 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     if trained:
       save(t_cfg.steps, state, data_state)
   log(f"compilations inside the training loop: {counter.count}")
+  if mon.skipped:  # each was said on its step's line; the total, where a reader looks last
+    every = " (every one: the parameters are those the run started with)" \
+        if mon.skipped >= t_cfg.steps else ""
+    log(f"warning: {mon.skipped} of {t_cfg.steps} steps skipped for a non-finite loss or "
+        f"gradient norm (train.on_nonfinite=skip){every}")
   return LoopResult(state, mon.last_loss, val_loss, counter.count, compile_s,
                     skipped_steps=mon.skipped, programs=programs)

@@ -176,9 +176,11 @@ def test_skip_leaves_the_state_and_counts_the_step(tmp_path):
   args = FSDP8 + [f"output_dir={tmp_path}", "train.steps=6", "train.on_nonfinite=skip"]
   restore = nan_poison.install(BASE, args, 3)
   try:
-    result, _ = quiet_run(args)
+    result, lines = quiet_run(args)
   finally:
     restore()
+  assert "warning: 1 of 6 steps skipped for a non-finite loss or gradient norm " \
+      "(train.on_nonfinite=skip)" in lines
   def strict(text):  # NaN, Infinity: not JSON (jq and JavaScript reject the line)
     raise ValueError(f"{text} in metrics.jsonl")
   with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
@@ -190,6 +192,18 @@ def test_skip_leaves_the_state_and_counts_the_step(tmp_path):
   counts = [int(x) for p, x in jax.tree_util.tree_flatten_with_path(result.state["opt_state"])[0]
             if "count" in jax.tree_util.keystr(p)]
   assert counts and set(counts) == {5}  # the optimizer never saw the skipped step
+
+
+def test_a_run_whose_every_step_was_skipped_says_so(tmp_path, monkeypatch):
+  """Every loss non-finite under on_nonfinite=skip: the run ends, saying it learned nothing (it
+  ended 0 with no word beyond each step's count)."""
+  real = trainer.loss_fn
+  monkeypatch.setattr(trainer, "loss_fn", lambda *a, **k: real(*a, **k) * np.nan)
+  result, lines = quiet_run(FSDP8 + [f"output_dir={tmp_path}", "train.steps=2",
+                                     "train.on_nonfinite=skip"])
+  assert result.skipped_steps == 2
+  assert "warning: 2 of 2 steps skipped for a non-finite loss or gradient norm (train.on_nonfinite" \
+      "=skip) (every one: the parameters are those the run started with)" in lines
 
 
 def test_sigterm_in_process_saves_stops_and_restores_handlers(tmp_path):
