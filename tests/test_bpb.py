@@ -15,10 +15,19 @@ TEXT = "ROMEO: But soft, what light through yonder window breaks? ’Tis the eas
 
 def test_token_bytes_add_up_to_the_utf8_text():
   tok = get_tokenizer("shakespeare")
-  ids = tok.encode(TEXT + EOT + TEXT)
+  ids = tok.encode(TEXT) + [tok.eot_id] + tok.encode(TEXT)
   table = tok.token_bytes()
   assert table[tok.eot_id] == 0  # a separator, not text
   assert int(table[ids].sum()) == 2 * len(TEXT.encode("utf-8"))  # multi-byte characters too
+
+
+def test_end_of_text_written_in_text_is_text():
+  """The Shakespeare tokenizer reads a literal `<|endoftext|>` as characters, as gpt2's does
+  (tiktoken's encode_ordinary): only data preparation's inserted id separates documents. It made
+  it the separator (a page quoting it split its document in two)."""
+  tok = get_tokenizer("shakespeare")
+  ids = tok.encode("a " + EOT + " b")
+  assert tok.eot_id not in ids and tok.decode(ids) == "a " + EOT + " b"
 
 
 def test_bytes_per_token_of_batches():

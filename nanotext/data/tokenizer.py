@@ -38,6 +38,10 @@ class HFTokenizer:
 
   def __init__(self, tok):
     self._tok = tok
+    # `<|endoftext|>` written in text is text, as tiktoken's encode_ordinary reads it: documents
+    # are separated by the id, which data preparation inserts (a page quoting the token made
+    # false document boundaries)
+    tok.encode_special_tokens = True
     self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
     self.eot_id = tok.token_to_id(EOT)
 
