@@ -4,6 +4,7 @@ import json
 import os
 import shlex
 
+import jax
 import numpy as np
 import pytest
 
@@ -57,9 +58,14 @@ def test_the_cli_writes_shards_a_run_reads(tmp_path):
   assert proc.returncode == 0, proc.stderr
   command = proc.stdout.strip().splitlines()[-1]
   assert command.startswith("train on them: python -m nanotext.train configs/base.yml")
-  overrides = [a for a in shlex.split(command) if a.startswith(("data.", "model."))]
+  overrides = [a for a in shlex.split(command) if "=" in a]
   assert "model.vocab_size=8192" in overrides and "data.tokenizer=shakespeare" in overrides
-  run = wiring.prepare(BASE, TINY + overrides + ["train.seq_len=16", "train.batch_size=8"])
+  # as printed (its rows of 256 tokens: a batch of one here, where base.yml's 16 did not fit the
+  # validation data), the model made small
+  small = [o for o in TINY if o.startswith("model.") and "vocab" not in o]
+  assert "train.batch_size=1" in overrides
+  run = wiring.prepare(BASE, small + overrides, devices=jax.devices()[:1])  # a user's CPU
+  assert len(run.val_batches()) == 1
   batch = next(run.train_iter())
   tokens = np.concatenate([binfile.read_shard(str(p)) for p in sorted(out.glob("train_*.bin"))])
   row = np.asarray(batch["inputs"])[0]
@@ -160,3 +166,13 @@ def test_a_byte_order_mark_is_no_text_and_line_ends_read_as_newlines(tmp_path):
   plain.write_bytes("ROMEO: hi\nJULIET: ho\n".encode())
   marked.write_bytes(b"\xef\xbb\xbf" + "ROMEO: hi\r\nJULIET: ho\r\n".encode())
   assert text_shards.read_text(str(marked)) == text_shards.read_text(str(plain))
+
+
+def test_the_printed_command_fits_its_batch_to_the_splits():
+  """base.yml's 16 rows of 256 tokens where both splits hold them; fewer, a power of two, where
+  one does not; a note where a split holds no row."""
+  assert text_shards.fitting_batch(16 * 256 + 1) == ("", "")
+  assert text_shards.fitting_batch(16 * 256) == (" train.batch_size=8", "")
+  assert text_shards.fitting_batch(257) == (" train.batch_size=1", "")
+  suffix, note = text_shards.fitting_batch(200)
+  assert not suffix and "holds no row of configs/base.yml's train.seq_len=256" in note

@@ -119,8 +119,27 @@ def main(args) -> None:
         f"a validation shard of {meta['val_tokens']:,} to {out}")
   files = [shlex.quote(f"data.{kind}_files={glob.escape(out)}/{kind}_*.bin")
            for kind in ("train", "val")]
+  suffix, note = fitting_batch(min(meta["train_tokens"], meta["val_tokens"]))
   print(f"train on them: python -m nanotext.train configs/base.yml data.source=bin {files[0]} "
-        f"{files[1]} data.tokenizer={F.tokenizer} model.vocab_size={vocab}")
+        f"{files[1]} data.tokenizer={F.tokenizer} model.vocab_size={vocab}{suffix}")
+  if note:
+    print(note)
+
+
+def fitting_batch(tokens: int) -> tuple:
+  """(' train.batch_size=K', '') where the fewer tokens of the two splits hold under one batch
+  of configs/base.yml's rows (K a power of two: the printed command failed on its validation
+  data); ('', a note) where they hold no row; ('', '') where a batch fits."""
+  from nanotext import config
+  t = config.load(str(config.SCHEMA_PATH)).train
+  rows = (tokens - 1) // t.seq_len  # windows of seq_len inputs and their next token
+  if rows >= t.batch_size:
+    return "", ""
+  if rows < 1:
+    return "", (f"note: a split of {tokens:,} tokens holds no row of configs/base.yml's "
+                f"train.seq_len={t.seq_len}: train with a shorter train.seq_len, or give more "
+                "text or another --val_fraction")
+  return f" train.batch_size={2 ** (rows.bit_length() - 1)}", ""
 
 
 if __name__ == "__main__":
