@@ -53,6 +53,10 @@ def _check_target(out: str, force: bool, protect=()) -> str:
                                                                                 "config.yml")):
       raise UserError(f"--out '{out}' is the {os.path.basename(o)} of the run '{parent}'; "
                       "choose a path outside it")
+  inner = os.path.isdir(out) and force and _run_inside(out)
+  if inner:
+    raise UserError(f"--out '{out}' holds the training run '{inner[0]}' (it holds {inner[1]}), "
+                    "which this tool never replaces; choose another path")
   run = rundir.run_holding(out) or rundir.run_holding(where)
   if run:
     raise UserError(f"--out '{out}' lies inside the checkpoints/ of the run '{run}', which "
@@ -63,6 +67,16 @@ def _check_target(out: str, force: bool, protect=()) -> str:
     raise UserError(f"output '{out}' already exists; choose another path or pass --force "
                     "to replace it")
   return out
+
+
+def _run_inside(folder: str):
+  """(a training run's folder below `folder`, what marks it), or None: --force would delete it
+  with `folder` (links not followed)."""
+  for top, dirs, _ in os.walk(folder):
+    for d in dirs:
+      if mark := rundir.training_mark(os.path.join(top, d)):
+        return os.path.join(top, d), mark
+  return None
 
 
 @contextlib.contextmanager

@@ -151,6 +151,12 @@ def test_force_never_replaces_a_training_run(tmp_path, mark):
   params_only.mkdir()
   (params_only / "config.yml").write_text("x: 1\n")
   outputs.check_out(str(params_only), force=True)
+  # a folder holding runs, at any depth (--out one level too high): they went with it
+  (tmp_path / "experiments" / "a").mkdir(parents=True)
+  os.rename(run, tmp_path / "experiments" / "a" / "run")
+  with pytest.raises(UserError, match=f"holds the training run '.*/experiments/a/run' "
+                                      f"\(it holds {mark}\)"):
+    outputs.check_out(str(tmp_path / "experiments"), force=True)
 
 
 def test_out_at_the_root_is_refused():
