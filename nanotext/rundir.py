@@ -123,14 +123,17 @@ def check_run(cfg, out: str) -> bool:
     raise UserError(f"'{path}' is damaged ({e}), so this run cannot tell whether output_dir "
                     "holds the same run; restore that file, or pass overwrite=true to replace "
                     "the run in output_dir") from None
-  diff = config.run_identity_diff(old, cfg.to_dict())
+  done = steps_on_disk(out)
+  diff, saved = config.run_identity_diff(old, cfg.to_dict()), ""
+  if not diff and done:  # config.yml edited since the newest step was saved by the run
+    diff, saved = config.run_identity_diff(_step_config(out, done[-1]), cfg.to_dict()), \
+        f", against its checkpoint of step {done[-1]}: config.yml was edited after it"
   if diff:
     if not cfg.overwrite:
       raise UserError(f"output_dir '{cfg.output_dir}' holds a different run ({diff[0]}"
-                      f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); choose another "
-                      "output_dir or pass overwrite=true to replace it")
+                      f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}{saved}); choose "
+                      "another output_dir or pass overwrite=true to replace it")
     return True
-  done = steps_on_disk(out)
   if done and max(done) > cfg.train.steps:
     if cfg.overwrite:  # it cannot be continued: replaced, as asked
       return True
@@ -156,6 +159,17 @@ def _without_config(cfg, out: str) -> bool:
 
 def has_checkpoint(out: str) -> bool:
   return bool(steps_on_disk(out))
+
+
+def _step_config(out: str, step: int) -> dict:
+  """The config a step was saved with (its orbax JSON item), {} where it cannot be read (the
+  restore then judges the step)."""
+  try:
+    with open(os.path.join(out, "checkpoints", str(step), "config", "metadata"), "rb") as f:
+      saved = json.loads(f.read())
+  except (OSError, ValueError):
+    return {}
+  return saved if isinstance(saved, dict) else {}
 
 
 def steps_on_disk(out: str) -> list:

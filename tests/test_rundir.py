@@ -243,6 +243,24 @@ def test_token_ids_past_the_vocab_name_the_shard(tmp_path):
       next(it)
 
 
+def test_a_config_yml_edited_after_the_newest_step_is_another_run(tmp_path):
+  """config.yml edited (seed) and given as the config: the run resumed the checkpoint saved with
+  the old seed as if the same run. The newest step's own config item judges it too."""
+  old = config.load(BASE, TINY + [f"output_dir={tmp_path}"])
+  item = tmp_path / "checkpoints" / "4" / "config"
+  item.mkdir(parents=True)
+  item.joinpath("metadata").write_text(json.dumps(old.to_dict()))
+  edited = config.load(BASE, TINY + [f"output_dir={tmp_path}", "seed=7"])
+  config.save(edited, tmp_path / "config.yml")
+  with pytest.raises(UserError, match=r"holds a different run \(seed: 0 -> 7, against its "
+                                      r"checkpoint of step 4: config.yml was edited after it\)"):
+    rundir.check_run(edited, str(tmp_path))
+  overwrite = config.load(BASE, TINY + [f"output_dir={tmp_path}", "seed=7", "overwrite=true"])
+  assert rundir.check_run(overwrite, str(tmp_path)) is True  # replaced, as asked
+  item.joinpath("metadata").write_text("{")  # unreadable: the restore judges the step
+  assert rundir.check_run(edited, str(tmp_path)) is False
+
+
 def test_check_run_tells_a_resume_from_another_run(tmp_path):
   old = config.load(BASE, TINY + [f"output_dir={tmp_path}"])
   config.save(old, tmp_path / "config.yml")
