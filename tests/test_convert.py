@@ -194,6 +194,30 @@ def test_export_torch_refuses_what_the_record_cannot_express(speedrun_run, tmp_p
 
 # Refusals.
 
+@pytest.mark.fast
+@pytest.mark.parametrize("override", ["model.rope_freqs=arange", "model.value_residual=true",
+                                      "model.attn_scale_learned=true"])
+def test_export_torch_refuses_what_changes_the_records_function(override):
+  """Keys the record's module has no way to compute: it loaded the weights and gave other
+  logits (rope_freqs=arange: 0.016 off)."""
+  from nanotext.convert import torch_export
+  record = os.path.join(REPO, "configs", "speedrun_record.yml")
+  torch_export.check_expressible(config.load(record))  # the record itself
+  with pytest.raises(UserError, match=override.split("=")[0]):
+    torch_export.check_expressible(config.load(record, [override]))
+
+
+@pytest.mark.fast
+def test_to_hf_and_from_hf_refuse_document_masks(hf_dir, tmp_path):
+  """GPT-2 has no document masks: a doc_mask run exported, or a GPT-2 imported into one, gave
+  other logits after every <|endoftext|> (up to 1.2)."""
+  with pytest.raises(UserError, match="attention.doc_mask=True is not supported"):
+    hf.check_classic(config.load(os.path.join(REPO, "configs", "base.yml"),
+                                 ["attention.doc_mask=true"]))
+  with pytest.raises(UserError, match="attention.doc_mask=True conflicts"):
+    from_hf(hf_dir[0], str(tmp_path / "run"), TRAIN_KEYS + ["attention.doc_mask=true"],
+            log=quiet)
+
 def one_line_error(result, *needles):
   assert result.returncode == 2, result.stderr
   assert "Traceback" not in result.stderr

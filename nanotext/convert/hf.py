@@ -30,7 +30,7 @@ CLASSIC = {"model.positions": "learned", "model.norm": "layernorm", "model.mlp_a
            "model.fused_qkv": False, "model.no_attention_layers": [],
            "model.attn_scale_learned": False, "attention.window": 0,
            "attention.window_pattern": "", "attention.window_schedule": False,
-           "attention.block_windows": False}
+           "attention.block_windows": False, "attention.doc_mask": False}
 
 
 def _block_names(i: int) -> dict:

@@ -36,7 +36,8 @@ from nanotext.trees import flatten
 # module (or not) and compute a different function.
 STRUCTURE = {"model.positions": "rope", "model.norm": "rmsnorm", "model.mlp_act": "relu2",
              "model.bias": False, "model.tie_embeddings": False, "model.x0_mix": True,
-             "model.qk_norm": True}
+             "model.qk_norm": True, "model.rope_freqs": "linspace", "model.fused_qkv": False,
+             "model.value_residual": False, "model.attn_scale_learned": False}
 RECORD = {"model.head_dim": 128, "model.num_layers": 12, "model.rope_base": 1024.0,
           "model.rope_truncate": True, "model.attn_scale": 0.12, "model.logit_softcap": 15.0,
           "model.value_embeds": 3, "model.unet_skips": True, "model.no_attention_layers": [7],
