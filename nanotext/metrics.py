@@ -134,7 +134,9 @@ class Writer:
       with open(path, "rb") as f:
         lines = f.readlines()
       keep = [line for line in lines if not _after(line, step)]
-      if len(keep) < len(lines):
+      if keep and not keep[-1].endswith(b"\n"):  # a crash mid-append: the next row joined it
+        keep[-1:] = [keep[-1] + b"\n"] if _row(keep[-1]) is not None else []  # whole, or gone
+      if keep != lines:
         atomic_write(path, keep)
         self._jsonl.close()
         self._jsonl = _Appender(path)
@@ -147,14 +149,20 @@ class Writer:
         f.close()
 
 
-def _after(line: bytes, step: int) -> bool:
-  """Whether a metrics.jsonl row is of a step after `step` (any step, from 0); a line that is
-  not a row is kept."""
+def _row(line: bytes):
+  """The step of a metrics.jsonl row, or None for a line that is not one."""
   try:
     at = json.loads(line)["step"]
   except (ValueError, KeyError, TypeError):
-    return False
-  return isinstance(at, (int, float)) and (at > step or step == 0)
+    return None
+  return at if isinstance(at, (int, float)) else None
+
+
+def _after(line: bytes, step: int) -> bool:
+  """Whether a metrics.jsonl row is of a step after `step` (any step, from 0); a line that is
+  not a row is kept."""
+  at = _row(line)
+  return at is not None and (at > step or step == 0)
 
 
 class _Appender:

@@ -88,6 +88,18 @@ def test_a_resumed_writer_drops_the_rows_past_its_step(tmp_path):
   assert read_lines(tmp_path) == ["not a row", '{"step": 0, "val_loss": 9.0}']
 
 
+def test_a_row_cut_short_by_a_crash_is_no_glue_for_the_next(tmp_path):
+  """metrics.jsonl ending inside a row (a crash mid-append): the resumed run's first row was
+  appended to it, one broken line. A part row goes; a whole row without its newline gets one."""
+  whole = '{"step": 2, "loss": 2.5}'
+  for tail, kept in (('{"step": 3, "lo', []), (whole, [whole])):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n' + tail)
+    w = metrics.Writer(str(tmp_path), tensorboard=False, resumed_at=2)
+    w.write(3, {"loss": 3.0})
+    w.close()
+    assert read_lines(tmp_path) == ['{"step": 1, "loss": 1.0}', *kept, '{"step": 3, "loss": 3.0}']
+
+
 def read_lines(folder) -> list:
   return (folder / "metrics.jsonl").read_text().splitlines()
 
