@@ -106,14 +106,20 @@ def _load_params(item: str, whole_state: bool, abstract_params):
   if _stacked(saved) != _stacked(abstract_params):
     return _load_other_layout(ckptr, item, whole_state, saved, abstract_params, where, integrity)
   _check_same_params(saved, abstract_params, where)
+  # read as saved, checked, then cast (a bfloat16 folder into a float32 model): the sums are of
+  # the saved bits, and a cast array went unchecked
+  dtypes = {name_of(p): m.dtype for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
+  as_saved = jax.tree_util.tree_map_with_path(lambda p, a: jax.ShapeDtypeStruct(
+      a.shape, dtypes.get(name_of(p), a.dtype), sharding=a.sharding), abstract_params)
   restore_args = jax.tree.map(
       lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
-      abstract_params)
+      as_saved)
   wrap = (lambda t: {"params": t}) if whole_state else (lambda t: t)
-  out = _restore(ckptr, item, wrap(abstract_params), wrap(restore_args), whole_state, where)
+  out = _restore(ckptr, item, wrap(as_saved), wrap(restore_args), whole_state, where)
   params = out["params"] if whole_state else out
   _verify_params(params, saved, integrity, where)
-  return params
+  return jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype), params,
+                      abstract_params)
 
 
 def _restore(ckptr, item: str, target, args, partial: bool, where: str):

@@ -10,6 +10,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -272,6 +273,26 @@ def test_load_params_from_a_params_only_folder(fsdp8_run, tmp_path):
   assert where == str(tmp_path / "only")
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(got)), strict=True):
     np.testing.assert_array_equal(a, b)  # (saved trees key layers '0', live ones 0)
+
+
+def test_load_params_from_checks_a_cast_folder_before_the_cast(fsdp8_run, tmp_path):
+  """A bfloat16 params-only folder into the float32 model: read as saved, checked, then cast.
+  A damaged one loaded unchecked (the sums skipped every cast array)."""
+  from nanotext.convert import params_only
+  out = params_only(fsdp8_run, str(tmp_path / "bf16"), dtype="bfloat16", log=lambda *_: None)
+  abstract = setup_for([], 8).abstract_state()["params"]
+  _, got = params_from.load(out, abstract)
+  _, want = checkpoint.latest_params(fsdp8_run)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(jax.device_get(got)), strict=True):
+    assert b.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(a).astype(jnp.bfloat16).astype(np.float32), b)
+  data = os.path.join(out, "params", "ocdbt.process_0", "d")
+  biggest = max((os.path.join(data, n) for n in os.listdir(data)), key=os.path.getsize)
+  raw = bytearray(open(biggest, "rb").read())
+  raw[len(raw) // 2:len(raw) // 2 + 64] = bytes(b ^ 0x55 for b in raw[len(raw) // 2:][:64])
+  open(biggest, "wb").write(raw)
+  with pytest.raises(UserError, match="damaged|does not match"):
+    params_from.load(out, abstract)
 
 
 @pytest.mark.parametrize("overrides, needle", [
