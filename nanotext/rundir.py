@@ -113,6 +113,12 @@ def check_run(cfg, out: str) -> bool:
   (set aside, then deleted)."""
   from nanotext import config, config_file
   path = os.path.join(out, "config.yml")
+  linked = [n for n in steps_on_disk(out) if os.path.islink(os.path.join(out, "checkpoints",
+                                                                         str(n)))]
+  if linked and not cfg.overwrite:  # resumed, then the first rotation died on it (rmtree)
+    raise UserError(f"'{os.path.join(out, 'checkpoints', str(linked[0]))}' is a symbolic link, "
+                    "which the run cannot rotate away (checkpoint.keep): put a copy of the step "
+                    "there instead (cp -rL)")
   if not os.path.lexists(path):
     return _without_config(cfg, out)
   try:

@@ -261,6 +261,19 @@ def test_a_config_yml_edited_after_the_newest_step_is_another_run(tmp_path):
   assert rundir.check_run(edited, str(tmp_path)) is False
 
 
+def test_a_step_linked_in_from_elsewhere_is_refused(tmp_path):
+  """A step folder that is a symbolic link (another run's, to resume from): the run resumed,
+  then died at the first rotation ("Cannot call rmtree on a symbolic link"), every time."""
+  cfg = config.load(BASE, TINY + [f"output_dir={tmp_path / 'run'}"])
+  (tmp_path / "other" / "4").mkdir(parents=True)
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  config.save(cfg, tmp_path / "run" / "config.yml")
+  (tmp_path / "run" / "checkpoints" / "4").symlink_to(tmp_path / "other" / "4")
+  with pytest.raises(UserError, match=r"checkpoints/4' is a symbolic link, which the run cannot "
+                                      r"rotate away .*cp -rL"):
+    rundir.check_run(cfg, str(tmp_path / "run"))
+
+
 def test_check_run_tells_a_resume_from_another_run(tmp_path):
   old = config.load(BASE, TINY + [f"output_dir={tmp_path}"])
   config.save(old, tmp_path / "config.yml")
