@@ -292,6 +292,10 @@ def quarantine(out: str, step: int) -> str:
   dst = os.path.join(out, DAMAGED, f"step_{step}")
   if os.path.lexists(dst):
     dst = f"{dst}_{int(time.time())}"
-  os.makedirs(os.path.dirname(dst), exist_ok=True)
-  os.replace(src, dst)
+  try:
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    os.replace(src, dst)
+  except OSError as e:  # a file named damaged, a read-only or immutable folder
+    raise UserError(f"checkpoint step {step} is damaged and cannot be moved aside to '{dst}' "
+                    f"({e.strerror}): move or delete '{src}' yourself, then start again") from None
   return dst

@@ -332,3 +332,16 @@ def test_an_eot_id_past_the_vocabulary_is_refused():
   with pytest.raises(UserError, match=r"data.eot_id=512 is no token of the model "
                                       r"\(model.vocab_size=512\)"):
     wiring.load(BASE, TINY + ["data.eot_id=512"])
+
+
+def test_a_damaged_step_that_cannot_be_moved_aside_is_one_line(tmp_path):
+  """output_dir/damaged a file (or the step immutable): a traceback, exit 1; now one line
+  naming the step, and the step left where it was."""
+  (tmp_path / "checkpoints" / "6").mkdir(parents=True)
+  (tmp_path / "damaged").write_text("not a folder")
+  with pytest.raises(UserError, match=r"checkpoint step 6 is damaged and cannot be moved aside "
+                                      r"to '.*damaged/step_6' \(.*\): move or delete '.*/6'"):
+    rundir.quarantine(str(tmp_path), 6)
+  assert (tmp_path / "checkpoints" / "6").is_dir()
+  (tmp_path / "damaged").unlink()
+  assert rundir.quarantine(str(tmp_path), 6) == str(tmp_path / "damaged" / "step_6")
