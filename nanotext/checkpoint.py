@@ -207,6 +207,23 @@ def restore_step(manager, step: int, abstract_state):
   return out.state, out.data, out.config, integrity
 
 
+def saved_position(state):
+  """Batches read, from a saved data state: TrainIter's, or grain's in checkpoints written before
+  it ({'next_index': n} in process; with workers, an interleave of each worker's own); None
+  where it says none."""
+  n = None
+  if isinstance(state, dict):
+    if "batches" in state:
+      n = state["batches"]
+    elif "next_index" in state:
+      n = state["next_index"]
+    elif isinstance(state.get("iterators_in_use_states"), list):
+      counts = [s.get("next_index") if isinstance(s, dict) else None
+                for s in state["iterators_in_use_states"]]
+      n = sum(counts) if all(isinstance(c, int) for c in counts) else None
+  return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+
+
 def data_problem(data: dict) -> str:
   """What is missing from a step's restored data item ({process index: its saved dict}, one
   file per process that saved it), or '' when every process's file is there."""
@@ -219,6 +236,9 @@ def data_problem(data: dict) -> str:
   if missing or len(data) != counts[0]:
     return (f"the data-iterator files of {len(data)} of the {counts[0]} processes that saved "
             f"it (process(es) {missing} missing)")
+  bad = [i for i, d in sorted(data.items()) if saved_position(d.get("iterator")) is None]
+  if bad:
+    return f"a data position no reader understands (process {bad[0]}'s file)"
   return ""
 
 

@@ -430,6 +430,8 @@ def test_the_data_position_resumes_under_another_worker_count(arange_bins):
   for bad in ({}, {"batches": -1}, {"batches": "3"}, [3], {"iterators_in_use_states": [{}]}):
     with pytest.raises(UserError, match="not one nanotext reads"):
       pipeline.position(bad)
+  with pytest.raises(UserError, match=r"position 100000000000000000000 is past this data's "):
+    one.set_state({"batches": 10**20})  # grain's endless stream ended: a StopIteration
 
 
 def test_worker_processes_end_with_the_training_process(arange_bins, tmp_path):

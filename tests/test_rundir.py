@@ -150,11 +150,16 @@ def test_fingerprint_notices_deleted_and_rewritten_shards(tmp_path):
 def test_a_step_missing_a_process_data_file_is_damaged():
   """Each process saves its own data-iterator file; a step without all of them is damaged (a
   resume falls back past it), which is not the same as one saved by another process count."""
-  whole = {p: {"count": 2, "iterator": {}} for p in range(2)}
+  whole = {p: {"count": 2, "iterator": {"batches": 3}} for p in range(2)}
   assert checkpoint.data_problem(whole) == ""
   assert "no data-iterator file" in checkpoint.data_problem({})
   assert "1 of the 2 processes" in checkpoint.data_problem({1: whole[1]})
   assert "[1, 2]" in checkpoint.data_problem({0: whole[0], 1: {"count": 1}})
+  # a position no reader takes is damage too (a resume falls back past it; it said "start a new
+  # output_dir", or a huge one died in grain with a StopIteration traceback)
+  for bad in ({"batches": "3"}, {"batches": -1}, {}):
+    assert "data position no reader understands (process 1's file)" in \
+        checkpoint.data_problem({0: whole[0], 1: {"count": 2, "iterator": bad}})
 
 
 def test_the_data_position_carries_over_to_another_process_count():

@@ -102,6 +102,10 @@ class TrainIter:
   def set_state(self, state: dict) -> None:
     self.close()
     self.position = position(state)
+    if self.position >= len(self._batches):  # past the endless stream's 2**63 rows
+      raise UserError(f"the saved data position {self.position} is past this data's "
+                      f"{len(self._batches):,} batches: start a new output_dir with "
+                      "checkpoint.load_params_from=<this run>")
 
   def close(self) -> None:
     """Stop the worker processes (a new read starts them again)."""
@@ -111,22 +115,14 @@ class TrainIter:
 
 
 def position(state) -> int:
-  """Batches read, from a saved data state: TrainIter's, or grain's in checkpoints written before
-  it ({'next_index': n} in process; with workers, an interleave of each worker's own)."""
-  n = None
-  if isinstance(state, dict):
-    if "batches" in state:
-      n = state["batches"]
-    elif "next_index" in state:
-      n = state["next_index"]
-    elif isinstance(state.get("iterators_in_use_states"), list):
-      counts = [s.get("next_index") if isinstance(s, dict) else None
-                for s in state["iterators_in_use_states"]]
-      n = sum(counts) if all(isinstance(c, int) for c in counts) else None
-  if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
-    return n
-  raise UserError(f"the saved data position {str(state)[:200]} is not one nanotext reads: start "
-                  "a new output_dir with checkpoint.load_params_from=<this run>")
+  """Batches read, from a saved data state (checkpoint.saved_position); UserError where it says
+  none."""
+  from nanotext.checkpoint import saved_position
+  n = saved_position(state)
+  if n is None:
+    raise UserError(f"the saved data position {str(state)[:200]} is not one nanotext reads: "
+                    "start a new output_dir with checkpoint.load_params_from=<this run>")
+  return n
 
 
 def _start_quiet_tracker() -> None:
