@@ -66,9 +66,11 @@ def verify(tree, integrity, where: str, prefix: str = "") -> None:
 def verify_named(arrays: dict, integrity, where: str) -> None:
   """verify() of {saved name: array}. With checksums saved, an array they do not list is
   damaged too (a record edited or from another tree checked nothing and said intact)."""
-  saved = (integrity or {}).get("checksums")
-  if not saved or not arrays:  # a step written before checksums existed: nothing to compare
+  if integrity is None or not arrays:  # a step written before checksums existed: none to compare
     return
+  saved = integrity.get("checksums")
+  if not isinstance(saved, dict) or not saved:  # emptied, or edited: it checked nothing, "intact"
+    raise Damaged(f"checkpoint '{where}' is damaged: its integrity record lists no checksums")
   unlisted = [k for k in arrays if k not in saved]
   if unlisted:
     more = f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""
@@ -88,17 +90,19 @@ def record_of_params_only(folder: str):
   (None: a folder written before they existed, or a convert.json that cannot say)."""
   try:
     with open(os.path.join(folder, "convert.json"), encoding="utf-8") as f:
-      sums = json.load(f).get("checksums")
-    return {"checksums": sums} if isinstance(sums, dict) else None
-  except (OSError, ValueError, AttributeError):
+      record = json.load(f)
+    return {"checksums": record["checksums"]} if "checksums" in record else None
+  except (OSError, ValueError, TypeError):
     return None
 
 
 def record_beside(item: str):
-  """The integrity record of the step whose `state` item is `item` (None: none readable)."""
+  """The integrity record of the step whose `state` item is `item`: None for a step written
+  before records existed (no integrity/ folder), {} (no checksums: damaged) for one unreadable."""
+  folder = os.path.join(os.path.dirname(item), "integrity")
   try:
-    with open(os.path.join(os.path.dirname(item), "integrity", "metadata")) as f:
+    with open(os.path.join(folder, "metadata")) as f:
       record = json.load(f)
-    return record if isinstance(record, dict) else None
+    return record if isinstance(record, dict) else {}
   except (OSError, ValueError):
-    return None
+    return {} if os.path.isdir(folder) else None

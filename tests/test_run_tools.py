@@ -342,6 +342,12 @@ def test_a_params_only_folder_is_checked_against_its_checksums(tiny_run, tmp_pat
     json.dump(record, f)
   lines.clear()
   assert verify.report(old, lines.append) == 1 and "has no checksum saved with it" in lines[1]
+  for emptied in ({}, []):  # read unchecked, 'unverified', exit 0; only a missing key is so
+    record["checksums"] = emptied
+    with open(os.path.join(old, "convert.json"), "w") as f:
+      json.dump(record, f)
+    with pytest.raises(integrity.Damaged, match="its integrity record lists no checksums"):
+      common.load_params(old)
   _swap_weights(out, good)
   with pytest.raises(integrity.Damaged, match=r"is damaged: array params/\S+ .*does not match"):
     common.load_params(out)
@@ -364,3 +370,23 @@ def test_force_never_replaces_a_folder_of_a_run(tiny_run, tmp_path, name):
   with pytest.raises(UserError, match=f"is the {name} of the run"):
     params.params_only(tiny_run[0], os.path.join(out, name), force=True, log=lambda line: None)
   assert sorted(os.listdir(os.path.join(out, name))) == before
+
+
+def test_a_step_whose_integrity_record_is_emptied_is_damaged(tiny_run, tmp_path):
+  """integrity/metadata emptied ({}) or unreadable: the step read as written before checksums
+  existed, its damaged arrays resumed from silently. Only a step without the folder is so."""
+  run = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], run)
+  abstract = wiring.prepare(BASE, ARGS).abstract_state()["params"]
+  step = os.path.join(run, "checkpoints", "2")
+  for text in ("{}", "{"):
+    with open(os.path.join(step, "integrity", "metadata"), "w") as f:
+      f.write(text)
+    with pytest.raises(integrity.Damaged, match="integrity record lists no checksums"):
+      params_from.load(step, abstract)
+  assert integrity.record_beside(os.path.join(step, "state")) == {}
+  shutil.rmtree(os.path.join(step, "integrity"))
+  assert integrity.record_beside(os.path.join(step, "state")) is None  # before records existed
+  with pytest.raises(integrity.Damaged, match="integrity record lists no checksums"):
+    integrity.verify_named({"a": np.zeros(2)}, {"checksums": {}}, step)
+  integrity.verify_named({"a": np.zeros(2)}, None, step)

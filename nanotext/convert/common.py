@@ -88,8 +88,9 @@ def params_only_step(path: str) -> int:
   except FileNotFoundError:
     return -1
   except (OSError, ValueError, KeyError, TypeError) as e:
-    raise UserError(f"'{where}' is damaged ({type(e).__name__}): write it again with "
-                    f"python -m nanotext.convert params-only, or delete it") from None
+    raise UserError(f"'{where}' is damaged ({type(e).__name__}): write the folder again with "
+                    "python -m nanotext.convert params-only (it holds the weights' checksums: "
+                    "without it nothing is checked)") from None
 
 
 def per_layer(cfg, flat: dict) -> dict:
