@@ -208,12 +208,17 @@ def test_export_torch_refuses_what_changes_the_records_function(override):
 
 
 @pytest.mark.fast
-def test_to_hf_and_from_hf_refuse_document_masks(hf_dir, tmp_path):
+def test_to_hf_and_from_hf_refuse_document_masks_and_other_table_rows(hf_dir, tmp_path):
   """GPT-2 has no document masks: a doc_mask run exported, or a GPT-2 imported into one, gave
   other logits after every <|endoftext|> (up to 1.2)."""
+  base = os.path.join(REPO, "configs", "base.yml")
   with pytest.raises(UserError, match="attention.doc_mask=True is not supported"):
-    hf.check_classic(config.load(os.path.join(REPO, "configs", "base.yml"),
-                                 ["attention.doc_mask=true"]))
+    hf.check_classic(config.load(base, ["attention.doc_mask=true"]))
+  # a table of other rows than the head's: the export's config.json said vocab_size 8320 beside
+  # a wte of 8192 rows, which transformers cannot load
+  with pytest.raises(UserError, match="model.embed_rows=8192 differs from model.vocab_size=8320"):
+    hf.check_classic(config.load(base, ["model.embed_rows=8192", "model.vocab_size=8320"]))
+  hf.check_classic(config.load(base, ["model.embed_rows=8192"]))
   with pytest.raises(UserError, match="attention.doc_mask=True conflicts"):
     from_hf(hf_dir[0], str(tmp_path / "run"), TRAIN_KEYS + ["attention.doc_mask=true"],
             log=quiet)

@@ -257,6 +257,9 @@ def check_classic(cfg) -> None:
   if m.num_heads * m.head_dim != m.d_model:
     raise UserError(f"{why}: model.num_heads*model.head_dim={m.num_heads * m.head_dim} differs "
                     f"from model.d_model={m.d_model}")
+  if m.embed_rows not in (0, m.vocab_size):  # one table is GPT-2's wte and its head
+    raise UserError(f"{why}: model.embed_rows={m.embed_rows} differs from model.vocab_size="
+                    f"{m.vocab_size} (GPT-2's one table is its embedding and its head)")
   if m.attn_scale and m.attn_scale != 1.0 and abs(m.attn_scale * np.sqrt(m.head_dim) - 1) > 1e-6:
     raise UserError(f"{why}: model.attn_scale={m.attn_scale} is neither 1/sqrt(head_dim) nor 1")
 
