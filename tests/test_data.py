@@ -144,6 +144,18 @@ def test_train_tokenizer_small():
   assert tok.decode(tok.encode("xyz hello!").ids) == "xyz hello!"  # Unseen bytes still round trip.
 
 
+def test_the_shipped_shards_are_not_read_as_gpt2_ids():
+  """data.source=shakespeare with data.tokenizer=gpt2 (from-hf of a real GPT-2 set the tokenizer
+  and kept base.yml's source): its ids were read, scored and sampled as gpt2's, val_loss 10.8,
+  exit 0."""
+  from conftest import BASE
+  from nanotext import wiring
+  with pytest.raises(UserError, match="data.source=shakespeare holds ids of the shipped "
+                                      "'shakespeare' tokenizer, not data.tokenizer=gpt2's"):
+    wiring.load(BASE, ["data.tokenizer=gpt2"])
+  wiring.load(BASE, ["data.tokenizer=none"])  # ids without text: read as they are
+
+
 def test_tokenizer_errors():
   with pytest.raises(UserError, match=r"shakespeare, gpt2, none"):
     get_tokenizer("bpe9000")
