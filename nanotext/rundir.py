@@ -107,6 +107,9 @@ def check_output_dir_path(out: str) -> str:
   return path
 
 
+RUN_SECTIONS = ("model", "train", "data")  # what every run's config.yml has
+
+
 def check_run(cfg, out: str) -> bool:
   """Refuse an output_dir that holds a different run unless overwrite=true, or a run already
   past train.steps (replaced under overwrite=true); True when the previous run is to be replaced
@@ -129,6 +132,12 @@ def check_run(cfg, out: str) -> bool:
     raise UserError(f"'{path}' is damaged ({e}), so this run cannot tell whether output_dir "
                     "holds the same run; restore that file, or pass overwrite=true to replace "
                     "the run in output_dir") from None
+  if not (isinstance(old, dict) and all(isinstance(old.get(k), dict) for k in RUN_SECTIONS)):
+    if cfg.overwrite:  # someone else's config.yml (and metrics.jsonl) was taken for this run's
+      return True
+    raise UserError(f"output_dir '{cfg.output_dir}' holds a config.yml that is no nanotext "
+                    f"run's (no {', '.join(k + ':' for k in RUN_SECTIONS)} sections): choose "
+                    "another output_dir, or pass overwrite=true to replace what is there")
   done = steps_on_disk(out)
   diff, saved = config.run_identity_diff(old, cfg.to_dict()), ""
   if not diff and done:  # config.yml edited since the newest step was saved by the run

@@ -266,6 +266,17 @@ def test_a_config_yml_edited_after_the_newest_step_is_another_run(tmp_path):
   assert rundir.check_run(edited, str(tmp_path)) is False
 
 
+def test_someone_elses_config_yml_is_no_run_to_resume(tmp_path):
+  """A config.yml sharing no key with nanotext's (a docker-compose file) was 'the same run':
+  replaced by the run's, a foreign metrics.jsonl appended to, exit 0."""
+  (tmp_path / "config.yml").write_text("services:\n  web:\n    image: nginx\n")
+  cfg = lambda *o: config.load(BASE, TINY + [f"output_dir={tmp_path}", *o])
+  with pytest.raises(UserError, match=r"holds a config.yml that is no nanotext run's \(no model:, "
+                                      r"train:, data: sections\): choose another output_dir"):
+    rundir.check_run(cfg(), str(tmp_path))
+  assert rundir.check_run(cfg("overwrite=true"), str(tmp_path)) is True
+
+
 def test_a_step_linked_in_from_elsewhere_is_refused(tmp_path):
   """A step folder that is a symbolic link (another run's, to resume from): the run resumed,
   then died at the first rotation ("Cannot call rmtree on a symbolic link"), every time."""
