@@ -116,6 +116,8 @@ class Writer:
       return
     if self._resumed_at is not None:
       self._drop_rows_after(self._resumed_at)
+      if self._tb is not None:  # TensorBoard drops the earlier files' events from here on
+        self._tb.restart(self._resumed_at + 1 if self._resumed_at else 0)
       self._resumed_at = None
     row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
     # strict JSON (jq, JavaScript and pandas' strict readers reject NaN): non-finite is null
@@ -191,7 +193,7 @@ class Events(_Appender):
   traceback, its queue filled, and the next scalar blocked the run for ever."""
 
   def __init__(self, folder: str):
-    self._event, self._summary, self._crc = _tensorboardx()
+    self._event, self._session_log, self._summary, self._crc = _tensorboardx()
     try:
       os.makedirs(folder, exist_ok=True)
     except OSError as e:
@@ -199,6 +201,12 @@ class Events(_Appender):
     super().__init__(os.path.join(
         folder, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"))
     self.append(self._record(self._event(wall_time=time.time(), file_version="brain.Event:2")))
+
+  def restart(self, step: int) -> None:
+    """A session start at `step`: TensorBoard purges what earlier event files hold of it and
+    later steps (a killed run's steps past its checkpoint, trained again: shown twice)."""
+    start = self._session_log(status=self._session_log.START)
+    self.append(self._record(self._event(wall_time=time.time(), step=step, session_log=start)))
 
   def scalars(self, step: int, values: dict) -> None:
     """One event holding every scalar of a metrics row."""
@@ -214,7 +222,7 @@ class Events(_Appender):
 
 
 def _tensorboardx() -> tuple:
-  """(Event, Summary, masked_crc32c) from tensorboardX's modules, without its package's
+  """(Event, SessionLog, Summary, masked_crc32c) from tensorboardX's modules, without its package's
   __init__: that imports its SummaryWriter, which imports PyTorch where it is installed (1.4 s
   of each run's start, a third of its imports). The package is stood in for by a bare module of
   the same path while they load; a later `import tensorboardX` runs the real one."""
@@ -232,7 +240,7 @@ def _tensorboardx() -> tuple:
       if sys.modules.get("tensorboardX") is bare:
         del sys.modules["tensorboardX"]
   event, summary, record = (importlib.import_module(n) for n in names)
-  return event.Event, summary.Summary, record.masked_crc32c
+  return event.Event, event.SessionLog, summary.Summary, record.masked_crc32c
 
 
 def _plain(v):

@@ -125,6 +125,31 @@ def test_writer_tensorboard_scalars(tmp_path):
   assert len(read_jsonl(tmp_path)) == 2
 
 
+def test_a_resumed_run_tells_tensorboard_to_drop_the_steps_it_trains_again(tmp_path):
+  """A killed run's rows past its checkpoint go from metrics.jsonl on resume; TensorBoard kept
+  them in the old event file (those steps shown twice). The new file starts with a session
+  START at the first step trained again, which TensorBoard purges earlier files from."""
+  w = metrics.Writer(str(tmp_path), tensorboard=True)
+  for step in (1, 2, 3):
+    w.write(step, {"loss": float(step)})
+  w.close()
+  w = metrics.Writer(str(tmp_path), tensorboard=True, resumed_at=2)
+  w.write(3, {"loss": 30.0})
+  w.close()
+  events = []
+  for name in sorted(glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))):
+    with open(name, "rb") as f:
+      data = f.read()
+    i = 0
+    while i < len(data):
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      events.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+      i += 12 + n + 4
+  start, row = events[-2:]  # after the three rows of the first session
+  assert start.session_log.status == event_pb2.SessionLog.START and start.step == 3
+  assert [(v.tag, row.step, v.simple_value) for v in row.summary.value] == [("loss", 3, 30.0)]
+
+
 def test_tensorboard_events_do_not_import_pytorch(tmp_path):
   """The event writer loads tensorboardX's protos without its package's __init__ (whose writer
   imports PyTorch where installed: 1.4 s of every run's start); tensorboardX imports whole
