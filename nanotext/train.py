@@ -97,7 +97,7 @@ def run(path: str, overrides, log=print, started: float | None = None):
   # Everything up to `session.open` is only read: a mistake found there changes nothing.
   session = Session(cfg, log)
   clock.lap("config")
-  check_sample(cfg)
+  check_sample(cfg, log)
   train_iter, val_local = run_.train_iter(), run_.val_batches()
   data_fingerprint = fingerprint(cfg.data)
   clock.lap("data")
@@ -158,16 +158,20 @@ def report(run_, cfg, result, log) -> None:
   log(f"sample: {cfg.sample.prompt}{text}")
 
 
-def check_sample(cfg) -> None:
-  """The end-of-run sample's prompt, checked before training rather than after it."""
+def check_sample(cfg, log=print) -> None:
+  """The tokenizer and the end-of-run sample's prompt, checked before training rather than
+  after it: a tokenizer that cannot load (tiktoken missing or offline) is said at the start."""
   from nanotext.data.tokenizer import get_tokenizer, known_vocab_size
-  if not cfg.sample.max_new_tokens or known_vocab_size(cfg.data.tokenizer) is None:
+  if known_vocab_size(cfg.data.tokenizer) is None:
     return
   try:
     tokenizer = get_tokenizer(cfg.data.tokenizer)
-  except UserError:  # e.g. tiktoken offline: the run trains and skips its sample
+  except UserError as e:  # the run trains, without what needs the text
+    sample = " and its closing sample" if cfg.sample.max_new_tokens else ""
+    log(f"warning: {e}; this run trains without val_bpb{sample}")
     return
-  encode_prompt(tokenizer, cfg.sample.prompt)
+  if cfg.sample.max_new_tokens:
+    encode_prompt(tokenizer, cfg.sample.prompt)
 
 
 def state_bytes(run_) -> int:

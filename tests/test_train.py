@@ -230,3 +230,21 @@ def test_no_sample_where_the_prompt_is_past_the_models_rows(tmp_path):
 def test_target_val_loss_is_reported(corpus_run):
   _, result, lines = corpus_run
   assert f"target val_loss <= 8.0: reached (final val_loss {result.val_loss:.4f})" in lines
+
+
+@pytest.mark.fast
+def test_a_tokenizer_that_cannot_load_is_said_before_training(monkeypatch):
+  """data.tokenizer=gpt2 without tiktoken: the run trained to its end with no val_bpb and said
+  why only there ("no sample: ... needs tiktoken")."""
+  from nanotext import train as train_module
+  from nanotext.data import tokenizer
+  from nanotext.errors import UserError
+
+  def missing(name):
+    raise UserError(f"the '{name}' tokenizer needs tiktoken")
+  monkeypatch.setattr(tokenizer, "get_tokenizer", missing)
+  lines = []
+  cfg = config.load(BASE, ["data.tokenizer=gpt2", "data.source=synthetic"])
+  train_module.check_sample(cfg, lines.append)
+  assert lines == ["warning: the 'gpt2' tokenizer needs tiktoken; this run trains without "
+                   "val_bpb and its closing sample"]
