@@ -63,6 +63,9 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
 def check_environment(environ=os.environ) -> None:
   """Refuse, in one line, what would make XLA abort the process rather than raise: a flag in
   XLA_FLAGS it does not know, an address-space limit below what jax needs to start."""
+  malformed = xla_flags.malformed(environ)
+  if malformed:
+    raise errors.UserError(f"XLA_FLAGS: {malformed} (XLA would abort on it); correct or remove it")
   bad = xla_flags.unknown_flags(environ)
   if bad:
     raise errors.UserError(

@@ -45,6 +45,22 @@ def maybe_set_cpu_flags(environ=os.environ) -> str | None:
   return environ["XLA_FLAGS"]
 
 
+COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def malformed(environ=os.environ) -> str:
+  """What in XLA_FLAGS XLA cannot parse ('' if nothing we can tell): a word without its leading
+  --, or a CPU device count that is no positive number (XLA aborts with its flag list, or with
+  a process index it cannot find for 0)."""
+  for word in environ.get("XLA_FLAGS", "").split():
+    if not word.startswith("--"):
+      return f"'{word}' does not start with --"
+    name, _, value = word.partition("=")
+    if name == COUNT_FLAG and not (value.isdigit() and int(value) > 0):
+      return f"{word}: the device count must be a positive whole number"
+  return ""
+
+
 def unknown_flags(environ=os.environ) -> list:
   """The flags in XLA_FLAGS that no installed XLA library defines: XLA aborts the process on
   one when it starts a backend, so the entry points ask first. [] when all are known, or

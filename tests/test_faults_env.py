@@ -82,6 +82,19 @@ def test_an_unknown_flag_in_xla_flags(tmp_path, name):
   assert files(tmp_path) == before
 
 
+@pytest.mark.parametrize("flags,why", [
+    ("--xla_force_host_platform_device_count=abc", "must be a positive whole number"),
+    ("--xla_force_host_platform_device_count=0", "must be a positive whole number"),
+    ("xla_force_host_platform_device_count=8", "does not start with --")])
+def test_a_malformed_xla_flag(tmp_path, flags, why):
+  """XLA aborted on these (its 94-line flag list, exit 1; a count of 0: 'set JAX_PLATFORMS=cpu',
+  on the CPU already): one line naming what to change."""
+  proc = cli_run(tool("train", tmp_path / "run"), env={"XLA_FLAGS": flags})
+  assert_one_error_line(proc, 2, "XLA_FLAGS", why)
+  assert os.listdir(tmp_path) == []
+  assert xla_flags.malformed({"XLA_FLAGS": os.environ["XLA_FLAGS"]}) == ""
+
+
 def test_known_xla_flags_pass():
   assert xla_flags.unknown_flags({"XLA_FLAGS": os.environ["XLA_FLAGS"]}) == []
   assert xla_flags.unknown_flags({"XLA_FLAGS": " ".join(xla_flags.CPU_FLAGS)}) == []
