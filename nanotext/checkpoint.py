@@ -22,7 +22,8 @@ from etils import epath
 from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.integrity import Damaged, checksums, verify
 from nanotext import probes
-from nanotext.rundir import check_no_glob, older_steps, step_files, steps_on_disk, vanished
+from nanotext.rundir import (aside_note, check_no_glob, older_steps, step_files, steps_on_disk,
+                             vanished)
 
 
 def _not_news(record) -> bool:
@@ -317,14 +318,14 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
     raise UserError(f"{step_arg.removesuffix('=')}={step} is not a checkpoint step: give a "
                     "step >= 0, or -1 (the default) for the newest")
   if not os.path.isdir(checkpoint_dir(output_dir)):
-    raise UserError(f"{what} '{output_dir}' holds no checkpoints")
+    raise UserError(f"{what} '{output_dir}' holds no checkpoints{aside_note(output_dir)}")
   tried = []  # the newest steps rotated away while read
   for _ in range(READS):
     manager = reader(output_dir)  # a fresh listing each time
     at = manager.latest_step() if step < 0 else step
     if at is None:
       raise UserError(f"{what} '{output_dir}' holds no checkpoints (its checkpoints/ folder is "
-                      "empty)")
+                      f"empty){aside_note(output_dir)}")
     if at not in manager.all_steps():
       raise UserError(f"{what} '{output_dir}' has no checkpoint for step {at}; "
                       f"it has {list(manager.all_steps())}")

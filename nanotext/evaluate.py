@@ -96,7 +96,7 @@ def sources(out: str, step) -> list:
           if os.path.isdir(os.path.join(checkpoint_dir(out), str(s)))]
   if step == "all":
     if not have:
-      raise UserError(f"output_dir '{out}' holds no checkpoints")
+      raise UserError(f"output_dir '{out}' holds no checkpoints{rundir.aside_note(out)}")
     return [(s, os.path.join(checkpoint_dir(out), str(s))) for s in have]
   if step not in have:
     raise UserError(f"output_dir '{out}' has no checkpoint for step {step}; it has {have}")

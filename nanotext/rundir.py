@@ -187,6 +187,17 @@ def _step_config(out: str, step: int) -> dict:
   return saved if isinstance(saved, dict) else {}
 
 
+def aside_note(out: str) -> str:
+  """What a read tool says of a run moved aside by an overwrite that never got to its first
+  checkpoint (killed): it is whole, and the next start in output_dir puts it back. '' if none."""
+  aside = os.path.join(out, ASIDE)
+  if not os.path.isdir(aside) or os.path.lexists(os.path.join(aside, COMMITTED)):
+    return ""
+  return (f"; the run it held is set aside whole in '{os.path.join(out, ASIDE)}' by an "
+          "overwrite=true start that ended before its first checkpoint: the next train start "
+          "there puts it back")
+
+
 def steps_on_disk(out: str) -> list:
   """The step numbers in output_dir/checkpoints now (complete or being removed), oldest first."""
   try:

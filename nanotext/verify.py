@@ -64,12 +64,12 @@ def report(out: str, log=print) -> int:
   if not os.path.isdir(root):
     missing = "does not exist" if not os.path.lexists(out) else \
         "is not a directory" if not os.path.isdir(out) else "holds no checkpoints/ directory"
-    raise UserError(f"'{out}' {missing} (give a nanotext run directory)")
+    raise UserError(f"'{out}' {missing} (give a nanotext run directory){rundir.aside_note(out)}")
   live = rundir.running(out)
   manager = checkpoint.reader(out)
   steps = sorted(manager.all_steps(), reverse=True)
   said = f"{len(steps)} checkpoint(s) in {root}, newest first:" if steps else \
-      f"no checkpoint in {root} yet: nothing to verify"
+      f"no checkpoint in {root} yet: nothing to verify{rundir.aside_note(out)}"
   log(said + (f" (a run is training into it: {live})" if live else ""))
   damaged, keep = 0, rundir.live_keep(out)
   for step in steps:

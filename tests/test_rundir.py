@@ -4,6 +4,7 @@ the config mistakes that must be one line (duplicate keys, non-UTF-8, NaN rates,
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -361,3 +362,20 @@ def test_a_damaged_step_that_cannot_be_moved_aside_is_one_line(tmp_path):
   assert (tmp_path / "checkpoints" / "6").is_dir()
   (tmp_path / "damaged").unlink()
   assert rundir.quarantine(str(tmp_path), 6) == str(tmp_path / "damaged" / "step_6")
+
+
+def test_read_tools_say_where_a_run_set_aside_by_a_killed_overwrite_is(tmp_path):
+  """overwrite=true killed before its first checkpoint: the run is whole in .overwritten/ until
+  the next start puts it back, but verify said 'nothing to verify' and the others 'holds no
+  checkpoints' (a user could take it for gone and delete the folder)."""
+  from nanotext import verify
+  (tmp_path / rundir.ASIDE / "checkpoints" / "4").mkdir(parents=True)
+  (tmp_path / "checkpoints").mkdir()
+  note = f"the run it held is set aside whole in '{tmp_path / rundir.ASIDE}'"
+  with pytest.raises(UserError, match="holds no checkpoints .*" + re.escape(note)):
+    checkpoint.latest_params(str(tmp_path))
+  lines = []
+  verify.report(str(tmp_path), lines.append)
+  assert "nothing to verify" in lines[0] and note in lines[0]
+  (tmp_path / rundir.ASIDE / rundir.COMMITTED).write_text("")  # deleted next: no longer whole
+  assert rundir.aside_note(str(tmp_path)) == ""
