@@ -86,6 +86,8 @@ def check_output_dir_path(out: str) -> str:
     raise UserError("output_dir is empty: set output_dir=DIR")
   path = os.path.abspath(os.path.expanduser(out))
   check_no_glob(path, "output_dir")
+  if os.path.dirname(path) == path:  # config.yml, checkpoints/ and tb/ written into '/'
+    raise UserError(f"output_dir '{out}' is the file system's root: choose a folder under it")
   if len(path) > MAX_PATH or any(len(p.encode()) > 255 for p in path.split(os.sep)):
     raise UserError(f"output_dir '{out[:80]}...' is too long a path for this file system")
   if kernel_fs(path):

@@ -62,6 +62,8 @@ def a_step_of_a_run(d) -> str:
 @pytest.mark.parametrize("make, needle", [
     (lambda d: "", "output_dir is empty"),
     (lambda d: "/proc/nanotext", "kernel file system"),
+    (lambda d: "/", "is the file system's root"),  # config.yml and checkpoints/ written into /
+    (lambda d: "//..", "is the file system's root"),
     (lambda d: str(d / ("x" * 300)), "too long"),
     (lambda d: (d / "f").write_text("") or str(d / "f"), "not a directory"),
     (lambda d: (d / "checkpoints").write_text("") or str(d), "checkpoints' exists and is not"),
