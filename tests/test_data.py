@@ -509,6 +509,16 @@ def test_prepare_names_its_own_flag_for_a_folder_it_cannot_make(tmp_path):
   assert (tmp_path / "afile").read_text() == "mine"
 
 
+def test_a_cache_folder_it_cannot_make_names_nanotext_cache(tmp_path, monkeypatch):
+  """NANOTEXT_CACHE under a file: the line said to set data.dir alone, not the variable that
+  chose the folder."""
+  (tmp_path / "afile").write_text("mine")
+  monkeypatch.setenv("NANOTEXT_CACHE", str(tmp_path / "afile"))
+  with pytest.raises(UserError, match=r"cannot create the folder .*: set data.dir \(or "
+                                      r"NANOTEXT_CACHE=.*afile, which chose it\)"):
+    prepare.prepare_shakespeare()
+
+
 def test_bin_needs_train_or_val_files():
   """data.source=bin with neither glob names data.train_files; val_files alone passes the check
   (evaluate reads it; training refuses an empty train_files where it opens them)."""

@@ -94,6 +94,8 @@ def prepare_shakespeare(out_dir: str | None = None, what: str = "data.dir") -> d
   (token counts, tokenizer, vocab size, unigram entropy of the training tokens in nats). `what`
   names the setting that chose out_dir in errors.
   """
+  if not out_dir and os.environ.get("NANOTEXT_CACHE"):  # the folder the errors name chose it
+    what = f"{what} (or NANOTEXT_CACHE={os.environ['NANOTEXT_CACHE']}, which chose it)"
   out_dir = os.path.abspath(os.path.expanduser(out_dir or default_dir()))
   digest = _tokenizer_digest()
   meta = _cached(out_dir, digest)
