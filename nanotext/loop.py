@@ -81,7 +81,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     log(f"step {0:>6d} | {metrics.val_text(start_row)}")
   mon = Monitor(run, writer, log, counter, start_step=start_step, skipped=skipped_steps,
                 windows_of=lambda step: step_windows(cfg, step))
-  profiler = Profiler(cfg, log)
+  profiler = Profiler(cfg, log, start_step)
 
   def save(step, state, data_state):
     # Only a state whose every step was read back finite may reach disk.

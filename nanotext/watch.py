@@ -71,10 +71,16 @@ class Profiler:
   Open DIR (or one process's folder) with TensorBoard's profile plugin or XProf.
   """
 
-  def __init__(self, cfg, log):
+  def __init__(self, cfg, log, start_step: int = 0):
     p = cfg.profile
     self.first = p.start_step if p.steps > 0 and p.start_step >= 0 else None
     self.last = None if self.first is None else p.start_step + p.steps - 1
+    if self.first is not None and self.last < start_step:  # resumed past it: traced, or not
+      log(f"profile.start_step={p.start_step} with profile.steps={p.steps} lies before the "
+          f"step this run resumes from ({start_step}, counted from 0): no profile is written")
+      self.first = self.last = None
+    elif self.first is not None and self.first < start_step:  # the rest of it, from here
+      self.first = start_step
     self.dir = p.dir or os.path.join(cfg.output_dir, "profile")
     if jax.process_count() > 1:
       self.dir = os.path.join(self.dir, f"process_{jax.process_index()}")

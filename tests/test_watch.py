@@ -360,3 +360,14 @@ def test_a_profile_past_the_runs_end_says_which_steps_it_holds(monkeypatch):
                  lines.append)
   assert lines == ["profile.start_step=4 is past the run's last step (train.steps=4, counted "
                    "from 0): no profile is written"]
+  # a run resumed past the window wrote none and said nothing; resumed inside it, the window's
+  # rest is traced (it started only at start_step, never reached)
+  lines.clear()
+  late = watch.Profiler(prepared(*LATE, "profile.start_step=1", "profile.steps=2").cfg,
+                        lines.append, start_step=3)
+  assert late.first is None and lines == [
+      "profile.start_step=1 with profile.steps=2 lies before the step this run resumes from "
+      "(3, counted from 0): no profile is written"]
+  inside = watch.Profiler(prepared(*LATE, "profile.start_step=1", "profile.steps=4").cfg,
+                          lines.append, start_step=3)
+  assert (inside.first, inside.last) == (3, 4)
