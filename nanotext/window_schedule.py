@@ -225,11 +225,23 @@ def eval_points(train_cfg, start_step: int = 0) -> list:
   """The evaluations (after how many steps) of a run from `start_step`: every train.eval_every,
   the final one, and step 0 with train.eval_at_start on a fresh run."""
   t = train_cfg
-  dones = [d for d in range(start_step + 1, t.steps) if t.eval_every and d % t.eval_every == 0]
-  return [0] * bool(t.eval_at_start and start_step == 0) + dones + [t.steps]
+  every = t.eval_every
+  dones = range(every * (start_step // every + 1), t.steps, every) if every else range(0)
+  return [0] * bool(t.eval_at_start and start_step == 0) + list(dones) + [t.steps]
 
 
 def eval_plan(cfg, dones, runtime: bool) -> dict:
-  """{(windows, eval row length): Program} of the evaluations after `dones` steps."""
+  """{(windows, eval row length): Program} of the evaluations after `dones` steps (ascending):
+  windows never shrink as steps go by, so each distinct one is found by bisection, not by
+  computing every point's (train.steps=2**31-1 stalled minutes before its first step)."""
   seq_len = cfg.train.eval_seq_len or cfg.train.seq_len
-  return plan(dict.fromkeys((eval_windows(cfg, d), seq_len) for d in dones), runtime)
+  windows, i = [], 0
+  while i < len(dones):
+    w = eval_windows(cfg, dones[i])
+    lo, hi = i, len(dones) - 1  # the last point with these windows
+    while lo < hi:
+      mid = (lo + hi + 1) // 2
+      lo, hi = (mid, hi) if eval_windows(cfg, dones[mid]) == w else (lo, mid - 1)
+    windows.append(w)
+    i = lo + 1
+  return plan([(w, seq_len) for w in windows], runtime)

@@ -53,6 +53,21 @@ def test_schedule_from_a_later_start_and_off():
 
 
 @pytest.mark.fast
+@pytest.mark.fast
+@pytest.mark.parametrize("eval_windows", ["step", "final"])
+def test_the_eval_programs_are_those_of_every_evaluation(eval_windows):
+  """eval_plan finds each distinct window of the evaluations by bisection; the same programs as
+  computing every evaluation's (which stalled minutes at train.steps=2**31-1)."""
+  cfg = config.load(SPEEDRUN, [f"train.eval_windows={eval_windows}", "train.steps=1750",
+                               "train.eval_every=25", "train.eval_at_start=true"])
+  dones = A.eval_points(cfg.train)
+  assert dones[:3] == [0, 25, 50] and dones[-2:] == [1725, 1750] and len(dones) == 71
+  seq_len = cfg.train.eval_seq_len or cfg.train.seq_len
+  every = A.plan(dict.fromkeys((A.eval_windows(cfg, d), seq_len) for d in dones), False)
+  assert A.eval_plan(cfg, dones, False) == every
+  assert len(every) == (1 if eval_windows == "final" else 14)
+
+
 def test_pattern_maps_letters_to_layers():
   a = attn(*RECORD)
   final = A.windows_at(a, 12, 1770, 1770)
