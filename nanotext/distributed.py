@@ -69,8 +69,12 @@ def plan(dist_cfg) -> Plan | None:
   if not dist_cfg.auto:
     if not address:
       if num or pid != -1:
+        given = [f"{ENV_PREFIX}{name}={os.environ[ENV_PREFIX + name]}" for key, name in
+                 (("num_processes", "NUM_PROCESSES"), ("process_id", "PROCESS_ID"))
+                 if getattr(dist_cfg, key) in (0, -1) and os.environ.get(ENV_PREFIX + name)]
         raise UserError("distributed.num_processes and distributed.process_id need "
-                        "distributed.coordinator_address (or distributed.auto=true)")
+                        "distributed.coordinator_address (or distributed.auto=true)"
+                        + (f"; set here by the environment: {', '.join(given)}" if given else ""))
       return None
     if num < 1:
       raise UserError(f"distributed.coordinator_address={address!r} needs "

@@ -148,6 +148,11 @@ def test_env_fallbacks_and_auto(monkeypatch):
     distributed.plan(cfg.distributed)
   for name in ("COORDINATOR_ADDRESS", "NUM_PROCESSES", "PROCESS_ID"):
     monkeypatch.delenv("NANOTEXT_" + name)
+  monkeypatch.setenv("NANOTEXT_NUM_PROCESSES", "2")  # alone: the line named only config keys
+  with pytest.raises(UserError, match="need distributed.coordinator_address .*; set here by the "
+                                      "environment: NANOTEXT_NUM_PROCESSES=2"):
+    distributed.plan(cfg.distributed)
+  monkeypatch.delenv("NANOTEXT_NUM_PROCESSES")
   # auto: unset values stay None for JAX to detect (SLURM, Open MPI, TPU pods).
   p = distributed.plan(config.load(BASE, ["distributed.auto=true"]).distributed)
   assert (p.coordinator_address, p.num_processes, p.process_id, p.auto) == \
