@@ -21,6 +21,7 @@ GRACE_S = 10.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _owner = None  # callable(signum), told in the watching thread; None: the grace period
 _pending = []  # signals waiting out the grace period
+_raised = []  # signals raised in the main thread (an exit that follows one never reads it)
 _exiting = False  # set by exiting(): a signal stops the process at once
 _watching = False  # install() ran: the watching thread hears every signal
 _at_once = ""  # at_once(): with no owner, a signal stops the process with this line
@@ -39,7 +40,7 @@ def install() -> None:
   signal.signal(signal.SIGTERM, _raise_terminated)
   # Python leaves SIGINT ignored where the process started with it ignored (a background job
   # of a script), while the training loop honours it: one behaviour in every phase instead.
-  signal.signal(signal.SIGINT, signal.default_int_handler)
+  signal.signal(signal.SIGINT, _raise_interrupt)
   global _watching
   _watching = True
   read, write = os.pipe()
@@ -70,6 +71,9 @@ def exiting() -> None:
   the grace period's thread at shutdown with another)."""
   global _exiting
   if threading.current_thread() is threading.main_thread():
+    if _raised:  # raised into library code that swallowed it (jax's gc callback), work went on
+      _stop(_raised[0], "received while the tool worked, and swallowed by a library; the work "
+            "finished")
     _exiting = True
     for signum in SIGNALS:  # a handler that does nothing: the wakeup pipe still hears it
       signal.signal(signum, lambda signum, frame: None)
@@ -161,8 +165,17 @@ def _end(signum: int, message: str) -> None:
 
 
 def _raise_terminated(signum, frame):
-  del signum, frame
+  del frame
+  _raised.append(signum)
   raise Terminated()
+
+
+def _raise_interrupt(signum, frame):
+  """Python's own Ctrl-C (KeyboardInterrupt), remembered: one a library swallows still ends the
+  tool (`exiting`)."""
+  del frame
+  _raised.append(signum)
+  raise KeyboardInterrupt()
 
 
 @contextlib.contextmanager
