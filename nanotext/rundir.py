@@ -118,8 +118,8 @@ def check_run(cfg, out: str) -> bool:
   (set aside, then deleted)."""
   from nanotext import config, config_file
   path = os.path.join(out, "config.yml")
-  linked = [n for n in steps_on_disk(out) if os.path.islink(os.path.join(out, "checkpoints",
-                                                                         str(n)))]
+  done = steps_on_disk(out)
+  linked = [n for n in done if os.path.islink(os.path.join(out, "checkpoints", str(n)))]
   if linked and not cfg.overwrite:  # resumed, then the first rotation died on it (rmtree)
     raise UserError(f"'{os.path.join(out, 'checkpoints', str(linked[0]))}' is a symbolic link, "
                     "which the run cannot rotate away (checkpoint.keep): put a copy of the step "
@@ -140,7 +140,6 @@ def check_run(cfg, out: str) -> bool:
     raise UserError(f"output_dir '{cfg.output_dir}' holds a config.yml that is no nanotext "
                     f"run's (no {', '.join(k + ':' for k in RUN_SECTIONS)} sections): choose "
                     "another output_dir, or pass overwrite=true to replace what is there")
-  done = steps_on_disk(out)
   diff, saved = config.run_identity_diff(old, cfg.to_dict()), ""
   if not diff and done:  # config.yml edited since the newest step was saved by the run
     diff, saved = config.run_identity_diff(_step_config(out, done[-1]), cfg.to_dict()), \
