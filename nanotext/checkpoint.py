@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from nanotext.errors import ResourceError, UserError, write_error
-from nanotext.integrity import Damaged, checksums, verify
+from nanotext.integrity import Damaged, checksums, require_listed, verify
 from nanotext import probes
 from nanotext.rundir import (aside_note, check_no_glob, older_steps, step_files, steps_on_disk,
                              vanished)
@@ -195,6 +195,7 @@ def restore_step(manager, step: int, abstract_state):
   where = step_dir(manager, step)
   items = dict(state=ocp.args.StandardRestore(abstract_state), data=ProcessJsonRestore(),
                config=ocp.args.JsonRestore())
+  require_listed(where)
   if os.path.isdir(os.path.join(where, "integrity")):
     items["integrity"] = ocp.args.JsonRestore()
   try:
@@ -359,6 +360,7 @@ def read_on_one_device(manager, step: int, part: str = ""):
   if os.path.isdir(where) and not os.path.isdir(os.path.join(where, "state")):
     raise Damaged(f"the checkpoint of step {step} in '{where}' holds no state/ folder (an "
                   "incomplete or damaged step: read an older one)")
+  require_listed(where)
   try:
     meta = manager.item_metadata(step)["state"]
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)

@@ -96,9 +96,25 @@ def record_of_params_only(folder: str):
     return None
 
 
+def require_listed(step_dir: str) -> None:
+  """Raise Damaged when the step's orbax metadata names an `integrity` item whose folder is gone:
+  a step saved with checksums that lost them, not one written before checksums existed."""
+  if os.path.isdir(os.path.join(step_dir, "integrity")):
+    return
+  try:
+    with open(os.path.join(step_dir, "_CHECKPOINT_METADATA"), encoding="utf-8") as f:
+      handlers = json.load(f).get("item_handlers")
+  except (OSError, ValueError, AttributeError):  # no metadata to say: treated as an older step
+    return
+  if isinstance(handlers, dict) and "integrity" in handlers:
+    raise Damaged(f"checkpoint '{step_dir}' is damaged: its integrity/ folder (the checksums "
+                  "it was saved with) is gone")
+
+
 def record_beside(item: str):
   """The integrity record of the step whose `state` item is `item`: None for a step written
   before records existed (no integrity/ folder), {} (no checksums: damaged) for one unreadable."""
+  require_listed(os.path.dirname(item))
   folder = os.path.join(os.path.dirname(item), "integrity")
   try:
     with open(os.path.join(folder, "metadata")) as f:

@@ -60,7 +60,7 @@ def test_a_damaged_convert_json_is_named_not_read_as_no_step(tiny_run, tmp_path)
     f.write('{"step": ')  # cut short
   with pytest.raises(UserError, match="convert.json' is damaged"):
     evaluate.evaluate(folder, log=lambda line: None)
-  for step in ("-5", "true", "2.5"):  # hand-edited: -5 was shown as the step
+  for step in ("-5", "true", "2.5", "1" + "0" * 30):  # hand-edited: -5 was shown as the step
     with open(os.path.join(folder, "convert.json"), "w") as f:
       f.write('{"step": %s}' % step)
     with pytest.raises(UserError, match="convert.json' is damaged"):

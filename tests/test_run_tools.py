@@ -386,7 +386,23 @@ def test_a_step_whose_integrity_record_is_emptied_is_damaged(tiny_run, tmp_path)
       params_from.load(step, abstract)
   assert integrity.record_beside(os.path.join(step, "state")) == {}
   shutil.rmtree(os.path.join(step, "integrity"))
-  assert integrity.record_beside(os.path.join(step, "state")) is None  # before records existed
+  # the folder gone from a step saved with one (its orbax metadata lists it): damaged too, where
+  # every tool read it as written before checksums ("unverified") and a resume restored it
+  with pytest.raises(integrity.Damaged, match="integrity/ folder .* is gone"):
+    params_from.load(step, abstract)
+  lines = []
+  assert verify.report(run, lines.append) == 1 and lines[1].split()[1:3] == ["2", "damaged"], lines
+  manager = checkpoint.reader(run)
+  with pytest.raises(integrity.Damaged, match="integrity/ folder .* is gone"):
+    checkpoint.restore_step(manager, 2, wiring.prepare(BASE, ARGS).abstract_state())
+  checkpoint.close(manager)
+  meta = os.path.join(step, "_CHECKPOINT_METADATA")
+  with open(meta) as f:
+    written = json.load(f)
+  del written["item_handlers"]["integrity"]  # a step from before records existed
+  with open(meta, "w") as f:
+    json.dump(written, f)
+  assert integrity.record_beside(os.path.join(step, "state")) is None
   with pytest.raises(integrity.Damaged, match="integrity record lists no checksums"):
     integrity.verify_named({"a": np.zeros(2)}, {"checksums": {}}, step)
   integrity.verify_named({"a": np.zeros(2)}, None, step)

@@ -82,7 +82,7 @@ def params_only_step(path: str) -> int:
   try:
     with open(where, encoding="utf-8") as f:
       step = json.load(f)["step"]
-    if type(step) is not int or step < 0:
+    if type(step) is not int or not 0 <= step < 2**31:  # train.steps fits 32 bits
       raise ValueError(f"step {step!r}")
     return step
   except FileNotFoundError:
