@@ -435,6 +435,7 @@ def test_a_retired_key_in_an_old_runs_config_is_ignored(tmp_path):
     ("train.seq_len_start=-32", "train.seq_len_start=-32 must not be negative"),
     ("train.seq_len_step=-8", "train.seq_len_step=-8 must not be negative"),
     ("metrics.peak_flops=-5", "metrics.peak_flops=-5.0 must not be negative"),
+    ("model.vocab_size=1", "model.vocab_size=1 must be more than 1"),  # a loss of 0 "learned"
 ])
 def test_values_that_trained_nonsense_or_crashed_are_refused(override, message):
   from nanotext import wiring
