@@ -126,7 +126,6 @@ class Planner:
           f"{gib(self.capacity)} ({self.source}); use a smaller model (model.num_layers, "
           "model.d_model, model.mlp_dim, model.vocab_size) or more devices")
     model = memory.model_of(cfg, self.backend, self.mesh_sizes)
-    self._attention_first(model, "train")
     t, m = cfg.train, cfg.model
     remats = memory.REMATS if m.remat == "auto" else (m.remat,)
     chunk = auto_chunk(seq_lens(t))
@@ -137,6 +136,7 @@ class Planner:
                                                              t.loss_chunk == -1))
     train_problem = ""
     try:
+      self._attention_first(model, "train")  # kept as the eval step's: compile --programs=eval
       (remat, chunk), train, why = self._choose(
           train_ladder, lambda rc: model.train(*rc), cfg, model, "train")
     except DoesNotFit as e:  # kept for Plan.require, as the eval step's below

@@ -280,6 +280,14 @@ def test_dense_attention_is_refused_before_tracing_its_mask(monkeypatch):
     plan.require("train", "eval")  # ... one that validates is, before anything compiles
   assert "eval step ~" in str(e.value) and "attention scores" in str(e.value)
   assert "train.eval_seq_len=512" in str(e.value) and "attention.impl=blocked" in str(e.value)
+  # the train step's rows too long, the eval step's not: evaluate and compile --programs=eval
+  # were refused for the train step, which they never run
+  cfg, plan = planned(SPEEDRUN, SMALL_SPEEDRUN[:-1] + ["attention.impl=xla", "train.seq_len=262144",
+                                                      "train.eval_seq_len=512"], 16 * GIB)
+  plan.require("eval")
+  with pytest.raises(UserError) as e:
+    plan.require("train")
+  assert "train step ~" in str(e.value) and "attention scores" in str(e.value)
 
 
 def test_saved_choice_reads_a_runs_resolved_keys_only(tmp_path):
