@@ -6,6 +6,7 @@ here turns those names into `PartitionSpec`s and `NamedSharding`s.
 """
 
 import contextlib
+import functools
 import math
 
 import jax
@@ -153,6 +154,26 @@ def describe(mesh: Mesh) -> str:
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
   """Sharding of a [batch, length] token array."""
   return NamedSharding(mesh, logical_to_spec(("batch", "act_length"), rules))
+
+
+@functools.cache
+def row_groups(batch: NamedSharding, rows: int, process: int | None = None) -> tuple:
+  """(this process's group, the number of groups) of a batch of `rows` rows: processes whose
+  devices hold the same rows form a group and load the same rows (a batch replicated across
+  processes: tensor parallelism or no batch rule spanning hosts); each group loads its own,
+  equal share. One group per process where the batch is split along the processes."""
+  held: dict = {}
+  for device, index in batch.devices_indices_map((rows, batch.mesh.size)).items():
+    held.setdefault(device.process_index, set()).update(range(rows)[index[0]])
+  shares = sorted({tuple(sorted(r)) for r in held.values()})
+  if sorted(r for s in shares for r in s) != list(range(rows)) or \
+      len({len(s) for s in shares}) > 1:
+    counts = ", ".join(f"process {p}: {len(r)} row(s)" for p, r in sorted(held.items()))
+    raise UserError(f"the mesh and mesh.rules give processes overlapping or unequal shares of "
+                    f"the batch ({counts}): shard the batch along whole processes or replicate "
+                    "it on all")
+  mine = tuple(sorted(held[jax.process_index() if process is None else process]))
+  return shares.index(mine), len(shares)
 
 
 def per_device(fn, args, in_axes, out_axes, out_shape=None):

@@ -149,6 +149,10 @@ def windows_sharding(run: Run, runtime: bool) -> tuple:
 
 
 def global_batch(run: Run, local: dict) -> dict:
-  """Global jax.Arrays sharded along `batch`, built from this process's rows."""
-  return {k: jax.make_array_from_process_local_data(run.batch_sharding, np.asarray(v))
+  """Global jax.Arrays sharded along `batch`, built from this process's rows (its group's share:
+  sharding.row_groups; without the global shape jax took a batch replicated across processes
+  for one split between them, and trained on half of it, mixed)."""
+  groups = sharding.row_groups(run.batch_sharding, run.cfg.train.batch_size)[1]
+  return {k: jax.make_array_from_process_local_data(
+      run.batch_sharding, np.asarray(v), (len(v) * groups,) + np.shape(v)[1:])
           for k, v in local.items()}

@@ -92,9 +92,10 @@ class Run:
   def data_kwargs(self) -> dict:
     """This process's share of every global batch, for the data pipelines; token ids must index
     the embedding tables (model.embed_rows rows, at most the head's model.vocab_size)."""
-    t, nproc = self.cfg.train, jax.process_count()
-    return dict(seq_len=t.seq_len, batch_size=t.batch_size // nproc,
-                process_index=jax.process_index(), process_count=nproc,
+    t = self.cfg.train
+    group, groups = sharding.row_groups(self.batch_sharding, t.batch_size)
+    return dict(seq_len=t.seq_len, batch_size=t.batch_size // groups,
+                process_index=group, process_count=groups,
                 vocab_size=self.cfg.model.embed_rows or self.cfg.model.vocab_size)
 
   def train_iter(self):

@@ -1,5 +1,7 @@
 """Mesh from config and logical-axis rules."""
 
+import types
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -113,3 +115,34 @@ def test_token_tables_shorter_than_the_head_name_embed_rows():
   proc = run_cli("nanotext.train", "configs/base.yml", *TINY, "model.tie_embeddings=false",
                  "model.embed_rows=511", "mesh.tensor=2", "mesh.data=1", "mesh.fsdp=4")
   one_line_error(proc, "model.embed_rows=511", "mesh.tensor")
+
+
+class _Device:
+  def __init__(self, process_index):
+    self.process_index = process_index
+
+
+class _Sharding:
+  """devices_indices_map of 8 devices, 4 a process, each holding the rows `rows(device)`."""
+  def __init__(self, rows):
+    self.mesh = types.SimpleNamespace(size=8)
+    self.rows = rows
+
+  def devices_indices_map(self, shape):
+    return {_Device(d // 4): (self.rows(d), slice(None)) for d in range(8)}
+
+
+@pytest.mark.fast
+def test_processes_holding_the_same_rows_load_the_same_rows():
+  """A batch split along the processes: a share each. Replicated across them (tensor
+  parallelism spanning hosts): one share, the whole batch, on each (jax took each process's
+  rows for its own half and mixed them)."""
+  split = _Sharding(lambda d: slice(d, d + 1))
+  assert [sharding.row_groups(split, 8, p) for p in (0, 1)] == [(0, 2), (1, 2)]
+  whole = _Sharding(lambda d: slice(None))
+  assert [sharding.row_groups(whole, 8, p) for p in (0, 1)] == [(0, 1), (0, 1)]
+  pairs = _Sharding(lambda d: slice(4 * (d % 2), 4 * (d % 2) + 4))  # halves along `tensor`
+  assert [sharding.row_groups(pairs, 8, p) for p in (0, 1)] == [(0, 1), (0, 1)]
+  crossed = _Sharding(lambda d: slice(0, 4) if d < 4 else slice(2, 8))
+  with pytest.raises(UserError, match="unequal shares of the batch"):
+    sharding.row_groups(crossed, 8, 0)
