@@ -21,14 +21,18 @@ def parse(argv) -> tuple:
   """(output_dir, step: an int, -1 for the newest, or "all"; config overrides) from `key=value`
   arguments: output_dir and step are this tool's, the rest are the config's keys."""
   from nanotext import config, rundir
-  out, step, overrides = None, "-1", []
+  out, step, overrides, seen = None, "-1", [], set()
   for arg in argv:
     key, value = config.parse_override(arg)
+    if key in seen and key in ("output_dir", "step"):
+      raise UserError(f"{key}= is given twice; give it once")
+    seen.add(key)
     if key == "output_dir":
       out = value
     elif key == "step":
       step = value.strip()
     else:
+      check_override(key)
       overrides.append(arg)
   if out is None:
     raise UserError(f"output_dir is required; {USAGE}")
@@ -53,10 +57,26 @@ def is_params_only(out: str) -> bool:
       not os.path.isdir(os.path.join(out, "checkpoints"))
 
 
+# The model and attention keys an override may set: how the checkpoint's model is computed
+# (layout, precision, kernel), never which model it is (qk_norm=false, a window: the loss of
+# another model, reported as the run's).
+SAME_MODEL = ("model.scan_layers", "model.remat", "model.dtype", "model.param_dtype",
+              "model.embed_dtype", "model.align", "model.strict_align", "attention.impl")
+
+
+def check_override(key: str) -> None:
+  """Refuse an override of a key that changes the model the checkpoint was trained as."""
+  if key.startswith(("model.", "attention.")) and key not in SAME_MODEL:
+    raise UserError(f"{key} changes the model the checkpoint was trained as; evaluate reads the "
+                    f"run's own (it takes data.*, train.*, mesh.* and {', '.join(SAME_MODEL)})")
+
+
 def load_config(out: str, overrides, checked: bool = True):
   """The run's config with `overrides` (output_dir: the run's folder, wherever it was trained),
-  `checked` as train checks it (wiring, which imports jax), else only read and typed."""
-  from nanotext import config
+  `checked` as train checks it (wiring, which imports jax), else only read and typed; a
+  config.yml edited after the newest checkpoint is refused (rundir.check_unedited)."""
+  from nanotext import config, rundir
+  rundir.check_unedited(out, config.load(os.path.join(out, "config.yml")).to_dict())
   args = (os.path.join(out, "config.yml"), [*overrides, f"output_dir={out}"])
   if not checked:
     return config.load(*args)

@@ -250,7 +250,11 @@ def parse(argv) -> tuple:
   """(output_dir, step, number of samples, config path, sample.* overrides) from `key=value`
   arguments."""
   from nanotext import config, rundir
-  args = dict(config.parse_override(a) for a in argv)
+  pairs = [config.parse_override(a) for a in argv]
+  args = dict(pairs)
+  twice = [k for i, (k, _) in enumerate(pairs) if k in (p for p, _ in pairs[:i])]
+  if twice:
+    raise UserError(f"{twice[0]}= is given twice; give it once")
   allowed = {"output_dir", "prompt", "max_new_tokens", "temperature", "top_k", "seed", "step",
              "num_samples"}
   for k in args:
@@ -298,10 +302,11 @@ def check_seeds(cfg, num: int) -> None:
 
 
 def main(argv) -> None:
-  from nanotext import wiring
+  from nanotext import rundir, wiring
   from nanotext.data.tokenizer import get_tokenizer
   out, step, num, cfg_path, overrides = parse(argv)
   cfg = wiring.load(cfg_path, overrides)  # checked as train checks it
+  rundir.check_unedited(out, cfg.to_dict())
   check_seeds(cfg, num)
   tokenizer = get_tokenizer(cfg.data.tokenizer)
   prompt_ids = encode_prompt(tokenizer, cfg.sample.prompt, "prompt")  # before the checkpoint

@@ -177,6 +177,21 @@ def has_checkpoint(out: str) -> bool:
   return bool(steps_on_disk(out))
 
 
+def check_unedited(out: str, cfg_dict: dict) -> None:
+  """Refuse a run whose config.yml (read as `cfg_dict`) differs, in a key of the run's
+  identity, from the config its newest checkpoint was saved with: a read tool would build
+  another model around its weights (heads regrouped, a softcap added) and say nothing."""
+  from nanotext import config
+  done = steps_on_disk(out)
+  saved = _step_config(out, done[-1]) if done else {}
+  diff = config.run_identity_diff(saved, cfg_dict) if saved else []
+  if diff:
+    more = f" and {len(diff) - 1} more" if len(diff) > 1 else ""
+    raise UserError(f"'{os.path.join(out, 'config.yml')}' differs from the config its checkpoint "
+                    f"of step {done[-1]} was saved with ({diff[0]}{more}): it was edited after; "
+                    "put the saved values back (checkpoints/<step>/config/metadata holds them)")
+
+
 def _step_config(out: str, step: int) -> dict:
   """The config a step was saved with (its orbax JSON item), {} where it cannot be read (the
   restore then judges the step)."""

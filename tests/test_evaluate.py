@@ -185,6 +185,11 @@ def test_a_damaged_step_is_named_and_the_others_evaluated(tiny_run, tmp_path):
     (["output_dir={run}/checkpoints"], "holds no config.yml"),
     (["output_dir={run}", "no.such_key=1"], "no.such_key"),
     (["output_dir={run}", "train.eval_batches=0"], "train.eval_batches"),
+    # the loss of another model, reported as the run's (exit 0)
+    (["output_dir={run}", "model.qk_norm=true"], "model.qk_norm changes the model the checkpoint"),
+    (["output_dir={run}", "attention.window=16"], "attention.window changes the model"),
+    (["output_dir={run}", "output_dir={run}"], "output_dir= is given twice"),
+    (["output_dir={run}", "step=all", "step=2"], "step= is given twice"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tiny_run, argv, message):
   argv = [a.format(run=tiny_run[0]) for a in argv]

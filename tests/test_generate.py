@@ -258,3 +258,11 @@ def test_a_model_trained_with_document_masks_samples_with_them():
   assert generate.doc_eot(wiring.load(BASE, TINY)) is None
   assert generate.doc_eot(wiring.load(BASE, TINY + ["attention.doc_mask=true",
                                                     "data.eot_id=7"])) == 7
+
+
+@pytest.mark.fast
+def test_an_argument_given_twice_is_refused():
+  """output_dir=A output_dir=B read B, seed=1 seed=2 drew with 2, silently."""
+  for argv in (["output_dir=a", "output_dir=b"], ["output_dir=a", "seed=1", "seed=2"]):
+    with pytest.raises(UserError, match=f"{argv[-1].split('=')[0]}= is given twice"):
+      generate.parse(argv)

@@ -73,23 +73,33 @@ def test_verify_reads_the_saved_config_a_resume_restores(tiny_run, tmp_path, dam
                             wiring.prepare(BASE, ARGS + [f"output_dir={out}"]).abstract_state())
 
 
-@pytest.mark.parametrize("key,value", [("num_layers", 3), ("mlp_dim", 512), ("vocab_size", 640)])
-def test_convert_refuses_a_config_yml_that_builds_another_model(tiny_run, tmp_path, key, value):
+@pytest.mark.parametrize("edit", [{"num_layers": 3}, {"mlp_dim": 512}, {"vocab_size": 640},
+                                  {"num_heads": 4, "head_dim": 16}, {"logit_softcap": 5.0}])
+def test_a_config_yml_edited_after_training_is_refused_by_every_read_tool(tiny_run, tmp_path,
+                                                                         edit):
   """config.yml edited after training: to-hf raised a KeyError (a traceback) for a layer more,
-  and for a wider MLP or vocabulary wrote a config.json that contradicted its weights."""
+  and for a wider MLP or vocabulary wrote a config.json that contradicted its weights; an edit
+  that keeps every shape (heads regrouped, a softcap) was read by generate, evaluate and to-hf
+  as another model, exit 0 (an HF export 0.25 off in its logits)."""
   import yaml
+  from nanotext import evaluate, generate
   out = str(tmp_path / "run")
   shutil.copytree(tiny_run[0], out)
   with open(os.path.join(out, "config.yml")) as f:
     saved = yaml.safe_load(f)
-  saved["model"][key] = value
+  saved["model"].update(edit)
   with open(os.path.join(out, "config.yml"), "w") as f:
     yaml.safe_dump(saved, f)
-  with pytest.raises(UserError, match=r"against its config\.yml \(check the model\.\* keys"):
+  edited = r"config\.yml' differs from the config its checkpoint of step 2 .*edited after"
+  with pytest.raises(UserError, match=edited):
     common.load_run(out)
-  if key == "num_layers":  # the CLI: one line, exit 2, nothing written
+  with pytest.raises(UserError, match=edited):
+    evaluate.precheck([f"output_dir={out}"])
+  with pytest.raises(UserError, match=edited):
+    generate.main([f"output_dir={out}", "max_new_tokens=1"])
+  if "num_layers" in edit:  # the CLI: one line, exit 2, nothing written
     one_line_error(run_cli("nanotext.convert", "to-hf", f"--run={out}",
-                           f"--out={tmp_path / 'hf'}"), "check the model.* keys", "blocks.2.")
+                           f"--out={tmp_path / 'hf'}"), "edited after", "model.num_layers: 2 -> 3")
     assert not os.path.exists(tmp_path / "hf")
 
 
