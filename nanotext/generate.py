@@ -196,17 +196,32 @@ MAX_PENDING = 8  # tokens held back while their text ends inside a character (UT
 
 def text_pieces(tokenizer, ids):
   """The text of token ids, piece by piece as they come: a token that ends inside a multi-byte
-  character waits for the next one (at most MAX_PENDING tokens), so every piece is whole
-  characters and the pieces join to tokenizer.decode(ids) (byte-level BPE, valid UTF-8)."""
+  character waits for the next one, so every piece is whole characters and the pieces join to
+  tokenizer.decode(ids) (byte-level BPE). Bytes that never complete one (an undertrained
+  model's) still print, MAX_PENDING tokens at a time, less the last few, which may yet start a
+  character (UTF-8: at most 3 bytes of one before its last)."""
   pending = []
   for i in ids:
     pending.append(i)
     piece = tokenizer.decode(pending)
-    if not piece.endswith("\ufffd") or len(pending) >= MAX_PENDING:
+    if not piece.endswith("\ufffd"):
       yield piece
       pending = []
+    elif len(pending) >= MAX_PENDING:
+      cut = _cut(tokenizer, pending, piece)
+      yield tokenizer.decode(pending[:cut])
+      pending = pending[cut:]
   if pending:
     yield tokenizer.decode(pending)
+
+
+def _cut(tokenizer, pending: list, whole: str) -> int:
+  """Where `pending` (decoding to `whole`) splits into two that decode to it, keeping at least
+  its last 3 tokens; all of it where no such split exists."""
+  for cut in range(len(pending) - 3, 0, -1):
+    if tokenizer.decode(pending[:cut]) + tokenizer.decode(pending[cut:]) == whole:
+      return cut
+  return len(pending)
 
 
 def sample_ids(graphdef, params, cfg, tokenizer, prompt: str, seed: int | None = None):

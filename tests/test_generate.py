@@ -190,7 +190,13 @@ def test_text_pieces_hold_back_at_most_a_few_tokens():
     def decode(self, ids):
       return "\ufffd" * len(ids)
   pieces = list(generate.text_pieces(Broken(), range(20)))
-  assert [len(p) for p in pieces] == [8, 8, 4] and generate.MAX_PENDING == 8
+  assert [len(p) for p in pieces] == [5, 5, 5, 5] and generate.MAX_PENDING == 8
+  # lone continuation bytes, then a whole character split over tokens: held back with the
+  # last tokens, not cut at the eighth (the pieces did not join to the text then)
+  from nanotext.data.tokenizer import get_tokenizer
+  tok = get_tokenizer("shakespeare")
+  ids = [tok.encode("日")[1]] * 7 + tok.encode("日本")
+  assert "".join(generate.text_pieces(tok, ids)) == tok.decode(ids)
 
 
 @pytest.mark.fast
