@@ -398,3 +398,14 @@ def test_from_hf_refuses_weights_that_are_not_finite(hf_dir, tmp_path):
   with pytest.raises(UserError, match=r"NaN or infinite values in blocks\.1\.mlp\.fc\.kernel"):
     from_hf(str(src), str(tmp_path / "run"), TRAIN_KEYS, log=quiet)
   assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name,message", [("sd/", "names a folder"),
+                                          ("model.pt", "torch.load cannot read")])
+def test_export_torch_refuses_an_out_it_would_write_wrong(tmp_path, name, message):
+  """--out=DIR/ wrote a file named DIR; --out=model.pt a safetensors file torch.load rejects."""
+  from nanotext.convert.torch_export import export_torch
+  with pytest.raises(UserError, match=message):
+    export_torch(str(tmp_path / "run"), str(tmp_path) + "/" + name, log=lambda s: None)
+  assert os.listdir(tmp_path) == []

@@ -96,6 +96,12 @@ def torch_state_dict(cfg, params) -> dict:
 def export_torch(run: str, out: str, *, step: int = -1, force: bool = False, log=print) -> str:
   """Write the params of `run`'s checkpoint as a modded-nanogpt safetensors state dict."""
   from safetensors.numpy import save_file
+  if out.endswith(("/", os.sep)):
+    raise UserError(f"--out '{out}' names a folder; export-torch writes one file: give a path "
+                    "such as model.safetensors")
+  if out.lower().endswith((".pt", ".pth", ".bin", ".ckpt")):
+    raise UserError(f"--out '{out}': export-torch writes safetensors, which torch.load cannot "
+                    "read; name it .safetensors (safetensors.torch.load_file reads it)")
   check_out(os.path.abspath(out), force=force, protect=(run,), folder=False)
   cfg, step, params = load_run(run, step)
   tensors = torch_state_dict(cfg, params)
