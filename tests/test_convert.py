@@ -409,3 +409,13 @@ def test_export_torch_refuses_an_out_it_would_write_wrong(tmp_path, name, messag
   with pytest.raises(UserError, match=message):
     export_torch(str(tmp_path / "run"), str(tmp_path) + "/" + name, log=lambda s: None)
   assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.fast
+def test_from_hf_takes_the_checkpoints_widths_without_an_alignment_warning(hf_dir, tmp_path):
+  """base.yml's model.align=256 warned on every import (GPT-2's 50,257 rows), a second line on
+  stderr before any refusal; an override still sets it."""
+  keys = [a for a in TRAIN_KEYS if a != "model.align=0"]
+  assert hf.read_hf(hf_dir[0], str(tmp_path / "run"), keys)[0].model.align == 0
+  assert hf.read_hf(hf_dir[0], str(tmp_path / "run"), keys + ["model.align=64"])[0].model.align \
+      == 64

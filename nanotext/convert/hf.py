@@ -205,7 +205,10 @@ def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   seq = min(config.load(base).train.seq_len, c["n_positions"])
   if c["vocab_size"] == 50257:  # the real GPT-2 vocabulary: train on with its tokenizer
     derived.setdefault("data.tokenizer", "gpt2")
-  args = [f"{k}={v}" for k, v in derived.items()] + [f"train.seq_len={seq}"] + list(overrides)
+  # model.align=0: the widths are the checkpoint's (GPT-2's vocabulary of 50,257 warned on every
+  # import, a line before any refusal); an override still sets it
+  args = [f"{k}={v}" for k, v in derived.items()] + [f"train.seq_len={seq}", "model.align=0"] + \
+      list(overrides)
   try:
     cfg = config.load(base, args + [f"output_dir={out_abs}"])
   except UserError as e:  # model.* keys are the checkpoint's: name them as its config.json does
