@@ -142,7 +142,7 @@ def check_run(cfg, out: str) -> bool:
                     "another output_dir, or pass overwrite=true to replace what is there")
   diff, saved = config.run_identity_diff(old, cfg.to_dict()), ""
   if not diff and done:  # config.yml edited since the newest step was saved by the run
-    diff, saved = config.run_identity_diff(_step_config(out, done[-1]), cfg.to_dict()), \
+    diff, saved = config.run_identity_diff(step_config(out, done[-1]), cfg.to_dict()), \
         f", against its checkpoint of step {done[-1]}: config.yml was edited after it"
   if diff:
     if not cfg.overwrite:
@@ -183,7 +183,7 @@ def check_unedited(out: str, cfg_dict: dict) -> None:
   another model around its weights (heads regrouped, a softcap added) and say nothing."""
   from nanotext import config
   done = steps_on_disk(out)
-  saved = _step_config(out, done[-1]) if done else {}
+  saved = step_config(out, done[-1]) if done else {}
   diff = config.run_identity_diff(saved, cfg_dict) if saved else []
   if diff:
     more = f" and {len(diff) - 1} more" if len(diff) > 1 else ""
@@ -192,7 +192,7 @@ def check_unedited(out: str, cfg_dict: dict) -> None:
                     "put the saved values back (checkpoints/<step>/config/metadata holds them)")
 
 
-def _step_config(out: str, step: int) -> dict:
+def step_config(out: str, step: int) -> dict:
   """The config a step was saved with (its orbax JSON item), {} where it cannot be read (the
   restore then judges the step)."""
   try:

@@ -294,6 +294,10 @@ def initial_state(run: Run, manager, log=print) -> Start:
     step, state, data, integrity = newest_intact(run, manager, log)
     check_data_unchanged(cfg, integrity, step, manager.fingerprint)
     log(f"resumed from the checkpoint of step {step} in {cfg.output_dir}")
+    was = (rundir.step_config(cfg.output_dir, step).get("train") or {}).get("steps")
+    if isinstance(was, int) and was != cfg.train.steps:  # the schedules change: say so
+      log(f"train.steps {was} -> {cfg.train.steps}: every schedule over train.steps (learning "
+          f"rate, momentum, windows) is {cfg.train.steps} steps' from step {step} on")
     if cfg.checkpoint.load_params_from:
       log("checkpoint.load_params_from is ignored: this output_dir already has checkpoints")
     return Start(state, step, checkpoint.own_data(data, checkpoint.step_dir(manager, step)),

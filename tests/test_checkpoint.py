@@ -141,6 +141,7 @@ def test_an_unfinished_save_is_ignored_and_cleaned(fsdp8_run, tmp_path):
     f.write("x")
   result, lines = quiet_run(FSDP8 + [f"output_dir={out}", "train.steps=3"])
   assert any("resumed from the checkpoint of step 2" in l for l in lines)
+  assert any(l.startswith("train.steps 2 -> 3: every schedule") for l in lines), lines
   assert not os.path.exists(junk) and steps_on_disk(out) == [2, 3]
   assert int(result.state["step"]) == 3
 
