@@ -88,6 +88,13 @@ def parse_rules(rules) -> tuple:
   return tuple(out)
 
 
+def unused_axes(mesh: Mesh, rules) -> list:
+  """Mesh axes of more than one device that no rule names: everything is replicated over them
+  (the work done that many times over, as a mislabelled ablation row would not show)."""
+  named = {a for _, axes in rules for a in axes}
+  return [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in named]
+
+
 def logical_to_spec(logical_axes, rules) -> P:
   """PartitionSpec for a tuple of logical names; a mesh axis is used at most once per array."""
   table = dict(rules)

@@ -216,7 +216,9 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
 def sharding_summary(run_) -> str:
   """'mesh data=1 fsdp=8 tensor=1 on 8 cpu device(s)' for the start-up line."""
   from nanotext import sharding
-  return f"mesh {sharding.describe(run_.mesh)} on {run_.mesh.size} {run_.backend} device(s)"
+  idle = "".join(f" ({a}={run_.mesh.shape[a]} is in no mesh.rules entry: everything is "
+                 "replicated over it)" for a in sharding.unused_axes(run_.mesh, run_.rules))
+  return f"mesh {sharding.describe(run_.mesh)} on {run_.mesh.size} {run_.backend} device(s)" + idle
 
 
 def main(args) -> None:

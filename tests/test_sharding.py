@@ -146,3 +146,14 @@ def test_processes_holding_the_same_rows_load_the_same_rows():
   crossed = _Sharding(lambda d: slice(0, 4) if d < 4 else slice(2, 8))
   with pytest.raises(UserError, match="unequal shares of the batch"):
     sharding.row_groups(crossed, 8, 0)
+
+
+@pytest.mark.fast
+def test_a_mesh_axis_no_rule_names_is_said_to_replicate():
+  """mesh.data=2 with rules that never name data: the start line said 'mesh data=2 fsdp=4' while
+  every step was done twice over (a 'dp2' ablation row that was not)."""
+  from conftest import mesh as make_mesh
+  mesh = make_mesh(data=2, fsdp=4)
+  assert sharding.unused_axes(mesh, sharding.parse_rules([["batch", "fsdp"],
+                                                          ["embed", "fsdp"]])) == ["data"]
+  assert sharding.unused_axes(mesh, sharding.parse_rules([["batch", ["data", "fsdp"]]])) == []
