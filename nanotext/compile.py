@@ -290,7 +290,14 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
   from nanotext import sharding, wiring
   target = topology.parse(target_name)
   devices = topology.devices(target)
-  run = wiring.prepare(path, overrides, devices=devices)
+  try:
+    run = wiring.prepare(path, overrides, devices=devices)
+  except UserError as e:  # v4-8 counts TensorCores: 4 devices, which a mesh of 8 did not expect
+    cores = getattr(getattr(target, "chip", None), "cores_per_chip", 1)
+    if cores == 1 or "but there are" not in str(e):
+      raise
+    raise UserError(f"{e} ({target.name} names {len(devices) * cores} TensorCores: "
+                    f"{len(devices)} chips of {cores}, each chip one device)") from None
   log(f"compiling {path} for {target.name} ({len(devices)} x {devices[0].device_kind}, "
       f"{gib(target.memory_bytes)} each: {target.memory_what}): mesh "
       f"{sharding.describe(run.mesh)}, attention {run.impl}, {run.cfg.train.batch_size} x "

@@ -233,6 +233,15 @@ def test_a_config_that_cannot_fit_is_refused_before_compiling():
 
 @pytest.mark.fast
 @pytest.mark.tpu
+def test_a_mesh_of_the_names_number_says_it_counts_tensorcores():
+  """--topology=v4-8 with mesh.fsdp=8: '8 but there are 4 devices', and nothing said why."""
+  with pytest.raises(UserError, match=r"= 8 but there are 4 devices.*\(v4-8 names 8 "
+                                      r"TensorCores: 4 chips of 2, each chip one device\)"):
+    nt_compile.run_compile(BASE, SMALL + ["mesh.fsdp=8"], "v4-8", "eval", log=lambda s: None)
+
+
+@pytest.mark.fast
+@pytest.mark.tpu
 def test_a_mesh_that_splits_a_torus_axis():
   """fsdp 8 x tensor 2 on a 4x4 v6e-16: no physical axis is 8 long, so mesh axes split them."""
   from nanotext import sharding
