@@ -359,6 +359,17 @@ def _spelled_out(flat: dict) -> dict:
   return out
 
 
+# The model and attention keys that change how a model is computed (layout, precision, kernel),
+# not which model it is: what a tool reading a checkpoint may take from elsewhere.
+HOW_COMPUTED = ("model.scan_layers", "model.remat", "model.dtype", "model.param_dtype",
+                "model.embed_dtype", "model.align", "model.strict_align", "attention.impl")
+
+
+def changes_model(key: str) -> bool:
+  """Whether `key` changes the function a checkpoint's weights compute."""
+  return key.startswith(("model.", "attention.")) and key not in HOW_COMPUTED
+
+
 def run_identity_diff(old: dict, new: dict) -> list:
   """Keys (with old -> new values) whose change makes `new` a different run than `old`.
 

@@ -57,18 +57,13 @@ def is_params_only(out: str) -> bool:
       not os.path.isdir(os.path.join(out, "checkpoints"))
 
 
-# The model and attention keys an override may set: how the checkpoint's model is computed
-# (layout, precision, kernel), never which model it is (qk_norm=false, a window: the loss of
-# another model, reported as the run's).
-SAME_MODEL = ("model.scan_layers", "model.remat", "model.dtype", "model.param_dtype",
-              "model.embed_dtype", "model.align", "model.strict_align", "attention.impl")
-
-
 def check_override(key: str) -> None:
-  """Refuse an override of a key that changes the model the checkpoint was trained as."""
-  if key.startswith(("model.", "attention.")) and key not in SAME_MODEL:
+  """Refuse an override of a key that changes the model the checkpoint was trained as (the
+  loss of another model, qk_norm=false or a window, reported as the run's)."""
+  from nanotext.config import HOW_COMPUTED, changes_model
+  if changes_model(key):
     raise UserError(f"{key} changes the model the checkpoint was trained as; evaluate reads the "
-                    f"run's own (it takes data.*, train.*, mesh.* and {', '.join(SAME_MODEL)})")
+                    f"run's own (it takes data.*, train.*, mesh.* and {', '.join(HOW_COMPUTED)})")
 
 
 def load_config(out: str, overrides, checked: bool = True):

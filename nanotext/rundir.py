@@ -178,13 +178,15 @@ def has_checkpoint(out: str) -> bool:
 
 
 def check_unedited(out: str, cfg_dict: dict) -> None:
-  """Refuse a run whose config.yml (read as `cfg_dict`) differs, in a key of the run's
-  identity, from the config its newest checkpoint was saved with: a read tool would build
-  another model around its weights (heads regrouped, a softcap added) and say nothing."""
+  """Refuse a run whose config.yml (read as `cfg_dict`) differs, in a key of its model
+  (config.changes_model), from the config its newest checkpoint was saved with: a read tool
+  would build another model around its weights (heads regrouped, a softcap added) and say
+  nothing."""
   from nanotext import config
   done = steps_on_disk(out)
   saved = step_config(out, done[-1]) if done else {}
-  diff = config.run_identity_diff(saved, cfg_dict) if saved else []
+  diff = [d for d in (config.run_identity_diff(saved, cfg_dict) if saved else [])
+          if config.changes_model(d.split(":")[0])]
   if diff:
     more = f" and {len(diff) - 1} more" if len(diff) > 1 else ""
     raise UserError(f"'{os.path.join(out, 'config.yml')}' differs from the config its checkpoint "
