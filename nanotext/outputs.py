@@ -2,6 +2,7 @@
 staged folder or file that replaces it in one rename when the work is done."""
 
 import contextlib
+import fnmatch
 import os
 import re
 import shutil
@@ -26,7 +27,10 @@ def _shared(path: str) -> None:
       os.chmod(os.path.join(folder, name), mode)
 
 
-def _check_target(out: str, force: bool, protect=()) -> str:
+def _check_target(out: str, force: bool, protect=(), own=None) -> str:
+  """`out` checked; `own` (name patterns) is what the tool writes there: --force replaces only
+  a folder holding nothing else, or a file of such a name (a git checkout given as --out was
+  replaced whole)."""
   out = os.path.abspath(out)
   # What a rename of `out` replaces, its folder's links resolved (a link at `out` itself is
   # replaced, not its target), against every input as named and as it really lies: an input
@@ -63,10 +67,25 @@ def _check_target(out: str, force: bool, protect=()) -> str:
                     "would no longer resume; choose a path outside it")
   if os.path.isdir(out) and not os.listdir(out):
     return out
+  if force and own is not None and os.path.lexists(out):
+    _check_own(out, own)
   if os.path.lexists(out) and not force:
     raise UserError(f"output '{out}' already exists; choose another path or pass --force "
                     "to replace it")
   return out
+
+
+def _check_own(out: str, own) -> None:
+  """Refuse to replace what holds anything but names matching `own` (or is no such file)."""
+  if os.path.isdir(out) and not os.path.islink(out):
+    names = sorted(os.listdir(out))
+  else:
+    names = [os.path.basename(out)]
+  foreign = [n for n in names if not any(fnmatch.fnmatch(n, p) for p in own)]
+  if foreign:
+    more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+    raise UserError(f"--out '{out}' holds '{foreign[0]}'{more}, which this tool does not write: "
+                    "--force replaces only an earlier output of it; choose another path")
 
 
 def _run_inside(folder: str):
@@ -116,7 +135,7 @@ def _make_parent(out: str, parent: str) -> list:
     raise UserError(f"--out '{out}': cannot create '{parent}' ({e.strerror})") from None
 
 
-def check_out(out: str, *, force: bool, protect=(), folder: bool = True) -> None:
+def check_out(out: str, *, force: bool, protect=(), folder: bool = True, own=None) -> None:
   """Every check of --out that staged_dir / staged_file make, plus a write probe of its folder,
   made before the conversion reads a checkpoint (minutes, for a large one)."""
   if rundir.kernel_fs(out):
@@ -125,7 +144,7 @@ def check_out(out: str, *, force: bool, protect=(), folder: bool = True) -> None
   if folder and os.path.isfile(out):
     raise UserError(f"--out '{out}' is a file, and a folder is written there: give a "
                     "folder path")
-  out = _check_target(out, force, protect)
+  out = _check_target(out, force, protect, own)
   if not folder and os.path.isdir(out):
     raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
   parent = os.path.dirname(out)
@@ -146,7 +165,7 @@ def _remove_made(made: list) -> None:
 
 
 @contextlib.contextmanager
-def staged_dir(out: str, *, force: bool, protect=()):
+def staged_dir(out: str, *, force: bool, protect=(), own=None):
   """Yield a temporary folder next to `out`; on success it replaces `out` in one rename.
 
   A failure leaves `out` as it was: a partial conversion never stands where a good one stood.
@@ -154,7 +173,7 @@ def staged_dir(out: str, *, force: bool, protect=()):
   if os.path.isfile(out):
     raise UserError(f"--out '{out}' is a file, and a folder is written there: give a "
                     "folder path")
-  out = _check_target(out, force, protect)
+  out = _check_target(out, force, protect, own)
   parent, name = os.path.split(out)
   made = _make_parent(out, parent)
   try:
@@ -193,10 +212,10 @@ def staged_dir(out: str, *, force: bool, protect=()):
 
 
 @contextlib.contextmanager
-def staged_file(out: str, *, force: bool, protect=()):
+def staged_file(out: str, *, force: bool, protect=(), own=None):
   """Yield a temporary file path next to `out`; on success it replaces `out` atomically."""
   probes.plain_file_or_none(out, "--out")
-  out = _check_target(out, force, protect)
+  out = _check_target(out, force, protect, own)
   if os.path.isdir(out):
     raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
   parent, name = os.path.split(out)

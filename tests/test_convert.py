@@ -284,6 +284,12 @@ def test_existing_out_refused_then_forced(base_run, tmp_path):
   with pytest.raises(UserError, match="--force"):
     params_only(base_run, str(out), log=quiet)
   assert os.listdir(out) == ["keep.txt"]
+  # --force replaces an earlier output of the tool, never a folder holding anything else (a
+  # git checkout given as --out was replaced whole)
+  with pytest.raises(UserError, match="holds 'keep.txt', which this tool does not write"):
+    params_only(base_run, str(out), force=True, log=quiet)
+  os.remove(out / "keep.txt")
+  params_only(base_run, str(out), log=quiet)
   params_only(base_run, str(out), force=True, log=quiet)
   assert sorted(os.listdir(out)) == ["config.yml", "convert.json", "params"]
   assert sorted(os.listdir(tmp_path)) == ["p"]  # no staging folders left behind

@@ -182,3 +182,21 @@ def test_the_printed_command_fits_its_batch_to_the_splits():
   assert text_shards.fitting_batch(257) == (" train.batch_size=1", "")
   suffix, note = text_shards.fitting_batch(200)
   assert not suffix and "holds no row of configs/base.yml's train.seq_len=256" in note
+
+
+def test_force_replaces_only_an_earlier_output_of_text_shards(tmp_path):
+  """--out=<a git checkout> --force replaced the checkout, .git and all, with three shards."""
+  tokens = np.arange(400, dtype=np.uint16)
+  out = tmp_path / "repo"
+  (out / ".git").mkdir(parents=True)
+  (out / "setup.py").write_text("x")
+  with pytest.raises(UserError, match=r"holds '\.git' and 1 more, which this tool does not "
+                                      r"write: --force replaces only an earlier output"):
+    text_shards.write_shards(str(out), tokens, val_fraction=0.5, shard_tokens=100, meta={},
+                             force=True)
+  assert sorted(os.listdir(out)) == [".git", "setup.py"]
+  shards = tmp_path / "shards"
+  text_shards.write_shards(str(shards), tokens, val_fraction=0.5, shard_tokens=100, meta={})
+  text_shards.write_shards(str(shards), tokens, val_fraction=0.5, shard_tokens=50, meta={},
+                           force=True)  # an earlier output: replaced
+  assert len([n for n in os.listdir(shards) if n.startswith("train_")]) == 4

@@ -16,6 +16,10 @@ from nanotext.errors import UserError
 from nanotext.trees import fill, flatten
 from nanotext.rundir import check_no_glob, check_run_dir
 
+# What --force may replace: an earlier to-hf output or another HF model folder (never, say, a
+# source checkout); from-hf's run folder is a training run, which no tool replaces.
+HF_OWN = ("*.json", "*.safetensors", "*.txt", "*.bin", "*.md", ".gitattributes")
+RUN_OWN = ("config.yml",)
 LN_EPS = 1e-5  # LayerNorm's epsilon at model.norm_eps=0 (layers.Norm); GPT-2's too
 # HF activations equal to jax.nn.gelu's default (approximate=True, the tanh form).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -195,7 +199,7 @@ def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   from nanotext import config
   check_no_glob(os.path.abspath(out), "--out")  # orbax writes its checkpoint there
   check_run_dir(hf, "--hf", holds="config.json", kind="a Hugging Face model directory")
-  check_out(os.path.abspath(out), force=force, protect=(hf,))
+  check_out(os.path.abspath(out), force=force, protect=(hf,), own=RUN_OWN)
   c = _read_hf_config(hf)
   flat = _hf_to_flat(c, _read_hf_tensors(hf))
   derived = hf_overrides(c)
@@ -235,7 +239,7 @@ def write_run(run, flat: dict, hf: str, out: str, *, force: bool = False, log=pr
   params = fill(run.abstract_state()["params"], stacked(cfg, flat), "the Hugging Face checkpoint")
   state = run.state_from_params(params)
   data_state = {"iterator": {"batches": 0}}  # a new run's data position
-  with staged_dir(out_abs, force=force, protect=(hf,)) as tmp:
+  with staged_dir(out_abs, force=force, protect=(hf,), own=RUN_OWN) as tmp:
     config.save(cfg, os.path.join(tmp, "config.yml"))
     manager = checkpoint.make_manager(tmp, keep=cfg.checkpoint.keep)
     try:
@@ -287,7 +291,7 @@ def to_hf(run: str, out: str, *, step: int = -1, force: bool = False, log=print)
   """A classic-GPT-2 nanotext checkpoint -> HF directory: config.json, generation_config.json,
   model.safetensors and the tokenizer files (`AutoTokenizer` / `pipeline` load it offline)."""
   from safetensors.numpy import save_file
-  check_out(os.path.abspath(out), force=force, protect=(run,))
+  check_out(os.path.abspath(out), force=force, protect=(run,), own=HF_OWN)
   cfg, step, params = load_run(run, step)
   check_classic(cfg)
   flat = per_layer(cfg, flatten(params))
@@ -305,7 +309,7 @@ def to_hf(run: str, out: str, *, step: int = -1, force: bool = False, log=print)
   # The tied lm_head is left out, as save_pretrained does; from_pretrained ties it to wte.
   tensors = {f"transformer.{k}": np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
   out_abs = os.path.abspath(out)
-  with staged_dir(out_abs, force=force, protect=(run,)) as tmp:
+  with staged_dir(out_abs, force=force, protect=(run,), own=HF_OWN) as tmp:
     c = hf_config(cfg)
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(c, f, indent=2)

@@ -23,6 +23,9 @@ from nanotext.rundir import check_no_glob
 DTYPES = ("float32", "bfloat16")
 
 
+OWN = ("params", "convert.json", "config.yml")  # what --force may replace: an earlier output
+
+
 def params_only(run: str, out: str, *, step: int = -1, dtype: str = "", force: bool = False,
                 log=print) -> str:
   """Write the params of `run`'s checkpoint (cast to `dtype` if given) as a params-only folder."""
@@ -30,13 +33,13 @@ def params_only(run: str, out: str, *, step: int = -1, dtype: str = "", force: b
   if dtype and dtype not in DTYPES:
     raise UserError(f"--dtype={dtype} is not one of {', '.join(DTYPES)}")
   check_no_glob(os.path.abspath(out), "--out")  # orbax writes params/ there
-  check_out(os.path.abspath(out), force=force, protect=(run,))
+  check_out(os.path.abspath(out), force=force, protect=(run,), own=OWN)
   _, step, params = load_run(run, step)
   params = jax.tree.map(jnp.asarray, params)
   if dtype:
     params = jax.tree.map(lambda x: x.astype(dtype), params)
   out_abs = os.path.abspath(out)
-  with staged_dir(out_abs, force=force, protect=(run,)) as tmp:
+  with staged_dir(out_abs, force=force, protect=(run,), own=OWN) as tmp:
     shutil.copyfile(os.path.join(run, "config.yml"), os.path.join(tmp, "config.yml"))
     # Synchronous: the async StandardCheckpointer's close() after a failed save (a full disk)
     # raised again before draining its metadata writer, whose thread then wrote into the

@@ -102,11 +102,12 @@ def export_torch(run: str, out: str, *, step: int = -1, force: bool = False, log
   if out.lower().endswith((".pt", ".pth", ".bin", ".ckpt")):
     raise UserError(f"--out '{out}': export-torch writes safetensors, which torch.load cannot "
                     "read; name it .safetensors (safetensors.torch.load_file reads it)")
-  check_out(os.path.abspath(out), force=force, protect=(run,), folder=False)
+  check_out(os.path.abspath(out), force=force, protect=(run,), folder=False,
+            own=("*.safetensors",))
   cfg, step, params = load_run(run, step)
   tensors = torch_state_dict(cfg, params)
   out_abs = os.path.abspath(out)
-  with staged_file(out_abs, force=force, protect=(run,)) as tmp:
+  with staged_file(out_abs, force=force, protect=(run,), own=("*.safetensors",)) as tmp:
     save_file(tensors, tmp, metadata={"format": "pt", "source": os.path.abspath(run),
                                       "step": str(step)})
   log(f"wrote {out_abs} ({len(tensors)} tensors, step {step} of {run})")

@@ -71,12 +71,15 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple:
   return tokens[:-n_val], tokens[-n_val:]
 
 
+OWN = ("meta.json", "*.bin")  # what --force may replace: an earlier output of this tool
+
+
 def write_shards(out: str, tokens: np.ndarray, *, val_fraction: float, shard_tokens: int,
                  meta: dict, force: bool = False) -> dict:
   """train_NNNNNN.bin, val_000000.bin and meta.json in `out`, replacing it only when whole."""
   train, val = split(tokens, val_fraction)
   starts = range(0, train.size, shard_tokens)
-  with staged_dir(out, force=force) as tmp:
+  with staged_dir(out, force=force, own=OWN) as tmp:
     for k, start in enumerate(starts):
       shard = train[start:start + shard_tokens]
       binfile.write_shard(os.path.join(tmp, f"train_{k:06d}.bin"), shard)
@@ -108,7 +111,7 @@ def main(args) -> None:
       raise UserError(f"'{path}' is given twice: give each file once" if args[j] == path else
                       f"'{path}' and '{args[j]}' are the same file: give it once")
   out = os.path.abspath(F.out)
-  check_out(out, force=F.force, protect=[os.path.abspath(a) for a in args])
+  check_out(out, force=F.force, protect=[os.path.abspath(a) for a in args], own=OWN)
   tok = get_tokenizer(F.tokenizer)
   tokens = tokenize(args, tok, log=print)
   meta = write_shards(out, tokens, val_fraction=F.val_fraction, shard_tokens=F.shard_tokens,
