@@ -542,3 +542,14 @@ def test_prepare_keeps_a_folder_of_other_shards(tmp_path):
     prepare_shakespeare(str(tmp_path))
   assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == \
       {k: v for k, v in before.items() if k != "train_000001.bin"}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("key,source", [("train_files", "bin"), ("val_files", "bin"),
+                                        ("tfds_name", "tfds"), ("tfds_dir", "tfds")])
+def test_a_data_key_the_source_does_not_read_is_refused(key, source):
+  """evaluate data.val_files=mine/*.bin on a shakespeare run printed the run's own figures;
+  train with globs matching nothing trained on Shakespeare, exit 0."""
+  with pytest.raises(UserError, match=f"data.{key} is read only by data.source={source} .*"
+                                      f"set data.source={source}"):
+    check_config(data_cfg(source="shakespeare", **{key: "/some/*.bin"}))
