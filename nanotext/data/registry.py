@@ -6,7 +6,10 @@ a new source is one `register(Source(...))` beside its class.
 """
 
 import dataclasses
+import os
 from typing import Callable
+
+from absl import logging
 
 from nanotext.data import binfile
 from nanotext.data.sources import PackedDocSource, ShardSource, SyntheticSource
@@ -63,9 +66,25 @@ def _shakespeare_files(data_cfg, split: str) -> list[str]:
                              key="data.dir")
 
 
+_WARNED: set = set()
+
+
 def _bin_files(data_cfg, split: str) -> list[str]:
-  """The shards matched by data.train_files / data.val_files."""
-  return binfile.find_shards(data_cfg[f"{split}_files"], key=f"data.{split}_files")
+  """The shards matched by data.train_files / data.val_files; a warning where the validation
+  glob matches a training shard too (`shards/*.bin` over a text_shards folder validated on
+  text it trained on, without a word; an overfitting check may mean it)."""
+  files = binfile.find_shards(data_cfg[f"{split}_files"], key=f"data.{split}_files")
+  if split == "train" and data_cfg.val_files:
+    val = {os.path.realpath(f) for f in binfile.find_shards(data_cfg.val_files,
+                                                              key="data.val_files")}
+    both = [f for f in files if os.path.realpath(f) in val]
+    if both and (data_cfg.train_files, data_cfg.val_files) not in _WARNED:  # opened twice a run
+      _WARNED.add((data_cfg.train_files, data_cfg.val_files))
+      logging.warning(f"data.train_files and data.val_files both match '{both[0]}'"
+                      f"{f' and {len(both) - 1} more' if len(both) > 1 else ''}: the validation "
+                      "loss is of text the run trains on (text_shards writes train_*.bin and "
+                      "val_*.bin)")
+  return files
 
 
 def _shards(files: Callable) -> Callable:
