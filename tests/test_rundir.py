@@ -150,6 +150,24 @@ def test_fingerprint_notices_deleted_and_rewritten_shards(tmp_path):
   assert "train_1.bin' is gone" in fingerprint.fingerprint_change(first, fingerprint.fingerprint(cfg.data))
 
 
+def test_shards_of_one_name_in_two_folders_are_told_apart(tmp_path):
+  """Keyed by file name, cA/train_000000.bin hid cB's: replacing one, or dropping a folder from
+  the glob, resumed as the same data."""
+  for d in ("cA", "cB"):
+    (tmp_path / d).mkdir()
+    binfile.write_shard(str(tmp_path / d / "train_000000.bin"), np.arange(3000) % 500)
+  both = config.load(BASE, TINY + ["data.source=bin",
+                                   f"data.train_files={tmp_path}/c*/train_*.bin"])
+  first = fingerprint.fingerprint(both.data)
+  assert sorted(n for n, _, _ in first) == ["cA/train_000000.bin", "cB/train_000000.bin"]
+  binfile.write_shard(str(tmp_path / "cA" / "train_000000.bin"), np.arange(3000)[::-1] % 500)
+  assert "cA/train_000000.bin' changed" in fingerprint.fingerprint_change(
+      first, fingerprint.fingerprint(both.data))
+  one = config.load(BASE, TINY + ["data.source=bin",
+                                  f"data.train_files={tmp_path}/cB/train_*.bin"])
+  assert "is gone" in fingerprint.fingerprint_change(first, fingerprint.fingerprint(one.data))
+
+
 def test_a_step_missing_a_process_data_file_is_damaged():
   """Each process saves its own data-iterator file; a step without all of them is damaged (a
   resume falls back past it), which is not the same as one saved by another process count."""

@@ -21,14 +21,25 @@ def _cheap_hash(path: str, size: int, chunk: int = 1 << 16) -> str:
 def fingerprint(data_cfg) -> list:
   """[[name, size, hash]] of the training files its source names ([] for one without files)."""
   files = registry.get(data_cfg.source).files
+  paths = files(data_cfg, "train") if files else []
   out = []
-  for path in files(data_cfg, "train") if files else []:
+  for path, name in zip(paths, _names(paths)):
     try:
       size = os.path.getsize(path)
-      out.append([os.path.basename(path), size, _cheap_hash(path, size)])
+      out.append([name, size, _cheap_hash(path, size)])
     except OSError as e:
       raise UserError(f"cannot read training shard '{path}': {e.strerror}") from None
   return out
+
+
+def _names(paths: list) -> list:
+  """Each file's name, or where two share one (cA/train_000000.bin, cB/train_000000.bin: one hid
+  the other's change), its path below their common folder."""
+  base = [os.path.basename(p) for p in paths]
+  if len(set(base)) == len(base):
+    return base
+  root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
+  return [os.path.relpath(os.path.abspath(p), root) for p in paths]
 
 
 def fingerprint_change(old: list, new: list) -> str:
