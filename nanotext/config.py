@@ -12,6 +12,7 @@ there alone).
 import datetime
 import dataclasses
 import difflib
+import os
 import re
 from pathlib import Path
 
@@ -303,6 +304,8 @@ def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
   for axis, size in mesh_sizes.items():
     cfg.mesh[axis] = size
   cfg.data.dir = cfg.data.dir or data_dir
+  for k in ("train_files", "val_files"):  # saved whole: evaluate read them from its own folder
+    cfg.data[k] = cfg.data[k] and os.path.abspath(os.path.expanduser(cfg.data[k]))
   cfg.metrics.peak_flops = cfg.metrics.peak_flops or peak_flops
   bad = misaligned_dims(m)
   if bad and m.strict_align:

@@ -259,6 +259,15 @@ def test_finalize_fills_derived_values():
     cfg.new_key = 1
 
 
+@pytest.mark.fast
+def test_shard_globs_are_saved_whole(monkeypatch, tmp_path):
+  """A relative data.val_files was saved as given: evaluate from another folder read that
+  folder's shards (6.73 for the run's 5.46), without a word."""
+  monkeypatch.chdir(tmp_path)
+  cfg = finalize("data.source=bin", "data.train_files=sh/train_*.bin", "data.val_files=")
+  assert cfg.data.train_files == f"{tmp_path}/sh/train_*.bin" and cfg.data.val_files == ""
+
+
 def test_finalize_keeps_explicit_values_and_input():
   raw = load("model.mlp_dim=512", "model.max_seq_len=512", "data.dir=/d", "metrics.peak_flops=5")
   cfg = wiring.finalize(raw, jax.devices()[:8])
