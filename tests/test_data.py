@@ -570,3 +570,21 @@ def test_a_validation_glob_matching_a_training_shard_is_said(tmp_path, caplog):
   cfg.update(train_files=str(tmp_path / "train_*.bin"))
   registry.get("bin").files(cfg, "train")
   assert "both match" not in caplog.text
+
+
+@pytest.mark.fast
+def test_shards_of_another_tokenizer_are_refused_and_score_no_bits_per_byte(tmp_path):
+  """GPT-2-id shards (text_shards --tokenizer=gpt2) read with data.tokenizer=shakespeare: 85% of
+  the ids past its 8,192 were clipped onto one into val_bpb 2.65, documents split at id 0."""
+  from nanotext.data import registry
+  from nanotext.data.tokenizer import bytes_per_token
+  binfile.write_shard(str(tmp_path / "train_000000.bin"), np.arange(300) % 50)
+  (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "gpt2"}))
+  cfg = data_cfg(source="bin", train_files=str(tmp_path / "train_*.bin"), tokenizer="shakespeare")
+  with pytest.raises(UserError, match="hold gpt2 token ids .* set data.tokenizer=gpt2"):
+    registry.get("bin").files(cfg, "train")
+  cfg.update(tokenizer="none")
+  assert len(registry.get("bin").files(cfg, "train")) == 1
+  tok = get_tokenizer("shakespeare")
+  assert bytes_per_token(tok, [{"targets": np.array([[5, 9000]])}]) is None
+  assert bytes_per_token(tok, [{"targets": np.array([[5, 90]])}]) > 0

@@ -6,6 +6,7 @@ a new source is one `register(Source(...))` beside its class.
 """
 
 import dataclasses
+import json
 import os
 from typing import Callable
 
@@ -69,11 +70,27 @@ def _shakespeare_files(data_cfg, split: str) -> list[str]:
 _WARNED: set = set()
 
 
+def _check_written_with(tokenizer: str, folder: str) -> None:
+  """Refuse shards whose meta.json (text_shards, prepare) names another tokenizer than
+  data.tokenizer: its ids past this one's vocabulary were clipped into a bits-per-byte figure
+  of nothing, and documents split at another token."""
+  try:
+    with open(os.path.join(folder, "meta.json"), encoding="utf-8") as f:
+      written = json.load(f).get("tokenizer")
+  except (OSError, ValueError, AttributeError):  # no record (FineWeb's shards): nothing to say
+    return
+  if isinstance(written, str) and tokenizer not in ("none", written):
+    raise UserError(f"the shards in '{folder}' hold {written} token ids (their meta.json), not "
+                    f"data.tokenizer={tokenizer}'s: set data.tokenizer={written}")
+
+
 def _bin_files(data_cfg, split: str) -> list[str]:
   """The shards matched by data.train_files / data.val_files; a warning where the validation
   glob matches a training shard too (`shards/*.bin` over a text_shards folder validated on
   text it trained on, without a word; an overfitting check may mean it)."""
   files = binfile.find_shards(data_cfg[f"{split}_files"], key=f"data.{split}_files")
+  for folder in sorted({os.path.dirname(f) for f in files}):
+    _check_written_with(data_cfg.tokenizer, folder)
   if split == "train" and data_cfg.val_files:
     val = {os.path.realpath(f) for f in binfile.find_shards(data_cfg.val_files,
                                                               key="data.val_files")}

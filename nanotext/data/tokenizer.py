@@ -116,6 +116,8 @@ def bytes_per_token(tokenizer, batches) -> float | None:
     return None
   lengths = table()
   targets = np.concatenate([np.asarray(b["targets"]).ravel() for b in batches])
+  if targets.size and int(targets.max()) >= len(lengths):  # another tokenizer's ids: clipped,
+    return None                                            # they gave a bpb of nothing
   total = int(lengths[np.clip(targets, 0, len(lengths) - 1)].sum())
   return total / targets.size if total else None
 
