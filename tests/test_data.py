@@ -98,6 +98,7 @@ def _raw_shard(path, header_words, n_tokens):
     (lambda p: _raw_shard(p, [123, 1, 4], 4), r"magic number 123, expected 20240520"),
     (lambda p: _raw_shard(p, [20240520, 7, 4], 4), r"version 7, expected 1"),
     (lambda p: _raw_shard(p, [20240520, 1, 10], 4), r"claims 10 tokens but the file holds 4"),
+    (lambda p: _raw_shard(p, [20240520, 1, -5], 4), r"claims -5 tokens, a negative count"),
     # More than the header says (read as its 10 tokens, the rest ignored), a stray byte after.
     (lambda p: _raw_shard(p, [20240520, 1, 10], 5000), r"claims 10 tokens .*\(5000 tokens\)"),
     (lambda p: _raw_shard(p, [20240520, 1, 4], 4) and open(p, "ab").write(b"x") and str(p),

@@ -49,7 +49,10 @@ def read_header(path: str) -> int:
     raise UserError(f"shard '{path}' has version {header[1]}, expected {VERSION}")
   count = int(header[2])
   have = (size - HEADER_BYTES) // TOKEN_DTYPE.itemsize
-  if count < 0 or have < count:
+  if count < 0:
+    raise UserError(f"shard '{path}' header claims {count} tokens, a negative count: the header "
+                    "is damaged; rewrite the shard")
+  if have < count:
     raise UserError(
         f"shard '{path}' header claims {count} tokens but the file holds {have} "
         "(truncated?)")

@@ -187,7 +187,8 @@ def make_val_batches(data_cfg, *, seq_len: int, batch_size: int, num_batches: in
   n = min(num_batches, len(source) // global_batch)
   if n == 0:
     raise UserError(
-        f"validation data holds {len(source)} sequences of {seq_len + 1} tokens, fewer than "
+        f"validation data holds {len(source)} sequence{'s' * (len(source) != 1)} of "
+        f"{seq_len + 1} tokens, fewer than "
         f"one global batch of {global_batch} (train.batch_size): add validation data "
         "(data.val_files / data.val_tokens, or data.tfds_val_split) or lower train.batch_size "
         f"or {length_key}")
