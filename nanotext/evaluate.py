@@ -136,7 +136,7 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   import numpy as np
   from nanotext import (distributed, memory_plan, metrics, params_from, programs, rundir, trainer,
                         wiring)
-  from nanotext.data.pipeline import val_bytes_per_token
+  from nanotext.data.pipeline import tokenizer_problem, val_bytes_per_token
   from nanotext.integrity import Damaged
   from nanotext.model.kernels.dispatch import takes_runtime_window
   from nanotext.window_schedule import eval_plan, eval_windows
@@ -150,6 +150,8 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   val_local = run.val_batches()
   val = [trainer.global_batch(run, b) for b in val_local]
   bytes_per_token = val_bytes_per_token(cfg.data, val_local)
+  if bytes_per_token is None and (why := tokenizer_problem(cfg.data)):  # as train says it
+    log(f"warning: {why}; no val_bpb without it")
   seq_len = t.eval_seq_len or t.seq_len
   tokens = len(val) * t.batch_size * seq_len
   short = f", all the validation data holds (train.eval_batches={t.eval_batches})" \

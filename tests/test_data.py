@@ -589,3 +589,15 @@ def test_shards_of_another_tokenizer_are_refused_and_score_no_bits_per_byte(tmp_
   tok = get_tokenizer("shakespeare")
   assert bytes_per_token(tok, [{"targets": np.array([[5, 9000]])}]) is None
   assert bytes_per_token(tok, [{"targets": np.array([[5, 90]])}]) > 0
+
+
+@pytest.mark.fast
+def test_a_tokenizer_that_cannot_load_is_named_where_the_data_are_its_text(monkeypatch):
+  """evaluate dropped val_bpb without a word where tiktoken was missing (train says why)."""
+  def offline(name):
+    raise UserError("data.tokenizer=gpt2 needs tiktoken")
+  monkeypatch.setattr(pipeline, "get_tokenizer", offline)
+  assert pipeline.tokenizer_problem(data_cfg(source="bin", tokenizer="gpt2")) == \
+      "data.tokenizer=gpt2 needs tiktoken"
+  assert pipeline.tokenizer_problem(data_cfg(source="bin", tokenizer="none")) == ""
+  assert pipeline.tokenizer_problem(data_cfg(source="synthetic", tokenizer="gpt2")) == ""

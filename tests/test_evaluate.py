@@ -72,7 +72,7 @@ def test_a_damaged_convert_json_is_named_not_read_as_no_step(tiny_run, tmp_path)
 
 
 @pytest.mark.fast
-def test_validation_shards_alone_evaluate_a_run_and_train_none(tiny_run, tmp_path):
+def test_validation_shards_alone_evaluate_a_run_and_train_none(tiny_run, tmp_path, monkeypatch):
   """data.source=bin with data.val_files only: evaluate reads them (a Hugging Face import on
   one's own validation shard); training refuses, naming data.train_files, and writes nothing."""
   from nanotext.data import binfile
@@ -83,6 +83,14 @@ def test_validation_shards_alone_evaluate_a_run_and_train_none(tiny_run, tmp_pat
   data = ["data.source=bin", f"data.val_files={shard}"]
   rows = evaluate.evaluate(tiny_run[0], overrides=data, log=lambda line: None)
   assert [r["step"] for r in rows] == [2] and np.isfinite(rows[0]["val_loss"])
+  # a tokenizer that cannot load (tiktoken offline): no val_bpb, said as train says it
+  from nanotext.data import pipeline
+  monkeypatch.setattr(pipeline, "tokenizer_problem", lambda d: "data.tokenizer=gpt2 needs tiktoken")
+  lines = []
+  rows = evaluate.evaluate(tiny_run[0], overrides=data, log=lines.append)
+  assert "val_bpb" not in rows[0]
+  assert "warning: data.tokenizer=gpt2 needs tiktoken; no val_bpb without it" in lines
+  monkeypatch.undo()
   out = str(tmp_path / "never")
   with pytest.raises(UserError, match="data.train_files is empty"):
     run(BASE, TINY + data + [f"output_dir={out}"], log=lambda line: None)

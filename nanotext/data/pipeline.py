@@ -196,6 +196,18 @@ def make_val_batches(data_cfg, *, seq_len: int, batch_size: int, num_batches: in
   return list(ds.batch(batch_size, drop_remainder=True).map(_split_batch))
 
 
+def tokenizer_problem(data_cfg) -> str:
+  """Why data.tokenizer cannot load where the data are its text ('' where it can, or there is
+  no text): what a missing val_bpb is owed to."""
+  if data_cfg.tokenizer == "none" or not registry.get(data_cfg.source).text:
+    return ""
+  try:
+    get_tokenizer(data_cfg.tokenizer)
+  except UserError as e:
+    return str(e)
+  return ""
+
+
 def val_bytes_per_token(data_cfg, batches) -> float | None:
   """bytes_per_token of data.tokenizer over validation batches; None when it cannot tell."""
   if data_cfg.tokenizer == "none" or not registry.get(data_cfg.source).text:
