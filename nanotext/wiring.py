@@ -127,7 +127,9 @@ def new_state(step, params, opt_state) -> dict:
 
 def load(path, overrides=()):
   """config.load, then every section checked by the module that owns it."""
-  return check(config.load(path, overrides))
+  cfg = check(config.load(path, overrides))
+  pipeline.check_overrides(cfg.data, overrides)
+  return cfg
 
 
 def check(cfg):
