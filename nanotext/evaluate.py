@@ -70,9 +70,14 @@ def load_config(out: str, overrides, checked: bool = True):
   """The run's config with `overrides` (output_dir: the run's folder, wherever it was trained),
   `checked` as train checks it (wiring, which imports jax), else only read and typed; a
   config.yml edited after the newest checkpoint is refused (rundir.check_unedited)."""
-  from nanotext import config, rundir
+  from nanotext import config, config_file, rundir
   rundir.check_unedited(out, config.load(os.path.join(out, "config.yml")).to_dict())
-  args = (os.path.join(out, "config.yml"), [*overrides, f"output_dir={out}"])
+  # distributed.* as the schema has them: a run of 2 processes saved its coordinator, count and
+  # index, and evaluate waited init_timeout to join a coordinator long gone (the environment's
+  # NANOTEXT_* keys, or overrides, choose)
+  own = [f"distributed.{k}={config.yaml_scalar(v) if v != '' else ''}" for k, v in
+         config_file.read(config.SCHEMA_PATH)["distributed"].items() if k != "init_timeout"]
+  args = (os.path.join(out, "config.yml"), [*own, *overrides, f"output_dir={out}"])
   if not checked:
     return config.load(*args)
   from nanotext import wiring

@@ -252,3 +252,23 @@ def test_every_step_evaluates_to_the_runs_own_losses_at_its_windows(tmp_path):
     np.testing.assert_allclose(r["val_loss"], own[r["step"]], rtol=1e-6)
   final = evaluate.evaluate(out, 2, ["train.eval_windows=final"], log=lambda line: None)
   assert abs(final[0]["val_loss"] - own[2]) > 1e-5  # step 2's windows are not the last ones
+
+
+@pytest.mark.fast
+def test_the_distributed_keys_of_the_run_are_not_joined_again(tiny_run, tmp_path):
+  """A 2-process run's config.yml holds its coordinator, count and index: evaluate in one
+  process waited init_timeout (300 s) to join a coordinator long gone, then exit 2."""
+  import shutil
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  path = os.path.join(out, "config.yml")
+  with open(path) as f:
+    text = f.read()
+  text = text.replace("coordinator_address: ''", "coordinator_address: 10.0.0.1:1234")
+  with open(path, "w") as f:
+    f.write(text.replace("num_processes: 0", "num_processes: 2").replace("process_id: -1",
+                                                                       "process_id: 1"))
+  d = evaluate.load_config(out, [], checked=False).distributed
+  assert (d.coordinator_address, d.num_processes, d.process_id) == ("", 0, -1)
+  d = evaluate.load_config(out, ["distributed.num_processes=4"], checked=False).distributed
+  assert d.num_processes == 4
