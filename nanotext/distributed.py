@@ -141,3 +141,33 @@ def not_joined(p: Plan) -> str:
   return (f"cannot join the distributed run at {where}: {who} waited distributed.init_timeout="
           f"{p.init_timeout} s and not every process joined (start all of them, with the same "
           "coordinator address, process 0 the one at it, or raise the timeout)")
+
+
+def _leaves(tree: dict, prefix: str = ""):
+  for k, v in tree.items():
+    yield from _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+
+
+def check_same_config(cfg_dict: dict) -> None:
+  """Refuse, on every process, a run whose processes were given different configs (distributed.*
+  aside): another train.steps hung both in a collective past SIGTERM, another model crashed
+  them in gloo, another seed trained silently."""
+  import zlib
+
+  import jax
+  import numpy as np
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+  flat = dict(_leaves(cfg_dict))
+  keys = sorted(k for k in flat if not k.startswith("distributed."))
+  codes = np.array([zlib.crc32(f"{k}={flat[k]!r}".encode()) for k in keys], np.uint32)
+  every = np.asarray(multihost_utils.process_allgather(codes))  # [processes, keys]
+  differ = np.nonzero((every != every[0]).any(axis=0))[0]
+  if differ.size:
+    key = keys[differ[0]]
+    other = next(p for p in range(len(every)) if every[p, differ[0]] != every[0, differ[0]])
+    more = f" and {differ.size - 1} more key(s)" if differ.size > 1 else ""
+    raise UserError(f"process {other} was given another {key} than process 0 ({flat[key]!r} "
+                    f"here{more}): give every process the same config and overrides (only "
+                    "distributed.process_id differs)")

@@ -85,6 +85,7 @@ def run(path: str, overrides, log=print, started: float | None = None):
   # Joining the other processes must precede the first backend use (device counts in finalize).
   distributed.maybe_initialize(cfg.distributed)
   jax.devices()  # starts the backend: its own phase on the start-up line
+  distributed.check_same_config(cfg.to_dict())
   clock.lap("backend")
   # A resumed run keeps the remat and loss chunks it chose before, where they still fit.
   # Checks, derived values and the vocabulary / process-count rules all happen in wiring.

@@ -37,14 +37,15 @@ def metrics_of(out):
     return [json.loads(line) for line in f]
 
 
-def launch_two(overrides, timeout=TIMEOUT_S, tries=3) -> list:
-  """Run processes 0 and 1 of one distributed run; returns their combined outputs. A port that
-  another program took between free_port() and the coordinator's bind is tried again."""
+def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expect=0) -> list:
+  """Run processes 0 and 1 of one distributed run (each with its `per_process` overrides too);
+  returns their combined outputs, each process's exit status `expect`. A port that another
+  program took between free_port() and the coordinator's bind is tried again."""
   address = f"127.0.0.1:{free_port()}"
   # distributed.local_device_count beats the 8 devices conftest puts in XLA_FLAGS.
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   procs = [subprocess.Popen(
-      [sys.executable, "-m", "nanotext.train", BASE, *overrides,
+      [sys.executable, "-m", "nanotext.train", BASE, *overrides, *per_process[i],
        f"distributed.coordinator_address={address}", "distributed.num_processes=2",
        f"distributed.process_id={i}", "distributed.local_device_count=4",
        "distributed.init_timeout=60"],
@@ -58,7 +59,7 @@ def launch_two(overrides, timeout=TIMEOUT_S, tries=3) -> list:
       if tries > 1 and p is procs[0] and PORT_TAKEN in outputs[0]:
         procs[1].kill()
         procs[1].communicate()
-        return launch_two(overrides, timeout, tries - 1)
+        return launch_two(overrides, timeout, tries - 1, per_process, expect)
   except subprocess.TimeoutExpired:
     for p in procs:
       p.kill()
@@ -66,7 +67,7 @@ def launch_two(overrides, timeout=TIMEOUT_S, tries=3) -> list:
     pytest.fail(f"2-process run did not finish in {timeout} s; outputs:\n" +
                 "\n--- process 1 ---\n".join(tails))
   for i, (p, out) in enumerate(zip(procs, outputs)):
-    assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{out[-3000:]}"
+    assert p.returncode == expect, f"process {i} exited with {p.returncode}:\n{out[-3000:]}"
   return outputs
 
 
@@ -112,6 +113,19 @@ def test_two_processes_match_one(tmp_path, mesh):
   manager.close()
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-6),
                jax.device_get(state["params"]), jax.device_get(result.state["params"]))
+
+
+def test_processes_given_different_configs_refuse_in_one_line(tmp_path):
+  """Another train.steps on one process hung both in a collective (past SIGTERM); another
+  model crashed them in gloo; another seed trained silently. Nothing is written."""
+  out = tmp_path / "run"
+  outputs = launch_two(TINY + [f"output_dir={out}"], per_process=(["seed=0"], ["seed=1"]),
+                       expect=2)
+  for i, text in enumerate(outputs):
+    assert text.strip().splitlines()[-1] == (
+        f"nanotext: error: process 1 was given another seed than process 0 ({i} here): give "
+        "every process the same config and overrides (only distributed.process_id differs)"), text
+  assert not out.exists()
 
 
 @pytest.mark.fast
