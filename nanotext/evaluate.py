@@ -154,7 +154,7 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   todo = sources(out, step)
   val_local = run.val_batches()
   val = [trainer.global_batch(run, b) for b in val_local]
-  bytes_per_token = val_bytes_per_token(cfg.data, val_local)
+  bytes_per_token = val_bytes_per_token(cfg.data, trainer.every_process(val_local))
   if bytes_per_token is None and (why := tokenizer_problem(cfg.data)):  # as train says it
     log(f"warning: {why}; no val_bpb without it")
   seq_len = t.eval_seq_len or t.seq_len

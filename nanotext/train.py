@@ -205,7 +205,8 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
     result = loop.train(run_, start.state, train_iter, val, writer=writer, manager=manager,
                         start_step=start.step, config_dict=cfg.to_dict(), log=log,
                         skipped_steps=skipped, preemption=preemption,
-                        bytes_per_token=val_bytes_per_token(cfg.data, val_local), clock=clock)
+                        bytes_per_token=val_bytes_per_token(
+                            cfg.data, trainer.every_process(val_local)), clock=clock)
     checkpoint.wait(manager)  # the run is not over until its last save is on disk
   finally:
     writer.close()

@@ -80,6 +80,14 @@ def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expe
                          ids=["split", "replicated"])
 def test_two_processes_match_one(tmp_path, mesh):
   common = TINY + ["train.steps=4"] + mesh
+  if not mesh:  # text, so that val_bpb is compared too (of process 0's rows alone, it was off)
+    from nanotext.data import binfile
+    for i, name in enumerate(("train.bin", "val.bin")):
+      binfile.write_shard(str(tmp_path / name),
+                          np.random.default_rng(i).integers(0, 8192, 20000, dtype=np.uint16))
+    common += ["data.source=bin", f"data.train_files={tmp_path / 'train.bin'}",
+               f"data.val_files={tmp_path / 'val.bin'}", "data.tokenizer=shakespeare",
+               "model.vocab_size=8192"]
   multi = str(tmp_path / "multi")
   outputs = launch_two(common + [f"output_dir={multi}"])
   for i, out in enumerate(outputs):
@@ -93,9 +101,10 @@ def test_two_processes_match_one(tmp_path, mesh):
   got, want = metrics_of(multi), metrics_of(single)
   # Process 1 writes nothing: each step is logged once, by process 0.
   assert [(r["step"], sorted(r)) for r in got] == [(r["step"], sorted(r)) for r in want]
+  assert any("val_bpb" in r for r in want) == (not mesh)
   diffs = []
   for g, w in zip(got, want):
-    for key in ("loss", "val_loss", "grad_norm"):
+    for key in ("loss", "val_loss", "grad_norm", "val_bpb"):
       if key in w:
         np.testing.assert_allclose(g[key], w[key], rtol=RTOL, err_msg=f"step {g['step']} {key}")
         diffs.append(abs(g[key] - w[key]) / abs(w[key]))
