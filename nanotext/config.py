@@ -32,19 +32,19 @@ MAX_BASE_DEPTH = 32  # a chain of base: files deeper than this is refused
 FLOAT32_MAX = 3.4028234663852886e38  # every float key is used in float32
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
   out = {}
   for k, v in tree.items():
     key = f"{prefix}{k}"
     if isinstance(v, dict):
-      out.update(_flatten(v, key + "."))
+      out.update(flatten(v, key + "."))
     else:
       out[key] = v
   return out
 
 
 def _schema() -> dict:
-  return _flatten(config_file.read(SCHEMA_PATH))
+  return flatten(config_file.read(SCHEMA_PATH))
 
 
 def _unknown_key(key: str, known) -> UserError:
@@ -139,7 +139,7 @@ def _file_chain(path: Path) -> list:
       raise UserError(f"config file '{seen[0]}' has a chain of 'base:' files more than "
                       f"{MAX_BASE_DEPTH} deep")
     seen.append(path)
-    flat = _flatten(config_file.read(path))
+    flat = flatten(config_file.read(path))
     parent = flat.pop("base", "") or ""
     if not isinstance(parent, str):
       raise UserError(f"config key 'base' in '{path}' must be a file path")
@@ -378,7 +378,7 @@ def run_identity_diff(old: dict, new: dict) -> list:
 
   A key only one side has was added to (or removed from) nanotext between the two: not a change
   of the run (a resume takes the key's value from here on)."""
-  a, b = _spelled_out(_flatten(old)), _spelled_out(_flatten(new))
+  a, b = _spelled_out(flatten(old)), _spelled_out(flatten(new))
   free = [k for k, rules in key_rules().items() if "resume-ok" in rules]
   def ignored(k):
     return any(k == p or k.startswith(p + ".") for p in free)

@@ -143,11 +143,6 @@ def not_joined(p: Plan) -> str:
           "coordinator address, process 0 the one at it, or raise the timeout)")
 
 
-def _leaves(tree: dict, prefix: str = ""):
-  for k, v in tree.items():
-    yield from _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
-
-
 def check_same_config(cfg_dict: dict) -> None:
   """Refuse, on every process, a run whose processes were given different configs (distributed.*
   aside): another train.steps hung both in a collective past SIGTERM, another model crashed
@@ -159,7 +154,8 @@ def check_same_config(cfg_dict: dict) -> None:
   if jax.process_count() == 1:
     return
   from jax.experimental import multihost_utils
-  flat = dict(_leaves(cfg_dict))
+  from nanotext.config import flatten
+  flat = flatten(cfg_dict)
   keys = sorted(k for k in flat if not k.startswith("distributed."))
   codes = np.array([zlib.crc32(f"{k}={flat[k]!r}".encode()) for k in keys], np.uint32)
   every = np.asarray(multihost_utils.process_allgather(codes))  # [processes, keys]

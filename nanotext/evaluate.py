@@ -71,17 +71,20 @@ def load_config(out: str, overrides, checked: bool = True):
   `checked` as train checks it (wiring, which imports jax), else only read and typed; a
   config.yml edited after the newest checkpoint is refused (rundir.check_unedited)."""
   from nanotext import config, config_file, rundir
-  rundir.check_unedited(out, config.load(os.path.join(out, "config.yml")).to_dict())
   # distributed.* as the schema has them: a run of 2 processes saved its coordinator, count and
   # index, and evaluate waited init_timeout to join a coordinator long gone (the environment's
   # NANOTEXT_* keys, or overrides, choose)
   own = [f"distributed.{k}={config.yaml_scalar(v) if v != '' else ''}" for k, v in
          config_file.read(config.SCHEMA_PATH)["distributed"].items() if k != "init_timeout"]
   args = (os.path.join(out, "config.yml"), [*own, *overrides, f"output_dir={out}"])
-  if not checked:
-    return config.load(*args)
-  from nanotext import wiring
-  return wiring.load(*args)
+  if checked:
+    from nanotext import wiring
+    cfg = wiring.load(*args)
+  else:
+    cfg = config.load(*args)
+  # its overrides change no key of the model (check_override): the model is config.yml's
+  rundir.check_unedited(out, cfg.to_dict())
+  return cfg
 
 
 def precheck(argv) -> None:

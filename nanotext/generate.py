@@ -265,11 +265,11 @@ def parse(argv) -> tuple:
   """(output_dir, step, number of samples, config path, sample.* overrides) from `key=value`
   arguments."""
   from nanotext import config, rundir
-  pairs = [config.parse_override(a) for a in argv]
-  args = dict(pairs)
-  twice = [k for i, (k, _) in enumerate(pairs) if k in (p for p, _ in pairs[:i])]
-  if twice:
-    raise UserError(f"{twice[0]}= is given twice; give it once")
+  args = {}
+  for key, value in map(config.parse_override, argv):
+    if key in args:
+      raise UserError(f"{key}= is given twice; give it once")
+    args[key] = value
   allowed = {"output_dir", "prompt", "max_new_tokens", "temperature", "top_k", "seed", "step",
              "num_samples"}
   for k in args:

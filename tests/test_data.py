@@ -568,11 +568,11 @@ def test_a_validation_glob_matching_a_training_shard_is_said(tmp_path, caplog):
     binfile.write_shard(str(tmp_path / name), np.arange(300) % 50)
   cfg = data_cfg(source="bin", train_files=str(tmp_path / "*.bin"),
                  val_files=str(tmp_path / "val_*.bin"))
-  assert len(registry.get("bin").files(cfg, "train")) == 2
+  assert len(registry.get("bin").files(cfg, "val")) == 1
   assert "both match" in caplog.text and "val_000000.bin" in caplog.text
   caplog.clear()
   cfg.update(train_files=str(tmp_path / "train_*.bin"))
-  registry.get("bin").files(cfg, "train")
+  registry.get("bin").files(cfg, "val")
   assert "both match" not in caplog.text
 
 

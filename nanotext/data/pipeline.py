@@ -40,13 +40,11 @@ ONLY_READ_BY = {"train_files": "bin", "val_files": "bin", "tfds_name": "tfds", "
 
 def check_overrides(d, overrides) -> None:
   """Refuse a `key=value` override of a data key the run's source does not read."""
-  for arg in overrides:
-    key, _, value = str(arg).partition("=")
-    source = ONLY_READ_BY.get(key.strip().removeprefix("data."))
-    if key.strip().startswith("data.") and source and value.strip() and d.source != source:
-      raise UserError(f"{key.strip()} is read only by data.source={source} (this run's is "
-                      f"data.source={d.source}): add data.source={source}, or leave "
-                      f"{key.strip()} out")
+  for key, value in map(config.parse_override, overrides):
+    source = ONLY_READ_BY.get(key.removeprefix("data.")) if key.startswith("data.") else None
+    if source and value.strip() and d.source != source:
+      raise UserError(f"{key} is read only by data.source={source} (this run's is "
+                      f"data.source={d.source}): add data.source={source}, or leave {key} out")
 
 
 def open_source(data_cfg, split: str, *, seq_len: int, seed: int = 0,

@@ -67,9 +67,6 @@ def _shakespeare_files(data_cfg, split: str) -> list[str]:
                              key="data.dir")
 
 
-_WARNED: set = set()
-
-
 def _check_written_with(tokenizer: str, folder: str) -> None:
   """Refuse shards whose meta.json (text_shards, prepare) names another tokenizer than
   data.tokenizer: its ids past this one's vocabulary were clipped into a bits-per-byte figure
@@ -91,12 +88,13 @@ def _bin_files(data_cfg, split: str) -> list[str]:
   files = binfile.find_shards(data_cfg[f"{split}_files"], key=f"data.{split}_files")
   for folder in sorted({os.path.dirname(f) for f in files}):
     _check_written_with(data_cfg.tokenizer, folder)
-  if split == "train" and data_cfg.val_files:
-    val = {os.path.realpath(f) for f in binfile.find_shards(data_cfg.val_files,
-                                                              key="data.val_files")}
-    both = [f for f in files if os.path.realpath(f) in val]
-    if both and (data_cfg.train_files, data_cfg.val_files) not in _WARNED:  # opened twice a run
-      _WARNED.add((data_cfg.train_files, data_cfg.val_files))
+  if split == "val" and data_cfg.train_files:  # said once: a run reads its validation once
+    try:
+      train = {os.path.realpath(f) for f in binfile.find_shards(data_cfg.train_files)}
+    except UserError:  # training shards moved away: evaluate reads only these
+      train = set()
+    both = [f for f in files if os.path.realpath(f) in train]
+    if both:
       logging.warning(f"data.train_files and data.val_files both match '{both[0]}'"
                       f"{f' and {len(both) - 1} more' if len(both) > 1 else ''}: the validation "
                       "loss is of text the run trains on (text_shards writes train_*.bin and "
