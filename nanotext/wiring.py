@@ -149,12 +149,12 @@ def check(cfg):
   return cfg
 
 
-def check_placement(cfg) -> None:
-  """Every process loads an equal share of the batch (after distributed.maybe_initialize, which
-  must precede the first backend use)."""
-  if cfg.train.batch_size % jax.process_count():
-    raise UserError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
-                    f"{jax.process_count()} processes; each loads an equal share")
+def check_placement(run) -> None:
+  """Processes holding the same rows of the batch form groups that load equal shares
+  (sharding.row_groups; UserError where the mesh gives them overlapping or unequal shares). A
+  batch split along the processes is then split by their count; one replicated across them
+  (tensor parallelism spanning hosts) need not be."""
+  sharding.row_groups(run.batch_sharding, run.cfg.train.batch_size)
 
 
 def check_vocab(cfg) -> None:
@@ -199,7 +199,7 @@ def from_config(cfg, *, devices=None, capacity=None, prefer=None, checked=False)
   cfg, plan = finalize_plan(cfg, devices, capacity=capacity, prefer=prefer)
   warn_misaligned(cfg)
   run = build(cfg, sharding.make_mesh(cfg.mesh, devices))
-  check_placement(cfg)  # after the mesh and memory errors, in the order train reported them
+  check_placement(run)  # after the mesh and memory errors, in the order train reported them
   run.memory = plan
   return run
 
@@ -211,7 +211,6 @@ def for_sampling(cfg, devices, *, checked=False) -> tuple:
   devices still samples on one)."""
   if not checked:
     check(cfg)
-  check_placement(cfg)
   devices = list(devices)[:1]
   cfg = config.finalize(cfg, mesh_sizes={a: 1 for a in sharding.MESH_AXES},
                         peak_flops=metrics.default_peak_flops(devices), data_dir=default_dir(),

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import BASE, SPEEDRUN, TINY
-from nanotext import config, config_file, sections, wiring
+from nanotext import config, config_file, sections, sharding, wiring
 from nanotext.errors import UserError
 
 pytestmark = pytest.mark.fast
@@ -301,8 +301,8 @@ def test_finalize_strict_align():
 
 def test_wiring_checks_vocab_where_tokens_are_read_and_processes(monkeypatch):
   """The checks train.py made after wiring are wiring's, with the same words: the tokenizer's
-  vocabulary where tokens are read (train and every benchmark on data), the process count for
-  every wiring.prepare / from_config user (compile, convert, generate, the benchmarks)."""
+  vocabulary where tokens are read (train and every benchmark on data), the processes' shares of
+  the batch for every wiring.prepare / from_config user (compile, convert, the benchmarks)."""
   run = wiring.prepare(BASE, TINY + ["data.tokenizer=shakespeare", "model.vocab_size=512",
                                      "data.source=shakespeare"], devices=jax.devices()[:1])
   for read in (run.train_iter, run.val_batches):
@@ -312,9 +312,10 @@ def test_wiring_checks_vocab_where_tokens_are_read_and_processes(monkeypatch):
   synthetic = wiring.prepare(BASE, TINY + ["data.tokenizer=shakespeare", "model.vocab_size=512",
                                            "data.source=synthetic"], devices=jax.devices()[:1])
   assert len(synthetic.val_batches()) >= 1  # ids drawn below the tables' rows: no tokenizer
-  monkeypatch.setattr(jax, "process_count", lambda: 3)
-  with pytest.raises(UserError, match="train.batch_size=8 is not divisible by the 3 processes"):
-    wiring.check_placement(load("train.batch_size=8"))  # what from_config runs after build
+  seen = []
+  monkeypatch.setattr(sharding, "row_groups", lambda batch, rows: seen.append((batch, rows)))
+  run = wiring.prepare(BASE, TINY + ["train.batch_size=6"], devices=jax.devices()[:2])
+  assert seen == [(run.batch_sharding, 6)]  # the processes' shares of the rows, checked
 
 
 def test_prepare_checks_once(monkeypatch):

@@ -141,6 +141,7 @@ def test_processes_holding_the_same_rows_load_the_same_rows():
   assert [sharding.row_groups(split, 8, p) for p in (0, 1)] == [(0, 2), (1, 2)]
   whole = _Sharding(lambda d: slice(None))
   assert [sharding.row_groups(whole, 8, p) for p in (0, 1)] == [(0, 1), (0, 1)]
+  assert sharding.row_groups(whole, 3, 1) == (0, 1)  # 3 rows on 2 processes: each loads all 3
   pairs = _Sharding(lambda d: slice(4 * (d % 2), 4 * (d % 2) + 4))  # halves along `tensor`
   assert [sharding.row_groups(pairs, 8, p) for p in (0, 1)] == [(0, 1), (0, 1)]
   crossed = _Sharding(lambda d: slice(0, 4) if d < 4 else slice(2, 8))
