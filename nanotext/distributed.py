@@ -167,3 +167,27 @@ def check_same_config(cfg_dict: dict) -> None:
     raise UserError(f"process {other} was given another {key} than process 0 ({flat[key]!r} "
                     f"here{more}): give every process the same config and overrides (only "
                     "distributed.process_id differs)")
+
+
+def check_shared_file(path: str, what: str) -> None:
+  """Refuse, on every process, a run whose processes do not see process 0's file `path` as it
+  wrote it: `what` (output_dir) spelt the same on every host but a folder local to each failed
+  at the first save (a traceback on one process, a hang or an abort on the others)."""
+  import zlib
+
+  import jax
+  import numpy as np
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+  try:
+    with open(path, "rb") as f:
+      code = zlib.crc32(f.read()) + 1  # 0: not there or not readable
+  except OSError:
+    code = 0
+  every = np.asarray(multihost_utils.process_allgather(np.array(code, np.int64)))
+  blind = [p for p in range(len(every)) if every[p] != every[0]]
+  if blind:
+    raise UserError(f"{what} is not one folder that every process sees: process {blind[0]} does "
+                    f"not find process 0's {os.path.basename(path)} in it; give every process a "
+                    "path on a file system they share")

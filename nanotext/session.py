@@ -9,7 +9,7 @@ import shutil
 
 import jax
 
-from nanotext import probes, rundir
+from nanotext import distributed, probes, rundir
 from nanotext.lock import Lock
 
 
@@ -43,6 +43,7 @@ class Session:
       if jax.process_count() > 1:  # nobody reads output_dir while process 0 changes it
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("nanotext: output_dir ready")
+        distributed.check_shared_file(self.lock.path, f"output_dir '{self.cfg.output_dir}'")
       yield self
     except BaseException:
       self._fail()

@@ -37,9 +37,10 @@ def metrics_of(out):
     return [json.loads(line) for line in f]
 
 
-def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expect=0) -> list:
-  """Run processes 0 and 1 of one distributed run (each with its `per_process` overrides too);
-  returns their combined outputs, each process's exit status `expect`. A port that another
+def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expect=0,
+               cwds=(REPO, REPO)) -> list:
+  """Run processes 0 and 1 of one distributed run (each with its `per_process` overrides too,
+  in its folder of `cwds`); returns their combined outputs, each process's exit status `expect`. A port that another
   program took between free_port() and the coordinator's bind is tried again."""
   address = f"127.0.0.1:{free_port()}"
   # distributed.local_device_count beats the 8 devices conftest puts in XLA_FLAGS.
@@ -49,7 +50,7 @@ def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expe
        f"distributed.coordinator_address={address}", "distributed.num_processes=2",
        f"distributed.process_id={i}", "distributed.local_device_count=4",
        "distributed.init_timeout=60"],
-      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      cwd=cwds[i], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(2)]
   deadline = time.monotonic() + timeout
   outputs = []
@@ -59,7 +60,7 @@ def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expe
       if tries > 1 and p is procs[0] and PORT_TAKEN in outputs[0]:
         procs[1].kill()
         procs[1].communicate()
-        return launch_two(overrides, timeout, tries - 1, per_process, expect)
+        return launch_two(overrides, timeout, tries - 1, per_process, expect, cwds)
   except subprocess.TimeoutExpired:
     for p in procs:
       p.kill()
@@ -135,6 +136,22 @@ def test_processes_given_different_configs_refuse_in_one_line(tmp_path):
         f"nanotext: error: process 1 was given another seed than process 0 ({i} here): give "
         "every process the same config and overrides (only distributed.process_id differs)"), text
   assert not out.exists()
+
+
+def test_an_output_dir_not_shared_by_the_processes_is_refused(tmp_path):
+  """One spelling, two folders (here: a relative path from two working directories; on two
+  hosts: a local path): the first save failed with a traceback on one process and hung or
+  aborted the other. Both refuse before compiling, and process 0's folder is as it was."""
+  hosts = [tmp_path / "host0", tmp_path / "host1"]
+  for h in hosts:
+    h.mkdir()
+  outputs = launch_two(TINY + ["output_dir=run"], cwds=hosts, expect=2)
+  for text in outputs:
+    assert text.strip().splitlines()[-1] == (
+        "nanotext: error: output_dir 'run' is not one folder that every process sees: process 1 "
+        "does not find process 0's .lock in it; give every process a path on a file system they "
+        "share"), text
+  assert [os.listdir(h) for h in hosts] == [[], []]
 
 
 @pytest.mark.fast
