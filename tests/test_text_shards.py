@@ -176,12 +176,18 @@ def test_a_byte_order_mark_is_no_text_and_line_ends_read_as_newlines(tmp_path):
 
 def test_the_printed_command_fits_its_batch_to_the_splits():
   """base.yml's 16 rows of 256 tokens where both splits hold them; fewer, a power of two, where
-  one does not; a note where a split holds no row."""
-  assert text_shards.fitting_batch(16 * 256 + 1) == ("", "")
-  assert text_shards.fitting_batch(16 * 256) == (" train.batch_size=8", "")
-  assert text_shards.fitting_batch(257) == (" train.batch_size=1", "")
-  suffix, note = text_shards.fitting_batch(200)
+  one does not; a note where a split holds no row, or its shards do (rows do not span shards:
+  shards of 100 tokens printed a command that found no training row)."""
+  big = 16 * 256 + 1
+  assert text_shards.fitting_batch([big], big) == ("", "")
+  assert text_shards.fitting_batch([big], 16 * 256) == (" train.batch_size=8", "")
+  assert text_shards.fitting_batch([257] * 3, big) == (" train.batch_size=2", "")
+  assert text_shards.fitting_batch([257], 257) == (" train.batch_size=1", "")
+  suffix, note = text_shards.fitting_batch([big], 200)
   assert not suffix and "holds no row of configs/base.yml's train.seq_len=256" in note
+  suffix, note = text_shards.fitting_batch([100] * 46 + [29], 47)
+  assert not suffix and "shards of 100 tokens hold no row" in note and "--shard_tokens" in note
+  assert "a split of 47 tokens holds no row" in note.splitlines()[1]
 
 
 def test_force_replaces_only_an_earlier_output_of_text_shards(tmp_path):

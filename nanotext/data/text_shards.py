@@ -122,27 +122,40 @@ def main(args) -> None:
         f"a validation shard of {meta['val_tokens']:,} to {out}")
   files = [shlex.quote(f"data.{kind}_files={glob.escape(out)}/{kind}_*.bin")
            for kind in ("train", "val")]
-  suffix, note = fitting_batch(min(meta["train_tokens"], meta["val_tokens"]))
+  n = meta["train_tokens"]
+  sizes = [min(F.shard_tokens, n - start) for start in range(0, n, F.shard_tokens)]
+  suffix, note = fitting_batch(sizes, meta["val_tokens"])
   print(f"train on them: python -m nanotext.train configs/base.yml data.source=bin {files[0]} "
         f"{files[1]} data.tokenizer={F.tokenizer} model.vocab_size={vocab}{suffix}")
   if note:
     print(note)
 
 
-def fitting_batch(tokens: int) -> tuple:
-  """(' train.batch_size=K', '') where the fewer tokens of the two splits hold under one batch
-  of configs/base.yml's rows (K a power of two: the printed command failed on its validation
-  data); ('', a note) where they hold no row; ('', '') where a batch fits."""
+def fitting_batch(train_sizes, val_tokens: int) -> tuple:
+  """(' train.batch_size=K', '') where the training shards (tokens each) or the validation shard
+  hold under one batch of configs/base.yml's rows (K a power of two: the printed command failed
+  on its validation data); ('', a note) where they hold no row; ('', '') where a batch fits. A
+  row never spans two shards."""
   from nanotext import config
   t = config.load(str(config.SCHEMA_PATH)).train
-  rows = (tokens - 1) // t.seq_len  # windows of seq_len inputs and their next token
-  if rows >= t.batch_size:
+  rows = lambda sizes: sum(max(n - 1, 0) // t.seq_len for n in sizes)  # noqa: E731
+  fewest = min(rows(train_sizes), rows([val_tokens]))
+  if fewest >= t.batch_size:
     return "", ""
-  if rows < 1:
-    return "", (f"note: a split of {tokens:,} tokens holds no row of configs/base.yml's "
-                f"train.seq_len={t.seq_len}: train with a shorter train.seq_len, or give more "
-                "text or another --val_fraction")
-  return f" train.batch_size={2 ** (rows.bit_length() - 1)}", ""
+  if fewest >= 1:
+    return f" train.batch_size={2 ** (fewest.bit_length() - 1)}", ""
+  notes = []
+  if rows([sum(train_sizes)]) >= 1 and not rows(train_sizes):
+    notes.append(f"note: training shards of {max(train_sizes):,} tokens hold no row of "
+                 f"configs/base.yml's train.seq_len={t.seq_len} (a row does not span shards): "
+                 "give a larger --shard_tokens")
+  for tokens in (sum(train_sizes), val_tokens):
+    if not rows([tokens]):
+      notes.append(f"note: a split of {tokens:,} tokens holds no row of configs/base.yml's "
+                   f"train.seq_len={t.seq_len}: train with a shorter train.seq_len, or give "
+                   "more text or another --val_fraction")
+      break
+  return "", "\n".join(notes)
 
 
 if __name__ == "__main__":
