@@ -292,9 +292,9 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
   devices = topology.devices(target)
   try:
     run = wiring.prepare(path, overrides, devices=devices)
-  except UserError as e:  # v4-8 counts TensorCores: 4 devices, which a mesh of 8 did not expect
+  except sharding.MeshSizeError as e:  # v4-8 counts TensorCores: 4 devices, not a mesh of 8
     cores = getattr(getattr(target, "chip", None), "cores_per_chip", 1)
-    if cores == 1 or "but there are" not in str(e):
+    if cores == 1:
       raise
     raise UserError(f"{e} ({target.name} names {len(devices) * cores} TensorCores: "
                     f"{len(devices)} chips of {cores}, each chip one device)") from None

@@ -29,6 +29,10 @@ LOGICAL_AXES = WEIGHT_AXES + ACTIVATION_AXES
 _active_rules: list = []  # stack of (rules, mesh); the innermost `use_rules` wins
 
 
+class MeshSizeError(UserError):
+  """The mesh's sizes multiply to another device count than the devices there are."""
+
+
 def mesh_shape(mesh_cfg, num_devices: int) -> tuple:
   """Sizes of MESH_AXES (data, fsdp, tensor) with a -1 entry resolved to the remaining devices."""
   sizes = [mesh_cfg[a] for a in MESH_AXES]
@@ -41,11 +45,11 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple:
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
-      raise UserError(f"{num_devices} devices cannot be split into a mesh with fixed axes of "
+      raise MeshSizeError(f"{num_devices} devices cannot be split into a mesh with fixed axes of "
                       f"product {known}; change {'/'.join(keys)}")
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
-    raise UserError(f"{'*'.join(keys)} = {math.prod(sizes)} but there are "
+    raise MeshSizeError(f"{'*'.join(keys)} = {math.prod(sizes)} but there are "
                     f"{num_devices} devices; make the product match (or use -1 for one axis)")
   return tuple(sizes)
 

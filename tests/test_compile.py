@@ -238,6 +238,8 @@ def test_a_mesh_of_the_names_number_says_it_counts_tensorcores():
   with pytest.raises(UserError, match=r"= 8 but there are 4 devices.*\(v4-8 names 8 "
                                       r"TensorCores: 4 chips of 2, each chip one device\)"):
     nt_compile.run_compile(BASE, SMALL + ["mesh.fsdp=8"], "v4-8", "eval", log=lambda s: None)
+  with pytest.raises(UserError, match=r"4 devices cannot be split.*\(v4-8 names 8 TensorCores"):
+    nt_compile.run_compile(BASE, SMALL + ["mesh.tensor=8"], "v4-8", "eval", log=lambda s: None)
 
 
 @pytest.mark.fast
