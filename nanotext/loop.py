@@ -96,7 +96,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
 
   val_loss = float("nan")
   batch = first
-  preemption = preemption or Preemption(t_cfg.log_every)
+  preemption = preemption or Preemption()
   with preemption, contextlib.ExitStack() as stack:
     stack.callback(profiler.stop)  # a trace in progress is written even if the loop fails
     counter.active = True

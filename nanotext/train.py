@@ -104,7 +104,7 @@ def run(path: str, overrides, log=print, started: float | None = None):
   clock.lap("data")
   # Signals: before the first step they stop the run at once (output_dir put back); from then
   # on they only set a flag, and the loop saves and stops (the final save included).
-  with Preemption(cfg.train.log_every, on_early_stop=session.stop_early) as preemption, \
+  with Preemption(on_early_stop=session.stop_early) as preemption, \
       contextlib.closing(train_iter), \
       session.open(preemption, state_bytes(run_)), \
       checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep,

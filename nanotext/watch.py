@@ -9,7 +9,6 @@ import time
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from nanotext import config, metrics, optim, signals
 from nanotext import window_schedule
@@ -129,8 +128,8 @@ class Preemption:
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-  def __init__(self, log_every: int, on_early_stop=None):
-    self.received, self.log_every, self._previous, self._depth = None, log_every, {}, 0
+  def __init__(self, on_early_stop=None):
+    self.received, self._previous, self._depth, self._agree = None, {}, 0, None
     self.on_early_stop = on_early_stop  # signal name -> message; runs in the signal handler
     self.training = False  # set once the first step is dispatched
     self._deferring, self._pending = 0, None
@@ -140,6 +139,8 @@ class Preemption:
     # Re-entrant: train.run holds it for the whole run, the loop enters it again.
     self._depth += 1
     # signal.signal works only in the main thread; elsewhere (a library caller) keep defaults.
+    if self._depth == 1 and jax.process_count() > 1:  # compiled now, not in the loop
+      self._agree = Agreement()
     if self._depth == 1 and threading.current_thread() is threading.main_thread():
       for sig in self.SIGNALS:
         self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -212,14 +213,38 @@ class Preemption:
     os._exit(128 + signum)
 
   def requested(self, step: int) -> bool:
-    """True when this run must stop after `step`; all processes agree on the step."""
-    if jax.process_count() == 1:
+    """True when this run must stop after `step`; all processes agree on the step, one step
+    after the signal (it was the next logging step: a SIGTERM at log_every=300 trained on for
+    81 s, past a cloud's grace period)."""
+    del step
+    if self._agree is None:
       return self.received is not None
-    if step % self.log_every:  # a host collective only on logging steps, not every step
-      return False
-    flags = multihost_utils.process_allgather(np.int32(self.received is not None))
-    self.received = self.received or ("SIGTERM" if np.any(flags) else None)
-    return self.received is not None
+    if self._agree(self.received is not None):
+      self.received = self.received or "SIGTERM"
+      return True
+    return False
+
+
+class Agreement:
+  """Whether any process holds a flag, agreed by all one step late: each call dispatches a
+  reduction of the processes' flags over every device and reads the one dispatched by the call
+  before (no wait for the step in flight; every process reads the same value at the same call).
+  """
+
+  def __init__(self):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("p",))
+    self.sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("p"))
+    flags = jax.ShapeDtypeStruct((jax.device_count(),), np.int32, sharding=self.sharding)
+    self.reduce = jax.jit(lambda f: f.max(), out_shardings=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec())).lower(flags).compile()
+    self.pending = None
+
+  def __call__(self, flag: bool) -> bool:
+    agreed = self.pending is not None and bool(np.asarray(self.pending.addressable_data(0)))
+    local = np.full((jax.local_device_count(),), int(flag), np.int32)
+    self.pending = None if agreed else self.reduce(
+        jax.make_array_from_process_local_data(self.sharding, local, (jax.device_count(),)))
+    return agreed
 
 
 RATE_STEPS = 10  # tokens/s and MFU are over the last max(this, train.log_every) steps

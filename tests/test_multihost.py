@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,9 +39,9 @@ def metrics_of(out):
 
 
 def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expect=0,
-               cwds=(REPO, REPO)) -> list:
+               cwds=(REPO, REPO), poke=None) -> list:
   """Run processes 0 and 1 of one distributed run (each with its `per_process` overrides too,
-  in its folder of `cwds`); returns their combined outputs, each process's exit status `expect`. A port that another
+  in its folder of `cwds`; `poke(processes)` once they started); returns their combined outputs, each process's exit status `expect`. A port that another
   program took between free_port() and the coordinator's bind is tried again."""
   address = f"127.0.0.1:{free_port()}"
   # distributed.local_device_count beats the 8 devices conftest puts in XLA_FLAGS.
@@ -53,6 +54,8 @@ def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expe
       cwd=cwds[i], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(2)]
   deadline = time.monotonic() + timeout
+  if poke is not None:
+    poke(procs)
   outputs = []
   try:
     for p in procs:
@@ -60,7 +63,7 @@ def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expe
       if tries > 1 and p is procs[0] and PORT_TAKEN in outputs[0]:
         procs[1].kill()
         procs[1].communicate()
-        return launch_two(overrides, timeout, tries - 1, per_process, expect, cwds)
+        return launch_two(overrides, timeout, tries - 1, per_process, expect, cwds, poke)
   except subprocess.TimeoutExpired:
     for p in procs:
       p.kill()
@@ -152,6 +155,25 @@ def test_an_output_dir_not_shared_by_the_processes_is_refused(tmp_path):
         "does not find process 0's .lock in it; give every process a path on a file system they "
         "share"), text
   assert [os.listdir(h) for h in hosts] == [[], []]
+
+
+def test_sigterm_to_one_process_stops_both_at_the_next_step(tmp_path):
+  """Processes agreed on a stop only on logging steps: at train.log_every=500 a SIGTERM after
+  step 1 trained on to step 500 (81 s at log_every=300 in the report), past a cloud's grace
+  period. Now both save the step after the one that saw it and exit 0, whichever process got
+  it (here process 0 alone, as a single preempted host)."""
+  out = tmp_path / "run"
+  rows = out / "metrics.jsonl"
+  def poke(procs):
+    while not (rows.exists() and rows.stat().st_size) and procs[0].poll() is None:
+      time.sleep(0.05)
+    procs[0].send_signal(signal.SIGTERM)
+  outputs = launch_two(TINY + [f"output_dir={out}", "train.steps=1000", "train.log_every=500",
+                               "train.eval_every=0"], poke=poke)
+  steps = os.listdir(out / "checkpoints")
+  assert len(steps) == 1 and int(steps[0]) < 500, steps
+  assert (f"received SIGTERM: saved the checkpoint of step {steps[0]} and stopped"
+          in outputs[0]), outputs[0][-2000:]
 
 
 @pytest.mark.fast

@@ -47,7 +47,7 @@ def test_a_failure_before_the_first_step_leaves_no_new_output_dir(tmp_path):
   out = tmp_path / "run"
   s, _ = session(out)
   with pytest.raises(Boom):
-    with s.open(Preemption(1, on_early_stop=s.stop_early), 0):
+    with s.open(Preemption(on_early_stop=s.stop_early), 0):
       assert (out / lock.LOCK).exists()  # locked, probed
       new_run_writes(out)
       os.makedirs(out / "checkpoints", exist_ok=True)
@@ -59,7 +59,7 @@ def test_a_failure_before_the_first_step_of_a_resume_puts_its_files_back(tmp_pat
   before = old_run(tmp_path)
   s, _ = session(tmp_path, "train.steps=8")
   with pytest.raises(Boom):
-    with s.open(Preemption(1, on_early_stop=s.stop_early), 0):
+    with s.open(Preemption(on_early_stop=s.stop_early), 0):
       assert not s.replacing
       new_run_writes(tmp_path)
       raise Boom
@@ -69,7 +69,7 @@ def test_a_failure_before_the_first_step_of_a_resume_puts_its_files_back(tmp_pat
 def test_a_replaced_run_comes_back_when_the_new_one_never_checkpoints(tmp_path):
   before = old_run(tmp_path, "seed=1")
   s, lines = session(tmp_path, "overwrite=true")
-  preemption = Preemption(1, on_early_stop=s.stop_early)
+  preemption = Preemption(on_early_stop=s.stop_early)
   with pytest.raises(Boom):
     with s.open(preemption, 0):
       assert s.replacing and (tmp_path / rundir.ASIDE / "checkpoints" / "2").is_dir()
@@ -85,7 +85,7 @@ def test_a_replaced_run_comes_back_when_the_new_one_never_checkpoints(tmp_path):
 def test_a_replaced_run_is_deleted_once_a_step_of_the_new_one_is_confirmed(tmp_path):
   old_run(tmp_path, "seed=1")
   s, lines = session(tmp_path, "overwrite=true")
-  preemption = Preemption(1, on_early_stop=s.stop_early)
+  preemption = Preemption(on_early_stop=s.stop_early)
   with pytest.raises(Boom):
     with s.open(preemption, 0):
       new_run_writes(tmp_path)
@@ -102,7 +102,7 @@ def test_a_failure_after_a_checkpoint_keeps_a_replacing_run_for_the_next_start(t
   """A step on disk but not yet confirmed: kept, and the next start commits it (`recover`)."""
   old_run(tmp_path, "seed=1")
   s, _ = session(tmp_path, "overwrite=true")
-  preemption = Preemption(1, on_early_stop=s.stop_early)
+  preemption = Preemption(on_early_stop=s.stop_early)
   with pytest.raises(Boom):
     with s.open(preemption, 0):
       preemption.begin_training()
@@ -119,7 +119,7 @@ def test_an_early_signal_puts_output_dir_back_and_releases_it(tmp_path, override
   """Preemption calls stop_early in its signal handler before the first step (then exits)."""
   before = old_run(tmp_path)
   s, _ = session(tmp_path, *overrides)
-  with s.open(Preemption(1, on_early_stop=s.stop_early), 0):
+  with s.open(Preemption(on_early_stop=s.stop_early), 0):
     new_run_writes(tmp_path)
     line = s.stop_early("SIGTERM")
     assert line == (f"stopped by SIGTERM before the first step: nothing to save, output_dir "
@@ -134,7 +134,7 @@ def test_an_early_signal_keeps_a_recovered_overwrite(tmp_path):
   rundir.set_aside(str(tmp_path))
   (tmp_path / "config.yml").write_text("killed: run\n")
   s, lines = session(tmp_path, "train.steps=8")
-  with s.open(Preemption(1, on_early_stop=s.stop_early), 0):
+  with s.open(Preemption(on_early_stop=s.stop_early), 0):
     assert "restored the previous run" in lines[0]
     new_run_writes(tmp_path)
     s.stop_early("SIGINT")
@@ -145,7 +145,7 @@ def test_a_refused_run_changes_nothing_and_releases_the_lock(tmp_path):
   before = old_run(tmp_path, "seed=1")
   s, _ = session(tmp_path)
   with pytest.raises(UserError, match="holds a different run"):
-    with s.open(Preemption(1, on_early_stop=s.stop_early), 0):
+    with s.open(Preemption(on_early_stop=s.stop_early), 0):
       pass
   assert snapshot(tmp_path) == before and not (tmp_path / lock.LOCK).exists()
 
@@ -156,7 +156,7 @@ def test_a_run_holding_the_lock_is_left_alone(tmp_path):
   s, _ = session(tmp_path, "train.steps=8")
   with lock.Lock(str(tmp_path)):
     with pytest.raises(UserError, match="in use by another run"):
-      with s.open(Preemption(1, on_early_stop=s.stop_early), 0):
+      with s.open(Preemption(on_early_stop=s.stop_early), 0):
         pass
     assert (tmp_path / lock.LOCK).exists()
   assert snapshot(tmp_path) == before

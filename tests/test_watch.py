@@ -248,11 +248,11 @@ def test_monitor_attn_window_follows_the_schedule(monkeypatch):
 def test_preemption_signals_set_received_and_handlers_come_back():
   """Inside the context SIGTERM and SIGINT only set `received`; the old handlers return after."""
   before = {sig: signal.getsignal(sig) for sig in watch.Preemption.SIGNALS}
-  with watch.Preemption(log_every=5) as p:
+  with watch.Preemption() as p:
     assert p.received is None and not p.requested(1)
     os.kill(os.getpid(), signal.SIGTERM)
     assert p.received == "SIGTERM"
-    assert p.requested(3)  # one process: any step, not only logging steps
+    assert p.requested(3)  # one process: at once
     os.kill(os.getpid(), signal.SIGINT)
     assert p.received == "SIGINT"
   assert {sig: signal.getsignal(sig) for sig in watch.Preemption.SIGNALS} == before
@@ -263,7 +263,7 @@ def test_preemption_restores_a_custom_handler():
   seen = []
   previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
   try:
-    with watch.Preemption(log_every=1):
+    with watch.Preemption():
       os.kill(os.getpid(), signal.SIGTERM)
     assert seen == []
     os.kill(os.getpid(), signal.SIGTERM)
@@ -277,7 +277,7 @@ def test_preemption_off_the_main_thread_leaves_handlers_alone():
   before = signal.getsignal(signal.SIGTERM)
   inside = []
   def body():
-    with watch.Preemption(log_every=1) as p:
+    with watch.Preemption() as p:
       inside.append(signal.getsignal(signal.SIGTERM))
       inside.append(p.requested(1))
   t = threading.Thread(target=body)
