@@ -24,8 +24,8 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
   micro-batch).
   train.loss_reduction=row_sum steps on the gradient of each row's summed loss (the record's).
 
-  A step whose loss or gradient norm is not finite leaves params and optimizer state as they
-  were when train.on_nonfinite=skip (selected on device: no host sync); with abort the host
+  A step whose loss or gradient norm is not finite leaves params and optimizer moments as they
+  were (its step counts advance) when train.on_nonfinite=skip (selected on device: no host sync); with abort the host
   stops the run when it reads the step's metrics, before that state is checkpointed.
   """
   accum, graphdef = run.cfg.train.grad_accum, run.graphdef
@@ -67,7 +67,11 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jnp.where(finite, new, old)
         new_params = jax.tree.map(keep, new_params, params)
-        opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
+        # The step counts advance (integer leaves): every schedule (lr, Muon's momentum) stays
+        # on the loop's step, as the windows and the logged lr are; kept, each skip put the
+        # optimizer a step behind them for good.
+        opt_state = jax.tree.map(lambda new, old: new if jnp.issubdtype(new.dtype, jnp.integer)
+                                 else keep(new, old), opt_state, state["opt_state"])
     metrics = {"loss": loss, "grad_norm": grad_norm}
     return new_state(state["step"] + 1, new_params, opt_state), metrics
 
