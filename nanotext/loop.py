@@ -141,9 +141,9 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     if eval_exec is not None:
       val_loss = evaluate(state["params"], t_cfg.steps)
       row = metrics.val_row(val_loss, bytes_per_token)
-      if trained:
-        writer.write(t_cfg.steps, row)
-      again = "" if trained else "; the run was complete: evaluated again, not recorded"
+      writer.write(t_cfg.steps, row)  # not by a finished run started again (writer disabled)
+      again = ("" if trained or writer.enabled else
+               "; the run was complete: evaluated again, not recorded")
       log(f"step {t_cfg.steps:>6d} | {metrics.val_text(row)} (final{again})")
     if trained:
       save(t_cfg.steps, state, data_state)

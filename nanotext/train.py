@@ -193,8 +193,10 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
     train_iter.set_state(start.data["iterator"])
     skipped = start.data.get("skipped_steps", 0)
   # A finished run started again only evaluates (and samples): its config.yml, rows and
-  # TensorBoard folder stay those of its training.
-  writes = jax.process_index() == 0 and start.step < cfg.train.steps
+  # TensorBoard folder stay those of its training. One ended now, train.steps lowered to its
+  # newest step, is recorded as ending there (a killed run's rows past that step dropped).
+  ends_here = start.step == cfg.train.steps and start.saved_steps not in (None, start.step)
+  writes = jax.process_index() == 0 and (start.step < cfg.train.steps or ends_here)
   if writes:
     config.save(cfg, os.path.join(cfg.output_dir, "config.yml"))
   writer = metrics.Writer(cfg.output_dir, tensorboard=cfg.metrics.tensorboard, enabled=writes,

@@ -285,6 +285,7 @@ class Start:
   step: int
   data: dict | None = None  # this process's saved {"iterator": ..., "skipped_steps": ...}
   how: str = "fresh"  # fresh | resumed | loaded
+  saved_steps: int | None = None  # the train.steps a resumed step was saved under
 
 
 def initial_state(run: Run, manager, log=print) -> Start:
@@ -302,7 +303,7 @@ def initial_state(run: Run, manager, log=print) -> Start:
     if cfg.checkpoint.load_params_from:
       log("checkpoint.load_params_from is ignored: this output_dir already has checkpoints")
     return Start(state, step, checkpoint.own_data(data, checkpoint.step_dir(manager, step)),
-                 "resumed")
+                 "resumed", was if isinstance(was, int) else None)
   if cfg.checkpoint.load_params_from:
     source, params = params_from.load(cfg.checkpoint.load_params_from,
                                             run.abstract_state()["params"])
