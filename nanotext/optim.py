@@ -188,22 +188,34 @@ def scale_by_muon(optim_cfg) -> optax.GradientTransformation:
     mu = jax.tree.map(lambda new, old: new.astype(old.dtype), mu, state["mu"])
     out = orthogonalize_all(look, optim_cfg.muon_layout,
                             lambda x: newton_schulz(x, coeffs, optim_cfg.muon_ns_steps, ns_dtype))
-    out = jax.tree.map(lambda y, x: y.astype(x.dtype) * aspect_scale(x.shape, optim_cfg.muon_scale),
-                       out, look)
+    out = jax.tree_util.tree_map_with_path(
+        lambda path, y, x: y.astype(x.dtype) * aspect_scale(x.shape, optim_cfg.muon_scale,
+                                                            stored_out_in(path)), out, look)
     return out, {"count": state["count"] + 1, "mu": mu}
 
   return optax.GradientTransformation(init, update)
 
 
-def aspect_scale(shape, rule: str) -> float:
-  """Muon's per-matrix update scale sqrt(max(1, r)) for an [in, out] matrix (or a stack of them).
+def stored_out_in(path) -> bool:
+  """Whether the parameter at `path` is stored [..., out, in]: model.fused_qkv's attn/qkv (its own
+  parameter, no `kernel` below it). Every other matrix (Linear, merged QKV [3, in, out], either
+  under a scanned [L, ...] stack) is [..., in, out]."""
+  return bool(path) and getattr(path[-1], "key", None) == "qkv"
 
-  fan_out: r = fan_out / fan_in (the record's `max(1, p.size(-2) / p.size(-1))` on its [out, in]
-  weights). rows: r = rows / cols of the matrix as stored, as modded-nanogpt-jax computes it on
-  its own layout (MLP weights [in, out], c_qkv [out, in]; nanotext's model.fused_qkv is stored
-  [out, in] like that c_qkv), so its MLP input gets 1 and its MLP output 2.
+
+def aspect_scale(shape, rule: str, out_in: bool = False) -> float:
+  """Muon's per-matrix update scale sqrt(max(1, r)) for a matrix (or a stack of them), stored
+  [in, out], or [out, in] where `out_in` (model.fused_qkv: `stored_out_in`).
+
+  fan_out: r = fan_out / fan_in of the matrix whatever its layout (the record's
+  `max(1, p.size(-2) / p.size(-1))` on its [out, in] weights): fused QKV [3*H*K, D] gets
+  sqrt(3 H K / D). rows: r = rows / cols of the matrix as stored, as modded-nanogpt-jax computes
+  it on its own layout (MLP weights [in, out], c_qkv [out, in]; nanotext's model.fused_qkv is
+  stored [out, in] like that c_qkv), so its MLP input gets 1 and its MLP output 2.
   """
-  r = shape[-1] / shape[-2] if rule == "fan_out" else shape[-2] / shape[-1]
+  rows, cols = shape[-2], shape[-1]
+  fan_in, fan_out = (cols, rows) if out_in else (rows, cols)
+  r = fan_out / fan_in if rule == "fan_out" else rows / cols
   return float(np.sqrt(max(1.0, r)))
 
 

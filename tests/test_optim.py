@@ -164,3 +164,43 @@ def test_grad_clip_is_applied():
   # Adam's nu after one step is (1 - beta2) * g^2, with g clipped to norm 1 -> 0.25 per entry.
   np.testing.assert_allclose(second_moment(1.0), 0.05 * 0.25 ** 2, rtol=1e-4)
   np.testing.assert_allclose(second_moment(0.0), 0.05 * 100.0 ** 2, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [["model.merged_qkv=false"], ["model.merged_qkv=true"],
+                                    ["model.merged_qkv=false", "model.fused_qkv=true"],
+                                    ["model.scan_layers=true"],
+                                    ["model.scan_layers=true", "model.merged_qkv=false",
+                                     "model.fused_qkv=true"]])
+def test_muon_fan_out_scale_is_each_layouts_real_fan_out_over_fan_in(layout):
+  # d_model 64, heads 2 x 64 (HK 128), mlp 256: the matrices' real fan_out / fan_in by name.
+  scan = "model.scan_layers=true" in layout
+  run = wiring.prepare(SPEEDRUN, ["model.num_layers=2", "model.d_model=64", "model.num_heads=2",
+                                  "model.head_dim=64", "model.mlp_dim=256", "model.vocab_size=256",
+                                  "model.align=0", "train.batch_size=8", "model.value_embeds=0",
+                                  "model.no_attention_layers=[]"] + layout +
+                       (["model.unet_skips=false", "attention.window_pattern="] if scan else []))
+  abstract = nnx.state(nnx.eval_shape(run.create_model))
+  want = {"qkv": 3 * 128 / 64 if "model.fused_qkv=true" in layout else 2.0, "q": 2.0, "k": 2.0,
+          "v": 2.0, "o": 1.0, "fc": 4.0, "proj": 1.0}
+  leaves = jax.tree_util.tree_flatten_with_path(abstract.to_pure_dict())[0]
+  seen = set()
+  for (path, x), role in zip(leaves, jax.tree.leaves(optim.group_labels(abstract))):
+    if role != "matrix":
+      continue
+    name = next(k.key for k in reversed(path) if k.key != "kernel")
+    got = optim.aspect_scale(x.shape, "fan_out", optim.stored_out_in(path))
+    assert got == pytest.approx(want[name] ** 0.5), (jax.tree_util.keystr(path), x.shape)
+    seen.add(name)
+  assert seen >= {"o", "fc", "proj"} and seen & {"qkv", "q"}
+
+
+def test_muon_scales_fused_qkv_as_its_transpose_stored_in_out():
+  # The same [in, out] = [64, 192] update stored as a Linear kernel and as fused QKV's [out, in]:
+  # both are fan_out 192 over fan_in 64, scaled sqrt(3), the results each other's transpose.
+  g = jax.random.normal(jax.random.key(0), (64, 192))
+  cfg = optim_cfg(SPEEDRUN, "optim.muon_bf16=false", "optim.muon_layout=sharded")
+  tx = optim.scale_by_muon(cfg)
+  params = {"o": {"kernel": g}, "qkv": g.T}
+  out, _ = tx.update(params, tx.init(params))
+  np.testing.assert_allclose(out["qkv"], out["o"]["kernel"].T, rtol=1e-5, atol=1e-6)
+  assert optim.aspect_scale((192, 64), "rows") == pytest.approx(3 ** 0.5)  # rows: as stored
