@@ -65,5 +65,11 @@ def test_remat_policies_match_no_remat(policy, speedrun_plain):
 def test_bad_lean_step_keys_are_user_errors():
   with pytest.raises(UserError, match="train.loss_chunk=24 does not divide train.seq_len=32"):
     wiring.load(BASE, TINY + ["train.loss_chunk=24"])
+  # 16 divides train.seq_len=48 but not the warmup's 24-token rows; 12 divides both.
+  warmup = TINY + ["train.seq_len=48", "train.seq_len_start=24"]
+  with pytest.raises(UserError, match=r"^train\.loss_chunk=16 does not divide the 24-token rows .*"
+                                      r"train\.seq_len_start=24"):
+    wiring.load(BASE, warmup + ["train.loss_chunk=16"])
+  wiring.load(BASE, warmup + ["train.loss_chunk=12"])
   with pytest.raises(UserError, match="model.remat='some' is not one of: none, full, dots, auto"):
     wiring.load(BASE, TINY + ["model.remat=some"])

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nanotext import sharding
+from nanotext import sharding, window_schedule
 from nanotext.errors import UserError
 from nanotext.model.kernels.masks import segment_ids_from_tokens
 
@@ -15,6 +15,12 @@ def check_config(t) -> None:
   rows, train.eval_loss_chunk the validation rows)."""
   if 0 < t.loss_chunk < t.seq_len and t.seq_len % t.loss_chunk:
     raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide train.seq_len={t.seq_len}")
+  # The sequence-length warmup's shorter rows are cut too (validation rows keep their length).
+  bad = [n for n in window_schedule.seq_lens(t) if 0 < t.loss_chunk < n and n % t.loss_chunk]
+  if bad:
+    raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide the {bad[0]}-token rows of "
+                    f"the sequence-length warmup (train.seq_len_start={t.seq_len_start}, "
+                    f"train.seq_len_step={t.seq_len_step}): pick a chunk dividing every row length")
   eval_len = t.eval_seq_len or t.seq_len
   if 0 < t.eval_loss_chunk < eval_len and eval_len % t.eval_loss_chunk:
     raise UserError(f"train.eval_loss_chunk={t.eval_loss_chunk} does not divide the validation "
