@@ -35,6 +35,16 @@ def seq_lens(train_cfg) -> tuple:
   return tuple(range(t.seq_len_start, t.seq_len, inc)) + (int(t.seq_len),)
 
 
+def row_keys(train_cfg) -> list:
+  """[(length, the config key naming it)] of the rows a run's programs take besides
+  train.seq_len's: the sequence-length warmup's and validation's (train.eval_seq_len)."""
+  t = train_cfg
+  rows = [(n, "train.seq_len_start" if not k else f"train.seq_len_start + {k} x seq_len_step")
+          for k, n in enumerate(seq_lens(t)[:-1])]
+  return rows + ([(t.eval_seq_len, "train.eval_seq_len")]
+                 if t.eval_seq_len not in (0, t.seq_len) else [])
+
+
 def seq_len_at(train_cfg, step: int) -> int:
   """Row length of 0-based train `step`: each warmup length gets an equal share of the steps.
 

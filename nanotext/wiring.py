@@ -20,6 +20,7 @@ from nanotext import (checkpoint, config, device_memory, memory_plan, metrics, o
                       rundir, sharding, watch, window_schedule)
 from nanotext.errors import UserError
 from nanotext.model import attention, count_params, draws, GPT, gpt, loss
+from nanotext.model.kernels import splash
 from nanotext.data import pipeline, registry
 from nanotext.data.fingerprint import fingerprint_change
 from nanotext.data.prepare import default_dir
@@ -141,6 +142,9 @@ def check(cfg):
   pipeline.check_config(cfg.data)
   watch.check_config(cfg.train)
   window_schedule.check_config(cfg.train)
+  if cfg.attention.impl == "splash":  # it tiles every row length: refused before start-up
+    for n, key in [(cfg.train.seq_len, "train.seq_len")] + window_schedule.row_keys(cfg.train):
+      splash.block_size(n, key)
   sharding.parse_rules(cfg.mesh.rules)  # its errors quote the rules as written (lists)
   if cfg.data.eot_id >= cfg.model.vocab_size:  # inserted before documents, or never matched
     raise UserError(f"data.eot_id={cfg.data.eot_id} is no token of the model "

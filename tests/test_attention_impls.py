@@ -127,3 +127,22 @@ def test_an_eval_length_a_kernel_cannot_tile_is_named_as_such(impl, says):
                            "model.positions=rope", f"attention.impl={impl}"])
   with pytest.raises(UserError, match=says):
     gpt.abstract_model(cfg, "cpu")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("impl,says", [
+    ("splash", "needs train.seq_len_start to be a multiple of 128 \\(got 64\\)"),
+    ("flash", "cannot tile train.seq_len_start=64"),
+    ("flash_gpu", "cannot tile train.seq_len_start=64")])
+def test_a_warmup_row_a_kernel_cannot_tile_is_named_as_such(impl, says):
+  """train.seq_len=256 tiled and the warmup's 64-token rows did not: the line named
+  train.seq_len (got 64), found only as the warmup's program was traced."""
+  from nanotext import config, wiring
+  from nanotext.model import gpt
+  rows = [*TINY, "train.seq_len=256", "train.seq_len_start=64", "model.positions=rope",
+          f"attention.impl={impl}"]
+  with pytest.raises(UserError, match=says):
+    gpt.abstract_model(config.load(BASE, rows), "cpu")
+  if impl == "splash":  # refused with the config checks, before start-up (it needs no backend)
+    with pytest.raises(UserError, match=r"^attention\.impl=splash needs train\.seq_len_start "):
+      wiring.load(BASE, rows)

@@ -7,7 +7,7 @@ from flax import nnx
 
 from nanotext import config, sharding
 from nanotext.errors import UserError
-from nanotext.window_schedule import layer_windows
+from nanotext.window_schedule import layer_windows, row_keys
 from nanotext.model import kv_cache
 from nanotext.model.attention import CausalSelfAttention
 from nanotext.model.head_loss import head_loss_sum
@@ -84,8 +84,8 @@ def abstract_model(cfg, backend: str):
   kw = dict(head_dim=cfg.model.head_dim, window=a.window, block_windows=a.block_windows,
             doc_mask=a.doc_mask)
   impl = resolve_impl(a.impl, backend, seq_len=t.seq_len, **kw)
-  if t.eval_seq_len not in (0, t.seq_len):  # the kernel takes eval's rows too
-    resolve_impl(impl, backend, seq_len=t.eval_seq_len, seq_key="train.eval_seq_len", **kw)
+  for n, key in row_keys(t):  # the kernel takes the warmup's and eval's rows too
+    resolve_impl(impl, backend, seq_len=n, seq_key=key, **kw)
   build = lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=Keys(jax.random.key(cfg.seed)))
   graphdef, abstract = nnx.split(nnx.eval_shape(build))  # no arrays
   return graphdef, abstract, impl
