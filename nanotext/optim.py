@@ -315,11 +315,17 @@ def in_float32(tx) -> optax.GradientTransformation:
   return optax.GradientTransformation(tx.init, update)
 
 
-def make_optimizer(optim_cfg, labels, total_steps) -> optax.GradientTransformation:
+def make_optimizer(optim_cfg, labels, total_steps, grad_scale=1) -> optax.GradientTransformation:
   """The optimizer named by optim.name, over params whose groups are given by `labels`, for a
-  run of `total_steps` (an int, or the train step's schedule argument: `lr_factor`)."""
+  run of `total_steps` (an int, or the train step's schedule argument: `lr_factor`).
+
+  `grad_scale`: the gradients it is given are this many times the mean token loss's (the row
+  length under train.loss_reduction=row_sum), so optim.grad_clip bounds the mean loss's gradient
+  norm, the one logged as grad_norm, whichever reduction steps.
+  """
   factor = lr_factor(optim_cfg, total_steps)
-  clip = [optax.clip_by_global_norm(optim_cfg.grad_clip)] if optim_cfg.grad_clip else []
+  clip = [optax.clip_by_global_norm(optim_cfg.grad_clip * grad_scale)] \
+      if optim_cfg.grad_clip else []
   if optim_cfg.name == "adamw":
     decay_mask = jax.tree.map(lambda g: g in ("matrix", "embed", "head"), labels)
     tx = optax.adamw(scaled(factor, optim_cfg.lr), b1=optim_cfg.beta1, b2=optim_cfg.beta2,

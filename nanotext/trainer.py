@@ -59,9 +59,12 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
         xs = (micro_batches(batch["inputs"], n_micro), micro_batches(batch["targets"], n_micro))
         (loss, grads), _ = jax.lax.scan(body, zeros, xs)
         loss, grads = loss / n_micro, jax.tree.map(lambda g: g / n_micro, grads)
-      # The logged norm is of the mean loss's gradient, whichever loss_reduction steps.
-      grad_norm = optax.global_norm(grads) / (T // cut if row_sum else 1)
-      updates, opt_state = run.tx_at(schedule).update(grads, state["opt_state"], params)
+      # The logged norm is of the mean loss's gradient, whichever loss_reduction steps, and
+      # optim.grad_clip bounds that norm: row_sum's gradient is the row length times it.
+      grad_scale = T // cut if row_sum else 1
+      grad_norm = optax.global_norm(grads) / grad_scale
+      tx = run.tx_at(schedule, grad_scale)
+      updates, opt_state = tx.update(grads, state["opt_state"], params)
       new_params = optax.apply_updates(params, updates)
       if skip:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

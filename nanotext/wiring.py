@@ -48,10 +48,10 @@ class Run:
     """The optimizer of a run of train.steps (its state's layout, host-side use)."""
     return self.tx_at(self.cfg.train.steps)
 
-  def tx_at(self, total_steps):
+  def tx_at(self, total_steps, grad_scale=1):
     """The optimizer for `total_steps`: an int, or the train step's float32 [total steps,
-    cooldown steps] argument (optim.lr_factor)."""
-    return optim.make_optimizer(self.cfg.optim, self.labels, total_steps)
+    cooldown steps] argument (optim.lr_factor); `grad_scale`: optim.make_optimizer's."""
+    return optim.make_optimizer(self.cfg.optim, self.labels, total_steps, grad_scale)
 
   def schedule(self) -> np.ndarray:
     """The train step's schedule argument for this run's train.steps (optim.schedule_values)."""

@@ -74,11 +74,11 @@ def test_record_config_trains_on_one_49152_token_row(tmp_path):
   assert all(np.isfinite(r.get("loss", r.get("val_loss"))) for r in rows)
 
 
-def one_step(reduction: str):
+def one_step(reduction: str, clip: float = 0):
   """Params before and after one AdamW step whose eps dwarfs the gradient, so that the update is
   proportional to it, and the step's metrics."""
   ov = TINY + [f"train.loss_reduction={reduction}", "optim.eps=1e6", "optim.lr=1e6",
-               "optim.warmup_steps=0", "optim.grad_clip=0", "optim.weight_decay=0"]
+               "optim.warmup_steps=0", f"optim.grad_clip={clip}", "optim.weight_decay=0"]
   run_ = wiring.prepare(os.path.join(REPO, "configs", "base.yml"), ov, devices=jax.devices()[:1])
   state = run_.init_state()
   before = jax.tree.map(np.asarray, state["params"])
@@ -96,6 +96,20 @@ def test_row_sum_steps_on_each_rows_summed_loss():
     np.testing.assert_allclose(c - a, 32 * (b - a), rtol=2e-3, atol=1e-5)  # train.seq_len=32
   assert float(m_sum["loss"]) == float(m_mean["loss"])
   np.testing.assert_allclose(m_sum["grad_norm"], m_mean["grad_norm"], rtol=1e-5)
+
+
+def test_grad_clip_bounds_the_logged_grad_norm_under_row_sum_too():
+  """optim.grad_clip clipped row_sum's gradient, 32 times the logged grad_norm: a clip above
+  that norm changed the step. Now it bounds the logged norm under either reduction."""
+  p0, p_free, m = one_step("row_sum")
+  norm = float(m["grad_norm"])
+  _, p_above, _ = one_step("row_sum", clip=2 * norm)
+  for a, b in zip(jax.tree.leaves(p_free), jax.tree.leaves(p_above)):
+    np.testing.assert_array_equal(a, b)  # nothing clipped
+  _, p_mean, _ = one_step("mean", clip=norm / 2)
+  _, p_sum, _ = one_step("row_sum", clip=norm / 2)  # both halved: row_sum's still 32 times
+  for a, b, c in zip(jax.tree.leaves(p0), jax.tree.leaves(p_mean), jax.tree.leaves(p_sum)):
+    np.testing.assert_allclose(c - a, 32 * (b - a), rtol=2e-3, atol=1e-5)
 
 
 def test_eval_at_start_validates_the_initial_weights_once(tmp_path):
