@@ -328,8 +328,10 @@ def make_optimizer(optim_cfg, labels, total_steps, grad_scale=1) -> optax.Gradie
       if optim_cfg.grad_clip else []
   if optim_cfg.name == "adamw":
     decay_mask = jax.tree.map(lambda g: g in ("matrix", "embed", "head"), labels)
-    tx = optax.adamw(scaled(factor, optim_cfg.lr), b1=optim_cfg.beta1, b2=optim_cfg.beta2,
-                     eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay, mask=decay_mask)
+    # Arithmetic in float32, moments in the parameters' dtype, as the muon recipe's Adam groups.
+    tx = in_float32(optax.adamw(scaled(factor, optim_cfg.lr), b1=optim_cfg.beta1,
+                                b2=optim_cfg.beta2, eps=optim_cfg.eps,
+                                weight_decay=optim_cfg.weight_decay, mask=decay_mask))
     return optax.chain(*clip, tx)
   transforms = {
       "matrix": optax.chain(scale_by_muon(optim_cfg),

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import pytest
@@ -204,3 +205,27 @@ def test_muon_scales_fused_qkv_as_its_transpose_stored_in_out():
   out, _ = tx.update(params, tx.init(params))
   np.testing.assert_allclose(out["qkv"], out["o"]["kernel"].T, rtol=1e-5, atol=1e-6)
   assert optim.aspect_scale((192, 64), "rows") == pytest.approx(3 ** 0.5)  # rows: as stored
+
+
+def test_adamw_computes_in_float32_and_keeps_bf16_moments():
+  # As the muon recipe's Adam groups (optim.in_float32): bf16 arithmetic rounded every moment
+  # update and beta (0.95 -> 0.9492). Reference: optax's AdamW in float32, its moments rounded to
+  # bf16 after each step; float32 parameters step exactly as plain optax.adamw.
+  cfg = optim_cfg(BASE, "optim.warmup_steps=0", "optim.grad_clip=0", "optim.weight_decay=0.1")
+  rng = np.random.default_rng(0)
+  ref32 = optax.adamw(lambda s: cfg.lr * optim.lr_factor(cfg, 100)(s), b1=cfg.beta1,
+                      b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+  bf16 = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+                                if x.dtype == jnp.float32 else x, t)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    p = {"w": jnp.asarray(rng.standard_normal((16, 16)), dtype)}
+    tx = optim.make_optimizer(cfg, {"w": "matrix"}, 100)
+    state, ref_state = tx.init(p), ref32.init(jax.tree.map(lambda x: x.astype(jnp.float32), p))
+    for _ in range(5):
+      g = {"w": jnp.asarray(rng.standard_normal((16, 16)) * 1e-3, dtype)}
+      upd, state = jax.jit(tx.update)(g, state, p)
+      f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
+      want, ref_state = jax.jit(ref32.update)(f32(g), ref_state, f32(p))
+      ref_state = bf16(ref_state) if dtype == jnp.bfloat16 else ref_state
+      np.testing.assert_allclose(np.asarray(upd["w"], np.float32), want["w"], rtol=1e-5, atol=1e-9)
+    assert {x.dtype for x in jax.tree.leaves(state) if x.ndim == 2} == {jnp.dtype(dtype)}
