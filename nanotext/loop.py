@@ -111,7 +111,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
       if done < t_cfg.steps:
         batch = global_batch(run, next(train_iter))  # overlaps with the step just dispatched
         data_state = train_iter.get_state()
-      profiler.after(step, state)
+      profiler.after(step, state, mon.paused)
       mon.flush_if_logging()
       mon.add(done, step_metrics)
       if (t_cfg.eval_every and done % t_cfg.eval_every == 0 and done < t_cfg.steps

@@ -331,12 +331,17 @@ def test_profiler_traces_its_steps(monkeypatch):
   lines = []
   prof = watch.Profiler(cfg, lines.append)
   got = []
+  @contextlib.contextmanager
+  def paused():  # the monitor's: writing the trace is not counted as training time
+    calls.append("pause")
+    yield
+    calls.append("resume")
   for step in range(4):
     with prof.step(step) as ctx:
       got.append(ctx)
-    prof.after(step, jnp.zeros(1))
+    prof.after(step, jnp.zeros(1), paused)
   assert got == [None, ("annotate", 1), ("annotate", 2), None]
-  assert calls == [("start", "/tmp/p"), ("stop",)]
+  assert calls == [("start", "/tmp/p"), "pause", ("stop",), "resume"]
   assert lines == ["profile of steps 2..3 written to /tmp/p"]
 
 
