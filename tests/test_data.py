@@ -469,6 +469,30 @@ def test_worker_processes_end_with_the_training_process(arange_bins, tmp_path):
   assert done.stderr == ""  # multiprocessing's tracker frees the shared memory without a word
 
 
+def test_ctrl_c_is_the_training_process_s_not_its_workers(arange_bins, tmp_path):
+  """A terminal's Ctrl-C reaches every process of the job: each grain worker printed a
+  KeyboardInterrupt traceback beside the run's one line. The workers leave it to the run."""
+  script = tmp_path / "ctrl_c.py"
+  script.write_text(
+      "import os, signal, time, ml_collections\n"
+      "from nanotext.data.pipeline import make_train_iter\n"
+      "if __name__ == '__main__':\n"
+      f"  cfg = ml_collections.ConfigDict({arange_bins.to_dict()!r})\n"
+      "  cfg.workers = 1\n"
+      "  it = make_train_iter(cfg, seq_len=8, batch_size=4, seed=1)\n"
+      "  next(it)  # from the worker: it has started\n"
+      "  signal.signal(signal.SIGINT, lambda *a: print('run got SIGINT', flush=True))\n"
+      "  os.killpg(0, signal.SIGINT)  # the whole job, as a terminal sends it\n"
+      "  time.sleep(1)\n"
+      "  next(it)  # the worker still serves batches\n"
+      "  it.close()\n"
+      "  print('closed', flush=True)\n")
+  done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                        timeout=300, cwd=REPO, start_new_session=True)
+  assert done.returncode == 0 and done.stdout == "run got SIGINT\nclosed\n", done.stderr[-2000:]
+  assert "KeyboardInterrupt" not in done.stderr, done.stderr[-2000:]
+
+
 def test_too_little_training_data_says_what_there_is(tmp_path):
   """A shard with 3 windows under data.shuffle=false (whole global batches per shard) said it
   held no sequence of 33 tokens; a folder as the shard glob said it did not exist."""

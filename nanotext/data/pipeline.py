@@ -2,6 +2,7 @@
 
 import functools
 import os
+import signal
 import sys
 import threading
 import time
@@ -169,8 +170,11 @@ def _start_quiet_tracker() -> None:
 def _end_with_parent(parent: int, worker_index: int, worker_count: int) -> None:
   """In each grain worker: exit once the training process (pid `parent`, given by it: it may be
   gone before a worker starts) is gone. Its exits (os._exit, a kill) skip the cleanup that stops
-  workers, and an orphan keeps the caller's pipes open (`train ... | tail` never returned)."""
+  workers, and an orphan keeps the caller's pipes open (`train ... | tail` never returned).
+  Ctrl-C, which a terminal sends to every process of the job, is the training process's to act
+  on: a worker printed a KeyboardInterrupt traceback beside its one line."""
   del worker_index, worker_count
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
 
   def watch():
     while os.getppid() == parent:
