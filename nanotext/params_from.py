@@ -27,8 +27,13 @@ def find_item(path: str, what: str = "checkpoint.load_params_from") -> tuple:
   if os.path.isdir(os.path.join(path, "state")):
     return os.path.join(os.path.abspath(path), "state"), True
   root = os.path.join(path, "checkpoints")
-  if not os.path.isdir(root) and os.path.isdir(os.path.join(path, "params")):
-    return os.path.join(os.path.abspath(path), "params"), False
+  if os.path.isdir(os.path.join(path, "params")):
+    if not os.path.isdir(root):
+      return os.path.join(os.path.abspath(path), "params"), False
+    raise UserError(f"{what}='{path}' holds both params/ (a params-only folder) and "
+                    "checkpoints/ (a run trained into it), which hold different weights: give "
+                    f"{os.path.join(path, 'checkpoints')} for that run's, or move checkpoints/ "
+                    "out of the folder for params/")
   root = root if os.path.isdir(root) else path
   try:
     names = os.listdir(root)

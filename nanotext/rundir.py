@@ -80,6 +80,12 @@ def training_mark(path: str) -> str:
   return next((n for n in marks if os.path.lexists(os.path.join(path, n))), "")
 
 
+def is_params_only(path: str) -> bool:
+  """Whether `path` is a params-only folder (`convert params-only`: params/ and convert.json)."""
+  return os.path.isdir(os.path.join(path, "params")) and \
+      os.path.isfile(os.path.join(path, "convert.json"))
+
+
 def check_output_dir_path(out: str) -> str:
   """The absolute output_dir, refused (UserError) when it cannot hold a run."""
   if not out or not out.strip():
@@ -102,6 +108,10 @@ def check_output_dir_path(out: str) -> str:
   if holder:  # its checkpoint rotation would delete this run
     raise UserError(f"output_dir '{out}' lies inside the checkpoints/ of the run '{holder}'; "
                     "choose a folder outside it")
+  if is_params_only(path):  # a run there would start from random weights, ignoring params/
+    raise UserError(f"output_dir '{out}' is a params-only folder (params/ and convert.json), "
+                    "whose weights a run there would ignore; to start from them, pass "
+                    f"checkpoint.load_params_from={path} and another output_dir")
   ckpt = os.path.join(path, "checkpoints")
   if os.path.lexists(ckpt) and not os.path.isdir(ckpt):
     raise UserError(f"'{ckpt}' exists and is not a directory: move it away (checkpoints are "

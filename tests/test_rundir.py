@@ -399,3 +399,40 @@ def test_read_tools_say_where_a_run_set_aside_by_a_killed_overwrite_is(tmp_path)
   assert "nothing to verify" in lines[0] and note in lines[0]
   (tmp_path / rundir.ASIDE / rundir.COMMITTED).write_text("")  # deleted next: no longer whole
   assert rundir.aside_note(str(tmp_path)) == ""
+
+
+def params_only_folder(d, *, trained_into: bool = False) -> str:
+  """The files of a `convert params-only` output (contents not read by these checks)."""
+  (d / "params").mkdir(parents=True)
+  (d / "convert.json").write_text('{"step": 6}')
+  (d / "config.yml").write_text("model: {}\n")
+  if trained_into:  # what a run trained into it before it was refused
+    (d / "checkpoints" / "2" / "state").mkdir(parents=True)
+  return str(d)
+
+
+def test_a_params_only_folder_is_no_output_dir(tmp_path):
+  """Trained into, a params-only folder's params/ was ignored (a random start, said nowhere) and
+  the tools then read it differently (evaluate checkpoints/, convert params/): refused, naming
+  checkpoint.load_params_from, before anything is written."""
+  out = params_only_folder(tmp_path / "po")
+  before = sorted(os.listdir(out))
+  with pytest.raises(UserError, match="is a params-only folder .*checkpoint.load_params_from="
+                     + re.escape(out) + " and another output_dir"):
+    rundir.check_output_dir_path(out)
+  assert sorted(os.listdir(out)) == before
+
+
+def test_load_params_from_a_folder_with_params_and_checkpoints_names_both(tmp_path):
+  """Such a folder (trained into before that was refused) read as 'holds no complete
+  checkpoint (give ... a params-only folder)' where its checkpoints/ was empty, and as the
+  random-start run's weights otherwise: refused, naming what each path reads."""
+  from nanotext import params_from
+  for folder in (params_only_folder(tmp_path / "a", trained_into=True),
+                 params_only_folder(tmp_path / "b")):
+    if folder.endswith("b"):
+      (tmp_path / "b" / "checkpoints").mkdir()
+    with pytest.raises(UserError, match="holds both params/ .* and checkpoints/ .*give "
+                       + re.escape(os.path.join(folder, "checkpoints"))):
+      params_from.find_item(folder)
+  assert params_from.find_item(os.path.join(tmp_path / "a", "checkpoints"))[1]
