@@ -9,6 +9,7 @@ import pytest
 from conftest import BASE, TINY, extra, one_line_error, run_cli, saved_run
 from nanotext.convert import to_hf
 from nanotext.data.tokenizer import get_tokenizer
+from nanotext.errors import UserError
 
 torch = extra("torch")  # the whole file: skipped, with the reason, without torch or transformers
 transformers = extra("transformers")
@@ -46,6 +47,24 @@ def test_export_holds_tokenizer_and_ids(hf_export):
   assert c["bos_token_id"] == c["eos_token_id"] == c["pad_token_id"] == eot
   g = json.load(open(os.path.join(out, "generation_config.json")))
   assert g["eos_token_id"] == g["pad_token_id"] == eot
+
+
+def test_force_replaces_an_earlier_export_and_never_a_users_notes(hf_export, tmp_path):
+  """to-hf --force deleted a my_notes.txt or README.md beside an earlier export (its own= took
+  every *.txt, *.md, *.json): it replaces only a folder holding what to-hf writes."""
+  import shutil
+  from nanotext.convert.hf import HF_OWN
+  run, out = hf_export
+  assert sorted(os.listdir(out)) == sorted(HF_OWN)  # exactly what --force may replace
+  again = str(tmp_path / "hf")
+  shutil.copytree(out, again)
+  to_hf(run, again, force=True, log=quiet)  # an earlier export alone: replaced
+  for name in ("my_notes.txt", "README.md", "vocab.json", "pytorch_model.bin"):
+    (tmp_path / "hf" / name).write_text("mine")
+    with pytest.raises(UserError, match=f"holds '{name}', which this tool does not write"):
+      to_hf(run, again, force=True, log=quiet)
+    assert (tmp_path / "hf" / name).read_text() == "mine"
+    (tmp_path / "hf" / name).unlink()
 
 
 def test_auto_tokenizer_matches_nanotext(hf_export):

@@ -206,3 +206,16 @@ def test_force_replaces_only_an_earlier_output_of_text_shards(tmp_path):
   text_shards.write_shards(str(shards), tokens, val_fraction=0.5, shard_tokens=50, meta={},
                            force=True)  # an earlier output: replaced
   assert len([n for n in os.listdir(shards) if n.startswith("train_")]) == 4
+
+
+def test_force_replaces_only_the_shards_and_meta_it_writes(tmp_path):
+  """Its own= took every *.bin: --force deleted a pytorch_model.bin beside earlier shards."""
+  from nanotext import outputs
+  out = tmp_path / "shards"
+  out.mkdir()
+  for name in ("meta.json", "train_000000.bin", "train_000001.bin", "val_000000.bin"):
+    (out / name).write_text("x")
+  outputs.check_out(str(out), force=True, own=text_shards.OWN)  # an earlier output
+  (out / "pytorch_model.bin").write_text("mine")
+  with pytest.raises(UserError, match="holds 'pytorch_model.bin', which this tool does not"):
+    outputs.check_out(str(out), force=True, own=text_shards.OWN)

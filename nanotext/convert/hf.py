@@ -16,9 +16,11 @@ from nanotext.errors import UserError
 from nanotext.trees import fill, flatten
 from nanotext.rundir import check_no_glob, check_run_dir
 
-# What --force may replace: an earlier to-hf output or another HF model folder (never, say, a
-# source checkout); from-hf's run folder is a training run, which no tool replaces.
-HF_OWN = ("*.json", "*.safetensors", "*.txt", "*.bin", "*.md", ".gitattributes")
+# What --force may replace: a folder holding only what to-hf writes (a model card, notes or a
+# source checkout beside them are refused, not deleted); from-hf's run folder is a training run,
+# which no tool replaces.
+HF_OWN = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+          "tokenizer_config.json", "special_tokens_map.json")
 RUN_OWN = ("config.yml",)
 LN_EPS = 1e-5  # LayerNorm's epsilon at model.norm_eps=0 (layers.Norm); GPT-2's too
 # HF activations equal to jax.nn.gelu's default (approximate=True, the tanh form).

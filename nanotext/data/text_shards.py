@@ -71,7 +71,8 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple:
   return tokens[:-n_val], tokens[-n_val:]
 
 
-OWN = ("meta.json", "*.bin")  # what --force may replace: an earlier output of this tool
+# What --force may replace: an earlier output of this tool (not, say, a pytorch_model.bin).
+OWN = ("meta.json", "train_" + "[0-9]" * 6 + ".bin", "val_000000.bin")
 
 
 def write_shards(out: str, tokens: np.ndarray, *, val_fraction: float, shard_tokens: int,
