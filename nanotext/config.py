@@ -21,7 +21,7 @@ import yaml
 
 from nanotext import config_file, sections
 from nanotext.errors import UserError
-from nanotext.fileio import atomic_write
+from nanotext.fileio import atomic_write, user_path
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 
@@ -61,8 +61,7 @@ def _unknown_key(key: str, known) -> UserError:
   return UserError(f"unknown config key '{key}'{hint}")
 
 
-_TRUE = ("true", "yes", "on", "1")
-_FALSE = ("false", "no", "off", "0")
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
 def coerce(key: str, value, default):
@@ -176,6 +175,7 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
       raise _unknown_key(key, schema)
     values[key] = coerce(key, value, schema[key])
   values["base"] = ""
+  values.update({k: user_path(values[k]) for k in ("output_dir", "checkpoint.load_params_from")})
   cfg = _to_configdict(values)
   validate(cfg)
   return cfg

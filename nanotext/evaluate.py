@@ -13,6 +13,7 @@ import re
 
 # jax is imported inside the functions: a Ctrl-C while it loads is one line (errors.run_cli).
 from nanotext.errors import UserError
+from nanotext.fileio import user_path
 
 USAGE = "usage: python -m nanotext.evaluate output_dir=DIR [step=N|all] [key=value ...]"
 
@@ -28,7 +29,7 @@ def parse(argv) -> tuple:
       raise UserError(f"{key}= is given twice; give it once")
     seen.add(key)
     if key == "output_dir":
-      out = value
+      out = user_path(value)
     elif key == "step":
       step = value.strip()
     else:

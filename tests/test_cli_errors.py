@@ -233,3 +233,31 @@ def test_device_out_of_memory_is_one_line_and_status_1():
   assert other.returncode == 1 and "Traceback" not in other.stderr, other.stderr
   assert other.stderr.strip().splitlines()[-1] == ("nanotext: error: XLA failed while running "
                                                    "a program: INTERNAL: YNNPACK operation failed")
+
+
+def test_a_leading_tilde_is_home_in_every_path_argument(tmp_path, monkeypatch):
+  """Only output_dir expanded '~' (and the shell, where it did): --run=~/run, verify '~/run' and
+  checkpoint.load_params_from=~/run said 'does not exist', and --out=~/po wrote a folder named
+  '~' in the working directory."""
+  from nanotext import config, evaluate, verify
+  home, cwd = tmp_path / "home", tmp_path / "cwd"
+  home.mkdir(), cwd.mkdir()
+  (home / "afile").write_text("x")
+  monkeypatch.setenv("HOME", str(home))
+  monkeypatch.chdir(cwd)
+  cli = lambda *a: subprocess.run([sys.executable, "-m", "nanotext.convert", *a], cwd=cwd,
+                                  capture_output=True, text=True, timeout=120,
+                                  env=dict(os.environ, PYTHONPATH=REPO))
+  for proc, needle in [(cli("to-hf", "--run=~/gone", "--out=~/afile"),
+                        f"--out '{home}/afile' is a file"),
+                       (cli("params-only", "--run=~/gone", "--out=~/po"),
+                        f"--run '{home}/gone' does not exist")]:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+  with pytest.raises(UserError, match=f"'{home}/gone' "):
+    verify.main(["~/gone"])
+  with pytest.raises(UserError, match=f"output_dir '{home}/gone' does not"):
+    evaluate.parse(["output_dir=~/gone"])
+  assert os.listdir(cwd) == [] and sorted(os.listdir(home)) == ["afile"]
+  cfg = config.load(BASE, ["output_dir=~/run", "checkpoint.load_params_from=~/src"])
+  assert (cfg.output_dir, cfg.checkpoint.load_params_from) == (f"{home}/run", f"{home}/src")

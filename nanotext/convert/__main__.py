@@ -3,6 +3,7 @@
 from absl import flags
 
 from nanotext.errors import UserError
+from nanotext.fileio import user_path
 from nanotext import convert
 
 USAGE = ("usage: python -m nanotext.convert "
@@ -78,14 +79,16 @@ def main(args) -> None:
       raise UserError(f"{command} needs --{name}; {USAGE}")
   if positional and command != "from-hf":
     raise UserError(f"{command} takes no arguments besides flags, got {positional[0]!r}; {USAGE}")
+  hf, run, out, config = (f[name].value and user_path(f[name].value)
+                           for name in ("hf", "run", "out", "config"))
   if command == "from-hf":
-    convert.from_hf(f.hf, f.out, positional, config_path=f.config, force=f.force)
+    convert.from_hf(hf, out, positional, config_path=config, force=f.force)
   elif command == "to-hf":
-    convert.to_hf(f.run, f.out, step=f.step, force=f.force)
+    convert.to_hf(run, out, step=f.step, force=f.force)
   elif command == "params-only":
-    convert.params_only(f.run, f.out, step=f.step, dtype=f.dtype, force=f.force)
+    convert.params_only(run, out, step=f.step, dtype=f.dtype, force=f.force)
   else:
-    convert.export_torch(f.run, f.out, step=f.step, force=f.force)
+    convert.export_torch(run, out, step=f.step, force=f.force)
 
 
 if __name__ == "__main__":
