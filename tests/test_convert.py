@@ -142,6 +142,17 @@ def test_converted_run_trains_on(converted):
   assert int(result.state["step"]) == 3
 
 
+def test_from_hf_keeps_the_mesh_as_given(hf_dir, tmp_path):
+  """config.yml held the converting machine's device count (mesh.fsdp: 8 here), and the printed
+  train command then failed on any other count: it holds the mesh as given."""
+  import yaml
+  for extra_keys, want in [([], (1, -1, 1)), (["mesh.fsdp=4", "mesh.data=2"], (2, 4, 1))]:
+    out = str(tmp_path / f"run{len(extra_keys)}")
+    from_hf(hf_dir[0], out, TRAIN_KEYS + extra_keys, log=quiet)
+    saved = yaml.safe_load(open(os.path.join(out, "config.yml")))["mesh"]
+    assert (saved["data"], saved["fsdp"], saved["tensor"]) == want
+
+
 @pytest.mark.parametrize("dtype", ["", "bfloat16"])
 def test_params_only(base_run, tmp_path, dtype):
   out = str(tmp_path / "p")

@@ -58,7 +58,7 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
         f"vocabulary of data.tokenizer '{cfg.data.tokenizer}' "
         f"({wiring.tokenizer_vocab(cfg.data)}); pass data.tokenizer=NAME, the tokenizer its "
         "ids are of") from None
-  return write_run(wiring.from_config(cfg), flat, hf, out, force=force, log=log)
+  return write_run(wiring.from_config(cfg), flat, hf, out, given=cfg, force=force, log=log)
 
 
 __all__ = ["from_hf", "to_hf", "params_only", "load_params", "export_torch"]

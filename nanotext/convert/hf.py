@@ -22,6 +22,7 @@ from nanotext.rundir import check_no_glob, check_run_dir
 HF_OWN = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
           "tokenizer_config.json", "special_tokens_map.json")
 RUN_OWN = ("config.yml",)
+MESH_SIZES = ("mesh.data", "mesh.fsdp", "mesh.tensor")
 LN_EPS = 1e-5  # LayerNorm's epsilon at model.norm_eps=0 (layers.Norm); GPT-2's too
 # HF activations equal to jax.nn.gelu's default (approximate=True, the tanh form).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -232,12 +233,17 @@ def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   return cfg, flat
 
 
-def write_run(run, flat: dict, hf: str, out: str, *, force: bool = False, log=print) -> str:
-  """Write `run` (built by wiring from `read_hf`'s config) holding `flat` as a step-0 run
-  directory at `out`."""
+def write_run(run, flat: dict, hf: str, out: str, *, given=None, force: bool = False,
+              log=print) -> str:
+  """Write `run` (built by wiring from `read_hf`'s config, `given`) holding `flat` as a step-0
+  run directory at `out`. Its config.yml keeps the mesh as given (fsdp: -1, unless overridden):
+  the sizes resolved for this machine's devices made the printed command fail on any other
+  device count."""
   from nanotext import checkpoint, config
   out_abs = os.path.abspath(out)
   cfg = run.cfg
+  if given is not None:
+    cfg = config.with_values(cfg, {k: config.get(given, k) for k in MESH_SIZES})
   params = fill(run.abstract_state()["params"], stacked(cfg, flat), "the Hugging Face checkpoint")
   state = run.state_from_params(params)
   data_state = {"iterator": {"batches": 0}}  # a new run's data position
