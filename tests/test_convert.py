@@ -153,6 +153,25 @@ def test_from_hf_keeps_the_mesh_as_given(hf_dir, tmp_path):
     assert (saved["data"], saved["fsdp"], saved["tensor"]) == want
 
 
+@pytest.mark.fast
+def test_a_truncated_params_only_array_is_one_readable_line(tmp_path):
+  """The line ended in tensorstore's 'See full TensorStore details: <bound method pybind11_...'
+  (verify, generate and every converter read the folder so)."""
+  import orbax.checkpoint as ocp
+  ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+  ckptr.save(str(tmp_path / "po" / "params"),
+             ocp.args.StandardSave({"w": np.arange(512 * 64, dtype=np.float32).reshape(512, 64)}))
+  ckptr.close()
+  files = [os.path.join(d, n) for d, _, names in os.walk(tmp_path / "po" / "params") for n in names
+           if os.sep + "d" + os.sep in os.path.join(d, n)]
+  biggest = max(files, key=os.path.getsize)
+  os.truncate(biggest, os.path.getsize(biggest) // 2)
+  with pytest.raises(UserError) as e:
+    load_params(str(tmp_path / "po"))
+  assert str(e.value).startswith(f"cannot read the params-only checkpoint '{tmp_path / 'po'}': ")
+  assert "TensorStore details" not in str(e.value) and "<bound" not in str(e.value)
+
+
 @pytest.mark.parametrize("dtype", ["", "bfloat16"])
 def test_params_only(base_run, tmp_path, dtype):
   out = str(tmp_path / "p")

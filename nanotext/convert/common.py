@@ -55,6 +55,7 @@ def load_params(path: str):
   """(step, params) of a params-only folder, on one local device, checked against the checksums
   written with it (a folder written before they existed is read unchecked)."""
   import orbax.checkpoint as ocp
+  from nanotext.checkpoint import error_head
   from nanotext.integrity import record_of_params_only, verify
   where = os.path.abspath(os.path.join(path, "params"))  # orbax refuses a relative path
   if not os.path.isdir(where):
@@ -67,8 +68,8 @@ def load_params(path: str):
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
     params = ckptr.restore(where, target)
   except Exception as e:  # orbax raises many kinds for unreadable folders
-    raise UserError(f"cannot read the params-only checkpoint '{path}': "
-                    f"{str(e).splitlines()[0][:200]}") from None
+    raise UserError(f"cannot read the params-only checkpoint '{path}': {error_head(e)}") \
+        from None
   finally:
     ckptr.close()
   step = params_only_step(path)
