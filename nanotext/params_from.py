@@ -11,7 +11,8 @@ from nanotext.checkpoint import error_head
 from nanotext.errors import UserError
 from nanotext.integrity import (Damaged, name_of, record_beside, record_of_params_only,
                                 verify_named)
-from nanotext.rundir import check_no_glob, is_step_name, older_steps, step_files, vanished
+from nanotext.rundir import (aside_note, check_no_glob, is_step_name, older_steps, step_files,
+                             vanished)
 from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
 
 
@@ -40,6 +41,8 @@ def find_item(path: str, what: str = "checkpoint.load_params_from") -> tuple:
   except (FileNotFoundError, NotADirectoryError):  # a step a run in progress just removed
     raise Damaged(f"'{path}' was removed while it was read") from None
   steps = [int(n) for n in names if is_step_name(n) and os.path.isdir(os.path.join(root, n))]
+  if not steps and aside_note(path):  # evaluate said 'give a run directory' of a run set aside
+    raise UserError(f"{what}='{path}' holds no checkpoints{aside_note(path)}")
   if not steps:
     raise UserError(f"{what}='{path}' holds no complete checkpoint "
                     "(give a run directory, a checkpoint step directory or a params-only "

@@ -397,6 +397,11 @@ def test_read_tools_say_where_a_run_set_aside_by_a_killed_overwrite_is(tmp_path)
   lines = []
   verify.report(str(tmp_path), lines.append)
   assert "nothing to verify" in lines[0] and note in lines[0]
+  # evaluate (and checkpoint.load_params_from) said 'holds no complete checkpoint (give a run
+  # directory, ...)' of it
+  from nanotext import params_from
+  with pytest.raises(UserError, match="output_dir=.* holds no checkpoints; " + re.escape(note)):
+    params_from.find_item(str(tmp_path), "output_dir")
   (tmp_path / rundir.ASIDE / rundir.COMMITTED).write_text("")  # deleted next: no longer whole
   assert rundir.aside_note(str(tmp_path)) == ""
 
