@@ -25,8 +25,9 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
   train.loss_reduction=row_sum steps on the gradient of each row's summed loss (the record's).
 
   A step whose loss or gradient norm is not finite leaves params and optimizer moments as they
-  were (its step counts advance) when train.on_nonfinite=skip (selected on device: no host sync); with abort the host
-  stops the run when it reads the step's metrics, before that state is checkpointed.
+  were (its step counts advance) when train.on_nonfinite=skip (selected on device: no host
+  sync); with abort the host stops the run when it reads the step's metrics, before that state
+  is checkpointed.
   """
   accum, graphdef = run.cfg.train.grad_accum, run.graphdef
   skip = run.cfg.train.on_nonfinite == "skip"
