@@ -235,7 +235,8 @@ class Agreement:
   """
 
   def __init__(self):
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("p",))
+    by_process = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))  # local: a block
+    mesh = jax.sharding.Mesh(np.array(by_process), ("p",))
     self.sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("p"))
     flags = jax.ShapeDtypeStruct((jax.device_count(),), np.int32, sharding=self.sharding)
     self.reduce = jax.jit(lambda f: f.max(), out_shardings=jax.sharding.NamedSharding(
