@@ -189,19 +189,36 @@ def has_checkpoint(out: str) -> bool:
 
 def check_unedited(out: str, cfg_dict: dict) -> None:
   """Refuse a run whose config.yml (read as `cfg_dict`) differs, in a key of its model
-  (config.changes_model), from the config its newest checkpoint was saved with: a read tool
-  would build another model around its weights (heads regrouped, a softcap added) and say
-  nothing."""
+  (config.changes_model), from the config its newest checkpoint was saved with (a params-only
+  folder's: its convert.json's): a read tool would build another model around its weights (heads
+  regrouped, a softcap added) and say nothing."""
   from nanotext import config
   done = steps_on_disk(out)
-  saved = step_config(out, done[-1]) if done else {}
+  if done:
+    saved, step, where = step_config(out, done[-1]), done[-1], "checkpoints/<step>/config/metadata"
+  else:
+    (saved, step), where = params_only_config(out), "convert.json's config"
   diff = [d for d in (config.run_identity_diff(saved, cfg_dict) if saved else [])
           if config.changes_model(d.split(":")[0])]
   if diff:
     more = f" and {len(diff) - 1} more" if len(diff) > 1 else ""
     raise UserError(f"'{os.path.join(out, 'config.yml')}' differs from the config its checkpoint "
-                    f"of step {done[-1]} was saved with ({diff[0]}{more}): it was edited after; "
-                    "put the saved values back (checkpoints/<step>/config/metadata holds them)")
+                    f"of step {step} was saved with ({diff[0]}{more}): it was edited after; "
+                    f"put the saved values back ({where} holds them)")
+
+
+def params_only_config(out: str) -> tuple:
+  """(the config a params-only folder's weights were written with, their step), from its
+  convert.json; ({}, -1) where it holds none (written before the record existed, or no folder)."""
+  if not is_params_only(out):
+    return {}, -1
+  try:
+    with open(os.path.join(out, "convert.json"), encoding="utf-8") as f:
+      record = json.load(f)
+  except (OSError, ValueError):  # the step and checksums reader names a damaged one
+    return {}, -1
+  saved = record.get("config") if isinstance(record, dict) else None
+  return (saved, record.get("step", -1)) if isinstance(saved, dict) else ({}, -1)
 
 
 def step_config(out: str, step: int) -> dict:

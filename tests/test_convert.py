@@ -213,6 +213,29 @@ def test_a_params_only_folder_converts_on(base_run, tmp_path, monkeypatch):
   assert lines[1].split()[:3] == ["step", "2", "intact"], lines
 
 
+def test_a_params_only_folder_refuses_an_edited_model_key(base_run, tmp_path):
+  """An edited model.* key in a params-only folder's config.yml is refused as in a run folder
+  (evaluate, generate and to-hf computed another model, unwarned); another key and a
+  convert.json written before the record (no "config") read as before."""
+  from nanotext import evaluate
+  folder = str(tmp_path / "p")
+  params_only(base_run, folder, log=quiet)
+  yml = os.path.join(folder, "config.yml")
+  text = open(yml).read()
+  assert "attn_scale: 0.0" in text and "eval_batches: 2" in text
+  open(yml, "w").write(text.replace("eval_batches: 2", "eval_batches: 3"))
+  assert load_run(folder)[1] == 2
+  open(yml, "w").write(text.replace("attn_scale: 0.0", "attn_scale: 3.0"))
+  words = "differs from the config its checkpoint of step 2 was saved with (model.attn_scale: 0.0"
+  for read in (lambda: load_run(folder), lambda: evaluate.load_config(folder, [], checked=False)):
+    with pytest.raises(UserError, match=re.escape(words)):
+      read()
+  record = json.load(open(os.path.join(folder, "convert.json")))
+  del record["config"]
+  json.dump(record, open(os.path.join(folder, "convert.json"), "w"))
+  assert load_run(folder)[0].model.attn_scale == 3.0
+
+
 def test_export_torch_refuses_what_the_record_cannot_express(speedrun_run, tmp_path):
   """The tiny speedrun run has 32-wide heads and 2 layers; the record's module fixes 128 and 12.
   Names, shapes and logits of an expressible run: tests/test_export_record.py."""

@@ -4,7 +4,9 @@ Layout written (and read by `common.load_params`):
   <out>/config.yml     the source run's resolved config, unchanged
   <out>/params/        an orbax StandardCheckpointer folder holding the params tree only
   <out>/convert.json   {"source": run dir, "step": N, "dtype": "float32" | "bfloat16" | "as saved",
-                       "checksums": {"params/<name>": 16 hex digits} of the arrays written}
+                       "checksums": {"params/<name>": 16 hex digits} of the arrays written,
+                       "config": the config they were saved with, as a checkpoint saves it: a
+                       config.yml edited after in a key of the model is refused on reading}
 """
 
 import json
@@ -34,7 +36,7 @@ def params_only(run: str, out: str, *, step: int = -1, dtype: str = "", force: b
     raise UserError(f"--dtype={dtype} is not one of {', '.join(DTYPES)}")
   check_no_glob(os.path.abspath(out), "--out")  # orbax writes params/ there
   check_out(os.path.abspath(out), force=force, protect=(run,), own=OWN)
-  _, step, params = load_run(run, step)
+  cfg, step, params = load_run(run, step)
   params = jax.tree.map(jnp.asarray, params)
   if dtype:
     params = jax.tree.map(lambda x: x.astype(dtype), params)
@@ -51,7 +53,8 @@ def params_only(run: str, out: str, *, step: int = -1, dtype: str = "", force: b
       ckptr.close()
     with open(os.path.join(tmp, "convert.json"), "w") as f:
       json.dump({"source": os.path.abspath(run), "step": int(step),
-                 "dtype": dtype or "as saved", "checksums": checksums({"params": params})},
+                 "dtype": dtype or "as saved", "checksums": checksums({"params": params}),
+                 "config": cfg.to_dict()},
                 f, indent=2)
   log(f"wrote {out_abs} (params of step {step} of {run}{f', as {dtype}' if dtype else ''})")
   return out_abs
