@@ -35,7 +35,7 @@ CLASSIC = {"model.positions": "learned", "model.norm": "layernorm", "model.mlp_a
            "model.x0_mix": False, "model.qk_norm": False, "model.value_embeds": 0,
            "model.unet_skips": False, "model.value_residual": False, "model.merged_qkv": False,
            "model.fused_qkv": False, "model.no_attention_layers": [],
-           "model.attn_scale_learned": False, "attention.window": 0,
+           "model.attn_scale_learned": False, "model.fp8_head": False, "attention.window": 0,
            "attention.window_pattern": "", "attention.window_schedule": False,
            "attention.block_windows": False, "attention.doc_mask": False}
 
@@ -182,7 +182,10 @@ def hf_overrides(c: dict) -> dict:
              "model.mlp_dim": c.get("n_inner") or 4 * d, "model.max_seq_len": c["n_positions"],
              # scale_attn_weights=false is plain q.k, which nanotext states as attn_scale=1.
              "model.attn_scale": 0.0 if c.get("scale_attn_weights", True) else 1.0,
-             "model.norm_eps": _norm_eps(c.get("layer_norm_epsilon", LN_EPS))}
+             "model.norm_eps": _norm_eps(c.get("layer_norm_epsilon", LN_EPS)),
+             # float32 storage, as the file's: a bfloat16 table (speedrun's embed_dtype) rounded
+             # GPT-2's weights, and to-hf gave back another wte
+             "model.param_dtype": "float32", "model.embed_dtype": ""}
   derived.update(CLASSIC)
   return derived
 
@@ -227,6 +230,8 @@ def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
     have = config.get(cfg, key)
     if key == "model.norm_eps":  # 0 is LayerNorm's own 1e-5: an explicit 1e-5 is the same
       have, want = have or LN_EPS, want or LN_EPS
+    if key == "model.embed_dtype":  # "" is param_dtype's: an explicit float32 is the same
+      have, want = have or cfg.model.param_dtype, want or "float32"
     if key.startswith(("model.", "attention.")) and have != want:
       raise UserError(f"{key}={have!r} conflicts with the Hugging Face "
                       f"checkpoint, which needs {want!r}")
