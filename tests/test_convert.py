@@ -118,6 +118,25 @@ def test_from_hf_onto_speedrun_then_to_hf_is_lossless(hf_dir, tmp_path):
             config_path=SPEEDRUN, log=quiet)
 
 
+def test_merged_qkv_converts_both_ways(hf_dir, tmp_path):
+  """model.merged_qkv=true (one [3, D, D] kernel per block, the same function) was refused both
+  ways; now c_attn splits into it and back, scanned layers too."""
+  out = str(tmp_path / "run")
+  from_hf(hf_dir[0], out, TRAIN_KEYS + ["model.merged_qkv=true", "model.scan_layers=true"],
+          log=quiet)
+  cfg, _, params = load_run(out)
+  assert cfg.model.merged_qkv and flatten(params)["blocks.attn.qkv.kernel"].shape == (2, 3, 64, 64)
+  tokens = np.random.default_rng(2).integers(0, 512, (2, 64), dtype=np.int32)
+  np.testing.assert_allclose(nanotext_logits(out, params, tokens), hf_logits(hf_dir[1], tokens),
+                             atol=ATOL, rtol=0)
+  to_hf(out, str(tmp_path / "back"), log=quiet)
+  before = load_file(os.path.join(hf_dir[0], "model.safetensors"))
+  after = load_file(str(tmp_path / "back" / "model.safetensors"))
+  assert sorted(before) == sorted(after)
+  for k in before:
+    np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+
+
 def test_to_hf_logits_match(base_run, tmp_path):
   out = str(tmp_path / "hf")
   to_hf(base_run, out, log=quiet)
@@ -418,15 +437,16 @@ def test_an_explicit_norm_eps_of_gpt2s_own_value_is_no_conflict(hf_dir, tmp_path
 
 
 def test_from_hf_onto_a_speedrun_config_turns_its_features_off(hf_dir, tmp_path):
-  """--config=configs/shakespeare.yml: its windows, merged QKV, value tables and U-net are not
-  GPT-2's, so the run takes GPT-2's (once: 'window_pattern needs window > 0')."""
+  """--config=configs/shakespeare.yml: its windows, value tables and U-net are not GPT-2's, so
+  the run takes GPT-2's (once: 'window_pattern needs window > 0'); merged QKV is a layout of the
+  same function, kept."""
   out = str(tmp_path / "run")
   from_hf(hf_dir[0], out, TRAIN_KEYS, config_path=os.path.join(REPO, "configs", "shakespeare.yml"),
           log=quiet)
   cfg = config.load(os.path.join(out, "config.yml"))
   hf.check_classic(cfg)  # exported back as it came
   assert cfg.model.norm_eps == 0  # LayerNorm's 1e-5, GPT-2's: not the config's 2**-7
-  assert cfg.attention.window_pattern == "" and not cfg.model.merged_qkv
+  assert cfg.attention.window_pattern == "" and cfg.model.merged_qkv
 
 
 @pytest.mark.fast

@@ -22,6 +22,7 @@ nanotext <-> HF GPT-2 (HF names without 'transformer.'; both sides store matrice
   blocks.{i}.ln1|ln2.scale|bias     h.{i}.ln_1|ln_2.weight|bias [D]
   blocks.{i}.attn.q|k|v.kernel      h.{i}.attn.c_attn.weight [D, 3D] columns [q | k | v]
   blocks.{i}.attn.q|k|v.bias        h.{i}.attn.c_attn.bias [3D], same split
+  blocks.{i}.attn.qkv.kernel|bias   the same, model.merged_qkv's [3, D, D] | [3, D] stacks
   blocks.{i}.attn.o.kernel|bias     h.{i}.attn.c_proj.weight [D, D] | bias
   blocks.{i}.mlp.fc.kernel|bias     h.{i}.mlp.c_fc.weight [D, F] | bias
   blocks.{i}.mlp.proj.kernel|bias   h.{i}.mlp.c_proj.weight [F, D] | bias

@@ -1,7 +1,8 @@
 """Hugging Face GPT2LMHeadModel <-> nanotext classic GPT-2 (learned positions, LayerNorm, GELU).
 
 HF GPT-2 stores Conv1D weights as [in, out], the nanotext kernel layout, so matrices copy as they
-are; only the merged c_attn [d, 3d] splits into q | k | v (head-major within each, as nanotext).
+are; only the merged c_attn [d, 3d] splits into q | k | v (head-major within each, as nanotext),
+or into a model.merged_qkv run's one [3, d, d] kernel and [3, d] bias per block.
 """
 
 import json
@@ -33,7 +34,7 @@ IGNORED = (".attn.bias", ".attn.masked_bias")
 CLASSIC = {"model.positions": "learned", "model.norm": "layernorm", "model.mlp_act": "gelu",
            "model.bias": True, "model.tie_embeddings": True, "model.logit_softcap": 0.0,
            "model.x0_mix": False, "model.qk_norm": False, "model.value_embeds": 0,
-           "model.unet_skips": False, "model.value_residual": False, "model.merged_qkv": False,
+           "model.unet_skips": False, "model.value_residual": False,
            "model.fused_qkv": False, "model.no_attention_layers": [],
            "model.attn_scale_learned": False, "model.fp8_head": False, "attention.window": 0,
            "attention.window_pattern": "", "attention.window_schedule": False,
@@ -55,6 +56,31 @@ def _block_names(i: int) -> dict:
 def _shared_names() -> dict:
   return {"embed.embedding": "wte.weight", "pos": "wpe.weight", "ln_f.scale": "ln_f.weight",
           "ln_f.bias": "ln_f.bias"}
+
+
+def merged(cfg, flat: dict) -> dict:
+  """Flat params under q|k|v names as a model.merged_qkv run stores them (one [3, D, D] kernel
+  and [3, D] bias per block); other runs' unchanged."""
+  if not cfg.model.merged_qkv:
+    return flat
+  out = dict(flat)
+  for i in range(cfg.model.num_layers):
+    for kind in ("kernel", "bias"):
+      out[f"blocks.{i}.attn.qkv.{kind}"] = np.stack(
+          [out.pop(f"blocks.{i}.attn.{n}.{kind}") for n in "qkv"])
+  return out
+
+
+def split_qkv(cfg, flat: dict) -> dict:
+  """Inverse of `merged`: a model.merged_qkv run's qkv tensors under q|k|v names."""
+  if not cfg.model.merged_qkv:
+    return flat
+  out = dict(flat)
+  for i in range(cfg.model.num_layers):
+    for kind in ("kernel", "bias"):
+      out.update(zip((f"blocks.{i}.attn.{n}.{kind}" for n in "qkv"),
+                     np.asarray(out.pop(f"blocks.{i}.attn.qkv.{kind}"))))
+  return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +275,8 @@ def write_run(run, flat: dict, hf: str, out: str, *, given=None, force: bool = F
   cfg = run.cfg
   if given is not None:
     cfg = config.with_values(cfg, {k: config.get(given, k) for k in MESH_SIZES})
-  params = fill(run.abstract_state()["params"], stacked(cfg, flat), "the Hugging Face checkpoint")
+  params = fill(run.abstract_state()["params"], stacked(cfg, merged(cfg, flat)),
+                "the Hugging Face checkpoint")
   state = run.state_from_params(params)
   data_state = {"iterator": {"batches": 0}}  # a new run's data position
   with staged_dir(out_abs, force=force, protect=(hf,), own=RUN_OWN) as tmp:
@@ -307,7 +334,7 @@ def to_hf(run: str, out: str, *, step: int = -1, force: bool = False, log=print)
   check_out(os.path.abspath(out), force=force, protect=(run,), own=HF_OWN)
   cfg, step, params = load_run(run, step)
   check_classic(cfg)
-  flat = per_layer(cfg, flatten(params))
+  flat = split_qkv(cfg, per_layer(cfg, flatten(params)))
   tensors = {theirs: flat.pop(ours) for ours, theirs in _shared_names().items()}
   for i in range(cfg.model.num_layers):
     tensors.update({theirs: flat.pop(ours) for ours, theirs in _block_names(i).items()})
