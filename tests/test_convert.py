@@ -90,7 +90,13 @@ def test_from_hf_logits_match(hf_dir, converted):
 
 
 def test_from_hf_then_to_hf_is_lossless(hf_dir, converted, tmp_path):
+  """The tensors, and under data.tokenizer=none the eos id as data.eot_id (both were lost)."""
+  no_eot = [a for a in TRAIN_KEYS if not a.startswith("data.eot_id")]
+  assert hf.read_hf(hf_dir[0], str(tmp_path / "x"), no_eot)[0].data.eot_id == 0
   to_hf(converted, str(tmp_path / "back"), step=0, log=quiet)
+  for name in ("config.json", "generation_config.json"):
+    c = json.load(open(tmp_path / "back" / name))
+    assert c["bos_token_id"] == c["eos_token_id"] == c["pad_token_id"] == 0, name
   before = load_file(os.path.join(hf_dir[0], "model.safetensors"))
   after = load_file(str(tmp_path / "back" / "model.safetensors"))
   assert sorted(before) == sorted(after)

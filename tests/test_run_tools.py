@@ -143,7 +143,8 @@ def test_the_hf_mapping_of_the_tiny_model(tiny_run):
   hf.check_classic(cfg)
   c = hf.hf_config(cfg)
   assert (c["n_layer"], c["n_embd"], c["n_head"], c["vocab_size"]) == (2, 64, 2, 512)
-  assert c["eos_token_id"] is None  # data.tokenizer=none
+  assert c["eos_token_id"] == 0  # data.tokenizer=none: TINY's data.eot_id
+  assert hf_tokenizer.special_ids("none")["eos_token_id"] is None
   eot = hf_tokenizer.special_ids("shakespeare")["eos_token_id"]
   assert isinstance(eot, int) and 0 <= eot < 8192
   with pytest.raises(UserError, match="cannot express"):

@@ -247,6 +247,10 @@ def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
       list(overrides)
   try:
     cfg = config.load(base, args + [f"output_dir={out_abs}"])
+    eos = c.get("eos_token_id")
+    if cfg.data.tokenizer == "none" and cfg.data.eot_id < 0 and type(eos) is int and \
+        0 <= eos < c["vocab_size"]:  # its documents' boundary (to-hf exports it back)
+      cfg = config.load(base, args + [f"data.eot_id={eos}", f"output_dir={out_abs}"])
   except UserError as e:  # model.* keys are the checkpoint's: name them as its config.json does
     if "model.max_seq_len" not in str(e):
       raise
@@ -323,7 +327,7 @@ def hf_config(cfg) -> dict:
        # nanotext trains without dropout; HF's 0.1 defaults would change fine-tuning behaviour.
        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dtype": "float32"}
   # HF would default bos/eos to GPT-2's 50256, out of range for other vocabularies.
-  c.update(special_ids(cfg.data.tokenizer))
+  c.update(special_ids(cfg.data.tokenizer, cfg.data.eot_id))
   return c
 
 
@@ -354,7 +358,7 @@ def to_hf(run: str, out: str, *, step: int = -1, force: bool = False, log=print)
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(c, f, indent=2)
     with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-      json.dump(generation_config(special_ids(cfg.data.tokenizer)), f, indent=2)
+      json.dump(generation_config(special_ids(cfg.data.tokenizer, cfg.data.eot_id)), f, indent=2)
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     tok = write_tokenizer(cfg.data.tokenizer, tmp, c["n_positions"])
   log(f"wrote {out_abs} (GPT2LMHeadModel, step {step} of {run}; {tok})")

@@ -12,9 +12,12 @@ import shutil
 from nanotext.data.tokenizer import EOT, get_tokenizer, GPT2_EOT, shipped_path
 
 
-def special_ids(tokenizer: str) -> dict:
-  """bos/eos/pad token ids of data.tokenizer `tokenizer` (None for 'none')."""
-  if tokenizer == "gpt2":
+def special_ids(tokenizer: str, eot_id: int = -1) -> dict:
+  """bos/eos/pad token ids: data.eot_id where set (>= 0), else data.tokenizer `tokenizer`'s
+  end-of-text (None for 'none')."""
+  if eot_id >= 0:
+    eot = int(eot_id)
+  elif tokenizer == "gpt2":
     eot = GPT2_EOT
   elif tokenizer == "shakespeare":
     eot = get_tokenizer("shakespeare").eot_id
