@@ -200,7 +200,8 @@ def stored_out_in(path) -> bool:
   """Whether the parameter at `path` is stored [..., out, in]: model.fused_qkv's attn/qkv (its own
   parameter, no `kernel` below it). Every other matrix (Linear, merged QKV [3, in, out], either
   under a scanned [L, ...] stack) is [..., in, out]."""
-  return bool(path) and getattr(path[-1], "key", None) == "qkv"
+  keys = [getattr(k, "key", None) for k in path[-2:]]
+  return keys == ["attn", "qkv"]
 
 
 def aspect_scale(shape, rule: str, out_in: bool = False) -> float:

@@ -201,9 +201,9 @@ def test_muon_scales_fused_qkv_as_its_transpose_stored_in_out():
   g = jax.random.normal(jax.random.key(0), (64, 192))
   cfg = optim_cfg(SPEEDRUN, "optim.muon_bf16=false", "optim.muon_layout=sharded")
   tx = optim.scale_by_muon(cfg)
-  params = {"o": {"kernel": g}, "qkv": g.T}
+  params = {"o": {"kernel": g}, "attn": {"qkv": g.T}}
   out, _ = tx.update(params, tx.init(params))
-  np.testing.assert_allclose(out["qkv"], out["o"]["kernel"].T, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out["attn"]["qkv"], out["o"]["kernel"].T, rtol=1e-5, atol=1e-6)
   assert optim.aspect_scale((192, 64), "rows") == pytest.approx(3 ** 0.5)  # rows: as stored
 
 

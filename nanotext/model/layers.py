@@ -187,8 +187,8 @@ def lookup(embeds, tokens_BT) -> tuple:
   per table, and not in a bf16 table's own dtype, where the frequent tokens' sums of tens of
   thousands of rows lose 5-8% at a 49,152-token row), rounding once to each table's dtype.
   """
-  tables = tuple(sharding.constrain(e.embedding.value, ("vocab", None)) for e in embeds)
-  rows = _shared_lookup(tables, sharding.constrain(tokens_BT, ("batch", "act_length")))
+  tables = tuple(e.embedding.value for e in embeds)
+  rows = _shared_lookup(tables, tokens_BT)
   return tuple(sharding.constrain(x.astype(e.dtype), ("batch", "act_length", "act_embed"))
                for x, e in zip(rows, embeds))
 
