@@ -21,7 +21,7 @@ import yaml
 
 from nanotext import config_file, sections
 from nanotext.errors import UserError
-from nanotext.fileio import atomic_write, user_path
+from nanotext.fileio import atomic_write
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 
@@ -174,8 +174,8 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
     if key not in schema:
       raise _unknown_key(key, schema)
     values[key] = coerce(key, value, schema[key])
-  values["base"] = ""
-  values.update({k: user_path(values[k]) for k in ("output_dir", "checkpoint.load_params_from")})
+  values.update(base="", **{k: os.path.expanduser(values[k]) for k in  # ~ as a shell would
+                             ("output_dir", "checkpoint.load_params_from")})
   cfg = _to_configdict(values)
   validate(cfg)
   return cfg

@@ -143,22 +143,31 @@ def not_joined(p: Plan) -> str:
           "coordinator address, process 0 the one at it, or raise the timeout)")
 
 
+def _every_process(codes):
+  """Every process's `codes` (numpy), stacked [processes, ...] by one all-gather; None where the
+  run has one process."""
+  import jax
+  import numpy as np
+  if jax.process_count() == 1:
+    return None
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(codes))
+
+
 def check_same_config(cfg_dict: dict) -> None:
   """Refuse, on every process, a run whose processes were given different configs (distributed.*
   aside): another train.steps hung both in a collective past SIGTERM, another model crashed
   them in gloo, another seed trained silently."""
   import zlib
 
-  import jax
   import numpy as np
-  if jax.process_count() == 1:
-    return
-  from jax.experimental import multihost_utils
   from nanotext.config import flatten
   flat = flatten(cfg_dict)
   keys = sorted(k for k in flat if not k.startswith("distributed."))
-  codes = np.array([zlib.crc32(f"{k}={flat[k]!r}".encode()) for k in keys], np.uint32)
-  every = np.asarray(multihost_utils.process_allgather(codes))  # [processes, keys]
+  every = _every_process(  # [processes, keys]
+      np.array([zlib.crc32(f"{k}={flat[k]!r}".encode()) for k in keys], np.uint32))
+  if every is None:
+    return
   differ = np.nonzero((every != every[0]).any(axis=0))[0]
   if differ.size:
     key = keys[differ[0]]
@@ -175,18 +184,14 @@ def check_shared_file(path: str, what: str) -> None:
   at the first save (a traceback on one process, a hang or an abort on the others)."""
   import zlib
 
-  import jax
   import numpy as np
-  if jax.process_count() == 1:
-    return
-  from jax.experimental import multihost_utils
   try:
     with open(path, "rb") as f:
       code = zlib.crc32(f.read()) + 1  # 0: not there or not readable
   except OSError:
     code = 0
-  every = np.asarray(multihost_utils.process_allgather(np.array(code, np.int64)))
-  blind = [p for p in range(len(every)) if every[p] != every[0]]
+  every = _every_process(np.array(code, np.int64))
+  blind = [] if every is None else [p for p in range(len(every)) if every[p] != every[0]]
   if blind:
     raise UserError(f"{what} is not one folder that every process sees: process {blind[0]} does "
                     f"not find process 0's {os.path.basename(path)} in it; give every process a "

@@ -13,7 +13,6 @@ import re
 
 # jax is imported inside the functions: a Ctrl-C while it loads is one line (errors.run_cli).
 from nanotext.errors import UserError
-from nanotext.fileio import user_path
 
 USAGE = "usage: python -m nanotext.evaluate output_dir=DIR [step=N|all] [key=value ...]"
 
@@ -29,7 +28,7 @@ def parse(argv) -> tuple:
       raise UserError(f"{key}= is given twice; give it once")
     seen.add(key)
     if key == "output_dir":
-      out = user_path(value)
+      out = os.path.expanduser(value)
     elif key == "step":
       step = value.strip()
     else:

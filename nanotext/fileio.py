@@ -7,12 +7,6 @@ import time
 import uuid
 
 
-def user_path(path: str) -> str:
-  """`path` with a leading `~` (`~user`) expanded, as a shell would: the one rule of every path
-  a tool takes (output_dir, checkpoint.load_params_from, convert's and verify's arguments)."""
-  return os.path.expanduser(path)
-
-
 def atomic_write(path: str, chunks) -> None:
   """Write the byte strings in `chunks` to `path` via a sibling temp file and os.replace."""
   parent = os.path.dirname(os.path.abspath(path))

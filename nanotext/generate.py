@@ -6,7 +6,6 @@ import os
 # jax and flax are imported inside the functions: a Ctrl-C while they load (seconds) is then
 # caught by errors.run_cli and ends in one line, not a traceback.
 from nanotext.errors import UserError
-from nanotext.fileio import user_path
 
 USAGE = ("usage: python -m nanotext.generate output_dir=DIR [prompt=TEXT] [max_new_tokens=N] "
          "[temperature=T] [top_k=K] [seed=S] [step=N] [num_samples=N]")
@@ -278,7 +277,7 @@ def parse(argv) -> tuple:
       raise UserError(f"unknown argument '{k}'; {USAGE}")
   if "output_dir" not in args:
     raise UserError(f"output_dir is required; {USAGE}")
-  out = user_path(args.pop("output_dir"))
+  out = os.path.expanduser(args.pop("output_dir"))
   rundir.check_no_glob(os.path.abspath(out), "output_dir")
   rundir.check_run_dir(out, "output_dir")
   cfg_path = os.path.join(out, "config.yml")

@@ -122,7 +122,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
         row = metrics.val_row(val_loss, bytes_per_token)
         writer.write(done, row)
         log(f"step {done:>6d} | {metrics.val_text(row)}")
-      stop = done < t_cfg.steps and preemption.requested(done)
+      stop = done < t_cfg.steps and preemption.requested()
       if done < t_cfg.steps and (stop or (cfg.checkpoint.every and
                                           done % cfg.checkpoint.every == 0)):
         save(done, state, saved_state)

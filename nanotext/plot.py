@@ -12,7 +12,6 @@ import os
 
 from nanotext.errors import UserError, os_error
 from nanotext import probes, rundir
-from nanotext.fileio import user_path
 from nanotext.outputs import staged_file
 
 USAGE = "usage: python -m nanotext.plot RUN_DIR [RUN_DIR ...] --out=FILE.png [--title=TEXT]"
@@ -189,7 +188,7 @@ def define_flags() -> None:
 
 def parse(runs, out, title) -> tuple:
   """(run dirs, out, title) from the command line, checked."""
-  runs, out = [user_path(r) for r in runs], out and user_path(out)
+  runs, out = [os.path.expanduser(r) for r in runs], out and os.path.expanduser(out)
   if not runs:
     raise UserError(f"no run directory given; {USAGE}")
   if not out:

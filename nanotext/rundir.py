@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 
-from nanotext import config_file, fileio, lock
+from nanotext import config_file, lock
 from nanotext.errors import UserError
 
 ASIDE = ".overwritten"  # the previous run while an overwrite is not yet committed
@@ -90,7 +90,7 @@ def check_output_dir_path(out: str) -> str:
   """The absolute output_dir, refused (UserError) when it cannot hold a run."""
   if not out or not out.strip():
     raise UserError("output_dir is empty: set output_dir=DIR")
-  path = os.path.abspath(fileio.user_path(out))
+  path = os.path.abspath(os.path.expanduser(out))
   check_no_glob(path, "output_dir")
   if os.path.dirname(path) == path:  # config.yml, checkpoints/ and tb/ written into '/'
     raise UserError(f"output_dir '{out}' is the file system's root: choose a folder under it")

@@ -14,7 +14,6 @@ import sys
 # jax, numpy and orbax are imported inside the functions: --help and a bad argument need none.
 from nanotext import rundir
 from nanotext.errors import UserError
-from nanotext.fileio import user_path
 
 USAGE = "usage: python -m nanotext.verify OUTPUT_DIR"
 
@@ -120,7 +119,8 @@ def main(argv) -> None:
   args = [a for a in argv if a]
   if len(args) != 1:
     raise UserError(USAGE)
-  out = user_path(args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0])
+  out = args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0]
+  out = os.path.expanduser(out)
   sys.exit(report(out, log=lambda line: print(line, flush=True)))  # a signal ends it at once
 
 

@@ -215,11 +215,10 @@ class Preemption:
     os.write(2, f"nanotext: error: {message}\n".encode("utf-8", "replace"))
     os._exit(128 + signum)
 
-  def requested(self, step: int) -> bool:
-    """True when this run must stop after `step`; all processes agree on the step, one step
-    after the signal (it was the next logging step: a SIGTERM at log_every=300 trained on for
-    81 s, past a cloud's grace period)."""
-    del step
+  def requested(self) -> bool:
+    """True when this run must stop after the step just dispatched; all processes agree on the
+    step, one step after the signal (it was the next logging step: a SIGTERM at log_every=300
+    trained on for 81 s, past a cloud's grace period). Called once per step."""
     if self._agree is None:
       return self.received is not None
     if self._agree(self.received is not None):

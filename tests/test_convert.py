@@ -80,6 +80,15 @@ def speedrun_run(tmp_path_factory):
   return out
 
 
+def assert_same_tensors(hf_a, hf_b):
+  """Two HF folders' model.safetensors hold the same tensors, bit for bit."""
+  before = load_file(os.path.join(hf_a, "model.safetensors"))
+  after = load_file(os.path.join(hf_b, "model.safetensors"))
+  assert sorted(before) == sorted(after)
+  for k in before:
+    np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+
+
 def test_from_hf_logits_match(hf_dir, converted):
   cfg, step, params = load_run(converted)
   assert step == 0 and cfg.model.max_seq_len == 64 and cfg.train.seq_len == 32
@@ -97,11 +106,7 @@ def test_from_hf_then_to_hf_is_lossless(hf_dir, converted, tmp_path):
   for name in ("config.json", "generation_config.json"):
     c = json.load(open(tmp_path / "back" / name))
     assert c["bos_token_id"] == c["eos_token_id"] == c["pad_token_id"] == 0, name
-  before = load_file(os.path.join(hf_dir[0], "model.safetensors"))
-  after = load_file(str(tmp_path / "back" / "model.safetensors"))
-  assert sorted(before) == sorted(after)
-  for k in before:
-    np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+  assert_same_tensors(hf_dir[0], tmp_path / "back")
 
 
 def test_from_hf_onto_speedrun_then_to_hf_is_lossless(hf_dir, tmp_path):
@@ -114,11 +119,7 @@ def test_from_hf_onto_speedrun_then_to_hf_is_lossless(hf_dir, tmp_path):
   assert not cfg.model.fp8_head and cfg.model.param_dtype == "float32"
   assert cfg.model.embed_dtype in ("", "float32")
   to_hf(out, str(tmp_path / "back"), log=quiet)
-  before = load_file(os.path.join(hf_dir[0], "model.safetensors"))
-  after = load_file(str(tmp_path / "back" / "model.safetensors"))
-  assert sorted(before) == sorted(after)
-  for k in before:
-    np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+  assert_same_tensors(hf_dir[0], tmp_path / "back")
   with pytest.raises(UserError, match="model.embed_dtype='bfloat16' conflicts"):
     from_hf(hf_dir[0], str(tmp_path / "bf"), TRAIN_KEYS + ["model.embed_dtype=bfloat16"],
             config_path=SPEEDRUN, log=quiet)
@@ -136,11 +137,7 @@ def test_merged_qkv_converts_both_ways(hf_dir, tmp_path):
   np.testing.assert_allclose(nanotext_logits(out, params, tokens), hf_logits(hf_dir[1], tokens),
                              atol=ATOL, rtol=0)
   to_hf(out, str(tmp_path / "back"), log=quiet)
-  before = load_file(os.path.join(hf_dir[0], "model.safetensors"))
-  after = load_file(str(tmp_path / "back" / "model.safetensors"))
-  assert sorted(before) == sorted(after)
-  for k in before:
-    np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+  assert_same_tensors(hf_dir[0], tmp_path / "back")
 
 
 def test_to_hf_logits_match(base_run, tmp_path):
@@ -242,11 +239,7 @@ def test_a_params_only_folder_converts_on(base_run, tmp_path, monkeypatch):
   params_only(base_run, folder, log=quiet)
   to_hf(folder, str(tmp_path / "hf_a"), log=quiet)
   to_hf(base_run, str(tmp_path / "hf_b"), log=quiet)
-  a = load_file(str(tmp_path / "hf_a" / "model.safetensors"))
-  b = load_file(str(tmp_path / "hf_b" / "model.safetensors"))
-  assert sorted(a) == sorted(b)
-  for k in a:
-    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  assert_same_tensors(tmp_path / "hf_a", tmp_path / "hf_b")
   params_only(folder, str(tmp_path / "q"), dtype="bfloat16", log=quiet)
   assert load_params(str(tmp_path / "q"))[0] == 2
   with pytest.raises(UserError, match="params-only folder .*leave --step out"):

@@ -249,10 +249,10 @@ def test_preemption_signals_set_received_and_handlers_come_back():
   """Inside the context SIGTERM and SIGINT only set `received`; the old handlers return after."""
   before = {sig: signal.getsignal(sig) for sig in watch.Preemption.SIGNALS}
   with watch.Preemption() as p:
-    assert p.received is None and not p.requested(1)
+    assert p.received is None and not p.requested()
     os.kill(os.getpid(), signal.SIGTERM)
     assert p.received == "SIGTERM"
-    assert p.requested(3)  # one process: at once
+    assert p.requested()  # one process: at once
     os.kill(os.getpid(), signal.SIGINT)
     assert p.received == "SIGINT"
   assert {sig: signal.getsignal(sig) for sig in watch.Preemption.SIGNALS} == before
@@ -279,7 +279,7 @@ def test_preemption_off_the_main_thread_leaves_handlers_alone():
   def body():
     with watch.Preemption() as p:
       inside.append(signal.getsignal(signal.SIGTERM))
-      inside.append(p.requested(1))
+      inside.append(p.requested())
   t = threading.Thread(target=body)
   t.start()
   t.join()

@@ -1,9 +1,10 @@
 """CLI of nanotext.convert; see the package docstring for the subcommands and their flags."""
 
+import os
+
 from absl import flags
 
 from nanotext.errors import UserError
-from nanotext.fileio import user_path
 from nanotext import convert
 
 USAGE = ("usage: python -m nanotext.convert "
@@ -79,7 +80,7 @@ def main(args) -> None:
       raise UserError(f"{command} needs --{name}; {USAGE}")
   if positional and command != "from-hf":
     raise UserError(f"{command} takes no arguments besides flags, got {positional[0]!r}; {USAGE}")
-  hf, run, out, config = (f[name].value and user_path(f[name].value)
+  hf, run, out, config = (f[name].value and os.path.expanduser(f[name].value)
                            for name in ("hf", "run", "out", "config"))
   if command == "from-hf":
     convert.from_hf(hf, out, positional, config_path=config, force=f.force)

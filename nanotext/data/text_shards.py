@@ -18,7 +18,6 @@ from absl import flags
 from nanotext.data import binfile
 from nanotext.data.tokenizer import get_tokenizer
 from nanotext.errors import UserError
-from nanotext.fileio import user_path
 from nanotext.outputs import check_out, staged_dir
 
 USAGE = ("usage: python -m nanotext.data.text_shards FILE [FILE ...] --out=DIR "
@@ -112,7 +111,7 @@ def main(args) -> None:
     if j != i:
       raise UserError(f"'{path}' is given twice: give each file once" if args[j] == path else
                       f"'{path}' and '{args[j]}' are the same file: give it once")
-  out = os.path.abspath(user_path(F.out))
+  out = os.path.abspath(os.path.expanduser(F.out))
   check_out(out, force=F.force, protect=[os.path.abspath(a) for a in args], own=OWN)
   tok = get_tokenizer(F.tokenizer)
   tokens = tokenize(args, tok, log=print)

@@ -13,12 +13,14 @@ from nanotext.model.kernels.masks import segment_ids_from_tokens
 def check_config(t) -> None:
   """The train section's loss chunks divide the rows they cut (train.loss_chunk the training
   rows, train.eval_loss_chunk the validation rows)."""
-  if 0 < t.loss_chunk < t.seq_len and t.seq_len % t.loss_chunk:
-    raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide train.seq_len={t.seq_len}")
-  # The sequence-length warmup's shorter rows are cut too (validation rows keep their length).
-  bad = [n for n in window_schedule.seq_lens(t) if 0 < t.loss_chunk < n and n % t.loss_chunk]
-  if bad:
-    raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide the {bad[0]}-token rows of "
+  # Every training row length: train.seq_len's first, then the sequence-length warmup's shorter
+  # ones (validation rows keep their length).
+  for n in reversed(window_schedule.seq_lens(t)):
+    if not 0 < t.loss_chunk < n or n % t.loss_chunk == 0:
+      continue
+    if n == t.seq_len:
+      raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide train.seq_len={n}")
+    raise UserError(f"train.loss_chunk={t.loss_chunk} does not divide the {n}-token rows of "
                     f"the sequence-length warmup (train.seq_len_start={t.seq_len_start}, "
                     f"train.seq_len_step={t.seq_len_step}): pick a chunk dividing every row length")
   eval_len = t.eval_seq_len or t.seq_len
