@@ -5,7 +5,8 @@ every step of `DIR/checkpoints`, so damage to an older step is found before it i
 one step of a params-only folder, `convert params-only`). Each step is read onto one local
 device whatever mesh wrote it. Nothing is moved or deleted. A run may be training into DIR
 meanwhile. Exit status: 0 when every step is intact, 1 when one is
-damaged, 2 for a directory that is not a run, 130 on Ctrl-C.
+damaged or config.yml was edited in a model key after the newest step (the read tools refuse it),
+2 for a directory that is not a run, 130 on Ctrl-C.
 """
 
 import os
@@ -95,7 +96,22 @@ def report(out: str, log=print) -> int:
   checkpoint.close(manager)
   if damaged:
     log(f"{damaged} damaged step(s): a resume never restores them; it uses the newest intact step")
-  return 1 if damaged else 0
+  edited = config_edited(out) if steps else ""
+  if edited:
+    log(edited)
+  return 1 if damaged or edited else 0
+
+
+def config_edited(out: str) -> str:
+  """One line where config.yml cannot be read or was edited, in a key of the model, after the
+  newest step (or a params-only folder's weights) was saved: every read tool refuses the folder
+  then, though each checksum matches. '' where it is the saved config."""
+  from nanotext import config
+  try:
+    rundir.check_unedited(out, config.load(os.path.join(out, "config.yml")).to_dict())
+  except UserError as e:
+    return f"config.yml: {e}"
+  return ""
 
 
 def params_only_report(out: str, log=print) -> int:
@@ -112,7 +128,10 @@ def params_only_report(out: str, log=print) -> int:
     status, detail = "damaged", str(e)
   step = "unknown (no convert.json)" if step == -1 else step
   log(f"  step {step:>7}  {status:<10s}  {detail}")
-  return 1 if status == "damaged" else 0
+  edited = config_edited(out)
+  if edited:
+    log(edited)
+  return 1 if status == "damaged" or edited else 0
 
 
 def main(argv) -> None:

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import REPO, SPEEDRUN, TINY, extra, forward, run_cli, saved_run
-from nanotext import config, train
+from nanotext import config, train, verify
 from nanotext.trees import flatten
 from nanotext.model import gpt
 from nanotext.convert import from_hf, hf, load_params, params_only, to_hf
@@ -268,6 +268,8 @@ def test_a_params_only_folder_refuses_an_edited_model_key(base_run, tmp_path):
   for read in (lambda: load_run(folder), lambda: evaluate.load_config(folder, [], checked=False)):
     with pytest.raises(UserError, match=re.escape(words)):
       read()
+  lines = []  # verify: the weights are intact, the folder unreadable
+  assert verify.report(folder, lines.append) == 1 and words in lines[-1], lines
   record = json.load(open(os.path.join(folder, "convert.json")))
   del record["config"]
   json.dump(record, open(os.path.join(folder, "convert.json"), "w"))

@@ -97,6 +97,9 @@ def test_a_config_yml_edited_after_training_is_refused_by_every_read_tool(tiny_r
     evaluate.precheck([f"output_dir={out}"])
   with pytest.raises(UserError, match=edited):
     generate.main([f"output_dir={out}", "max_new_tokens=1"])
+  lines = []  # verify: every checksum matches, yet no read tool takes the folder
+  assert verify.report(out, lines.append) == 1
+  assert lines[1].split()[:3] == ["step", "2", "intact"] and re.search(edited, lines[-1]), lines
   if "num_layers" in edit:  # the CLI: one line, exit 2, nothing written
     one_line_error(run_cli("nanotext.convert", "to-hf", f"--run={out}",
                            f"--out={tmp_path / 'hf'}"), "edited after", "model.num_layers: 2 -> 3")
