@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nanotext import config, sharding
+from nanotext import config, config_file, sharding
 from nanotext.errors import UserError
 from nanotext.model.kernels.per_device import platform
 from nanotext.model.layers import matmul
@@ -37,9 +37,14 @@ CHOICES = {"name": ("adamw", "muon"), "muon_layout": ("distributed", "replicated
            "muon_ns_coeffs": ("jordan", "polar_express"), "muon_scale": ("fan_out", "rows")}
 
 
-def check_config(o) -> None:
-  """The optim section: optimizer and Muon choices, schedule fractions."""
+def check_config(o, d_model: int) -> None:
+  """The optim section: optimizer and Muon choices, schedule fractions, one head lr."""
   config.check_choices("optim", o, CHOICES)
+  derived = o.head_lr_record / d_model ** 0.5  # what config.finalize sets head_lr to
+  if o.head_lr_record and o.head_lr not in (derived, _default_head_lr()):
+    raise UserError(f"optim.head_lr={o.head_lr} would be replaced by optim.head_lr_record="
+                    f"{o.head_lr_record} / sqrt(model.d_model) = {derived:.6g}: set "
+                    "optim.head_lr_record=0 to train with your head_lr")
   if not 0 < o.muon_layer_decay <= 1:
     raise UserError(f"optim.muon_layer_decay={o.muon_layer_decay} must be in (0, 1] (1 = off)")
   for key in ("cooldown_frac", "final_lr_frac", "muon_momentum", "muon_momentum_start"):
@@ -48,6 +53,10 @@ def check_config(o) -> None:
   for key in ("beta1", "beta2"):  # Adam's bias correction divides by 1 - beta**step
     if not 0 <= o[key] < 1:
       raise UserError(f"optim.{key}={o[key]} must be in [0, 1)")
+
+
+def _default_head_lr() -> float:
+  return config_file.read(config.SCHEMA_PATH)["optim"]["head_lr"]
 
 
 def group_labels(state):

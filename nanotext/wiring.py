@@ -138,7 +138,7 @@ def check(cfg):
   gpt.check_config(cfg.model, cfg.attention)
   attention.check_config(cfg.attention)
   loss.check_config(cfg.train)
-  optim.check_config(cfg.optim)
+  optim.check_config(cfg.optim, cfg.model.d_model)
   pipeline.check_config(cfg.data)
   watch.check_config(cfg.train)
   window_schedule.check_config(cfg.train)

@@ -451,3 +451,16 @@ def test_values_that_trained_nonsense_or_crashed_are_refused(override, message):
   from nanotext import wiring
   with pytest.raises(UserError, match=re.escape(message)):
     wiring.load(BASE, [override])
+
+
+def test_a_head_lr_the_records_head_lr_replaces_is_refused(tmp_path):
+  """optim.head_lr on speedrun.yml (head_lr_record 0.22) was replaced by 0.22 / sqrt(d) unsaid;
+  the finalized config, as config.yml saves it for a resume, still loads."""
+  assert "would be replaced by optim.head_lr_record=0.22" in error("optim.head_lr=0.01",
+                                                                   path=SPEEDRUN)
+  mine = wiring.load(SPEEDRUN, ["optim.head_lr=0.01", "optim.head_lr_record=0"])
+  assert mine.optim.head_lr == 0.01
+  saved = finalize(path=SPEEDRUN, num_devices=1)
+  assert saved.optim.head_lr == 0.22 / saved.model.d_model ** 0.5
+  config.save(saved, tmp_path / "config.yml")
+  assert wiring.load(str(tmp_path / "config.yml")).optim.head_lr == saved.optim.head_lr
