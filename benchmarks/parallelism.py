@@ -1,5 +1,5 @@
 """Parallelism ablation: `python benchmarks/parallelism.py CONFIG [key=value ...] [--layouts L]
-[--steps K] [--out PREFIX]`.
+[--steps K] [--out PREFIX]` (default PREFIX: benchmarks/parallelism_CONFIGNAME[_TOPOLOGY]).
 
 Runs the same model, data and seed (data.source=synthetic) under several mesh layouts and writes
 `PREFIX.md` (a table) and `PREFIX.png` (bar plots). Per layout: compile time, median step time
@@ -44,7 +44,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("steps", 5, "Steps whose losses are recorded (also the warmup).")
   flags.DEFINE_integer("timed_steps", 3, "Steps per timed window.")
   flags.DEFINE_integer("repeats", 3, "Timed windows (the median is reported).")
-  flags.DEFINE_string("out", "benchmarks/parallelism_base", "Output prefix (.md, .png).")
+  flags.DEFINE_string("out", "", "Output prefix (.md, .png); default benchmarks/parallelism_"
+                      "CONFIGNAME, plus _TOPOLOGY with --topology (a TPU table never replaces "
+                      "the CPU run's).")
   flags.DEFINE_string(
       "topology", "", "Compile each layout for this TPU slice (e.g. v6e-8) through "
       "nanotext.compile instead of running it here: memory, collectives, FLOPs and a roofline "
@@ -230,6 +232,14 @@ def measure_topology(path, overrides, slice_name, layouts, which="last", log=Non
   return rows
 
 
+def default_out(config_path: str, topology: str) -> str:
+  """benchmarks/parallelism_NAME[_TOPOLOGY]: the committed tables' names, one per config and
+  target (the default had written a TPU table over the CPU run's parallelism_base.md)."""
+  name = os.path.splitext(os.path.basename(config_path))[0]
+  here = os.path.dirname(os.path.abspath(__file__))
+  return os.path.join(here, f"parallelism_{name}" + (f"_{topology}" if topology else ""))
+
+
 def main(argv):
   if FLAGS.topology:  # only compiles: never open this host's accelerators
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -242,12 +252,13 @@ def main(argv):
     if FLAGS.steps < 1 or FLAGS.timed_steps < 1 or FLAGS.repeats < 1:
       raise UserError("--steps, --timed_steps and --repeats must be at least 1")
     log = lambda s: print(s, file=sys.stderr, flush=True)
+    out = FLAGS.out or default_out(argv[1], FLAGS.topology)
     if FLAGS.topology:
       from nanotext import topology
       chips = topology.parse(FLAGS.topology).num_chips
       command = " ".join(["python", *sys.argv])
       def write(rows):
-        with open(FLAGS.out + ".md", "w") as f:
+        with open(out + ".md", "w") as f:
           f.write(topology_report(rows, command, FLAGS.topology))
       rows = measure_topology(argv[1], argv[2:], FLAGS.topology,
                               parse_layouts(FLAGS.layouts, chips), FLAGS.programs, log=log,
@@ -266,10 +277,10 @@ def main(argv):
     command = " ".join(["python", *sys.argv])
     xla = os.environ.get("XLA_FLAGS")
     command = f"XLA_FLAGS={xla} {command}" if xla else command
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out + ".md", "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".md", "w") as f:
       f.write(report(rows, command))
-    plot(rows, FLAGS.out + ".png")
+    plot(rows, out + ".png")
 
 
 if __name__ == "__main__":

@@ -114,3 +114,13 @@ def test_cli_bad_input_exits_2(args, match, tmp_path):
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("nanotext: error: ") and match in lines[0]
   assert not os.listdir(tmp_path)
+
+
+def test_the_default_output_is_named_by_config_and_target():
+  """A --topology table went to parallelism_base.md by default, over the committed CPU run's."""
+  here = os.path.join(REPO, "benchmarks")
+  assert bench.default_out(BASE, "") == os.path.join(here, "parallelism_base")
+  assert bench.default_out("configs/speedrun.yml", "v6e-8") == \
+      os.path.join(here, "parallelism_speedrun_v6e-8")
+  for name in ("parallelism_base.md", "parallelism_speedrun_v6e-8.md"):  # what they name
+    assert os.path.isfile(os.path.join(here, name))
