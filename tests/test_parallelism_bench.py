@@ -116,6 +116,7 @@ def test_cli_bad_input_exits_2(args, match, tmp_path):
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.fast
 def test_the_default_output_is_named_by_config_and_target():
   """A --topology table went to parallelism_base.md by default, over the committed CPU run's."""
   here = os.path.join(REPO, "benchmarks")
