@@ -346,6 +346,9 @@ def precheck(args):
   if f.json:  # before minutes of compiling, not after
     probes.replaceable(f.json, "--json")
     probes.writable_dir(os.path.dirname(os.path.abspath(f.json)), "the folder of --json")
+  if f.json and os.path.realpath(f.json) in {c for c, _ in config.file_chain(args[0])}:
+    raise UserError(f"--json '{f.json}' is the config file it compiles (or one it inherits "
+                    "from): give the JSON file another path")
   if f.json and f.hlo_dir and os.path.abspath(f.json) == os.path.abspath(f.hlo_dir):
     raise UserError(f"--json and --hlo_dir are both '{f.json}': give the JSON file another path")
   if f.hlo_dir:

@@ -1,6 +1,8 @@
 """What `python -m nanotext.compile` prints: one block per compiled program (memory, FLOPs,
 collectives, the kernel inventory and the roofline estimate) and the verdict line."""
 
+import math
+
 from nanotext import hlo_memory, roofline
 
 GIB = 2**30
@@ -9,6 +11,12 @@ GIB = 2**30
 def gib(b) -> str:
   """Bytes as GiB, or MiB below a tenth of one."""
   return f"{b / GIB:.2f} GiB" if b >= GIB / 10 else f"{b / 2**20:.1f} MiB"
+
+
+def headroom(fraction: float) -> str:
+  """A headroom as a percentage rounded down: 9.96% against 10% asked read "10.0%: does NOT
+  fit"."""
+  return f"{math.floor(1000 * fraction) / 10:.1f}% headroom"
 
 
 def _si(x) -> str:
@@ -45,7 +53,7 @@ def describe(rec, passes: int = 0) -> str:
       f"  memory per device  args {gib(rec['argument'])} | outputs {gib(rec['output'])} "
       f"(aliased {gib(rec['alias'])}) | temps {gib(rec['temp'])} | code "
       f"{gib(rec['generated_code'])} | total {gib(rec['total_bytes_per_chip'])}{est} of "
-      f"{gib(rec['hbm_bytes_per_chip'])}, {100 * rec['headroom']:.1f}% headroom: {verdict}",
+      f"{gib(rec['hbm_bytes_per_chip'])}, {headroom(rec['headroom'])}: {verdict}",
       f"  FLOPs per device   analytic {_si(rec['flops_analytic_per_chip'])} | {what} "
       f"{_si(xla)} ({ratio:.2f}x){accessed}",
       f"  collectives        {col}"]
@@ -109,7 +117,7 @@ def verdict(recs, target_name, min_headroom) -> tuple:
   if all(r["fits"] for r in recs):
     return True, (f"verdict: fits {target_name}: {len(recs)} program(s), largest {worst['name']} "
                   f"at {gib(worst['total_bytes_per_chip'])} of {gib(hbm)} per device "
-                  f"({100 * (1 - worst['total_bytes_per_chip'] / hbm):.1f}% headroom, "
+                  f"({headroom(1 - worst['total_bytes_per_chip'] / hbm)}, "
                   f">= {100 * min_headroom:g}% asked)")
   bad = [r["name"] for r in recs if not r["fits"]]
   return False, (f"{', '.join(bad)}: needs up to {gib(worst['total_bytes_per_chip'])} per device "

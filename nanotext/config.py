@@ -123,9 +123,9 @@ def coerce(key: str, value, default):
   raise UserError(f"config key '{key}' has an unsupported default type {kind.__name__}")
 
 
-def _file_chain(path: Path) -> list:
+def file_chain(path) -> list:
   """The config files from the root ancestor down to `path`, each as a flat dict."""
-  chain, seen = [], []
+  chain, seen, path = [], [], Path(path)
   while True:
     path = path.resolve() if path.exists() else path
     if path in seen:
@@ -160,7 +160,7 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
   """Load a config file (with its `base:` ancestors) and apply `key=value` overrides."""
   schema = _schema()
   values = dict(schema)
-  for source, flat in _file_chain(Path(path)):
+  for source, flat in file_chain(path):
     for key, value in flat.items():
       if key in RETIRED:
         continue

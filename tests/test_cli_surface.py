@@ -132,6 +132,8 @@ def test_a_bad_config_is_refused_before_jax_loads(tool, tmp_path):
                                        ("--json=FOLDER", "cannot write --json"),
                                        ("--hlo_dir=FOLDER/file", "--hlo_dir"),
                                        ("--json=FOLDER/o --hlo_dir=FOLDER/o", "are both"),
+                                       # the YAML was replaced by the JSON
+                                       ("--json=configs/base.yml", "is the config file it"),
                                        ("XLA_PYTHON_CLIENT_MEM_FRACTION=abc", "must be a number")])
 def test_compile_flags_out_of_range_are_one_line_before_jax_loads(flag, want, tmp_path):
   """Flags and the outputs they name (--json a folder, --hlo_dir under a file: found after

@@ -112,6 +112,8 @@ def test_verdict_names_the_largest_program_or_those_that_failed():
   ok, line = compile_report.verdict([{**rec("eval", 1.0, True), "error": "x"}], "h100", 0.1)
   assert not ok and line.startswith("eval failed to compile for h100")
   assert compile_report.gib(3 * 2**20) == "3.0 MiB" and compile_report.gib(2**30) == "1.00 GiB"
+  # rounded down: 9.96% against 10% asked read "10.0% headroom: does NOT fit"
+  assert compile_report.headroom(0.0996) == "9.9% headroom"
 
 
 def test_lockfile_message_is_one_clear_line():
