@@ -98,6 +98,14 @@ def _bpb_scale(run: dict) -> float | None:
   return None
 
 
+def isolated(points: list) -> list:
+  """The (step, loss) points with a finite loss and no finite neighbour in the list (one row,
+  or a row between skipped steps): a line through them is invisible."""
+  ok = [v is not None and math.isfinite(v) for _, v in points]
+  return [p for i, p in enumerate(points) if ok[i] and not (i and ok[i - 1])
+          and not (i + 1 < len(ok) and ok[i + 1])]
+
+
 def plot(runs: list, out: str, title: str = "") -> None:
   """Write the 2 x 2 figure of `runs` (from read_run) to `out` (format from its extension)."""
   import matplotlib
@@ -122,6 +130,9 @@ def plot(runs: list, out: str, title: str = "") -> None:
         if run["train"]:
           ax.plot([x(s) for s, _ in run["train"]], [v * f for _, v in run["train"]],
                   color=color, lw=1.2, alpha=0.8, label=plain(f"{run['name']} train"))
+          alone = isolated(run["train"])  # a line of one point draws nothing
+          ax.plot([x(s) for s, _ in alone], [v * f for _, v in alone], color=color, ls="none",
+                  marker=".", ms=6)
         if run["val"]:
           ys = [(b if row and b else v * f) for _, v, b in run["val"]]
           ax.plot([x(s) for s, _, _ in run["val"]], ys, color=color, ls="--", marker="o",

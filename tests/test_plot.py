@@ -103,3 +103,13 @@ def test_dollars_in_a_title_or_run_name_are_text(tmp_path):
   out = tmp_path / "o.png"
   proc = run_cli("nanotext.plot", run, f"--out={out}", "--title=cost $\\frac$ and $x^$")
   assert proc.returncode == 0 and out.exists(), proc.stderr
+
+
+def test_a_loss_with_no_finite_neighbour_gets_a_marker():
+  """A one-row run, or a row between skipped steps, was a line of one point: nothing drawn."""
+  from nanotext import plot
+  nan = float("nan")
+  assert plot.isolated([(1, 5.0)]) == [(1, 5.0)]
+  got = plot.isolated([(1, 5.0), (2, nan), (3, 4.0), (4, nan), (5, 3.0), (6, 2.9)])
+  assert got == [(1, 5.0), (3, 4.0)]  # 5 and 6 make a line
+  assert plot.isolated([]) == [] and plot.isolated([(1, nan)]) == []
