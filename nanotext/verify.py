@@ -78,9 +78,16 @@ def report(out: str, log=print) -> int:
     damaged += status == "damaged"
     log(f"  step {step:>7d}  {status:<10s}  {detail}")
   try:
-    unfinished = sorted(n for n in os.listdir(root) if "orbax-checkpoint-tmp" in n)
+    names = os.listdir(root)
   except OSError:  # the run was set aside by an overwrite meanwhile
-    unfinished = []
+    names = []
+  unfinished = sorted(n for n in names if "orbax-checkpoint-tmp" in n)
+  for name in sorted((n for n in names if rundir.is_step_name(n) and
+                      os.path.lexists(os.path.join(root, n)) and
+                      not os.path.isdir(os.path.join(root, n))), key=int, reverse=True):
+    damaged += 1  # orbax lists folders only: the step was left out unsaid, exit 0
+    log(f"  step {int(name):>7d}  {'damaged':<10s}  '{os.path.join(root, name)}' is not a "
+        "folder: no step can be read from it")
   for name in unfinished:
     log(f"  {name}: " + ("being saved by the run in progress" if live else
                          "a save that never finished; ignored by a resume, removed by the next "

@@ -49,6 +49,11 @@ def test_verify_reads_every_step_and_names_damage(tiny_run, tmp_path):
   assert verify.report(out, lines.append) == 1
   assert lines[1].split()[:3] == ["step", "2", "damaged"]
   shutil.rmtree(os.path.join(out, "checkpoints", "2"))
+  open(os.path.join(out, "checkpoints", "2"), "w").close()  # a file where the step was
+  lines.clear()
+  assert verify.report(out, lines.append) == 1  # it was left out: "0 checkpoint(s)", exit 0
+  assert lines[1].split()[:3] == ["step", "2", "damaged"] and "is not a folder" in lines[1]
+  os.remove(os.path.join(out, "checkpoints", "2"))
   lines.clear()
   assert verify.report(out, lines.append) == 0  # nothing damaged; it said "0 checkpoint(s)"
   assert lines[0].endswith("checkpoints yet: nothing to verify")
