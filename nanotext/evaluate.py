@@ -196,7 +196,7 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
       execs = programs.compile_programs(run, "eval", eval_plan(
           cfg, dones, takes_runtime_window(run.impl)), (params, val[0]), log)
     stage = (eval_windows(cfg, done(at)), seq_len)
-    losses = [execs(stage, params, b) for b in val]
+    losses = trainer.dispatch_each(run, lambda b: execs(stage, params, b), val)
     row = metrics.val_row(float(np.mean(jax.device_get(losses))), bytes_per_token)
     rows.append({"step": at, **row, "tokens": tokens})
     log(f"step {at if at >= 0 else '?':>6} | {metrics.val_text(row)}")  # ?: no convert.json

@@ -10,7 +10,7 @@ import numpy as np
 
 from nanotext import checkpoint, metrics
 from nanotext.programs import compile_all, train_plan
-from nanotext.trainer import global_batch
+from nanotext.trainer import dispatch_each, global_batch
 from nanotext.wiring import Run
 from nanotext.watch import CompileCounter, Monitor, Preemption, Profiler, StartupClock
 from nanotext.model.kernels.dispatch import takes_runtime_window
@@ -72,7 +72,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
 
   def evaluate(params, done):
     stage = (eval_windows(cfg, done), t_cfg.eval_seq_len or t_cfg.seq_len)
-    losses = [eval_execs(stage, params, b) for b in val_batches]
+    losses = dispatch_each(run, lambda b: eval_execs(stage, params, b), val_batches)
     return float(np.mean(jax.device_get(losses)))
 
   start_row = None

@@ -272,3 +272,13 @@ def test_the_distributed_keys_of_the_run_are_not_joined_again(tiny_run, tmp_path
   assert (d.coordinator_address, d.num_processes, d.process_id) == ("", 0, -1)
   d = evaluate.load_config(out, ["distributed.num_processes=4"], checked=False).distributed
   assert d.num_processes == 4
+
+
+def test_many_eval_batches_on_8_cpu_devices_do_not_deadlock(tiny_run):
+  # 64 eval programs dispatched at once outnumbered XLA:CPU's threads: a collective's rendezvous
+  # waited for devices that never came and aborted the process (SIGABRT, exit 134). The timeout
+  # bounds a deadlock; the fixed run takes seconds.
+  proc = run_cli("nanotext.evaluate", f"output_dir={tiny_run[0]}", "train.eval_batches=64",
+                 timeout=150)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "64 batches" in proc.stdout and np.isfinite(float(proc.stdout.split()[-1]))
