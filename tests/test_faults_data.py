@@ -15,6 +15,7 @@ from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, train_command
 from test_faults import assert_one_error_line
 from nanotext.data import binfile
 from nanotext.data.sources import ShardSource
+from nanotext.errors import UserError
 
 
 def shard(path, n=20_000, seed=0):
@@ -90,3 +91,30 @@ def test_a_shard_truncated_during_a_run(tmp_path):
   again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "resumed from the checkpoint of step" in again.stdout
+
+
+def test_many_shards_keep_a_bounded_number_open_and_reopen_checked(tmp_path, monkeypatch):
+  """A reader (an fd) per shard read ran past `ulimit -n` (1,024) with 1,100 shards: EMFILE."""
+  from nanotext.data import sources
+  monkeypatch.setattr(sources, "MAX_OPEN_SHARDS", 4, raising=False)
+  paths = [shard(tmp_path / f"s{k:02d}.bin", n=200, seed=k) for k in range(30)]
+  src = ShardSource(paths, seq_len=32)
+  before = len(os.listdir("/proc/self/fd"))
+  first = src[0].copy()
+  windows = [src[i] for i in range(len(src))]
+  assert len(os.listdir("/proc/self/fd")) - before <= 4
+  np.testing.assert_array_equal(windows[0], first)  # reopened, the same tokens
+  stat = os.stat(paths[0])  # closed since: rewritten meanwhile, it is refused when reopened
+  os.utime(paths[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+  with pytest.raises(binfile.ShardChanged, match=f"shard '{paths[0]}' changed"):
+    src[0]
+
+
+def test_too_many_open_files_is_one_line_naming_ulimit(tmp_path, monkeypatch):
+  import errno
+  path = shard(tmp_path / "a.bin", n=200)
+  def emfile(*args, **kwargs):
+    raise OSError(errno.EMFILE, "Too many open files")
+  monkeypatch.setattr(os, "open", emfile)
+  with pytest.raises(UserError, match=r"too many open files .*ulimit -n"):
+    ShardSource([path], seq_len=32)[0]

@@ -1,5 +1,6 @@
 """The modded-nanogpt `.bin` token shard: 256 int32 header words, then uint16 tokens."""
 
+import errno
 import glob
 import os
 
@@ -87,11 +88,24 @@ class Reader:
   checkpoint's data fingerprint tells a resume about the new one.
   """
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, seen: tuple | None = None):
+    """`seen`: the (size, mtime) an earlier Reader of the shard saw (ShardSource reopens shards
+    it closed): a shard that changed since is refused as it would have been while open."""
     self.path = path
-    self.count = read_header(path)
-    self._fd = os.open(path, os.O_RDONLY)
-    self._seen = self._state()
+    if seen is None:
+      read_header(path)
+    try:
+      self._fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+      if e.errno == errno.EMFILE:
+        raise UserError(f"cannot open shard '{path}': too many open files (the limit is "
+                        f"{_open_files_limit()}): raise it with `ulimit -n`") from None
+      raise
+    now = self._state()
+    self.seen = seen or now
+    if now != self.seen:
+      self._changed(f"its size or modification time changed ({self.seen[0]:,} -> "
+                    f"{now[0]:,} bytes)")
 
   def _state(self) -> tuple:
     st = os.fstat(self._fd)
@@ -100,8 +114,8 @@ class Reader:
   def tokens(self, start: int, n: int) -> np.ndarray:
     """Tokens [start, start + n) as uint16."""
     now = self._state()
-    if now != self._seen:
-      self._changed(f"its size or modification time changed ({self._seen[0]:,} -> "
+    if now != self.seen:
+      self._changed(f"its size or modification time changed ({self.seen[0]:,} -> "
                     f"{now[0]:,} bytes)")
     want = n * TOKEN_DTYPE.itemsize
     data = os.pread(self._fd, want, HEADER_BYTES + start * TOKEN_DTYPE.itemsize)
@@ -119,6 +133,16 @@ class Reader:
       os.close(self._fd)
     except (OSError, AttributeError, TypeError):
       pass
+
+
+def _open_files_limit() -> str:
+  """The soft limit on open files, as `ulimit -n` says it."""
+  try:
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+  except (ImportError, OSError, ValueError):
+    return "unknown"
+  return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
 
 
 def find_shards(pattern: str, key: str = "data.train_files") -> list[str]:

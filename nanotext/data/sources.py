@@ -1,9 +1,18 @@
 """Random-access sources of token windows: item i is an int32 array of seq_len + 1 tokens."""
 
+import collections
+import threading
+
 import numpy as np
 
 from nanotext.data import binfile
 from nanotext.errors import UserError
+
+
+# Shards a source keeps open at once (each an fd, in each grain worker): modded-nanogpt's
+# fineweb100B has 1,028, and a reader per shard ran past the common `ulimit -n` of 1,024. The
+# least recently read one closes first; shards read in order (data.shuffle=false) stay open.
+MAX_OPEN_SHARDS = 128
 
 
 def _windows(num_tokens: int, seq_len: int) -> int:
@@ -49,19 +58,17 @@ class ShardSource:
     self._seq_len = seq_len
     self._counts = counts
     self._starts = np.cumsum([0] + windows)
-    self._readers = None
     self._vocab = vocab_size
+    self.__setstate__(self.__dict__)
 
   def __len__(self) -> int:
     return int(self._starts[-1])
 
   def __getitem__(self, i) -> np.ndarray:
     i = _check_index(i, len(self))
-    if self._readers is None:  # Opened lazily so that each worker process opens its own.
-      self._readers = [binfile.Reader(f) if c else None for f, c in zip(self._files, self._counts)]
     k = int(np.searchsorted(self._starts, i, side="right")) - 1
     offset = (i - int(self._starts[k])) * self._seq_len
-    window = self._readers[k].tokens(offset, self._seq_len + 1).astype(np.int32)
+    window = self._reader(k).tokens(offset, self._seq_len + 1).astype(np.int32)
     # An id past the embedding table would only show up later as a NaN loss; a max is cheap.
     if self._vocab is not None and window.size and window.max() >= self._vocab:
       first = int(np.argmax(window >= self._vocab))
@@ -71,9 +78,34 @@ class ShardSource:
                       "with another tokenizer, or the tables are too small")
     return window
 
+  def _reader(self, k: int) -> binfile.Reader:
+    """Shard k's reader, opened on first use (in each worker process: its own files) and kept
+    among the MAX_OPEN_SHARDS read last. One evicted is not closed here: a grain thread may be
+    reading it; it closes when the last one drops it."""
+    reader = self._open.get(k)  # the hot path, without the lock: each call is atomic
+    if reader is not None:
+      try:
+        self._open.move_to_end(k)
+      except KeyError:  # evicted by another thread meanwhile: still readable
+        pass
+      return reader
+    # Reopened, it is checked against what it was first (a shard changed meanwhile is refused).
+    reader = binfile.Reader(self._files[k], self._seen.get(k))
+    with self._lock:
+      self._seen.setdefault(k, reader.seen)
+      self._open[k] = reader
+      while len(self._open) > MAX_OPEN_SHARDS:
+        self._open.popitem(last=False)
+    return reader
+
   def __getstate__(self):
-    # Open files do not pickle; workers open their own.
-    return {**self.__dict__, "_readers": None}
+    # Open files and locks do not pickle; workers open their own.
+    return {k: v for k, v in self.__dict__.items() if k not in ("_open", "_lock")}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._open, self._lock = collections.OrderedDict(), threading.Lock()
+    self.__dict__.setdefault("_seen", {})
 
   def __repr__(self) -> str:
     return f"ShardSource({len(self._files)} files, {self._tokens} tokens, {len(self)} sequences)"
