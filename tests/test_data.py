@@ -628,3 +628,18 @@ def test_a_tokenizer_that_cannot_load_is_named_where_the_data_are_its_text(monke
       "data.tokenizer=gpt2 needs tiktoken"
   assert pipeline.tokenizer_problem(data_cfg(source="bin", tokenizer="none")) == ""
   assert pipeline.tokenizer_problem(data_cfg(source="synthetic", tokenizer="gpt2")) == ""
+
+
+def test_packed_documents_read_as_many_windows_as_shards_under_a_token_cap(tmp_path):
+  """data.val_tokens=320 at seq_len 32: 10 windows from a shard, 9 from the same documents packed
+  (tfds): the cap took the targets' extra token from the inputs."""
+  from nanotext.data.sources import PackedDocSource, ShardSource
+  docs = [{"tokens": np.arange(1, 101, dtype=np.int32)} for _ in range(10)]
+  path = str(tmp_path / "v.bin")
+  binfile.write_shard(path, np.concatenate([[0, *d["tokens"]] for d in docs]))
+  for cap in (0, 64, 320, 1000, 1009, 1010):
+    packed = PackedDocSource(docs, "tokens", 32, eot_id=0, max_tokens=cap)
+    shards = ShardSource([path], 32, max_tokens=cap)
+    assert len(packed) == len(shards), cap
+    for i in range(len(packed)):
+      np.testing.assert_array_equal(packed[i], shards[i])

@@ -126,7 +126,10 @@ class PackedDocSource:
         lengths[j] = len(self._tokens(rec))
     self._doc_starts = np.concatenate([[0], np.cumsum(lengths)])
     total = int(self._doc_starts[-1])
-    self._len = _windows(min(total, max_tokens) if max_tokens > 0 else total, seq_len)
+    # As ShardSource: max_tokens caps the input tokens, the last target may lie one beyond.
+    self._len = _windows(total, seq_len)
+    if max_tokens > 0:
+      self._len = min(self._len, max_tokens // seq_len)
 
   def _read(self, indices):
     """Records at `indices`, batched when the source supports it."""
