@@ -643,3 +643,16 @@ def test_packed_documents_read_as_many_windows_as_shards_under_a_token_cap(tmp_p
     assert len(packed) == len(shards), cap
     for i in range(len(packed)):
       np.testing.assert_array_equal(packed[i], shards[i])
+
+
+@pytest.mark.parametrize("bad", [9000, -1])
+def test_packed_documents_refuse_ids_outside_the_vocabulary(bad):
+  """Past the table an id became a NaN loss naming nothing; -1 read the table's last row."""
+  from nanotext.data.sources import PackedDocSource
+  docs = [{"tokens": np.arange(1, 40, dtype=np.int32)},
+          {"tokens": np.array([5, bad, 7] * 20, dtype=np.int32)}]
+  src = PackedDocSource(docs, "tokens", 32, eot_id=0, vocab_size=8192, name="TFDS data set 'x'")
+  src[0]  # the first document's window is whole ids
+  with pytest.raises(UserError, match=rf"TFDS data set 'x' holds token id {bad} \(in document 1\)"
+                     r", not in \[0, 8192\)"):
+    src[1]

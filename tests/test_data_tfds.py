@@ -77,3 +77,11 @@ def test_tfds_val_and_errors(tfds_dir):
   with pytest.raises(UserError, match=r"data.tfds_field"):
     make_train_iter(data_cfg(source="tfds", tfds_name="nanotext_tiny_docs", tfds_dir=tfds_dir,
                              tfds_field="ids"), seq_len=4, batch_size=2, seed=0)
+
+
+def test_tfds_ids_past_the_vocabulary_are_refused(tfds_dir):
+  """The validation ids reach 5,000 and more: past 512 embedding rows, named with the data set."""
+  cfg = data_cfg(source="tfds", tfds_name="nanotext_tiny_docs", tfds_dir=tfds_dir, eot_id=1)
+  with pytest.raises(UserError, match=r"TFDS data set 'nanotext_tiny_docs' split 'validation' "
+                     r"holds token id 5\d{3} \(in document \d\), not in \[0, 512\)"):
+    make_val_batches(cfg, seq_len=4, batch_size=2, num_batches=1, vocab_size=512)

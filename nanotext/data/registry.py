@@ -125,7 +125,7 @@ def _check_tfds(data_cfg) -> None:
 
 def _open_tfds(data_cfg, split, *, seq_len, seed, vocab_size, group, max_tokens):
   """Documents of a prepared array_record TFDS split, packed into windows."""
-  del seed, vocab_size, group
+  del seed, group
   tfds_split = data_cfg.tfds_train_split if split == "train" else data_cfg.tfds_val_split
   if not data_cfg.tfds_name:
     raise UserError("data.source is 'tfds' but data.tfds_name is empty")
@@ -146,7 +146,9 @@ def _open_tfds(data_cfg, split, *, seq_len, seed, vocab_size, group, max_tokens)
   if len(docs) and data_cfg.tfds_field not in docs[0]:
     raise UserError(f"TFDS data set '{data_cfg.tfds_name}' has no feature "
                     f"'{data_cfg.tfds_field}' (it has {sorted(docs[0])}): set data.tfds_field")
-  return PackedDocSource(docs, data_cfg.tfds_field, seq_len, resolve_eot_id(data_cfg), max_tokens)
+  return PackedDocSource(docs, data_cfg.tfds_field, seq_len, resolve_eot_id(data_cfg), max_tokens,
+                         vocab_size=vocab_size,
+                         name=f"TFDS data set '{data_cfg.tfds_name}' split '{tfds_split}'")
 
 
 def _open_synthetic(data_cfg, split, *, seq_len, seed, vocab_size, group, max_tokens):

@@ -115,8 +115,10 @@ class PackedDocSource:
   """Windows over documents concatenated end to end (each preceded by eot_id when given)."""
 
   def __init__(self, docs, field: str, seq_len: int, eot_id: int | None = None,
-               max_tokens: int = 0, chunk: int = 1024):
+               max_tokens: int = 0, chunk: int = 1024, vocab_size: int | None = None,
+               name: str = "the documents"):
     self._docs, self._field, self._seq_len = docs, field, seq_len
+    self._vocab, self._name = vocab_size, name
     self._eot = None if eot_id is None or eot_id < 0 else int(eot_id)
     # One pass over the documents builds the offset index that makes windows random access.
     lengths = np.zeros(len(docs), dtype=np.int64)
@@ -157,7 +159,17 @@ class PackedDocSource:
       lo = max(start, int(self._doc_starts[d])) - int(self._doc_starts[d])
       hi = min(end, int(self._doc_starts[d + 1])) - int(self._doc_starts[d])
       pieces.append(self._tokens(rec)[lo:hi])
-    return np.concatenate(pieces).astype(np.int32)
+    window = np.concatenate(pieces).astype(np.int32)
+    # As ShardSource: past the table a NaN loss later, a negative id wraps to its last row.
+    if self._vocab is not None and window.size and (window.max() >= self._vocab
+                                                    or window.min() < 0):
+      first = int(np.argmax((window >= self._vocab) | (window < 0)))
+      doc = int(np.searchsorted(self._doc_starts, start + first, side="right")) - 1
+      raise UserError(f"{self._name} holds token id {int(window[first])} (in document {doc}), "
+                      f"not in [0, {self._vocab}), the rows of the embedding tables "
+                      "(model.embed_rows, at most model.vocab_size): the data was made with "
+                      "another tokenizer, or the tables are too small")
+    return window
 
   def __repr__(self) -> str:
     return f"PackedDocSource({len(self._doc_starts) - 1} documents, {len(self)} sequences)"
