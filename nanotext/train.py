@@ -116,6 +116,9 @@ def run(path: str, overrides, log=print, started: float | None = None):
     if len(val_local) < cfg.train.eval_batches:
       log(f"validation: {len(val_local)} batch{'es' if len(val_local) > 1 else ''}, all the "
           f"validation data holds (train.eval_batches={cfg.train.eval_batches})")
+    if (epochs := train_iter.epochs(cfg.train.steps)) > 1:  # each sequence read again
+      log(f"training data: {train_iter.windows:,} sequences of {cfg.train.seq_len + 1} tokens, "
+          f"{epochs:.1f} epochs in train.steps={cfg.train.steps} of {train_iter.rows} rows")
     clock.lap("output_dir")
     result = _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock)
   if preemption.received and not result.preempted:  # while the run's files were closed

@@ -502,7 +502,13 @@ def test_too_little_training_data_says_what_there_is(tmp_path):
                      r"sequences of 33 tokens.*100 tokens.*set data.shuffle=true"):
     make_train_iter(cfg, seq_len=32, batch_size=8, seed=0)
   cfg.update(shuffle=True)
-  assert next(make_train_iter(cfg, seq_len=32, batch_size=8, seed=0))["inputs"].shape == (8, 32)
+  # Fewer sequences than one batch were read anyway, each batch repeating some (53 epochs in 20
+  # steps, not a word): refused, as validation data is.
+  with pytest.raises(UserError, match=r"training data holds 3 sequences of 33 tokens, fewer than "
+                     r"one global batch of 8 \(train.batch_size\)"):
+    make_train_iter(cfg, seq_len=32, batch_size=8, seed=0)
+  it = make_train_iter(cfg, seq_len=32, batch_size=3, seed=0)
+  assert next(it)["inputs"].shape == (3, 32) and it.epochs(20) == 20
   with pytest.raises(UserError, match=r"no sequence of 129 tokens .*100 tokens"):
     make_train_iter(cfg, seq_len=128, batch_size=8, seed=0)
   cfg.update(train_files=str(tmp_path))

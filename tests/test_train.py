@@ -216,6 +216,21 @@ def test_validation_capped_by_its_data_says_so(tmp_path):
                                      f"data.val_files={tmp_path}/val.bin",
                                      "sample.max_new_tokens=0"])
   assert "validation: 1 batch, all the validation data holds (train.eval_batches=2)" in lines
+  assert not [line for line in lines if line.startswith("training data:")]  # 8 of 62 rows
+
+
+def test_steps_past_the_training_data_say_the_epochs(tmp_path):
+  """16 rows read of 9 sequences: each read again, said in one start-up line (was no word)."""
+  from nanotext.data import binfile
+  binfile.write_shard(str(tmp_path / "train.bin"), np.arange(300) % 512)  # 9 rows of 33
+  binfile.write_shard(str(tmp_path / "val.bin"), np.arange(300) % 512)
+  _, lines = quiet_run(BASE, TINY + [f"output_dir={tmp_path / 'run'}", "train.steps=2",
+                                     "train.eval_every=0", "data.source=bin",
+                                     f"data.train_files={tmp_path}/train.bin",
+                                     f"data.val_files={tmp_path}/val.bin",
+                                     "sample.max_new_tokens=0"])
+  assert [line for line in lines if line.startswith("training data:")] == [
+      "training data: 9 sequences of 33 tokens, 1.8 epochs in train.steps=2 of 8 rows"]
 
 
 def test_speedrun_family_trains_with_muon(tmp_path):

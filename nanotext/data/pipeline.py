@@ -83,6 +83,12 @@ def make_train_iter(data_cfg, *, seq_len: int, batch_size: int, seed: int,
   if len(source) == 0:
     raise UserError(f"training data holds no sequence of {seq_len + 1} tokens "
                     f"({source!r}): add data or lower train.seq_len")
+  rows = batch_size * process_count
+  if len(source) < rows:  # every batch would hold some sequences twice, as validation refuses
+    raise UserError(f"training data holds {len(source)} sequence{'s' * (len(source) != 1)} of "
+                    f"{seq_len + 1} tokens, fewer than one global batch of {rows} "
+                    f"(train.batch_size) ({source!r}): add data or lower train.batch_size or "
+                    "train.seq_len")
   ds = grain.MapDataset.source(source)
   if data_cfg.shuffle and not registry.get(data_cfg.source).shuffled:
     ds = ds.shuffle(seed=seed)  # Followed by repeat: a fresh permutation every epoch.
@@ -92,16 +98,21 @@ def make_train_iter(data_cfg, *, seq_len: int, batch_size: int, seed: int,
   ds = ds.batch(batch_size, drop_remainder=True).map(_split_batch)
   if data_cfg.workers > 0 and not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()  # grain workers read absl flags; library callers never parse.
-  return TrainIter(ds, data_cfg.workers)
+  return TrainIter(ds, data_cfg.workers, windows=len(source), rows=rows)
 
 
 class TrainIter:
   """This process's batches, read from a position on; the position (batches read) is its whole
   state, so a checkpoint resumes under any data.workers (grain's own state differs per count)."""
 
-  def __init__(self, batches: grain.MapDataset, workers: int):
+  def __init__(self, batches: grain.MapDataset, workers: int, windows: int = 0, rows: int = 0):
     self._batches, self._workers = batches, workers
     self.position, self._it = 0, None
+    self.windows, self.rows = windows, rows  # the data's sequences, a global batch's rows
+
+  def epochs(self, steps: int) -> float:
+    """Passes over the training data in `steps` global batches."""
+    return steps * self.rows / self.windows if self.windows else 0.0
 
   def __iter__(self):
     return self
