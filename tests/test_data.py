@@ -576,16 +576,19 @@ def test_prepare_keeps_a_folder_of_other_shards(tmp_path):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("key,source", [("train_files", "bin"), ("val_files", "bin"),
-                                        ("tfds_name", "tfds"), ("tfds_dir", "tfds")])
-def test_a_data_key_the_source_does_not_read_is_refused(key, source):
+@pytest.mark.parametrize("key,source,other", [
+    ("train_files", "bin", "shakespeare"), ("val_files", "bin", "shakespeare"),
+    ("tfds_name", "tfds", "shakespeare"), ("tfds_dir", "tfds", "shakespeare"),
+    ("dir", "shakespeare", "bin"), ("dir", "shakespeare", "tfds")])
+def test_a_data_key_the_source_does_not_read_is_refused(key, source, other):
   """evaluate data.val_files=mine/*.bin on a shakespeare run printed the run's own figures;
-  train with globs matching nothing trained on Shakespeare, exit 0. A config's own keys are
-  its source's business (speedrun.yml's FineWeb globs under data.source=synthetic)."""
+  train with globs matching nothing trained on Shakespeare, exit 0; data.dir under bin or tfds
+  was ignored. A config's own keys are its source's business (speedrun.yml's FineWeb globs under
+  data.source=synthetic)."""
   with pytest.raises(UserError, match=f"data.{key} is read only by data.source={source} .*"
                                       f"add data.source={source}"):
-    pipeline.check_overrides(data_cfg(source="shakespeare"), [f"data.{key}=/some/*.bin"])
-  pipeline.check_overrides(data_cfg(source="shakespeare"), [f"data.{key}="])  # cleared
+    pipeline.check_overrides(data_cfg(source=other), [f"data.{key}=/some/*.bin"])
+  pipeline.check_overrides(data_cfg(source=other), [f"data.{key}="])  # cleared
   pipeline.check_overrides(data_cfg(source=source), [f"data.{key}=/some/*.bin"])
 
 

@@ -36,7 +36,8 @@ def check_config(d) -> None:
 # (evaluate on `val_files` of a shakespeare run printed the run's own figures; train with a
 # train_files glob matching nothing, exit 0). A config's own (speedrun.yml's FineWeb globs under
 # data.source=synthetic or shakespeare) are left to the source it names.
-ONLY_READ_BY = {"train_files": "bin", "val_files": "bin", "tfds_name": "tfds", "tfds_dir": "tfds"}
+ONLY_READ_BY = {"train_files": "bin", "val_files": "bin", "tfds_name": "tfds", "tfds_dir": "tfds",
+                "dir": "shakespeare"}  # where its shards are prepared (registry, prepare)
 
 
 def check_overrides(d, overrides) -> None:
