@@ -85,7 +85,8 @@ class Reader:
   crash dump. Here a file cut short, grown or rewritten in place (its size or modification time
   changed) is one line naming it. A shard replaced by a rename keeps being read as it was
   opened (this open file is the old one), so a run stays on one version of its data; the
-  checkpoint's data fingerprint tells a resume about the new one.
+  checkpoint's data fingerprint tells a resume about the new one. (ShardSource closes shards
+  read least recently; one reopened is checked against its first state, so a rename is refused.)
   """
 
   def __init__(self, path: str, seen: tuple | None = None):
@@ -101,11 +102,7 @@ class Reader:
         raise UserError(f"cannot open shard '{path}': too many open files (the limit is "
                         f"{_open_files_limit()}): raise it with `ulimit -n`") from None
       raise
-    now = self._state()
-    self.seen = seen or now
-    if now != self.seen:
-      self._changed(f"its size or modification time changed ({self.seen[0]:,} -> "
-                    f"{now[0]:,} bytes)")
+    self.seen = seen or self._state()  # a reopened shard is checked by its first read
 
   def _state(self) -> tuple:
     st = os.fstat(self._fd)
