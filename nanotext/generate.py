@@ -13,26 +13,30 @@ MAX_SAMPLES = 1000
 INT64_MAX = 2**63 - 1
 
 
-def choose(logits_V, key, temperature: float, top_k: int):
+def choose(logits_V, key, temperature: float, top_k: int, ids: int | None = None):
   """A token id from float32 logits: the argmax at temperature 0, else drawn from the softmax at
-  `temperature` over the top_k logits (0 = all)."""
+  `temperature` over the top_k logits (0 = all); only ids below `ids` (None: any)."""
   import jax
   import jax.numpy as jnp
+  V = logits_V.shape[-1]
+  if ids is not None and ids < V:  # the head's padding rows: no token table row, no text
+    logits_V = jnp.where(jnp.arange(V) < ids, logits_V, -jnp.inf)
+    V = ids
   if temperature <= 0:
     return jnp.argmax(logits_V)
   if top_k:
-    kth = jax.lax.top_k(logits_V, min(top_k, logits_V.shape[-1]))[0][-1]
+    kth = jax.lax.top_k(logits_V, min(top_k, V))[0][-1]
     logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
   # shifted by the maximum before the division: a temperature near 0 (1e-38) then makes the
   # others -inf, not every logit inf (whose draw was NaN's)
   return jax.random.categorical(key, (logits_V - jnp.max(logits_V)) / temperature)
 
 
-def pick(temperature: float, top_k: int):
+def pick(temperature: float, top_k: int, ids: int | None = None):
   """`choose` for each row: (float32 logits [B, V], keys [B]) -> token ids [B]; row i is the
   token `choose` gives for logits i and key i alone."""
   import jax
-  return jax.vmap(lambda logits_V, key: choose(logits_V, key, temperature, top_k))
+  return jax.vmap(lambda logits_V, key: choose(logits_V, key, temperature, top_k, ids))
 
 
 def split(keys):
@@ -69,37 +73,39 @@ def documents(buf_BT, eot: int | None):
 
 
 @functools.lru_cache(maxsize=8)  # one set of programs for every sample of a command
-def make_sampler(graphdef, max_len: int, temperature: float, top_k: int, eot: int | None = None):
-  """jit(params, buf_BT, pos, keys_B) -> each row's next token id after position `pos` of a
-  buffer, the whole buffer run again (compiled once per buffer shape); with `eot` (the model's
-  attention.doc_mask) each token sees only its own document, as in training."""
+def make_sampler(graphdef, max_len: int, temperature: float, top_k: int, eot: int | None = None,
+                 ids: int | None = None):
+  """jit(params, buf_BT, pos, keys_B) -> each row's next token id (below `ids`) after position
+  `pos` of a buffer, the whole buffer run again (compiled once per buffer shape); with `eot` (the
+  model's attention.doc_mask) each token sees only its own document, as in training."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
   def next_tokens(params, buf, pos, keys):
     logits_BV = nnx.merge(graphdef, params)(buf, documents(buf, eot), train=False)[:, pos]
-    return pick(temperature, top_k)(logits_BV.astype(jnp.float32), keys)
+    return pick(temperature, top_k, ids)(logits_BV.astype(jnp.float32), keys)
   del max_len
   return jax.jit(next_tokens)
 
 
 @functools.lru_cache(maxsize=8)
-def make_cached(graphdef, temperature: float, top_k: int, eot: int | None = None):
+def make_cached(graphdef, temperature: float, top_k: int, eot: int | None = None,
+                ids: int | None = None):
   """(prompt, step): jit(params, caches, buf_BT, n, keys_B) -> (each row's token after the first
   n of a buffer, caches holding their keys and values); jit(params, caches, tokens_B, docs_B,
   pos, keys_B) -> (each row's token after its token at position pos, in document docs_B (None
-  without `eot`), caches with it added). Compiled once per buffer and cache shape; the caches'
-  buffers are donated (written in place)."""
+  without `eot`), caches with it added); tokens below `ids`. Compiled once per buffer and cache
+  shape; the caches' buffers are donated (written in place)."""
   import jax
   from flax import nnx
   def prompt(params, caches, buf, n, keys):
     logits_BV, caches = nnx.merge(graphdef, params).extend(buf, caches, 0, n - 1,
                                                            documents(buf, eot))
-    return pick(temperature, top_k)(logits_BV, keys), caches
+    return pick(temperature, top_k, ids)(logits_BV, keys), caches
   def step(params, caches, tokens, docs, pos, keys):
     logits_BV, caches = nnx.merge(graphdef, params).extend(
         tokens[:, None], caches, pos, 0, None if docs is None else docs[:, None])
-    return pick(temperature, top_k)(logits_BV, keys), caches
+    return pick(temperature, top_k, ids)(logits_BV, keys), caches
   return jax.jit(prompt, donate_argnums=1), jax.jit(step, donate_argnums=1)
 
 
@@ -116,22 +122,27 @@ def stream(graphdef, params, prompt_ids, *, seed: int, **kw):
 
 
 def stream_rows(graphdef, params, prompt_ids, *, seeds, max_len: int, max_new_tokens: int,
-                temperature: float, top_k: int, cache: bool = True, eot: int | None = None):
+                temperature: float, top_k: int, cache: bool = True, eot: int | None = None,
+                ids: int | None = None):
   """A sample per seed, drawn together as the rows of one batch: a list of each row's token per
   step, yielded as they are drawn. From the key-value cache while the context fits in max_len
   (`cached`), then with the whole context of the last max_len tokens run again for each token
   (it slides, and every position moves). Row i draws what seed i alone would, but for logits
   that a batch rounds differently from one row and that tie at that rounding. `eot`: documents
-  begin at this token and see nothing before it (a model trained with attention.doc_mask)."""
+  begin at this token and see nothing before it (a model trained with attention.doc_mask).
+  `ids`: draw only ids below it (the tokenizer's vocabulary size), and never one past the token
+  table's rows (a head padded past them, as the record's: fed back, such an id was a NaN row)."""
   import numpy as np
   if not prompt_ids:
     raise UserError("the prompt encodes to no tokens; give a non-empty prompt")
+  table = params["embed"]["embedding"].shape[0]  # model.embed_rows, resolved
+  ids = table if ids is None else min(ids, table)
   rows = [list(prompt_ids) for _ in seeds]
   keys = seed_keys(seeds)
   if cache and len(prompt_ids) < max_len and max_new_tokens:
-    keys = yield from cached(graphdef, params, rows, keys, max_len=max_len, eot=eot,
+    keys = yield from cached(graphdef, params, rows, keys, max_len=max_len, eot=eot, ids=ids,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
-  step_fn = make_sampler(graphdef, max_len, temperature, top_k, eot)
+  step_fn = make_sampler(graphdef, max_len, temperature, top_k, eot, ids)
   for _ in range(max_new_tokens - (len(rows[0]) - len(prompt_ids))):
     ctx = np.asarray([r[-max_len:] for r in rows], np.int32)
     buf = np.zeros((len(rows), bucket(ctx.shape[1], max_len)), np.int32)
@@ -150,14 +161,14 @@ def append(rows: list, tokens) -> list:
 
 
 def cached(graphdef, params, rows: list, keys, *, max_len: int, max_new_tokens: int,
-           temperature: float, top_k: int, eot: int | None = None):
+           temperature: float, top_k: int, eot: int | None = None, ids: int | None = None):
   """Tokens drawn after each row (appended to it as they are yielded) while the context fits in
   max_len: the prompt runs once (in a bucket), then each row's token alone against every
   layer's cached keys and values (model/kv_cache.py). Returns the random keys to go on with."""
   import numpy as np
   from flax import nnx
   from nanotext.model import kv_cache
-  prompt, step = make_cached(graphdef, temperature, top_k, eot)
+  prompt, step = make_cached(graphdef, temperature, top_k, eot, ids)
   n = len(rows[0])
   length = bucket(min(n + max_new_tokens, max_len), max_len)  # positions it may hold
   caches = kv_cache.empty(nnx.merge(graphdef, params), len(rows), length)
@@ -230,7 +241,7 @@ def sample_ids(graphdef, params, cfg, tokenizer, prompt: str, seed: int | None =
   s = cfg.sample
   return stream(graphdef, params, encode_prompt(tokenizer, prompt), max_len=cfg.model.max_seq_len,
                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                seed=s.seed if seed is None else seed, eot=doc_eot(cfg))
+                seed=s.seed if seed is None else seed, eot=doc_eot(cfg), ids=tokenizer.vocab_size)
 
 
 def doc_eot(cfg) -> int | None:
@@ -347,7 +358,8 @@ def print_batch(graphdef, params, cfg, tokenizer, prompt_ids, seeds, step, first
   def first_row():
     for tokens in stream_rows(graphdef, params, prompt_ids, seeds=seeds,
                               max_len=cfg.model.max_seq_len, max_new_tokens=s.max_new_tokens,
-                              temperature=s.temperature, top_k=s.top_k, eot=doc_eot(cfg)):
+                              temperature=s.temperature, top_k=s.top_k, eot=doc_eot(cfg),
+                              ids=tokenizer.vocab_size):
       for ids, t in zip(drawn, tokens):
         ids.append(t)
       yield tokens[0]

@@ -272,3 +272,48 @@ def test_an_argument_given_twice_is_refused():
   for argv in (["output_dir=a", "output_dir=b"], ["output_dir=a", "seed=1", "seed=2"]):
     with pytest.raises(UserError, match=f"{argv[-1].split('=')[0]}= is given twice"):
       generate.parse(argv)
+
+
+@functools.lru_cache(maxsize=None)
+def padded_model():
+  """(run, graphdef, params): TINY's one-layer GPT with 8 token rows under a 512-wide head
+  (model.embed_rows, as the record pads its head), the padding ids' logits made to dominate."""
+  run = wiring.prepare(BASE, TINY + ["model.tie_embeddings=false", "model.num_layers=1",
+                                     "model.embed_rows=8", "sample.max_new_tokens=12"])
+  params = nnx.state(run.create_model(1)).to_pure_dict()
+  kernel = np.array(params["head"]["kernel"], np.float32)
+  kernel[:, :8] *= 0.01
+  kernel[:, 8:] *= 10.0
+  params["head"]["kernel"] = kernel.astype(params["head"]["kernel"].dtype)
+  return run, run.graphdef, params
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (1.0, 0), (1.0, 100), (1e-38, 3)])
+def test_head_padding_ids_are_never_drawn(temperature, top_k):
+  """A head wider than the token table (the record's 50,304 over 50,257 rows) drew padding ids:
+  fed back, jnp.take's fill made the row NaN and every later token id 0. Only ids with a row
+  are drawn, greedy, sampled and with top_k past them, in a batch and with or without the
+  key-value cache, which agree."""
+  _, graphdef, params = padded_model()
+  kw = dict(max_len=MAX_LEN, max_new_tokens=12, temperature=temperature, top_k=top_k)
+  draw = lambda cache: [list(r) for r in zip(*generate.stream_rows(
+      graphdef, params, [1, 2, 3], seeds=(0, 1, 2), cache=cache, **kw))]
+  cached, uncached = draw(True), draw(False)
+  assert all(0 <= t < 8 for row in cached for t in row), cached
+  assert cached == uncached
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
+  """Token rows past the tokenizer's vocabulary (a model wider than it) were drawn and dropped
+  from the text: fewer tokens printed than asked for. The end-of-run sample draws below it."""
+  run, graphdef, params = padded_model()
+
+  class Tokenizer:
+    vocab_size = 4
+    def encode(self, text):
+      return [1, 2, 3]
+  got = list(generate.sample_ids(graphdef, params, run.cfg, Tokenizer(), "x"))
+  assert len(got) == 12 and all(0 <= t < 4 for t in got), got
+  wide = generate.sample(graphdef, params, [1, 2], seed=0, max_len=MAX_LEN, max_new_tokens=12,
+                         temperature=1.0, top_k=0, ids=4, cache=False)
+  assert all(0 <= t < 4 for t in wide), wide
