@@ -79,6 +79,12 @@ def load_config(out: str, overrides, checked: bool = True):
   args = (os.path.join(out, "config.yml"), [*own, *overrides, f"output_dir={out}"])
   if checked:
     from nanotext import wiring
+    if any(o.strip().startswith("model.scan_layers=") for o in overrides):
+      # checked here first: wiring's line advises turning off model.* keys evaluate refuses
+      from nanotext.model.gpt import check_scan
+      cfg = config.load(*args)
+      check_scan(cfg.model, cfg.attention, "evaluate keeps them as the run trained them: leave "
+                 "model.scan_layers as the run has it")
     cfg = wiring.load(*args)
   else:
     cfg = config.load(*args)
@@ -142,8 +148,8 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   line."""
   import jax
   import numpy as np
-  from nanotext import (distributed, memory_plan, metrics, params_from, programs, rundir, trainer,
-                        wiring)
+  from nanotext import (distributed, memory_plan, metrics, params_from, programs, rundir, sharding,
+                        trainer, wiring)
   from nanotext.data.pipeline import tokenizer_problem, val_bytes_per_token
   from nanotext.integrity import Damaged
   from nanotext.model.kernels.dispatch import takes_runtime_window
@@ -151,7 +157,13 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   cfg = load_config(out, overrides)
   distributed.maybe_initialize(cfg.distributed)  # before the first backend use
   cfg = fit_mesh(cfg, out, overrides, jax.device_count(), log)
-  run = wiring.from_config(cfg, prefer=memory_plan.saved_choice(out), checked=True)
+  try:
+    run = wiring.from_config(cfg, prefer=memory_plan.saved_choice(out), checked=True)
+  except sharding.NotDivisible as e:
+    if e.key.startswith("train."):  # a key evaluate takes: the advice stands
+      raise
+    raise UserError(f"{e.head}; evaluate builds the model as the run trained it: change the "
+                    "mesh (mesh.*) or the number of devices") from None
   run.memory.require("eval")
   cfg, t = run.cfg, run.cfg.train
   todo = sources(out, step)

@@ -251,6 +251,15 @@ def shard_count(logical_axes, rules, mesh_sizes: dict) -> int:
   return count
 
 
+class NotDivisible(UserError):
+  """A dimension its mesh axes do not divide; `key` sets it, `head` says which and by what (a
+  tool that cannot change `key` gives its own advice)."""
+
+  def __init__(self, key: str, head: str):
+    super().__init__(f"{head}; change {key} or the mesh")
+    self.key, self.head = key, head
+
+
 def check_divisible(dims, rules, mesh_sizes: dict) -> None:
   """Each dimension must divide evenly by the mesh axes its logical name maps to.
 
@@ -262,8 +271,8 @@ def check_divisible(dims, rules, mesh_sizes: dict) -> None:
     n = math.prod(mesh_sizes[a] for a in table.get(name, ()))
     if size % n:
       axes = "*".join(f"mesh.{a}" for a in table[name])
-      raise UserError(f"{what}={size} is not divisible by {axes}={n} (logical axis '{name}'); "
-                      f"change {what} or the mesh")
+      raise NotDivisible(what, f"{what}={size} is not divisible by {axes}={n} (logical axis "
+                               f"'{name}')")
 
 
 def param_dims(abstract_state, keys_by_axis: dict, alternates: dict | None = None):

@@ -282,3 +282,24 @@ def test_many_eval_batches_on_8_cpu_devices_do_not_deadlock(tiny_run):
                  timeout=150)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "64 batches" in proc.stdout and np.isfinite(float(proc.stdout.split()[-1]))
+
+
+@pytest.mark.fast
+def test_refusals_advise_only_keys_evaluate_takes(tiny_run, tmp_path):
+  """evaluate takes no model.* key, yet a mesh that does not divide the model said to change
+  model.num_heads (or d_model), and model.scan_layers=true over blocks that differ to turn
+  model.unet_skips off; a train.* key's advice stands."""
+  quiet = lambda line: None
+  with pytest.raises(UserError, match=r"^model.num_heads=2 is not divisible by mesh.tensor=8 "
+                                      r".*: change the mesh \(mesh.\*\) or the number of devices$"):
+    evaluate.evaluate(tiny_run[0], overrides=["mesh.tensor=8", "mesh.fsdp=1"], log=quiet)
+  with pytest.raises(UserError, match="train.batch_size=4 is not divisible by mesh.data.*; "
+                                      "change train.batch_size or the mesh$"):
+    evaluate.evaluate(tiny_run[0], overrides=["mesh.data=8", "mesh.fsdp=1",
+                                              "train.batch_size=4"], log=quiet)
+  from conftest import saved_run
+  out = str(tmp_path / "unet")
+  saved_run(BASE, TINY + ["model.unet_skips=true"], out)
+  with pytest.raises(UserError, match=r"needs identical blocks; .*model.unet_skips=true "
+                                      r"\(.*leave model.scan_layers as the run has it\)$"):
+    evaluate.evaluate(out, overrides=["model.scan_layers=true"], log=quiet)

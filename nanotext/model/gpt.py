@@ -58,12 +58,12 @@ def check_config(m, attn_cfg=None) -> None:
     raise UserError("model.fp8_head=true needs an untied head (model.tie_embeddings=false)")
 
 
-def check_scan(m, attn_cfg) -> None:
+def check_scan(m, attn_cfg, fix: str = "turn them off or set model.scan_layers=false") -> None:
   """model.scan_layers=true needs identical blocks: refuse (one line) the keys that differ them.
   Value embeddings on some layers, MLP-only layers, U-net skips between layers, the first
   layer's v carried to the others and a window pattern with both sizes make block i differ from
-  block j; x0 lambdas, a learned attention scale and fused QKV are per-layer parameters that
-  stack like any other."""
+  block j; x0 lambdas, a learned attention scale and fused QKV stack like any other parameter
+  (`fix`: the line's advice)."""
   if not m.scan_layers:
     return
   no_attn = [i for i in m.no_attention_layers if i < m.num_layers]
@@ -75,7 +75,7 @@ def check_scan(m, attn_cfg) -> None:
     bad.append(f"attention.window_pattern={attn_cfg.window_pattern!r}")
   if bad:
     raise UserError(f"model.scan_layers=true needs identical blocks; these make layers differ: "
-                    f"{', '.join(bad)} (turn them off or set model.scan_layers=false)")
+                    f"{', '.join(bad)} ({fix})")
 
 
 def abstract_model(cfg, backend: str):
