@@ -94,9 +94,10 @@ def load_config(out: str, overrides, checked: bool = True):
 
 
 def precheck(argv) -> None:
-  """The arguments and the run's config with the overrides, checked before jax loads."""
-  out, _, overrides = parse(argv)
+  """The arguments, the run's config with the overrides and its steps, checked before jax loads."""
+  out, step, overrides = parse(argv)
   load_config(out, overrides, checked=False)
+  sources(out, step)
 
 
 def fit_mesh(cfg, out: str, overrides, devices: int, log):
@@ -119,13 +120,15 @@ def sources(out: str, step) -> list:
   read), one step, or every step on disk oldest first."""
   from nanotext import rundir
   from nanotext.checkpoint import checkpoint_dir
-  if step == -1:
+  if step == -1 and is_params_only(out):
     return [(None, out)]
   have = [s for s in rundir.steps_on_disk(out)  # folders: a file named 7 is no step
           if os.path.isdir(os.path.join(checkpoint_dir(out), str(s)))]
+  if not have and step in (-1, "all"):
+    raise UserError(f"output_dir '{out}' holds no checkpoints{rundir.aside_note(out)}")
+  if step == -1:
+    return [(None, out)]
   if step == "all":
-    if not have:
-      raise UserError(f"output_dir '{out}' holds no checkpoints{rundir.aside_note(out)}")
     return [(s, os.path.join(checkpoint_dir(out), str(s))) for s in have]
   if step not in have:
     raise UserError(f"output_dir '{out}' has no checkpoint for step {step}; it has {have}")
@@ -155,6 +158,7 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   from nanotext.model.kernels.dispatch import takes_runtime_window
   from nanotext.window_schedule import eval_plan, eval_windows
   cfg = load_config(out, overrides)
+  todo = sources(out, step)  # a run without checkpoints refused before its data and model
   distributed.maybe_initialize(cfg.distributed)  # before the first backend use
   cfg = fit_mesh(cfg, out, overrides, jax.device_count(), log)
   try:
@@ -166,7 +170,6 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
                     "mesh (mesh.*) or the number of devices") from None
   run.memory.require("eval")
   cfg, t = run.cfg, run.cfg.train
-  todo = sources(out, step)
   val_local = run.val_batches()
   val = [trainer.global_batch(run, b) for b in val_local]
   bytes_per_token = val_bytes_per_token(cfg.data, trainer.every_process(val_local))

@@ -303,3 +303,22 @@ def test_refusals_advise_only_keys_evaluate_takes(tiny_run, tmp_path):
   with pytest.raises(UserError, match=r"needs identical blocks; .*model.unet_skips=true "
                                       r"\(.*leave model.scan_layers as the run has it\)$"):
     evaluate.evaluate(out, overrides=["model.scan_layers=true"], log=quiet)
+
+
+@pytest.mark.fast
+def test_a_run_without_checkpoints_is_refused_before_its_data_and_model(tiny_run, tmp_path):
+  """It built the data and the model (its `model:` line, an absl warning) before saying
+  'holds no complete checkpoint'; now the steps on disk are looked at first, before jax too."""
+  out = tmp_path / "run"
+  out.mkdir()
+  shutil.copy(os.path.join(tiny_run[0], "config.yml"), out)
+  for empty in (False, True):  # no checkpoints/ folder, then an empty one
+    if empty:
+      (out / "checkpoints").mkdir()
+    for step in (-1, "all"):
+      lines = []
+      with pytest.raises(UserError, match=r"output_dir '.*' holds no checkpoints$"):
+        evaluate.evaluate(str(out), step, log=lines.append)
+      assert lines == []
+    with pytest.raises(UserError, match="holds no checkpoints$"):
+      evaluate.precheck([f"output_dir={out}"])
