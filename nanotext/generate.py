@@ -334,6 +334,10 @@ def main(argv) -> None:
   cfg = wiring.load(cfg_path, overrides)  # checked as train checks it
   rundir.check_unedited(out, cfg.to_dict())
   check_seeds(cfg, num)
+  if cfg.data.tokenizer == "none":  # no data.* argument here: the run's file names it
+    raise UserError(f"data.tokenizer is 'none' (the run read token ids, no text): set it in "
+                    f"'{cfg_path}' to the tokenizer that made them (no model key: the checkpoint "
+                    "still reads; set none back before training resumes into output_dir)")
   tokenizer = get_tokenizer(cfg.data.tokenizer)
   prompt_ids = encode_prompt(tokenizer, cfg.sample.prompt, "prompt")  # before the checkpoint
   why = past_rows(cfg, prompt_ids)

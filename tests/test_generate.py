@@ -1,6 +1,7 @@
 """Sampling: greedy and top-k against the model's own logits, seeds, the empty prompt."""
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -145,6 +146,19 @@ def test_a_prompt_past_the_models_rows_is_refused(tmp_path, source):
     generate.main([f"output_dir={out}", "prompt=Thou art a villain", "max_new_tokens=2"])
   with pytest.raises(UserError, match="holds no checkpoints"):  # past the prompt's check
     generate.main([f"output_dir={out}", "prompt=a", "max_new_tokens=2"])
+
+
+def test_a_run_without_a_tokenizer_is_told_where_to_name_one(tmp_path):
+  """generate on a data.tokenizer=none run said 'set data.tokenizer', an argument it refuses:
+  the line names the run's config.yml (data.* is no model key its checkpoint is checked on)."""
+  out = tmp_path / "run"
+  out.mkdir()
+  with open(BASE) as f:
+    text = f.read().replace("tokenizer: shakespeare ", "tokenizer: none ")
+  (out / "config.yml").write_text(text.replace("eot_id: -1 ", "eot_id: 0 "))
+  with pytest.raises(UserError, match=r"^data.tokenizer is 'none' .*: set it in '"
+                     + re.escape(str(out / "config.yml")) + "' .*before training resumes"):
+    generate.main([f"output_dir={out}", "max_new_tokens=2"])
 
 
 def test_empty_prompt_is_a_user_error():
