@@ -39,12 +39,16 @@ def describe(rec, passes: int = 0) -> str:
             f"{gib(rec['hbm_bytes_per_chip'])}: does NOT fit (the compiler refused it)")
   col = " | ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
                    for k, v in rec["collectives"].items() if v["count"]) or "none"
-  xla = rec["flops_xla_per_chip"]
-  if xla != xla and "kernels" in rec:  # a GPU executable has no cost analysis: its GEMMs' FLOPs
-    xla, what = rec["kernels"]["gemm_flops"], "GEMMs in the HLO"
+  xla, inv = rec["flops_xla_per_chip"], rec.get("kernels", {})
+  # A GPU executable has no cost analysis, and XLA's counts a loop body once where the loop's
+  # config does not state its trip count (libtpu's): the FLOPs of the GEMMs in the HLO instead.
+  if inv and (xla != xla or inv.get("unstated_loops") or inv.get("unknown_loops")):
+    xla, what = inv["gemm_flops"], "GEMMs in the HLO"
   else:
     what = "XLA"
-  ratio = xla / rec["flops_analytic_per_chip"]
+  ratio = f"({xla / rec['flops_analytic_per_chip']:.2f}x)"
+  if inv.get("unknown_loops"):  # a ratio of a count that is short by an unknown factor misleads
+    ratio = f"(no ratio: {inv['unknown_loops']} loop(s) of unknown trip count, counted once)"
   accessed = rec["bytes_accessed_per_chip"]
   accessed = f" | bytes accessed {_si(accessed)}" if accessed == accessed else ""
   verdict = "fits" if rec["fits"] else "does NOT fit"
@@ -55,7 +59,7 @@ def describe(rec, passes: int = 0) -> str:
       f"{gib(rec['generated_code'])} | total {gib(rec['total_bytes_per_chip'])}{est} of "
       f"{gib(rec['hbm_bytes_per_chip'])}, {headroom(rec['headroom'])}: {verdict}",
       f"  FLOPs per device   analytic {_si(rec['flops_analytic_per_chip'])} | {what} "
-      f"{_si(xla)} ({ratio:.2f}x){accessed}",
+      f"{_si(xla)} {ratio}{accessed}",
       f"  collectives        {col}"]
   if "kernels" in rec:
     lines += kernel_lines(rec["kernels"], rec.get("platform", "gpu"))
@@ -75,6 +79,8 @@ def kernel_lines(inv: dict, platform: str) -> list:
     notes = [f"{fast} fast-accumulating"] * bool(fast and math == "fp8") + \
         [f"{own[math]} Pallas"] * bool(own.get(math))
     return f"{g[math]} {name}" + (f" ({', '.join(notes)})" if notes else "")
+  n = inv.get("unknown_loops", 0)
+  unknown = f" (short: {n} loop(s) of unknown trip count counted once)" if n else ""
   parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
   slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} launches)"
                    for op, s, n, _ in inv["slowest_ops"][:3])
@@ -88,7 +94,7 @@ def kernel_lines(inv: dict, platform: str) -> list:
       f"  logits             {inv['logits_passes']:.1f} passes over the bf16 logits by "
       f"{inv['logits_kernels']} kernels, besides {inv['logits_gemms']} GEMMs",
       f"  step estimate      {1e3 * inv['estimate_s']:.1f} ms, a roofline lower bound, not a "
-      f"measured time ({parts} ms); slowest passes by jax op: {slow}",
+      f"measured time ({parts} ms){unknown}; slowest passes by jax op: {slow}",
       f"  not priced         {roofline.UNPRICED}"]
 
 

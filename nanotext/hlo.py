@@ -1,16 +1,17 @@
 """What a compiled program's optimized HLO says: its instructions, collectives and launches.
 
 `kernels(text)` walks the program as a device runs it (the entry computation, and the bodies of
-loops times their trip counts) and sorts each launch into a kind: GEMM calls (cuBLAS, FP8 among
-them; on TPU the convolution fusions), custom kernels (Pallas as Triton on GPU, Mosaic on TPU),
-cuDNN calls, fusions, scatters, collectives, copies, with the FLOPs and bytes each moves.
-nanotext/roofline.py prices them.
-"""
+loops times their trip counts: nanotext/hlo_loops.py) and sorts each launch into a kind: GEMM
+calls (cuBLAS, FP8 among them; on TPU the convolution fusions), custom kernels (Pallas as Triton
+on GPU, Mosaic on TPU), cuDNN calls, fusions, scatters, collectives, copies, with the FLOPs and
+bytes each moves. nanotext/roofline.py prices them."""
 
 import dataclasses
 import json
 import math
 import re
+
+from nanotext.hlo_loops import trip_count
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -173,9 +174,9 @@ class Kernel:
   own: bool = False  # a GEMM of our own: a Pallas kernel named *_gemm (model/kernels)
 
 
-def kernels(text: str) -> list:
-  """[Kernel] of every launch of one step of a compiled program, in program order."""
-  comps, entry = parse(text)
+def kernels(text: str, parsed=None) -> list:
+  """[Kernel] of every launch of one step of a compiled program (`parsed`: parse(text))."""
+  comps, entry = parsed or parse(text)
   out = []
 
   def walk(name: str, times: int) -> None:
@@ -183,7 +184,7 @@ def kernels(text: str) -> list:
     types = {i.name: i.type for i in instrs}
     for ins in instrs:
       if ins.opcode == "while":
-        trips = int(ins.config().get("known_trip_count", {}).get("n", 1) or 1)
+        trips = trip_count(ins, instrs, comps) or 1  # unknown: once (hlo_loops.loops)
         walk(ins.attr("body"), times * trips)
         walk(ins.attr("condition"), times * (trips + 1))
         continue

@@ -9,7 +9,8 @@ import collections
 import dataclasses
 import re
 
-from nanotext.hlo import Kernel, kernels
+from nanotext.hlo import Kernel, kernels, parse
+from nanotext.hlo_loops import loops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +47,12 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
   priced as a whole at the bf16 peak, or at their bytes where that is slower. `slowest_ops`:
   the `top` (None: every) non-GEMM launches summed by the jax op that made them, every layer's
   as one (block_3 -> block_N): (op, seconds, launches, bytes a launch moves on average), slowest
-  first.
+  first. `unknown_loops`: loops whose trip count nothing says (counted once); `unstated_loops`:
+  loops run more than once whose backend config does not say so (XLA's cost analysis counts
+  their bodies once: its FLOPs are short).
   """
-  ks = kernels(text)
+  parsed = parse(text)
+  ks, lp = kernels(text, parsed), loops(parsed[0])
   count = lambda *kinds: sum(k.count for k in ks if k.kind in kinds)
   gemms = {m: sum(k.count for k in ks if k.kind.startswith("gemm") and k.math == m)
            for m in ("bf16", "f32", "fp8")}
@@ -85,6 +89,8 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
           "logits_gemms": sum(k.count for k in big if k.kind.startswith("gemm")),
           "logits_passes": sum(k.count * k.bytes for k in big if not k.kind.startswith("gemm"))
                            / logits_bytes if logits_bytes else 0.0,
+          "unknown_loops": sum(1 for _, n, _ in lp if not n),
+          "unstated_loops": sum(1 for _, n, stated in lp if n != 1 and not stated),
           "estimate_s": sum(parts.values()), "estimate_parts_s": parts,
           "passes_s": sum(sec for sec, _, _ in passes.values()),  # every non-GEMM launch's
           "slowest_ops": sorted(((op, sec, n, b / max(n, 1))
