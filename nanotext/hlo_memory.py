@@ -28,9 +28,10 @@ class Buffer:
 
 
 def peak(text: str) -> tuple:
-  """(bytes, [Buffer] largest first) of the most the entry computation of scheduled HLO `text`
-  holds at once, beyond its arguments; a loop, call or branch adds its body's own peak while
-  it runs, and an instruction its unread outputs (scratch, such as a cuBLAS workspace)."""
+  """(bytes, [Buffer] largest first, adding up to bytes) of the most the entry computation of
+  scheduled HLO `text` holds at once, beyond its arguments; a loop, call or branch adds its
+  body's own peak while it runs, and an instruction its unread outputs (scratch, such as a
+  cuBLAS workspace): each a row of its own."""
   comps, entry = hlo.parse(text)
   return _peak(comps, entry, {})
 
@@ -43,10 +44,13 @@ def record(text: str) -> tuple:
 
 
 def lines(top: int, rows: list, gib) -> list:
-  """The lines nanotext.compile --peak prints for `record`'s values (`gib` formats bytes)."""
+  """The lines nanotext.compile --peak prints for `record`'s values (`gib` formats bytes), the
+  values beyond them as one line: they add up to the peak."""
+  rest = top - sum(b for b, _, _ in rows)
   return [f"  alive at the peak  {gib(top)} by a walk of the schedule (buffer assignment's "
           "packing not seen), largest first:"] + \
-      [f"    {gib(b):>10}  {op:<14} {name or '(no jax op)'}" for b, op, name in rows]
+      [f"    {gib(b):>10}  {op:<14} {name or '(no jax op)'}" for b, op, name in rows] + \
+      [f"    {gib(rest):>10}  {'':<14} (the other values alive)"] * (rest > 0)
 
 
 def _elements(type_: str) -> list:
@@ -99,8 +103,9 @@ def _in_place(ins, comps) -> int:
   return k + 1 if k < len(ins.operands) else 0
 
 
-def _inner(comps, ins, memo) -> int:
-  """The peak of what `ins` runs inside it (loop body, called computation, largest branch)."""
+def _inner(comps, ins, memo) -> tuple:
+  """(peak, computation) of what `ins` runs inside it (loop body, called computation, largest
+  branch); (0, '') where it runs nothing."""
   names = []
   if ins.opcode == "while":
     names = [ins.attr("body")]
@@ -108,7 +113,7 @@ def _inner(comps, ins, memo) -> int:
     names = [ins.attr("to_apply")]
   elif ins.opcode == "conditional":
     names = hlo.branches(ins)
-  return max((_peak(comps, n, memo)[0] for n in names if n in comps), default=0)
+  return max(((_peak(comps, n, memo)[0], n) for n in names if n in comps), default=(0, ""))
 
 
 def _peak(comps, name, memo) -> tuple:
@@ -148,8 +153,8 @@ def _peak(comps, name, memo) -> tuple:
   alive, live, best, at = {}, 0, 0, {}
   for i, ins in enumerate(instrs):
     scratch = 0  # elements nothing reads (a cuBLAS workspace): alive while `ins` runs
+    m = _OP_NAME.search(ins.attrs)
     if ins.name in made:
-      m = _OP_NAME.search(ins.attrs)
       for b in owners[ins.name]:
         if b not in last:
           scratch += sizes[b]
@@ -159,9 +164,14 @@ def _peak(comps, name, memo) -> tuple:
         alive[b] = Buffer(sizes[b], ins.opcode, _elements(ins.type)[b[1]],
                           m.group(1) if m else "")
         live += sizes[b]
-    inner = scratch + _inner(comps, ins, memo)
-    if live + inner > best:
-      best, at = live + inner, dict(alive)
+    inner, body = _inner(comps, ins, memo)
+    if live + scratch + inner > best:  # what runs now is listed too, so the rows add up
+      op = m.group(1) if m else ins.name
+      best, at = live + scratch + inner, dict(alive)
+      if scratch:
+        at["scratch"] = Buffer(scratch, ins.opcode, "", f"workspace of {op} (never read)")
+      if inner:
+        at["inner"] = Buffer(inner, ins.opcode, "", f"peak inside {body} ({op})")
     for b in dies.get(i, ()):
       if b in alive:
         live -= alive.pop(b).bytes

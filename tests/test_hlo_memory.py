@@ -60,8 +60,36 @@ def test_the_peak_counts_what_is_alive_together_and_nothing_else():
   top, alive = hlo_memory.peak(PROGRAM)
   body = 4 * KB4 + KB4  # the broadcast and the slice made from it
   assert top == KB4 + body > 3 * KB4  # the loop's, above the point where z is made
-  assert [b.bytes for b in alive] == [KB4]  # z, alive across the loop
-  assert alive[0].op_name == "jit(f)/add" and alive[0].opcode == "add"
+  assert [b.bytes for b in alive] == [body, KB4]  # the body's peak, z alive across the loop
+  assert alive[1].op_name == "jit(f)/add" and alive[1].opcode == "add"
+  assert (alive[0].opcode, alive[0].op_name) == ("while", "peak inside body (loop)")
+
+
+def test_the_rows_add_up_to_the_peak_a_workspace_and_a_loop_body_among_them():
+  """A cuBLAS call's workspace (nothing reads it) and a loop body's own peak are in the total:
+  --peak lists them as rows (it listed z alone, 4 KB of 24), the values beyond ROWS as one line."""
+  gemm = ('  %g = (f32[1024]{0}, s8[65536]{0}) custom-call(%z), custom_call_target='
+          '"__cublas$gemm", metadata={op_name="jit(f)/dot_general"}\n'
+          '  %gz = f32[1024]{0} get-tuple-element(%g), index=0\n'
+          '  %init = (s32[], f32[1024]{0}) tuple(%k, %gz)\n')
+  text = PROGRAM.replace("  %init = (s32[], f32[1024]{0}) tuple(%k, %z)\n", gemm)
+  top, alive = hlo_memory.peak(text)
+  assert top == 65536 + 2 * KB4 == sum(b.bytes for b in alive)  # at the GEMM: z, its product
+  assert alive[0].bytes == 65536 and alive[0].op_name == "workspace of jit(f)/dot_general " \
+      "(never read)" and alive[0].opcode == "custom-call"
+  top, rows = hlo_memory.record(PROGRAM)
+  assert sum(r[0] for r in rows) == top and rows[0][2] == "peak inside body (loop)"
+  lines = hlo_memory.lines(top, rows, lambda b: f"{b} B")
+  assert lines[1].split()[:3] == ["20480", "B", "while"]
+  many = "".join(f'  %m{i} = f32[1024]{{0}} negate(%a)\n' for i in range(12))
+  many += "  ROOT %s = (" + ", ".join(["f32[1024]{0}"] * 12) + ") tuple(" + \
+      ", ".join(f"%m{i}" for i in range(12)) + ")\n}\n"
+  text = "HloModule m, is_scheduled=true\n\nENTRY %main (a: f32[1024]) -> f32[1024] {\n" \
+      "  %a = f32[1024]{0} parameter(0)\n" + many
+  top, rows = hlo_memory.record(text)
+  assert top == 12 * KB4 and len(rows) == hlo_memory.ROWS
+  assert hlo_memory.lines(top, rows, str)[-1].split() == [str(4 * KB4), "(the", "other", "values",
+                                                          "alive)"]
 
 
 def test_values_alive_together_before_the_loop():
