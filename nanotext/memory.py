@@ -83,6 +83,26 @@ def nbytes(x) -> int:
   return int(math.prod(x.shape)) * x.dtype.itemsize
 
 
+def tpu_bytes(shape, itemsize: int) -> int:
+  """Bytes of an array as a TPU lays it out: in tiles of 8 sublanes by 128 lanes over the two
+  dimensions its layout puts minor. The compiler picks those to pad least ([B, T, 64] is laid out
+  T minor, unpadded); what a kernel takes in its own layout is sized by its caller (laid_out:
+  attention's per-head operands keep head_dim minor)."""
+  shape = [int(n) for n in shape if n != 1]  # a dimension of 1 is laid out anywhere: no tile
+  if 0 in shape or len(shape) < 2:
+    return -(-(shape[0] if shape else 1) // 128) * 128 * itemsize
+  up = lambda n, m: -(-n // m) * m
+  whole = math.prod(shape)
+  return min(whole // (a * b) * up(a, 128) * up(b, 8)
+             for i, a in enumerate(shape) for j, b in enumerate(shape) if i != j) * itemsize
+
+
+def per_head_bytes(shape, itemsize: int) -> int:
+  """Bytes of a [.., head_dim] value a TPU kernel takes with head_dim minor: padded to 128
+  lanes (libtpu's splash operands, f32[576,2048,2,32]{3,1,2,0}: 4x their size)."""
+  return math.prod(shape[:-1]) * -(-shape[-1] // 128) * 128 * itemsize
+
+
 _MODELS: dict = {}
 
 
@@ -164,11 +184,21 @@ class Model:
     return head + max(map(total, blocks.values()), default=0.0)
 
   def activation_bytes(self, aval) -> float:
-    """Per device: activations are traced at one device's rows; tensor-parallel dims split."""
+    """Per device: activations are traced at one device's rows; tensor-parallel dims split; on
+    a TPU as laid out (tpu_bytes)."""
+    shape = list(aval.shape)
     for size, n in self.split.items():
-      if n > 1 and size in aval.shape[1:] and size % n == 0:
-        return nbytes(aval) / n
-    return nbytes(aval)
+      if n > 1 and size in shape[1:] and size % n == 0:
+        shape[shape.index(size, 1)] //= n
+        break
+    return self.laid_out(shape, aval.dtype.itemsize)
+
+  def laid_out(self, shape, itemsize: int, per_head: bool = False) -> float:
+    """Bytes of an array of `shape` on this backend: a TPU pads it to its tiles (`per_head`: a
+    kernel's operand, head_dim minor)."""
+    if self.backend == "tpu":
+      return (per_head_bytes if per_head else tpu_bytes)(shape, itemsize)
+    return math.prod(shape) * itemsize
 
   def stored_bytes(self, aval) -> float:
     """What a materialised value costs here: 16-bit math runs in float32 on jax 0.10's CPU."""
@@ -229,8 +259,8 @@ class Model:
     m = self.cfg.model
     heads = m.num_heads / self.split[m.num_heads]
     layers = m.num_layers - len({i for i in m.no_attention_layers if i < m.num_layers})
-    out = rows * length * heads * m.head_dim * np.dtype(m.dtype).itemsize
-    return layers * (out + rows * heads * length * 4)
+    out = self.laid_out((rows, length, heads, m.head_dim), np.dtype(m.dtype).itemsize, True)
+    return layers * (out + self.laid_out((rows, heads, length), 4))
 
   def static(self) -> dict:
     """Terms that do not depend on remat or chunks: state and a step's batch."""
@@ -318,7 +348,8 @@ class Model:
         + self.head_bytes(self.rows, length, chunk)
     recompute = 2 * self.trace("none", chunk, length)["per_block"] \
         if remat != "none" and not cpu else 0
-    attention = self.attention_bytes(self.rows, length, train=True)
+    attention = self.attention_bytes(self.rows, length, train=True) + \
+        self.kernel_operands(self.rows, length, train=True)
     work = max(loss_peak, recompute + attention)
     return _estimate("train step", activations=stored, logits_and_loss=work if work == loss_peak
                      else 0, recompute_and_attention=0 if work == loss_peak else work,
@@ -353,4 +384,17 @@ class Model:
                      batch=2 * 4 * self.eval_rows * length,
                      gathered_parameters=0 if self.backend == "gpu" else self.gathered_bytes,
                      gemm_workspace=self.workspace_bytes(),
-                     activations_and_logits=self._traces[("eval", chunk, accum)])
+                     activations_and_logits=max(self._traces[("eval", chunk, accum)],
+                                                self.kernel_operands(rows, length)))
+
+  def kernel_operands(self, rows: int, length: int, train: bool = False) -> float:
+    """A TPU attention kernel's working set the traced program does not show, per-head arrays
+    with head_dim minor: forward, q, k, v copied into that layout and its output, beside the
+    residual stream; backward, the output's gradient copied in and dq, dk, dv. A d_model 64
+    model's v5e programs peak there (f32[576,2048,2,32] padded 4x: four, 4.5 of eval's 5.5 GiB)."""
+    if self.backend != "tpu" or self.impl not in FLASH_KERNELS:
+      return 0.0
+    m = self.cfg.model
+    heads, item = m.num_heads // self.split[m.num_heads], np.dtype(m.dtype).itemsize
+    stream = 0 if train else self.laid_out((rows, length, m.d_model), item)
+    return 4 * self.laid_out((rows, length, heads, m.head_dim), item, True) + stream

@@ -247,7 +247,8 @@ def test_fixed_choices_are_checked_not_changed():
   assert "\n" not in message and message.startswith("the train step ~")
   # What fits alone, and only that: remat=full lowers it too, but not below the device
   assert "try train.grad_accum=4 (~" in message and "model.remat=full" not in message
-  plan = planned(SPEEDRUN, SMALL_SPEEDRUN + ["model.remat=none", "train.loss_chunk=0"], need / 4,
+  # (need / 4 before a TPU's padding was planned: grad_accum=8 now fits that alone)
+  plan = planned(SPEEDRUN, SMALL_SPEEDRUN + ["model.remat=none", "train.loss_chunk=0"], need / 5,
                  backend="tpu")[1]
   with pytest.raises(UserError, match=r"no single change fits; the nearest: train.grad_accum=8 "
                      r"\(~.*model.remat=full \(~.*; or more devices$"):
