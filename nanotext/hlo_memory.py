@@ -4,6 +4,7 @@ computation in the order XLA runs it), to read where a program's memory goes (`n
 buffers nor its fragmentation, so the compiler's temporaries are usually larger."""
 
 import dataclasses
+import math
 import re
 
 from nanotext import hlo
@@ -15,6 +16,7 @@ _VIEWS = {"bitcast", "get-tuple-element", "tuple"}
 _NOT_TEMPORARY = {"parameter", "constant", "after-all", "partition-id", "replica-id"}
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SPACE = re.compile(r"\bS\((\d+)\)")
+_TILED = re.compile(r"\s*([a-z]+[0-9][a-z0-9]*|pred)\[([0-9,]*)\]\{([0-9,]*):T\(([0-9,]+)\)")
 ROWS = 8  # values listed by nanotext.compile --peak
 
 
@@ -69,9 +71,21 @@ def _elements(type_: str) -> list:
 
 def _device_bytes(type_: str) -> int:
   """Bytes of an array type in the device's main memory: 0 for one a TPU keeps on chip (its
-  layout names a memory space, `S(1)`: VMEM; the compiler's HBM figures leave those out)."""
+  layout names a memory space, `S(1)`: VMEM; the compiler's HBM figures leave those out), and
+  a TPU's as its layout's tile pads it (`{3,1,2,0:T(8,128)}`: the minor dimension to 128, the next
+  to 8; a d_model 64 model's v5e eval walked to 2.39 GiB unpadded, 5.21 padded, compiled 5.50)."""
   space = _SPACE.search(type_)
-  return 0 if space and space.group(1) != "0" else hlo.shape_bytes(type_)
+  if space and space.group(1) != "0":
+    return 0
+  m = _TILED.match(type_)
+  if not m:
+    return hlo.shape_bytes(type_)
+  dims = [int(d) for d in m.group(2).split(",") if d]
+  order = [int(d) for d in m.group(3).split(",") if d]
+  tile = [int(t) for t in m.group(4).split(",")][::-1]  # minor first
+  for axis, t in zip(order, tile):
+    dims[axis] = -(-dims[axis] // t) * t
+  return int(math.prod(dims) * hlo._dtype_bytes(m.group(1)))
 
 
 def _buffers(ins) -> dict:
