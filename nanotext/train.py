@@ -65,6 +65,17 @@ def enable_compile_cache(path: str) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+def data_lines(cfg, train_iter, val_local, log) -> None:
+  """Start-up lines where the data holds less than the config reads: fewer validation batches,
+  or training sequences read more than once."""
+  if len(val_local) < cfg.train.eval_batches:
+    log(f"validation: {len(val_local)} batch{'es' if len(val_local) > 1 else ''}, all the "
+        f"validation data holds (train.eval_batches={cfg.train.eval_batches})")
+  if (epochs := train_iter.epochs(cfg.train.steps)) > 1:  # each sequence read again
+    log(f"training data: {train_iter.windows:,} sequences of {cfg.train.seq_len + 1} tokens, "
+        f"{epochs:.1f} epochs in train.steps={cfg.train.steps} of {train_iter.rows} rows")
+
+
 def run(path: str, overrides, log=print, started: float | None = None):
   """Load, check and train; returns the loop result. Raises UserError on bad input.
 
@@ -113,12 +124,7 @@ def run(path: str, overrides, log=print, started: float | None = None):
     log(f"model: {run_.num_params:,} parameters | {sharding_summary(run_)} | "
         f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens/step")
     log(run_.memory.line())
-    if len(val_local) < cfg.train.eval_batches:
-      log(f"validation: {len(val_local)} batch{'es' if len(val_local) > 1 else ''}, all the "
-          f"validation data holds (train.eval_batches={cfg.train.eval_batches})")
-    if (epochs := train_iter.epochs(cfg.train.steps)) > 1:  # each sequence read again
-      log(f"training data: {train_iter.windows:,} sequences of {cfg.train.seq_len + 1} tokens, "
-          f"{epochs:.1f} epochs in train.steps={cfg.train.steps} of {train_iter.rows} rows")
+    data_lines(cfg, train_iter, val_local, log)
     clock.lap("output_dir")
     result = _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock)
   if preemption.received and not result.preempted:  # while the run's files were closed
