@@ -129,7 +129,11 @@ def parse(argv, usage: str, describe=None):
   args = list(argv[1:])
   options = args[:args.index("--")] if "--" in args else args
   if any(a in HELP for a in options):
-    print(describe(args) if describe else usage, flush=True)
+    try:
+      print(describe(args) if describe else usage, flush=True)
+    except BrokenPipeError:  # `--help | head -1`: quiet, as any tool whose reader stopped
+      errors.drop_stdout()
+      os._exit(141)
     sys.exit(0)
   for a in args:
     if not is_utf8(a):

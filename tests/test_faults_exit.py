@@ -72,6 +72,18 @@ def test_a_closed_stdout_ends_a_tool_quietly():
   assert proc.returncode == 141 and proc.stderr == "", proc.stderr
 
 
+def test_help_into_a_closed_stdout_is_quiet():
+  """`compile --help | true`: the help was printed before the tools' pipe handling and came out
+  as a BrokenPipeError traceback, exit 1."""
+  write = widowed_pipe()
+  try:
+    proc = subprocess.run([sys.executable, "-m", "nanotext.verify", "--help"], cwd=REPO,
+                          stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+  finally:
+    os.close(write)
+  assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
 # A tool whose main thread is inside a call that does not return to Python (as in an XLA
 # compile or backend start on a loaded machine): signals blocked there, then a long sleep.
 STUCK = """
