@@ -42,7 +42,7 @@ setup(
         "tpu": ["jax[tpu]==0.10.2"],
         # python -m nanotext.compile --topology=h100: XLA's GPU compiler as the jax CUDA plugin, at
         # the installed jax's version (no CUDA runtime, driver or GPU needed to compile; about
-        # 600 MB). Move with jax, as the tpu extra.
+        # 400 MB installed). Move with jax, as the tpu extra.
         "gpu-compile": ["jax-cuda13-plugin==0.10.2", "jax-cuda13-pjrt==0.10.2"],
         # The test suite: torch and transformers check the HF conversions, and every optional
         # path above is tested. Where a CUDA build of torch is not wanted, install a CPU one first.

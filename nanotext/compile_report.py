@@ -91,7 +91,7 @@ def kernel_lines(inv: dict, platform: str) -> list:
       f"{inv['custom_kernels']} | cuDNN {inv['cudnn_calls']} | fusions {inv['fusions']} | "
       f"scatters {inv['scatters']} | collectives {inv['collective_launches']} | copies "
       f"{inv['copies']}",
-      f"  logits             {inv['logits_passes']:.1f} passes over the bf16 logits by "
+      f"  logits             {inv['logits_passes']:.1f} passes over the logits by "
       f"{inv['logits_kernels']} kernels, besides {inv['logits_gemms']} GEMMs",
       f"  step estimate      {1e3 * inv['estimate_s']:.1f} ms, a roofline lower bound, not a "
       f"measured time ({parts} ms){unknown}; slowest passes by jax op: {slow}",

@@ -153,7 +153,8 @@ def get_tokenizer(name: str) -> Tokenizer:
       import tiktoken
     except ImportError:
       raise UserError("the 'gpt2' tokenizer (data.tokenizer, or text_shards' --tokenizer) needs "
-                      "tiktoken: pip install tiktoken, or choose the shipped 'shakespeare'") \
+                      "tiktoken: pip install -e '.[gpt2]' (or tiktoken), or choose the shipped "
+                      "'shakespeare'") \
           from None
     try:
       return TiktokenTokenizer(tiktoken.get_encoding("gpt2"))
