@@ -36,11 +36,11 @@ def shape_bytes(text: str) -> int:
   total = 0
   for dtype, dims in _SHAPE_RE.findall(text):
     n = math.prod(int(d) for d in dims.split(",") if d)
-    total += n * _dtype_bytes(dtype)
+    total += n * dtype_bytes(dtype)
   return int(total)
 
 
-def _dtype_bytes(dtype: str) -> float:
+def dtype_bytes(dtype: str) -> float:
   return _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
 
 
@@ -390,7 +390,7 @@ def _picked(name: str, users: dict, types: dict, scale: float = 1.0):
       if u.opcode == "convert":  # the bytes in memory stay the source's width
         src, dst = shapes(types.get(name, ""))[:1], shapes(u.type)[:1]
         if src and dst:
-          scale *= _dtype_bytes(src[0][0]) / _dtype_bytes(dst[0][0])
+          scale *= dtype_bytes(src[0][0]) / dtype_bytes(dst[0][0])
       sub = _picked(u.name, users, types, scale)
       if sub is None:
         return None

@@ -9,6 +9,7 @@ constant, the condition compares it with a constant.
 
 import re
 
+
 def loops(comps: dict) -> list:
   """[(name, trips, stated)] of every while loop of parsed HLO (nanotext.hlo.parse): its trip
   count (0 where nothing says) and whether its backend config states it (XLA's cost analysis
@@ -29,7 +30,7 @@ def trip_count(ins, instrs: list, comps: dict) -> int:
   if n is not None:
     return int(n)
   cond, body = comps.get(ins.attr("condition"), []), comps.get(ins.attr("body"), [])
-  c_by, b_by = {i.name: i for i in cond}, {i.name: i for i in body}
+  by, c_by, b_by = ({i.name: i for i in c} for c in (instrs, cond, body))
   root = _source(next((i for i in cond if i.root), None), c_by)
   direction = re.search(r"direction=(\w+)", root.attrs) if root else None
   if root is None or root.opcode != "compare" or not direction or len(root.operands) != 2:
@@ -39,14 +40,12 @@ def trip_count(ins, instrs: list, comps: dict) -> int:
   if _constant(sides[0]) is not None:  # N > i is i < N
     sides, op = sides[::-1], _FLIP.get(op, "")
   k, limit = _element(sides[0], c_by), _constant(sides[1])
-  init = _source({i.name: i for i in instrs}.get(ins.operands[0] if ins.operands else ""),
-                 {i.name: i for i in instrs})
+  init = _source(by.get(ins.operands[0] if ins.operands else ""), by)
   b_root = _source(next((i for i in body if i.root), None), b_by)
   if k is None or limit is None or init is None or init.opcode != "tuple" or b_root is None \
       or b_root.opcode != "tuple" or k >= min(len(init.operands), len(b_root.operands)):
     return 0
-  start = _constant(_source({i.name: i for i in instrs}.get(init.operands[k]),
-                            {i.name: i for i in instrs}))
+  start = _constant(_source(by.get(init.operands[k]), by))
   step = _source(b_by.get(b_root.operands[k]), b_by)
   if start is None or step is None or step.opcode != "add" or len(step.operands) != 2:
     return 0

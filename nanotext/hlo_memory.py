@@ -85,7 +85,7 @@ def _device_bytes(type_: str) -> int:
   tile = [int(t) for t in m.group(4).split(",")][::-1]  # minor first
   for axis, t in zip(order, tile):
     dims[axis] = -(-dims[axis] // t) * t
-  return int(math.prod(dims) * hlo._dtype_bytes(m.group(1)))
+  return int(math.prod(dims) * hlo.dtype_bytes(m.group(1)))
 
 
 def _buffers(ins) -> dict:

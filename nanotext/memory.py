@@ -89,8 +89,8 @@ def tpu_bytes(shape, itemsize: int) -> int:
   T minor, unpadded); what a kernel takes in its own layout is sized by its caller (laid_out:
   attention's per-head operands keep head_dim minor)."""
   shape = [int(n) for n in shape if n != 1]  # a dimension of 1 is laid out anywhere: no tile
-  if 0 in shape or len(shape) < 2:
-    return -(-(shape[0] if shape else 1) // 128) * 128 * itemsize
+  if 0 in shape or len(shape) < 2:  # empty: nothing; one dimension: padded to 128 lanes
+    return 0 if 0 in shape else -(-(shape[0] if shape else 1) // 128) * 128 * itemsize
   up = lambda n, m: -(-n // m) * m
   whole = math.prod(shape)
   return min(whole // (a * b) * up(a, 128) * up(b, 8)
