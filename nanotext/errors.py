@@ -6,6 +6,7 @@ import os
 import re
 import resource
 import select
+import stat
 import sys
 import logging as pylogging
 import threading
@@ -68,6 +69,14 @@ def fail(message: str, status: int = 2) -> None:
   except OSError:  # stdout's pipe closed or its disk full: the line above is what matters
     pass
   os._exit(status)
+
+
+def terminal_gone(e: OSError) -> bool:
+  """Whether `e`, from a write to stdout, says its terminal hung up (an ssh session closed)."""
+  try:
+    return e.errno == errno.EIO and stat.S_ISCHR(os.fstat(sys.stdout.fileno()).st_mode)
+  except (OSError, ValueError, AttributeError):
+    return False
 
 
 def stdout_widowed() -> bool:

@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import sys
+import termios
 import threading
 import time
 
@@ -26,6 +27,8 @@ _exiting = False  # set by exiting(): a signal stops the process at once
 _watching = False  # install() ran: the watching thread hears every signal
 _at_once = ""  # at_once(): with no owner, a signal stops the process with this line
 _done = ""  # work_done(): with no owner, a signal ends the process with this line, status 0
+_hangup = ()  # (SIGHUP,) where install() took it: handled as SIGTERM
+_ttys = ()  # the standard streams that were a terminal when install() ran
 
 
 class Terminated(BaseException):
@@ -34,15 +37,21 @@ class Terminated(BaseException):
 
 
 def install() -> None:
-  """SIGTERM raises Terminated, and both signals are watched; from the main thread only."""
+  """SIGTERM raises Terminated, both signals are watched, SIGHUP is SIGTERM; main thread only."""
   if threading.current_thread() is not threading.main_thread():
     return
   signal.signal(signal.SIGTERM, _raise_terminated)
   # Python leaves SIGINT ignored where the process started with it ignored (a background job
   # of a script), while the training loop honours it: one behaviour in every phase instead.
   signal.signal(signal.SIGINT, _raise_interrupt)
-  global _watching
+  global _watching, _hangup, _ttys
   _watching = True
+  # SIGHUP (the terminal or ssh session closed) killed a training run unsaved: it is SIGTERM
+  # from here, with the dead terminal's streams dropped. Left alone where ignored (nohup).
+  if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+    signal.signal(signal.SIGHUP, lambda signum, frame: None)  # the watching thread acts
+    _hangup = (signal.SIGHUP,)
+    _ttys = tuple(fd for fd in (1, 2) if os.isatty(fd))
   read, write = os.pipe()
   os.set_blocking(write, False)
   signal.set_wakeup_fd(write, warn_on_full_buffer=False)
@@ -57,7 +66,7 @@ def _ignore_from_here() -> None:
   killed the finished tool without a word (status -2 / -15). Ignored from here, it is lost
   with the process, which ends as it was ending. Until here the watching thread acts."""
   if _watching and threading.current_thread() is threading.main_thread():
-    for signum in SIGNALS:
+    for signum in SIGNALS + _hangup:
       signal.signal(signum, signal.SIG_IGN)
 
 
@@ -199,6 +208,8 @@ def _watch(fd: int) -> None:
     if not data:
       return
     for signum in data:
+      if signum in _hangup:
+        _hung_up()
       if signum not in SIGNALS:
         continue
       if _exiting:
@@ -214,6 +225,27 @@ def _watch(fd: int) -> None:
       else:
         _pending.append(signum)
         threading.Thread(target=_deadline, args=(signum,), daemon=True).start()
+
+
+def _hung_up() -> None:
+  """SIGHUP: a standard stream on a terminal that hung up (every write now fails with EIO, the
+  run's next line would end it unsaved) goes to /dev/null; then the process gets SIGTERM and
+  stops as for it (a run saves its step). A terminal still alive (`kill -HUP`) keeps its lines."""
+  dead = []
+  for fd in _ttys:
+    try:
+      termios.tcgetattr(fd)
+    except (OSError, termios.error):
+      dead.append(fd)
+  for fd in dead:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+  try:
+    os.write(2, b"nanotext: SIGHUP (the terminal or session closed): stopping as for SIGTERM\n")
+  except OSError:
+    pass
+  os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _deadline(signum: int) -> None:

@@ -12,7 +12,8 @@ import time
 from absl import flags, logging
 
 from nanotext import cli, signals
-from nanotext.errors import ResourceError, UserError, drop_stdout, fail, stdout_widowed
+from nanotext.errors import (ResourceError, UserError, drop_stdout, fail, stdout_widowed,
+                             terminal_gone)
 from nanotext.generate import encode_prompt, past_rows, sample_text
 from nanotext.xla_flags import maybe_set_cpu_flags
 
@@ -281,11 +282,11 @@ def _log_line(line: str) -> None:
 
 def _print(line: str) -> None:
   """`line` on stdout. Once stdout's reader has gone (`| tee` closed with its terminal, the run
-  under nohup) the run goes on: metrics.jsonl has its log."""
+  under nohup, a terminal hung up) the run goes on: metrics.jsonl has its log."""
   try:
     print(line, flush=True)
-  except BrokenPipeError:
-    if not stdout_widowed():
+  except OSError as e:
+    if not (isinstance(e, BrokenPipeError) and stdout_widowed()) and not terminal_gone(e):
       raise
     drop_stdout()
     try:

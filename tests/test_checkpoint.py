@@ -3,10 +3,13 @@ other meshes, and load_params_from."""
 
 import json
 import os
+import pty
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -310,3 +313,33 @@ def test_load_params_from_refuses_another_architecture(fsdp8_run, tmp_path, over
   assert needle in str(e.value), str(e.value)
   with pytest.raises(UserError, match="is not a directory"):
     quiet_run(TINY + [f"output_dir={tmp_path}", f"checkpoint.load_params_from={tmp_path}/nope"])
+
+
+def test_sighup_from_a_closed_terminal_saves_and_stops(tmp_path):
+  """The terminal (an ssh session) closes under a run: SIGHUP killed it unsaved, and every line
+  after would have failed with EIO. Now it is SIGTERM: the step is saved, exit 0."""
+  out = str(tmp_path / "run")
+  master, slave = pty.openpty()
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(train_command() + [BASE, *RESUME, "train.steps=200", f"output_dir={out}"],
+                          cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                          start_new_session=True)
+  os.close(slave)
+  seen, closing = [], threading.Event()
+  def drain():  # the terminal's reader, until it closes
+    while not closing.is_set():
+      if select.select([master], [], [], 0.05)[0]:
+        seen.append(os.read(master, 4096))
+  reader = threading.Thread(target=drain, daemon=True)
+  reader.start()
+  reached = lambda: os.path.exists(os.path.join(out, "metrics.jsonl")) and \
+      max(train_losses(out), default=0) >= 2
+  wait_for(proc, reached, "step 2")
+  closing.set()
+  reader.join()
+  os.close(master)  # the terminal hangs up: writes to it fail from here
+  proc.send_signal(signal.SIGHUP)
+  assert proc.wait(timeout=PROCESS_TIMEOUT_S) == 0, b"".join(seen).decode()[-2000:]
+  stopped = steps_on_disk(out)[-1]
+  assert 2 <= stopped < 200 and max(train_losses(out)) == stopped

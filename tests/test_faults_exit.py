@@ -123,6 +123,46 @@ def test_a_signal_in_python_code_unwinds_and_is_one_line(tmp_path, signum, messa
   assert err.strip().splitlines() == [f"nanotext: error: {message}"]
 
 
+# The same tool, started with SIGHUP ignored (nohup) where argv[3] says so, and finishing once a
+# second marker file appears.
+HANGUP = """
+import os, signal, sys, time
+if sys.argv[3] == "nohup":
+  signal.signal(signal.SIGHUP, signal.SIG_IGN)
+from nanotext import cli
+def main(args):
+  open(sys.argv[1], "w").close()
+  while not os.path.exists(sys.argv[2]):
+    time.sleep(0.05)
+  print("done")
+cli.run(main, "usage: tool", argv=["tool"])
+"""
+
+
+@pytest.mark.parametrize("started", ["plain", "nohup"])
+def test_sighup_is_sigterm_unless_the_tool_started_under_nohup(tmp_path, started):
+  """A closed terminal's SIGHUP killed a tool with no word (a run unsaved): it is SIGTERM now.
+  Under nohup it stays ignored and the tool finishes."""
+  marker, go = tmp_path / "m", tmp_path / "go"
+  proc = subprocess.Popen([sys.executable, "-c", HANGUP, str(marker), str(go), started],
+                          cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  deadline = time.time() + PROCESS_TIMEOUT_S
+  while not marker.exists():
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGHUP)  # an ignored signal is dropped here, at the sending
+  if started == "nohup":
+    go.touch()
+  out, err = proc.communicate(timeout=120)
+  if started == "nohup":
+    assert (proc.returncode, out, err) == (0, "done\n", ""), err
+  else:
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [
+        "nanotext: SIGHUP (the terminal or session closed): stopping as for SIGTERM",
+        "nanotext: error: stopped by SIGTERM"]
+
+
 # A tool that finished its work, signalled while Python shuts down (jax's atexit teardown of its
 # backends takes seconds): the signal arrives inside an atexit callback.
 # The callback is registered in main, or before cli.run as jax's is where a tool's module

@@ -184,9 +184,11 @@ def _end_with_parent(parent: int, worker_index: int, worker_count: int) -> None:
   gone before a worker starts) is gone. Its exits (os._exit, a kill) skip the cleanup that stops
   workers, and an orphan keeps the caller's pipes open (`train ... | tail` never returned).
   Ctrl-C, which a terminal sends to every process of the job, is the training process's to act
-  on: a worker printed a KeyboardInterrupt traceback beside its one line."""
+  on: a worker printed a KeyboardInterrupt traceback beside its one line. So is SIGHUP (a
+  closed terminal's, to the whole job): the training process saves and stops on it."""
   del worker_index, worker_count
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
   def watch():
     while os.getppid() == parent:
