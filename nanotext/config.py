@@ -250,8 +250,8 @@ def validate(cfg) -> None:
     raise UserError(f"train.batch_size={t.batch_size} is not divisible by "
                     f"train.grad_accum={t.grad_accum}")
   if t.eval_accum == 0 or (t.eval_accum > 0 and t.batch_size % t.eval_accum):
-    raise UserError(f"train.eval_accum={t.eval_accum} does not divide train.batch_size="
-                    f"{t.batch_size}: give a divisor, or -1 (auto)")
+    why = f"does not divide train.batch_size={t.batch_size}" if t.eval_accum else "is not a value"
+    raise UserError(f"train.eval_accum={t.eval_accum} {why}: give a divisor, or -1 (auto)")
   if m.max_seq_len and m.max_seq_len < t.seq_len:
     raise UserError(f"model.max_seq_len={m.max_seq_len} is shorter than train.seq_len="
                     f"{t.seq_len}")

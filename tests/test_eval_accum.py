@@ -91,7 +91,7 @@ def test_a_fixed_number_is_kept_and_refused_advice_names_passes():
 
 @pytest.mark.fast
 @pytest.mark.parametrize("value,needle", [
-    (0, "train.eval_accum=0 does not divide train.batch_size=8"),
+    (0, "train.eval_accum=0 is not a value: give a divisor"),
     (3, "train.eval_accum=3 does not divide train.batch_size=8"),
     (-2, "train.eval_accum"),
 ])
