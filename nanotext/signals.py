@@ -169,7 +169,7 @@ def _end(signum: int, message: str) -> None:
     sys.stdout.flush()
   except (OSError, ValueError):
     pass
-  os.write(1, (message.format(signal.Signals(signum).name) + "\n").encode())
+  say(1, message.format(signal.Signals(signum).name))
   os._exit(0)
 
 
@@ -241,10 +241,7 @@ def _hung_up() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, fd)
     os.close(devnull)
-  try:
-    os.write(2, b"nanotext: SIGHUP (the terminal or session closed): stopping as for SIGTERM\n")
-  except OSError:
-    pass
+  say(2, "nanotext: SIGHUP (the terminal or session closed): stopping as for SIGTERM")
   os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -258,7 +255,16 @@ def _stop(signum: int, why: str) -> None:
   _die(signum, f"stopped by {signal.Signals(signum).name} ({why})")
 
 
+def say(fd: int, line: str) -> None:
+  """`line` written to `fd` at once, if it can be: a stream that cannot take it (a full disk,
+  a pipe whose reader left) must not keep a signal from ending the process."""
+  try:
+    os.write(fd, (line + "\n").encode("utf-8", "replace"))
+  except OSError:
+    pass
+
+
 def _die(signum: int, line: str) -> None:
   """The process ends now: one error line, exit 128 + signal (the shell's status for it)."""
-  os.write(2, f"nanotext: error: {line}\n".encode())
+  say(2, f"nanotext: error: {line}")
   os._exit(128 + signum)

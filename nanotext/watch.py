@@ -183,8 +183,8 @@ class Preemption:
       # Ctrl-C again: do not wait for the save (a hung file system would never return); the
       # step being written is discarded, the newest complete one stays. Only SIGINT: a
       # launcher may deliver SIGTERM twice, and preemption must get its checkpoint.
-      os.write(2, b"nanotext: error: a second SIGINT: stopped without waiting for the "
-                  b"checkpoint being written (the newest complete one is kept)\n")
+      signals.say(2, "nanotext: error: a second SIGINT: stopped without waiting for the "
+                     "checkpoint being written (an earlier complete one, if any, is kept)")
       os._exit(128 + signum)
     if self.training or self.on_early_stop is None:
       self.received = signal.Signals(signum).name
@@ -212,7 +212,7 @@ class Preemption:
       message = self.on_early_stop(name)
     except Exception as e:  # pylint: disable=broad-except  # still exit: never hang here
       message = f"stopped by {name} before the first step ({type(e).__name__}: {e})"
-    os.write(2, f"nanotext: error: {message}\n".encode("utf-8", "replace"))
+    signals.say(2, f"nanotext: error: {message}")
     os._exit(128 + signum)
 
   def requested(self) -> bool:

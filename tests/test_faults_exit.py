@@ -101,14 +101,14 @@ cli.run(main, "usage: tool", argv=["tool"])
 """
 
 
-def signalled(script, args, signum, marker, env=None):
+def signalled(script, args, signum, marker, env=None, stderr=subprocess.PIPE):
   """Start `python -c script *args`, wait for `marker`, send `signum`; the finished process."""
   proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=stderr,
                           env=dict(os.environ, **(env or {})))
   deadline = time.time() + PROCESS_TIMEOUT_S
   while not os.path.exists(marker):
-    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+    assert proc.poll() is None and time.time() < deadline, str(proc.communicate()[1])[-3000:]
     time.sleep(0.05)
   proc.send_signal(signum)
   out, err = proc.communicate(timeout=120)  # a process that ignores the signal times out
@@ -121,6 +121,31 @@ def test_a_signal_in_python_code_unwinds_and_is_one_line(tmp_path, signum, messa
   status, _, err = signalled(STUCK, ["python", str(tmp_path / "m")], signum, tmp_path / "m")
   assert status == 128 + signum and "Traceback" not in err, err
   assert err.strip().splitlines() == [f"nanotext: error: {message}"]
+
+
+# A tool at its start (signals.at_once): a signal ends it from the watching thread at once.
+AT_ONCE = """
+import sys, time
+from nanotext import cli
+def main(args):
+  open(sys.argv[1], "w").close()
+  time.sleep(600)
+cli.run(main, "usage: tool", argv=["tool"], at_once="stopped by {}")
+"""
+
+
+@pytest.mark.parametrize("script", ["stuck", "at once", "train"])
+def test_a_signal_ends_the_process_when_stderr_cannot_take_its_line(tmp_path, script):
+  """stderr on a full disk (or a pipe whose reader left): writing the line failed, the watching
+  thread died with it, and the signal was lost (a run trained on to its end) or hung the run."""
+  marker = tmp_path / "m"
+  program, args = {"stuck": (STUCK, ["stuck", str(marker)]),
+                   "at once": (AT_ONCE, [str(marker)]),
+                   "train": (TRAIN_STUCK, [str(marker), BASE, *TINY,
+                                           f"output_dir={tmp_path / 'run'}"])}[script]
+  with open("/dev/full", "w") as full:
+    status, _, _ = signalled(program, args, signal.SIGTERM, marker, stderr=full)
+  assert status == 128 + signal.SIGTERM
 
 
 # The same tool, started with SIGHUP ignored (nohup) where argv[3] says so, and finishing once a
