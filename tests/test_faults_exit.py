@@ -111,7 +111,10 @@ def signalled(script, args, signum, marker, env=None, stderr=subprocess.PIPE):
     assert proc.poll() is None and time.time() < deadline, str(proc.communicate()[1])[-3000:]
     time.sleep(0.05)
   proc.send_signal(signum)
-  out, err = proc.communicate(timeout=120)  # a process that ignores the signal times out
+  try:
+    out, err = proc.communicate(timeout=120)  # a process that ignores the signal times out
+  finally:
+    proc.kill()  # none left behind by a failure
   return proc.returncode, out, err
 
 
