@@ -27,6 +27,8 @@ _exiting = False  # set by exiting(): a signal stops the process at once
 _watching = False  # install() ran: the watching thread hears every signal
 _at_once = ""  # at_once(): with no owner, a signal stops the process with this line
 _done = ""  # work_done(): with no owner, a signal ends the process with this line, status 0
+_together = False  # work_done(together=True): the first such signal is kept (late()) instead
+_late = []  # the signals kept so
 _hangup = ()  # (SIGHUP,) where install() took it: handled as SIGTERM
 _ttys = ()  # the standard streams that were a terminal when install() ran
 
@@ -100,7 +102,7 @@ def ending_with(message: str):
   previous = {s: signal.getsignal(s) for s in SIGNALS}
   _quiet_handlers()
   try:
-    with owned_by(lambda signum: _end(signum, message)):
+    with owned_by(lambda signum: _keep_or_end(signum, message)):
       yield
   finally:
     for signum, handler in previous.items():
@@ -119,13 +121,28 @@ def at_once(message: str) -> None:
     _quiet_handlers()
 
 
-def work_done(message: str) -> None:
+def work_done(message: str, together: bool = False) -> None:
   """From here, while no owner holds the signals, a signal ends the process at once with
   `message` ({} the signal's name) on stdout and exit status 0: the work is done and saved.
-  Python's handlers stay as they are (an owner's now; after at_once, quiet)."""
-  global _done
+  Python's handlers stay as they are (an owner's now; after at_once, quiet). `together`: one
+  process of several that run the same collectives to their end (a run's sample), where one
+  ending alone left the others waiting in one for ever: the first signal is kept (late()) and
+  the process goes on; a second ends it."""
+  global _done, _together
   if _watching:
-    _done = message
+    _done, _together = message, together
+
+
+def late() -> str:
+  """The name of the signal work_done(together=True) kept, or ''."""
+  return signal.Signals(_late[0]).name if _late else ""
+
+
+def _keep_or_end(signum: int, message: str) -> None:
+  if _together and not _late:
+    _late.append(signum)
+  else:
+    _end(signum, message)
 
 
 @contextlib.contextmanager
@@ -217,7 +234,7 @@ def _watch(fd: int) -> None:
       elif _owner is not None:
         _owner(signum)
       elif _done:
-        _end(signum, _done)
+        _keep_or_end(signum, _done)
       elif _at_once:
         _die(signum, _at_once.format(signal.Signals(signum).name))
       elif _pending:  # a second signal while the first waits: stop now

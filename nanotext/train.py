@@ -128,11 +128,24 @@ def run(path: str, overrides, log=print, started: float | None = None):
     data_lines(cfg, train_iter, val_local, log)
     clock.lap("output_dir")
     result = _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock)
-  if preemption.received and not result.preempted:  # while the run's files were closed
-    log(f"received {preemption.received} after the last step: the final checkpoint is saved")
-  elif not result.preempted:
-    report(run_, cfg, result, log)
+  finish(run_, cfg, result, preemption.received, log)
   return result
+
+
+def finish(run_, cfg, result, received: str | None, log) -> None:
+  """A run that went to its end reports (a sample) unless a signal came after its last step
+  (while its files were closed). The processes of one run all report, each running the
+  sample's collectives (one skipping it left the others waiting for ever), and say it after."""
+  import jax
+  late = "received {} after the last step: the final checkpoint is saved"
+  if result.preempted:
+    return
+  if received and jax.process_count() == 1:
+    log(late.format(received))
+    return
+  report(run_, cfg, result, log)
+  if received or signals.late():
+    log(late.format(received or signals.late()))
 
 
 def replaces(cfg) -> bool:
@@ -223,7 +236,8 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
   finally:
     writer.close()
   if not result.preempted:  # once the run gives the signals back (closing its workers, saves)
-    signals.work_done("received {} after the last step: the final checkpoint is saved")
+    signals.work_done("received {} after the last step: the final checkpoint is saved",
+                      together=jax.process_count() > 1)
   return result
 
 
