@@ -2,6 +2,7 @@
 staged folder or file that replaces it in one rename when the work is done."""
 
 import contextlib
+import errno
 import fnmatch
 import os
 import re
@@ -65,13 +66,20 @@ def _check_target(out: str, force: bool, protect=(), own=None) -> str:
   if run:
     raise UserError(f"--out '{out}' lies inside the checkpoints/ of the run '{run}', which "
                     "would no longer resume; choose a path outside it")
-  if os.path.isdir(out) and not os.listdir(out):
-    return out
-  if force and own is not None and os.path.lexists(out):
-    _check_own(out, own)
-  if os.path.lexists(out) and not force:
-    raise UserError(f"output '{out}' already exists; choose another path or pass --force "
-                    "to replace it")
+  if os.path.ismount(out):  # a rename can neither replace it nor move it aside (EBUSY)
+    raise UserError(f"--out '{out}' is a mount point, which the output cannot replace (it is "
+                    f"renamed into place whole); give a new folder inside it, such as "
+                    f"'{os.path.join(out, 'out')}'")
+  if not (os.path.isdir(out) and not os.listdir(out)):
+    if force and own is not None and os.path.lexists(out):
+      _check_own(out, own)
+    if os.path.lexists(out) and not force:
+      raise UserError(f"output '{out}' already exists; choose another path or pass --force "
+                      "to replace it")
+  # A folder is replaced by renaming it aside (that updates its '..') and deleting its files.
+  if os.path.isdir(out) and not os.path.islink(out) and not os.access(out, os.W_OK):
+    raise UserError(f"--out '{out}' is read-only or immutable, so it cannot be replaced; make "
+                    "it writable (chmod u+w, chattr -i) or choose another path")
   return out
 
 
@@ -165,6 +173,19 @@ def _remove_made(made: list) -> None:
 
 
 @contextlib.contextmanager
+def _replacing(out: str):
+  """The last rename refused (a mount point, an immutable or read-only `out` that the checks
+  before the work missed) as one line: the written output is dropped, `out` left as it was."""
+  try:
+    yield
+  except OSError as e:
+    if e.errno not in (errno.EBUSY, errno.EPERM, errno.EACCES, errno.EXDEV):
+      raise
+    raise UserError(f"--out '{out}' cannot be replaced ({e.strerror}); it is left as it was: "
+                    "choose another path") from None
+
+
+@contextlib.contextmanager
 def staged_dir(out: str, *, force: bool, protect=(), own=None):
   """Yield a temporary folder next to `out`; on success it replaces `out` in one rename.
 
@@ -193,10 +214,14 @@ def staged_dir(out: str, *, force: bool, protect=(), own=None):
   _shared(tmp)
   try:
     # A signal between the two renames left no output: the old one aside, the new one removed.
-    with signals.held("after --out was written: it is complete"):
+    with signals.held("after --out was written: it is complete"), _replacing(out):
       if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-        os.replace(out, os.path.join(old, name))  # aside first: rename cannot replace a folder
+        try:
+          os.replace(out, os.path.join(old, name))  # aside first: rename cannot replace a folder
+        except OSError:
+          os.rmdir(old)
+          raise
         try:
           os.replace(tmp, out)
         except OSError:
@@ -231,7 +256,8 @@ def staged_file(out: str, *, force: bool, protect=(), own=None):
     with writing(out):
       yield tmp
     _shared(tmp)
-    os.replace(tmp, out)
+    with _replacing(out):
+      os.replace(tmp, out)
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)

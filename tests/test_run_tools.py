@@ -260,6 +260,69 @@ def test_replacing_an_output_is_whole_under_a_signal_or_a_failed_rename(tmp_path
   assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing aside, nothing staged left
 
 
+def test_out_a_mount_point_is_refused_before_the_work(tiny_run, tmp_path, monkeypatch):
+  """--out an empty mount point (a docker volume): every convert subcommand did its whole work,
+  then crashed renaming onto it (EBUSY) with a traceback. Refused before reading the run; a
+  rename refused all the same is one line, nothing left beside --out."""
+  import errno
+  from nanotext import outputs
+  out = tmp_path / "mnt"
+  out.mkdir()
+  real_ismount, real_replace = os.path.ismount, os.replace
+  monkeypatch.setattr(outputs.os.path, "ismount",
+                      lambda p: os.path.abspath(p) == str(out) or real_ismount(p))
+  with pytest.raises(UserError, match=r"is a mount point, which the output cannot replace .* "
+                                      r"give a new folder inside it, such as '.*/mnt/out'"):
+    params.params_only(tiny_run[0], str(out), log=pytest.fail)  # refused before it reads
+  monkeypatch.setattr(outputs.os.path, "ismount", real_ismount)
+
+  def replace(a, b):
+    if os.path.basename(b) in ("mnt", "mnt.safetensors"):  # a file can be a mount point too
+      raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+    real_replace(a, b)
+  monkeypatch.setattr(outputs.os, "replace", replace)
+  for staged, name in ((outputs.staged_dir, "mnt"), (outputs.staged_file, "mnt.safetensors")):
+    with pytest.raises(UserError, match=f"'.*/{name}' cannot be replaced \\(Device or resource "
+                                        "busy"):
+      with staged(str(tmp_path / name), force=True):
+        pass
+    assert os.listdir(tmp_path) == ["mnt"]
+
+
+def test_force_onto_an_output_that_cannot_be_moved_is_one_line(tmp_path, monkeypatch):
+  """--force onto an earlier export that is immutable (or read-only, which a move to another
+  folder needs): a traceback after the whole conversion, an empty '.out.old-*' left each time;
+  the same for an immutable empty --out. Now refused before the work (os.access), and a rename
+  refused all the same leaves --out and its folder as they were."""
+  import errno
+  from nanotext import outputs
+  out = tmp_path / "out"
+  out.mkdir()
+  for force in (False, True):  # empty, then an earlier output
+    real_access = os.access
+    monkeypatch.setattr(outputs.os, "access",
+                        lambda p, m: p != str(out) and real_access(p, m))
+    with pytest.raises(UserError, match=r"'.*/out' is read-only or immutable, so it cannot be "
+                                        r"replaced; make it writable"):
+      outputs.check_out(str(out), force=force)
+    monkeypatch.setattr(outputs.os, "access", real_access)
+    real_replace = os.replace
+
+    def replace(a, b):
+      if str(out) in (a, b):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+      real_replace(a, b)
+    monkeypatch.setattr(outputs.os, "replace", replace)
+    with pytest.raises(UserError, match=r"'.*/out' cannot be replaced \(Operation not permitted"):
+      with outputs.staged_dir(str(out), force=force) as tmp:
+        with open(os.path.join(tmp, "NEW"), "w") as f:
+          f.write("the new export")
+    monkeypatch.setattr(outputs.os, "replace", real_replace)
+    assert os.listdir(tmp_path) == ["out"]  # no '.out.old-*', no '.out.tmp-*'
+    assert os.listdir(out) == ([] if not force else ["OLD"])
+    (out / "OLD").write_text("the previous export")
+
+
 def test_a_failed_write_removes_the_folders_made_for_its_out(tmp_path):
   """--out=a/b/c onto a full disk left the empty a/b it had made."""
   from nanotext.outputs import staged_dir, staged_file
