@@ -125,7 +125,32 @@ RUN_SECTIONS = ("model", "train", "data")  # what every run's config.yml has
 def check_run(cfg, out: str) -> bool:
   """Refuse an output_dir that holds a different run unless overwrite=true, or a run already
   past train.steps (replaced under overwrite=true); True when the previous run is to be replaced
-  (set aside, then deleted)."""
+  (set aside, then deleted), which checkpoint.load_params_from must then not lie in."""
+  replacing, src = _check_run(cfg, out), cfg.checkpoint.load_params_from
+  real, ckpts = os.path.realpath(src), os.path.join(os.path.realpath(out), "checkpoints")
+  if replacing and src and (real in (ckpts, os.path.dirname(ckpts)) or
+                            real.startswith(ckpts + os.sep)):
+    raise UserError(f"checkpoint.load_params_from='{src}' lies in the run in output_dir, which "
+                    "overwrite=true sets aside before the parameters are read: to start from its "
+                    "weights, train into another output_dir (or copy them out first: python -m "
+                    f"nanotext.convert params-only --run={out} --out=DIR)")
+  return replacing
+
+
+def _source_change(old: dict, cfg, done: list) -> list:
+  """checkpoint.load_params_from changed where the run has checkpoints: another start, so
+  another run (a resume would not read the new source)."""
+  new = cfg.checkpoint.load_params_from
+  section = old.get("checkpoint")
+  was = section.get("load_params_from") if isinstance(section, dict) else ""
+  was = was if isinstance(was, str) else ""
+  if not done or not new or was == new or (was and os.path.realpath(was) ==
+                                           os.path.realpath(new)):
+    return []
+  return [f"checkpoint.load_params_from: {was or repr('')} -> {new}"]
+
+
+def _check_run(cfg, out: str) -> bool:
   from nanotext import config, config_file
   path = os.path.join(out, "config.yml")
   done = steps_on_disk(out)
@@ -150,15 +175,17 @@ def check_run(cfg, out: str) -> bool:
     raise UserError(f"output_dir '{cfg.output_dir}' holds a config.yml that is no nanotext "
                     f"run's (no {', '.join(k + ':' for k in RUN_SECTIONS)} sections): choose "
                     "another output_dir, or pass overwrite=true to replace what is there")
-  diff, saved = config.run_identity_diff(old, cfg.to_dict()), ""
+  diff, saved = config.run_identity_diff(old, cfg.to_dict()) + _source_change(old, cfg, done), ""
   if not diff and done:  # config.yml edited since the newest step was saved by the run
     diff, saved = config.run_identity_diff(step_config(out, done[-1]), cfg.to_dict()), \
         f", against its checkpoint of step {done[-1]}: config.yml was edited after it"
   if diff:
     if not cfg.overwrite:
+      same = "; or give the checkpoint.load_params_from it started from (or none) to resume " \
+          "it" if any(d.startswith("checkpoint.load") for d in diff) else ""
       raise UserError(f"output_dir '{cfg.output_dir}' holds a different run ({diff[0]}"
                       f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}{saved}); choose "
-                      "another output_dir or pass overwrite=true to replace it")
+                      f"another output_dir or pass overwrite=true to replace it{same}")
     return True
   if done and max(done) > cfg.train.steps:
     if cfg.overwrite:  # it cannot be continued: replaced, as asked

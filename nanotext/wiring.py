@@ -305,7 +305,8 @@ def initial_state(run: Run, manager, log=print) -> Start:
       log(f"train.steps {was} -> {cfg.train.steps}: every schedule over train.steps (learning "
           f"rate, momentum, windows) is {cfg.train.steps} steps' from step {step} on")
     if cfg.checkpoint.load_params_from:
-      log("checkpoint.load_params_from is ignored: this output_dir already has checkpoints")
+      log("checkpoint.load_params_from is not read again: the run it started resumes from its "
+          "own checkpoint")
     return Start(state, step, checkpoint.own_data(data, checkpoint.step_dir(manager, step)),
                  "resumed", was if isinstance(was, int) else None)
   if cfg.checkpoint.load_params_from:

@@ -441,3 +441,47 @@ def test_load_params_from_a_folder_with_params_and_checkpoints_names_both(tmp_pa
                        + re.escape(os.path.join(folder, "checkpoints"))):
       params_from.find_item(folder)
   assert params_from.find_item(os.path.join(tmp_path / "a", "checkpoints"))[1]
+
+
+def test_a_changed_load_params_from_is_another_run(tmp_path):
+  """overwrite=true with a new checkpoint.load_params_from (one not even of the model's shapes)
+  resumed the old fine-tune (checkpoint.* is resume-ok), printed its final eval again, exit 0;
+  without overwrite=true the new source was ignored in passing. Another source on a run with
+  checkpoints is another run; the same one, or none, resumes."""
+  out = tmp_path / "ft"
+  cfg = lambda *o: config.load(BASE, TINY + [f"output_dir={out}", *o])
+  out.mkdir()
+  config.save(cfg(f"checkpoint.load_params_from={tmp_path / 'a'}"), out / "config.yml")
+  assert rundir.check_run(cfg(f"checkpoint.load_params_from={tmp_path / 'b'}"), str(out)) is False
+  (out / "checkpoints" / "2").mkdir(parents=True)
+  with pytest.raises(UserError, match=r"holds a different run \(checkpoint.load_params_from: "
+                                      r".*/a -> .*/b\); .*pass overwrite=true to replace it; or "
+                                      r"give the checkpoint.load_params_from it started from"):
+    rundir.check_run(cfg(f"checkpoint.load_params_from={tmp_path / 'b'}"), str(out))
+  assert rundir.check_run(cfg(f"checkpoint.load_params_from={tmp_path / 'b'}",
+                              "overwrite=true"), str(out)) is True  # a fresh start from b
+  for same in (f"checkpoint.load_params_from={tmp_path / 'a'}",
+               f"checkpoint.load_params_from={tmp_path / 'x' / '..' / 'a'}", "seed=0"):
+    assert rundir.check_run(cfg(same), str(out)) is False
+  config.save(cfg("checkpoint.load_params_from=rel/a"), out / "config.yml")
+  for same in ("checkpoint.load_params_from=rel/a", "seed=0"):  # as given, from any folder
+    assert rundir.check_run(cfg(same), str(out)) is False
+
+
+def test_overwrite_refuses_a_source_it_would_set_aside(tmp_path):
+  """overwrite=true with checkpoint.load_params_from=output_dir (the next try after a refused
+  model.scan_layers flip): the old run was set aside, then the source 'held no checkpoints'.
+  Refused before anything moves; a folder inside output_dir that the overwrite keeps is read."""
+  config.save(config.load(BASE, TINY + [f"output_dir={tmp_path}"]), tmp_path / "config.yml")
+  (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+  (tmp_path / "params_only").mkdir()
+  cfg = lambda src: config.load(BASE, TINY + [f"output_dir={tmp_path}", "overwrite=true",
+                                              "model.scan_layers=true",
+                                              f"checkpoint.load_params_from={src}"])
+  for src in (tmp_path, tmp_path / "checkpoints", tmp_path / "checkpoints" / "2"):
+    with pytest.raises(UserError, match=r"load_params_from='.*' lies in the run in output_dir, "
+                                        r"which overwrite=true sets aside before the parameters "
+                                        r"are read: to start from its weights, train into "):
+      rundir.check_run(cfg(src), str(tmp_path))
+  assert rundir.check_run(cfg(tmp_path / "params_only"), str(tmp_path)) is True
+  assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.yml", "params_only"]
