@@ -179,3 +179,28 @@ def test_load_params_from_converts_between_unrolled_and_scanned(tmp_path):
   assert flat(stack_blocks(jax.device_get(back))).keys() == flat(stacked_saved).keys()
   for k, v in flat(stack_blocks(jax.device_get(back))).items():
     np.testing.assert_array_equal(v, flat(stacked_saved)[k], err_msg=k)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_config_yml_edited_in_scan_layers_reads_the_same_weights(tmp_path, scan):
+  """config.yml edited in model.scan_layers (how the model computes, not what: evaluate read
+  the folder): generate and every converter said it 'has no value for nanotext parameter
+  blocks.0...'. The layout is converted, as checkpoint.load_params_from converts it."""
+  from nanotext import config, generate, trees
+  from nanotext.convert.common import load_run
+  run = str(tmp_path / "run")
+  _, saved = saved_run(BASE, TINY + EXACT + [f"model.scan_layers={str(scan).lower()}"], run,
+                       noise=0.02)
+  path = os.path.join(run, "config.yml")
+  text = open(path).read()
+  assert f"scan_layers: {str(scan).lower()}" in text
+  with open(path, "w") as f:
+    f.write(text.replace(f"scan_layers: {str(scan).lower()}",
+                         f"scan_layers: {str(not scan).lower()}"))
+  flip = trees.unstack_blocks if scan else trees.stack_blocks
+  want = flip(trees.flatten(saved))
+  for params in (load_run(run)[2], generate.restore(run, config.load(path))[2]):
+    got = trees.flatten(jax.device_get(params))
+    assert sorted(got) == sorted(want)
+    for k, v in got.items():
+      np.testing.assert_array_equal(v, want[k], err_msg=k)

@@ -33,11 +33,14 @@ def model_params(path: str, cfg, step: int, what: str, step_arg: str, *,
   string order ('0', '1', '10', '11', '2', ...): merged by position, 11 or more layers would be
   permuted. Dtypes stay as saved (a params-only folder may be bfloat16)."""
   from nanotext import wiring
-  from nanotext.trees import fill, flatten
+  from nanotext.trees import fill, flatten, is_stacked
   _, graphdef, abstract = wiring.for_sampling(cfg, jax.local_devices(), checked=checked)
   step, params = read_params(path, step, what, step_arg)
-  return step, graphdef, fill(abstract, flatten(params), f"{what} '{path}' step {step} against "
-                              "its config.yml (check the model.* keys there)", cast=False)
+  flat = flatten(params)
+  if is_stacked(flat) != is_stacked(flatten(abstract)):  # model.scan_layers edited: same weights
+    flat = unstack_blocks(flat) if is_stacked(flat) else stack_blocks(flat)
+  return step, graphdef, fill(abstract, flat, f"{what} '{path}' step {step} against its "
+                              "config.yml (check the model.* keys there)", cast=False)
 
 
 def read_params(path: str, step: int, what: str, step_arg: str):
