@@ -24,7 +24,8 @@ def find_item(path: str, what: str = "checkpoint.load_params_from") -> tuple:
   an older one instead would answer for another step than the one asked for."""
   check_no_glob(os.path.abspath(path), what)
   if not os.path.isdir(path):
-    raise UserError(f"{what}='{path}' is not a directory")
+    raise UserError(f"{what}='{path}' " + ("is not a directory" if os.path.lexists(path) else
+                                           "does not exist"))
   if os.path.isdir(os.path.join(path, "state")):
     return os.path.join(os.path.abspath(path), "state"), True
   root = os.path.join(path, "checkpoints")
@@ -184,4 +185,16 @@ def _check_same_params(saved, wanted, where: str) -> None:
       got = "missing" if key not in a else f"shape {a[key]}"
       want = "absent" if key not in b else f"shape {b[key]}"
       raise UserError(f"checkpoint '{where}' does not fit this model: parameter {key} is {got} "
-                      f"in the checkpoint but {want} here (check the model.* keys)")
+                      f"in the checkpoint but {want} here ({_qkv_hint(a, b)})")
+
+
+def _qkv_hint(saved: dict, wanted: dict) -> str:
+  """What to check for a mismatch: the keys storing q, k, v as one parameter where one side
+  does and the other does not, else the model.* keys."""
+  one = lambda names: any("/attn/qkv" in n for n in names)
+  if one(saved) == one(wanted):
+    return "check the model.* keys"
+  return ("the checkpoint holds q, k and v as one attn/qkv parameter, this model as three: set "
+          "model.merged_qkv or model.fused_qkv as the source run has them") if one(saved) else \
+      ("the checkpoint holds q, k and v as three parameters, this model as one attn/qkv: set "
+       "model.merged_qkv=false and model.fused_qkv=false as the source run has them")

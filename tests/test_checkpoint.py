@@ -304,6 +304,8 @@ def test_load_params_from_checks_a_cast_folder_before_the_cast(fsdp8_run, tmp_pa
 @pytest.mark.parametrize("overrides, needle", [
     (["model.d_model=128"], "in the checkpoint but shape ("),
     (["model.num_layers=3"], "is missing in the checkpoint"),
+    (["model.merged_qkv=true"], "holds q, k and v as three parameters, this model as one "
+                                "attn/qkv: set model.merged_qkv=false"),
 ])
 def test_load_params_from_refuses_another_architecture(fsdp8_run, tmp_path, overrides, needle):
   step_dir = os.path.join(fsdp8_run, "checkpoints", "2")
@@ -311,8 +313,11 @@ def test_load_params_from_refuses_another_architecture(fsdp8_run, tmp_path, over
     quiet_run(TINY + overrides + [f"output_dir={tmp_path}",
                                   f"checkpoint.load_params_from={step_dir}"])
   assert needle in str(e.value), str(e.value)
-  with pytest.raises(UserError, match="is not a directory"):
+  with pytest.raises(UserError, match="load_params_from='.*/nope' does not exist"):
     quiet_run(TINY + [f"output_dir={tmp_path}", f"checkpoint.load_params_from={tmp_path}/nope"])
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(UserError, match="load_params_from='.*/file' is not a directory"):
+    quiet_run(TINY + [f"output_dir={tmp_path}", f"checkpoint.load_params_from={tmp_path}/file"])
 
 
 def test_sighup_from_a_closed_terminal_saves_and_stops(tmp_path):

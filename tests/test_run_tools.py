@@ -340,6 +340,12 @@ def test_the_tools_name_what_was_given(tiny_run, tmp_path):
   checkpoints/, and a params-only folder without convert.json 'step -1' (generate: unknown)."""
   with pytest.raises(UserError, match=r"^--step=-5 is not a checkpoint step"):
     params.params_only(tiny_run[0], str(tmp_path / "p"), step=-5, log=lambda line: None)
+  params.params_only(tiny_run[0], str(tmp_path / "po"), log=lambda line: None)
+  for step in (-5, 2):  # -5 was taken for the newest; a params-only folder has one step
+    with pytest.raises(UserError, match=r"--run '.*/po' is a params-only folder \(one step\): "
+                                        r"leave --step out$") as e:
+      params.params_only(str(tmp_path / "po"), str(tmp_path / "p"), step=step, log=pytest.fail)
+    assert str(e.value).startswith("--step=-5 is not a checkpoint step: " if step < 0 else "--run")
   (tmp_path / "file").write_text("x")
   for path, what in ((tmp_path / "nope", "does not exist"), (tmp_path / "file",
                                                              "is not a directory")):

@@ -49,8 +49,10 @@ def read_params(path: str, step: int, what: str, step_arg: str):
   from nanotext import checkpoint
   if not os.path.isdir(os.path.join(path, "params")):
     return checkpoint.latest_params(path, step, what=what, step_arg=step_arg)
-  if step >= 0:
-    raise UserError(f"{what} '{path}' is a params-only folder (one step): leave {step_arg} out")
+  if step != -1:  # a step below -1 is refused as in a run folder (checkpoint.latest_params)
+    bad = f"{step_arg.removesuffix('=')}={step} is not a checkpoint step: " if step < 0 else ""
+    raise UserError(f"{bad}{what} '{path}' is a params-only folder (one step): leave {step_arg} "
+                    "out")
   return load_params(path)
 
 
