@@ -186,9 +186,11 @@ def test_converted_run_trains_on(converted):
 
 def test_from_hf_keeps_the_mesh_as_given(hf_dir, tmp_path):
   """config.yml held the converting machine's device count (mesh.fsdp: 8 here), and the printed
-  train command then failed on any other count: it holds the mesh as given."""
+  train command then failed on any other count: it holds the mesh as given, one for more
+  devices than this machine has included (it was refused: the step is written from these)."""
   import yaml
-  for extra_keys, want in [([], (1, -1, 1)), (["mesh.fsdp=4", "mesh.data=2"], (2, 4, 1))]:
+  for extra_keys, want in [([], (1, -1, 1)), (["mesh.fsdp=4", "mesh.data=2"], (2, 4, 1)),
+                           (["mesh.data=16"], (16, -1, 1))]:
     out = str(tmp_path / f"run{len(extra_keys)}")
     from_hf(hf_dir[0], out, TRAIN_KEYS + extra_keys, log=quiet)
     saved = yaml.safe_load(open(os.path.join(out, "config.yml")))["mesh"]

@@ -48,7 +48,7 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   Here rather than in `convert.hf`: building the run needs `wiring`, a layer above the format
   mapping, and only this front module (like train and generate) reaches up to it.
   """
-  from nanotext import wiring
+  from nanotext import sharding, wiring
   from nanotext.errors import UserError
   cfg, flat = read_hf(hf, out, overrides, config_path=config_path, force=force)
   try:  # a run that train, evaluate and generate would refuse
@@ -59,7 +59,15 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
         f"vocabulary of data.tokenizer '{cfg.data.tokenizer}' "
         f"({wiring.tokenizer_vocab(cfg.data)}); pass data.tokenizer=NAME, the tokenizer its "
         "ids are of") from None
-  return write_run(wiring.from_config(cfg), flat, hf, out, given=cfg, force=force, log=log)
+  try:
+    run = wiring.from_config(cfg)
+  except sharding.MeshSizeError:  # a mesh for another machine: config.yml keeps it as given,
+    # the step is written from this machine's devices (a checkpoint restores onto any mesh)
+    local = cfg.copy_and_resolve_references()
+    for key, value in (a.split("=") for a in sharding.ALL_ON_FSDP):  # every device on fsdp
+      local.mesh[key.split(".")[1]] = int(value)
+    run = wiring.from_config(local)
+  return write_run(run, flat, hf, out, given=cfg, force=force, log=log)
 
 
 __all__ = ["from_hf", "to_hf", "params_only", "load_params", "export_torch"]
