@@ -68,6 +68,14 @@ def test_steps_to_reach_interpolates():
   assert convergence.steps_to_reach(curve, 2.9) is None
 
 
+def test_convergence_checks_both_recipes_before_training():
+  """Both configs take the shared overrides (speedrun.yml's long eval_seq_len reset): checked
+  before either trains, and the default output is not the committed report."""
+  convergence.check_recipes(convergence.common_overrides(
+      steps=4, batch_size=8, seq_len=32, eval_every=2, eval_batches=1))
+  assert not os.path.dirname(convergence.DEFAULT_OUT)  # the current directory
+
+
 @pytest.mark.plots
 def test_convergence_report_and_plot(tmp_path):
   curves = {"baseline (AdamW GPT-2)": [(10, 6.0), (20, 5.0), (40, 4.0)],
