@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import BASE, PROCESS_TIMEOUT_S, REPO, SPEEDRUN
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, SPEEDRUN, one_line_error
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # overhead.py imports reference_step by name
 
@@ -216,3 +216,27 @@ def test_learning_check_reads_back_its_table_and_plots_it(tmp_path):
   assert lc.read_table(str(log)) == columns
   lc.plot(columns, "record (torch)", str(tmp_path / "curves.png"), "title")
   assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+SPEEDRUN_TINY = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
+                 "model.mlp_dim=128", "model.align=0", "model.vocab_size=512",
+                 "train.batch_size=8", "train.seq_len=64", "attention.window=32",
+                 "attention.window_start=16", "attention.window_block=16"]
+
+
+def _bench(name, *args, cwd=REPO, env=None):
+  """benchmarks/NAME.py ARGS as a process; its CompletedProcess."""
+  return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", f"{name}.py"), *args],
+                        cwd=cwd, env=dict(os.environ, **(env or {})), capture_output=True,
+                        text=True, timeout=PROCESS_TIMEOUT_S)
+
+
+def test_checkpoint_save_runs_a_doc_mask_config_and_removes_its_folder(tmp_path):
+  """speedrun.yml (attention.doc_mask) on synthetic data, its temporary folder gone after; no
+  CONFIG is one line."""
+  proc = _bench("checkpoint_save", SPEEDRUN, *SPEEDRUN_TINY, "--repeats=1",
+                env={"TMPDIR": str(tmp_path)})
+  assert proc.returncode == 0, proc.stderr
+  assert "| async: loop blocked per save (median) |" in proc.stdout
+  assert not [p for p in os.listdir(tmp_path) if p.startswith("ckpt_bench_")]
+  one_line_error(_bench("checkpoint_save"), "no CONFIG")
