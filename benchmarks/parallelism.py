@@ -1,5 +1,6 @@
 """Parallelism ablation: `python benchmarks/parallelism.py CONFIG [key=value ...] [--layouts L]
-[--steps K] [--out PREFIX]` (default PREFIX: benchmarks/parallelism_CONFIGNAME[_TOPOLOGY]).
+[--steps K] [--out PREFIX]` (default PREFIX: parallelism_CONFIGNAME[_TOPOLOGY] in the current
+directory; the committed tables are benchmarks/parallelism_*).
 
 Runs the same model, data and seed (data.source=synthetic) under several mesh layouts and writes
 `PREFIX.md` (a table) and `PREFIX.png` (bar plots). Per layout: compile time, median step time
@@ -20,6 +21,7 @@ program) and `PREFIX.md` gets per-chip memory, collectives and bytes, FLOPs, and
 step-time estimate from the chip's published peaks.
 """
 
+import io
 import math
 import os
 import re
@@ -27,7 +29,7 @@ import statistics
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # nanotext, and the report beside this file
@@ -44,9 +46,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("steps", 5, "Steps whose losses are recorded (also the warmup).")
   flags.DEFINE_integer("timed_steps", 3, "Steps per timed window.")
   flags.DEFINE_integer("repeats", 3, "Timed windows (the median is reported).")
-  flags.DEFINE_string("out", "", "Output prefix (.md, .png); default benchmarks/parallelism_"
-                      "CONFIGNAME, plus _TOPOLOGY with --topology (a TPU table never replaces "
-                      "the CPU run's).")
+  flags.DEFINE_string("out", "", "Output prefix (.md, .png); default parallelism_CONFIGNAME "
+                      "in the current directory, plus _TOPOLOGY with --topology (a TPU table "
+                      "never replaces the CPU run's).")
   flags.DEFINE_string(
       "topology", "", "Compile each layout for this TPU slice (e.g. v6e-8) through "
       "nanotext.compile instead of running it here: memory, collectives, FLOPs and a roofline "
@@ -233,11 +235,29 @@ def measure_topology(path, overrides, slice_name, layouts, which="last", log=Non
 
 
 def default_out(config_path: str, topology: str) -> str:
-  """benchmarks/parallelism_NAME[_TOPOLOGY]: the committed tables' names, one per config and
-  target (the default had written a TPU table over the CPU run's parallelism_base.md)."""
+  """parallelism_NAME[_TOPOLOGY] in the current directory: one per config and target (a TPU
+  table never replaces a CPU run's), never the committed benchmarks/ tables unless asked for."""
   name = os.path.splitext(os.path.basename(config_path))[0]
-  here = os.path.dirname(os.path.abspath(__file__))
-  return os.path.join(here, f"parallelism_{name}" + (f"_{topology}" if topology else ""))
+  return f"parallelism_{name}" + (f"_{topology}" if topology else "")
+
+
+def check_out(out: str, suffixes) -> None:
+  """Refuse, before anything is measured, an output prefix whose files cannot be written."""
+  from nanotext import probes
+  from nanotext.errors import UserError
+  for suffix in suffixes:
+    if os.path.isdir(out + suffix):
+      raise UserError(f"--out={out}: {out}{suffix} is a folder; name a file prefix")
+  folder = os.path.dirname(os.path.abspath(out))
+  if not os.path.isdir(folder):
+    raise UserError(f"--out={out}: folder {folder} does not exist; create it or name another")
+  probes.writable_dir(folder, "--out's folder")
+
+
+def write(path: str, data) -> None:
+  """`data` (text or bytes) to `path` whole: an interrupted write leaves the old file."""
+  from nanotext import fileio
+  fileio.atomic_write(path, [data.encode() if isinstance(data, str) else data])
 
 
 def main(argv):
@@ -246,23 +266,25 @@ def main(argv):
   import jax
   from nanotext.errors import UserError, fail
   if len(argv) < 2:
-    fail("usage: python benchmarks/parallelism.py CONFIG [key=value ...] [--layouts L] "
-         "[--steps K] [--out PREFIX]")
+    fail(f"no CONFIG given; {USAGE}")
   try:
     if FLAGS.steps < 1 or FLAGS.timed_steps < 1 or FLAGS.repeats < 1:
       raise UserError("--steps, --timed_steps and --repeats must be at least 1")
     log = lambda s: print(s, file=sys.stderr, flush=True)
     out = FLAGS.out or default_out(argv[1], FLAGS.topology)
+    check_out(out, (".md",) if FLAGS.topology else (".md", ".png"))
     if FLAGS.topology:
       from nanotext import topology
       chips = topology.parse(FLAGS.topology).num_chips
       command = " ".join(["python", *sys.argv])
-      def write(rows):
-        with open(out + ".md", "w") as f:
-          f.write(topology_report(rows, command, FLAGS.topology))
+      written = []
+
+      def write_table(rows):
+        write(out + ".md", topology_report(rows, command, FLAGS.topology))
+        written[:] = [out + ".md"]
       rows = measure_topology(argv[1], argv[2:], FLAGS.topology,
                               parse_layouts(FLAGS.layouts, chips), FLAGS.programs, log=log,
-                              on_row=write)
+                              on_row=write_table)
     else:
       layouts = parse_layouts(FLAGS.layouts, jax.device_count())
       rows = measure(argv[1], argv[2:], layouts, steps=FLAGS.steps,
@@ -271,18 +293,24 @@ def main(argv):
     fail(str(e))
   if FLAGS.topology:
     print(topology_table(rows))
+    print(f"wrote {written[0]}" if written else "no layout compiled; nothing written")
     return
   print(table(rows))
   if jax.process_index() == 0:  # one writer on many hosts
     command = " ".join(["python", *sys.argv])
     xla = os.environ.get("XLA_FLAGS")
     command = f"XLA_FLAGS={xla} {command}" if xla else command
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".md", "w") as f:
-      f.write(report(rows, command))
-    plot(rows, out + ".png")
+    write(out + ".md", report(rows, command))
+    png = io.BytesIO()
+    plot(rows, png)
+    write(out + ".png", png.getvalue())
+    print(f"wrote {out}.md and {out}.png")
 
+
+USAGE = ("usage: python benchmarks/parallelism.py CONFIG [key=value ...] [--layouts L] "
+         "[--steps K] [--out PREFIX]")
 
 if __name__ == "__main__":
+  from nanotext import cli
   define_flags()
-  app.run(main)
+  cli.run(lambda args: main([sys.argv[0], *args]), USAGE, __doc__.split("\n\n", 1)[1])

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import BASE, REPO, TINY
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, one_line_error
 from nanotext.errors import UserError
 from nanotext.hlo import shape_bytes
 
@@ -118,10 +118,30 @@ def test_cli_bad_input_exits_2(args, match, tmp_path):
 
 @pytest.mark.fast
 def test_the_default_output_is_named_by_config_and_target():
-  """A --topology table went to parallelism_base.md by default, over the committed CPU run's."""
-  here = os.path.join(REPO, "benchmarks")
-  assert bench.default_out(BASE, "") == os.path.join(here, "parallelism_base")
-  assert bench.default_out("configs/speedrun.yml", "v6e-8") == \
-      os.path.join(here, "parallelism_speedrun_v6e-8")
-  for name in ("parallelism_base.md", "parallelism_speedrun_v6e-8.md"):  # what they name
-    assert os.path.isfile(os.path.join(here, name))
+  """A --topology table went to parallelism_base.md by default, over the committed CPU run's;
+  and the default was the committed benchmarks/ tables: now the current directory."""
+  assert bench.default_out(BASE, "") == "parallelism_base"
+  assert bench.default_out("configs/speedrun.yml", "v6e-8") == "parallelism_speedrun_v6e-8"
+
+
+def test_an_unwritable_out_is_refused_before_measuring(tmp_path):
+  """An --out whose .md is a folder, or whose folder is missing: one line, nothing measured."""
+  (tmp_path / "x.md").mkdir()
+  script = os.path.join(REPO, "benchmarks", "parallelism.py")
+  for out, match in ((tmp_path / "x", "is a folder"), (tmp_path / "no" / "x", "does not exist")):
+    proc = subprocess.run([sys.executable, script, BASE, *TINY, f"--out={out}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    one_line_error(proc, match)
+    assert "dp8" not in proc.stderr  # no layout was measured
+  assert os.listdir(tmp_path) == ["x.md"]
+
+
+@pytest.mark.plots
+def test_a_run_writes_in_the_current_directory_and_says_so(tmp_path):
+  script = os.path.join(REPO, "benchmarks", "parallelism.py")
+  proc = subprocess.run([sys.executable, script, BASE, *TINY, "--layouts=dp8", "--steps=1",
+                         "--timed_steps=1", "--repeats=1"], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=PROCESS_TIMEOUT_S)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.splitlines()[-1] == "wrote parallelism_base.md and parallelism_base.png"
+  assert sorted(os.listdir(tmp_path)) == ["parallelism_base.md", "parallelism_base.png"]
