@@ -20,6 +20,7 @@ The real shape (one 49,152-token row per step, 150 steps of the window schedule,
 Importing this module defines no flags and runs nothing; the tests use its helpers.
 """
 
+import importlib.util
 import os
 import sys
 import time
@@ -91,6 +92,27 @@ def torch_state(run, params) -> dict:
   """nanotext params -> the record's state dict (numpy), via export-torch's mapping."""
   from nanotext.convert.torch_export import torch_state_dict
   return torch_state_dict(run.cfg, params)
+
+
+def torch_choice(want: str, cfg, log=print) -> str:
+  """"on" or "off": whether the torch column runs (--torch=`want`), decided before any training.
+  With "auto" a column torch cannot give is left out with a one-line note; with "on" it is a
+  UserError."""
+  from nanotext.convert.torch_export import check_expressible
+  from nanotext.errors import UserError
+  if want == "off":
+    return "off"
+  try:
+    if importlib.util.find_spec("torch") is None:
+      raise UserError("PyTorch is not installed")
+    check_expressible(cfg)
+  except UserError as e:
+    why = str(e)
+    if want == "on":
+      raise UserError(f"--torch=on: {why}; use --torch=off or --torch=auto") from None
+    log(f"the record (torch) column is left out: {why}")
+    return "off"
+  return "on"
 
 
 def make_reference(run, state: dict, *, dtype="bfloat16", fp8_head=True, ns_dtype="bfloat16",
@@ -202,6 +224,7 @@ def main(argv):
     overrides = list(FLAGS.set) + [f"train.steps={FLAGS.steps}"]
     run_fp8 = make_run(FLAGS.config, overrides + ["model.fp8_head=true"])
     run_bf16 = make_run(FLAGS.config, overrides + ["model.fp8_head=false"])
+    want_torch = torch_choice(FLAGS.torch, run_fp8.cfg)
   except UserError as e:
     fail(str(e))
   cfg = run_fp8.cfg
@@ -214,14 +237,8 @@ def main(argv):
   for name, run in (("nanotext FP8", run_fp8), ("nanotext bf16 head", run_bf16)):
     _, columns[name] = train_nanotext(run, run.state_from_params(params), batches, log=print)
     print(f"{name}: done", flush=True)
-  want_torch = FLAGS.torch
-  try:
+  if want_torch == "on":
     import torch
-  except ImportError:
-    if want_torch == "on":
-      fail("--torch=on needs PyTorch installed")
-    want_torch = "off"
-  if want_torch != "off":
     device = FLAGS.torch_device
     if device == "auto":
       device = "cuda" if torch.cuda.is_available() else "cpu"

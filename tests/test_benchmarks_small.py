@@ -240,3 +240,19 @@ def test_checkpoint_save_runs_a_doc_mask_config_and_removes_its_folder(tmp_path)
   assert "| async: loop blocked per save (median) |" in proc.stdout
   assert not [p for p in os.listdir(tmp_path) if p.startswith("ckpt_bench_")]
   one_line_error(_bench("checkpoint_save"), "no CONFIG")
+
+
+@pytest.mark.fast
+def test_learning_check_decides_the_torch_column_before_training():
+  """A shape export-torch cannot give (head_dim 64): --torch=auto leaves the column out with a
+  note, --torch=on is a UserError; both before any training (they had trained both runs first)."""
+  from nanotext import config
+  from nanotext.errors import UserError
+  lc = _load("learning_check")
+  cfg = config.load(lc.CONFIG, ["model.head_dim=64"])
+  notes = []
+  assert lc.torch_choice("auto", cfg, log=notes.append) == "off"
+  assert len(notes) == 1 and "left out" in notes[0], notes
+  with pytest.raises(UserError, match="--torch=on"):
+    lc.torch_choice("on", cfg)
+  assert lc.torch_choice("off", cfg) == "off"
