@@ -54,5 +54,20 @@ def main(rounds: int) -> None:
     print(f"| {name} | {statistics.median(t):.0f} ms | {', '.join(f'{x:.0f}' for x in t)} |")
 
 
+USAGE = "usage: python benchmarks/attention_cpu.py [ROUNDS]"
+
+
+def rounds_arg(argv) -> int:
+  """The optional ROUNDS argument (default 5), at least 1; UserError otherwise."""
+  from nanotext.errors import UserError
+  if len(argv) > 2 or (len(argv) == 2 and not argv[1].lstrip("-").isdigit()):
+    raise UserError(f"unexpected argument(s) {' '.join(argv[1:])}; {USAGE}")
+  rounds = int(argv[1]) if len(argv) == 2 else 5
+  if rounds < 1:
+    raise UserError(f"ROUNDS={rounds}: give at least 1")
+  return rounds
+
+
 if __name__ == "__main__":
-  main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
+  import bench_cli
+  bench_cli.run(lambda argv: main(rounds_arg(argv)), USAGE, __doc__)

@@ -14,7 +14,7 @@ FlexAttention's arithmetic as documented, not its code.
 
 import statistics
 
-from absl import app, flags
+from absl import flags
 
 BLOCK, HEADS, K, SCALE = 128, 6, 128, 0.12
 
@@ -80,8 +80,17 @@ def errors(a, b, ref):
   return float(np.abs(d).max()), float(np.sqrt(np.mean(d * d) / np.mean(np.square(ref))))
 
 
+USAGE = "usage: python benchmarks/attention_numerics.py [--lengths=2048,4096] [--seeds=3]"
+
+
 def main(argv):
-  del argv
+  import bench_cli
+  from nanotext.errors import UserError
+  if len(argv) > 1:
+    raise UserError(f"unexpected argument '{argv[1]}'; {USAGE}")
+  if not all(t.isdigit() and int(t) > 0 for t in flags.FLAGS.lengths):
+    raise UserError(f"--lengths={','.join(flags.FLAGS.lengths)}: give positive integers")
+  bench_cli.at_least(1, seeds=flags.FLAGS.seeds, window=flags.FLAGS.window)
   import jax.numpy as jnp
   from nanotext.model.kernels.blocked import blocked_attention
   print("| T | pair | max abs difference | relative RMS difference | in bf16 ulps (2^-8) |")
@@ -110,4 +119,5 @@ if __name__ == "__main__":
   flags.DEFINE_list("lengths", ["2048", "4096"], "Row lengths T (the float64 reference is dense).")
   flags.DEFINE_integer("seeds", 3, "Random inputs per length (median reported).")
   flags.DEFINE_integer("window", 1792, "Block window in tokens (the record's longest).")
-  app.run(main)
+  import bench_cli
+  bench_cli.run(main, USAGE, __doc__)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -80,7 +80,21 @@ def table(rows: dict, trees: list) -> str:
   return "\n".join(lines)
 
 
+USAGE = ("usage: python benchmarks/build_time.py [CONFIG ...] [key=value ...] [--target=h100] "
+         "[--repeats 3] [--tree DIR ...]")
+
+
 def main(argv):
+  import bench_cli
+  from nanotext import topology
+  from nanotext.errors import UserError
+  bench_cli.at_least(1, repeats=FLAGS.repeats)
+  topology.parse(FLAGS.target)
+  for tree in FLAGS.tree:
+    if not os.path.isfile(os.path.join(tree, "nanotext", "__init__.py")):
+      raise UserError(f"--tree {tree}: not a nanotext checkout (no nanotext/__init__.py there)")
+  for path in [a for a in argv[1:] if "=" not in a]:
+    bench_cli.existing_file(path, "config")
   configs = [a for a in argv[1:] if "=" not in a] or \
       [os.path.join(REPO, "configs", "speedrun_record.yml")]
   overrides = [a for a in argv[1:] if "=" in a]
@@ -95,4 +109,5 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  import bench_cli
+  bench_cli.run(main, USAGE, __doc__)

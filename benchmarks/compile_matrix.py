@@ -69,9 +69,24 @@ HEADER = ("| config | target | program | GiB per device: compiled / planned (rat
           "| --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
+USAGE = ("usage: python benchmarks/compile_matrix.py [--targets=h100,v6e-8] [--configs=...] "
+         "[--programs=...] [--json=FILE]")
+
+
 def main(argv):
   from absl import flags
+  import bench_cli
+  from nanotext import topology
+  from nanotext.errors import UserError
   f = flags.FLAGS
+  if len(argv) > 1:
+    raise UserError(f"unexpected argument '{argv[1]}'; {USAGE}")
+  for target in [t for t in f.targets.split(",") if t]:
+    topology.parse(target)
+  for config in [c for c in f.configs.split(",") if c]:
+    bench_cli.existing_file(os.path.join(bench_cli.REPO, "configs", config), "--configs:")
+  if f.json:
+    bench_cli.writable_file(f.json, "--json")
   print(HEADER, flush=True)
   recs = run([t for t in f.targets.split(",") if t], [c for c in f.configs.split(",") if c],
              f.programs, log=lambda s: print(s, flush=True))
@@ -90,6 +105,6 @@ def define_flags():
 
 if __name__ == "__main__":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from absl import app
   define_flags()
-  app.run(main)
+  import bench_cli
+  bench_cli.run(main, USAGE, __doc__)

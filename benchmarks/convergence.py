@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -166,11 +166,13 @@ def report(curves, walls, settings, command, image="convergence.png") -> str:
   return "\n".join(lines) + "\n"
 
 
+USAGE = "usage: python benchmarks/convergence.py [--steps N] [--out PREFIX]"
+
+
 def main(argv):
   from nanotext.errors import UserError, fail
   if len(argv) > 1:
-    fail(f"unexpected argument {argv[1]!r}; usage: python benchmarks/convergence.py "
-         "[--steps N] [--out PREFIX]")
+    fail(f"unexpected argument {argv[1]!r}; {USAGE}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every step at INFO
   f = flags.FLAGS
@@ -178,9 +180,9 @@ def main(argv):
                   eval_every=f.eval_every, eval_batches=f.eval_batches)
   if min(settings.values()) < 1:
     fail("--steps, --batch_size, --seq_len, --eval_every and --eval_batches must be >= 1")
-  out_dir = os.path.dirname(os.path.abspath(f.out))
-  if not os.path.isdir(out_dir):
-    fail(f"--out {f.out!r}: directory {out_dir} does not exist")
+  import bench_cli
+  for suffix in (".md", ".png"):
+    bench_cli.writable_file(f.out + suffix, "--out")
   overrides = common_overrides(**settings)
   curves, walls = {}, {}
   try:
@@ -210,6 +212,6 @@ def argv_flags() -> list:
 
 
 if __name__ == "__main__":
-  from nanotext.errors import parse_flags
   _define_flags()
-  app.run(main, flags_parser=parse_flags)
+  import bench_cli
+  bench_cli.run(main, USAGE, __doc__)

@@ -139,9 +139,9 @@ def start(variant: str, config_path: str, overrides):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   if variant.startswith("nanotext"):
     env.pop("XLA_FLAGS", None)  # the variant decides
-  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", variant,
-                           config_path, *overrides], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          text=True, env=env)
+  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), f"--worker={variant}",
+                           "--", config_path, *overrides], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True, env=env)
   line = proc.stdout.readline().strip()
   if line != "ready":
     proc.kill()
@@ -149,26 +149,43 @@ def start(variant: str, config_path: str, overrides):
   return proc
 
 
+USAGE = ("usage: python benchmarks/cpu_vs_torch.py [CONFIG [key=value ...]] [--rounds 3] "
+         "[--steps 3] [--variants a,b,...]")
+
+
+def check_mirrored(cfg) -> None:
+  """UserError unless the PyTorch model here computes what nanotext does for `cfg`: GPT-2 as
+  configs/base.yml (overhead.py's REQUIRED), heads that split d_model exactly (D // H here)."""
+  import overhead
+  from nanotext.errors import UserError
+  overhead.check_supported(cfg, "cpu_vs_torch.py's PyTorch model")
+  m = cfg.model
+  head_dim = m.head_dim or m.d_model // m.num_heads
+  if head_dim * m.num_heads != m.d_model:
+    raise UserError(f"model.head_dim={head_dim} x model.num_heads={m.num_heads} is not "
+                    f"model.d_model={m.d_model}: the PyTorch model splits d_model into heads of "
+                    "d_model // num_heads; set model.head_dim=0 (or to d_model / num_heads)")
+
+
 def main(argv) -> None:
-  args = list(argv)
-  def opt(name, default):
-    if name in args:
-      i = args.index(name)
-      value = args[i + 1]
-      del args[i:i + 2]
-      return value
-    return default
-  if "--worker" in args:
-    i = args.index("--worker")
-    worker(args[i + 1], args[i + 2], args[i + 3:])
+  from absl import flags
+  import bench_cli
+  from nanotext import config
+  from nanotext.errors import UserError
+  f = flags.FLAGS
+  args = argv[1:]
+  if f.worker:
+    worker(f.worker, args[0], args[1:])
     return
-  rounds, steps = int(opt("--rounds", 3)), int(opt("--steps", 3))
-  variants = opt("--variants", ",".join(VARIANTS)).split(",")
+  rounds, steps, variants = f.rounds, f.steps, list(f.variants)
+  bench_cli.at_least(1, rounds=rounds, steps=steps)
+  unknown = [v for v in variants if v not in VARIANTS]
+  if unknown or not variants:
+    raise UserError(f"--variants={','.join(variants)}: choose from {','.join(VARIANTS)}")
   config_path = args[0] if args else os.path.join(REPO, "configs", "base.yml")
   overrides = args[1:]
-  sys.path.insert(0, REPO)
-  from nanotext import config
   cfg = config.load(config_path, overrides)
+  check_mirrored(cfg)
   tokens = cfg.train.batch_size * cfg.train.seq_len
   procs = {}
   for v in variants:  # one at a time: compiles must not overlap either
@@ -204,4 +221,10 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  from absl import flags
+  import bench_cli
+  flags.DEFINE_integer("rounds", 3, "Rounds (the median is reported).")
+  flags.DEFINE_integer("steps", 3, "Timed steps per variant and round.")
+  flags.DEFINE_list("variants", list(VARIANTS), "Variants to time.")
+  flags.DEFINE_string("worker", "", "Internal: serve this variant (the script starts these).")
+  bench_cli.run(main, USAGE, __doc__)

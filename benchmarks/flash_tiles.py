@@ -87,6 +87,29 @@ def main(rounds: int, small: bool, wide: bool = False) -> None:
     print("| " + " | ".join(str(x) for x in row) + " |")
 
 
+USAGE = "usage: python benchmarks/flash_tiles.py [ROUNDS] [--small] [--wide]"
+
+
+def cli_main(argv) -> None:
+  """main() from the command line: ROUNDS checked; the record's shape refused on the CPU (it
+  would run for hours in interpret mode), --small runs anywhere."""
+  from absl import flags
+  from nanotext.errors import UserError
+  if len(argv) > 2 or (len(argv) == 2 and not argv[1].lstrip("-").isdigit()):
+    raise UserError(f"unexpected argument(s) {' '.join(argv[1:])}; {USAGE}")
+  rounds = int(argv[1]) if len(argv) == 2 else 5
+  if rounds < 1:
+    raise UserError(f"ROUNDS={rounds}: give at least 1")
+  small = flags.FLAGS.small
+  if not small and jax.default_backend() == "cpu":
+    raise UserError("the record's shape is made for a GPU; on the CPU (interpret mode) it runs "
+                    "for hours: pass --small for a tiny shape")
+  main(rounds, small, flags.FLAGS.wide)
+
+
 if __name__ == "__main__":
-  args = [a for a in sys.argv[1:] if not a.startswith("--")]
-  main(int(args[0]) if args else 5, "--small" in sys.argv, "--wide" in sys.argv)
+  from absl import flags
+  import bench_cli
+  flags.DEFINE_bool("small", False, "A tiny shape, interpreted: runs anywhere.")
+  flags.DEFINE_bool("wide", False, "speedrun.yml's 4 heads of 256.")
+  bench_cli.run(cli_main, USAGE, __doc__)

@@ -251,6 +251,10 @@ def table(r: dict) -> str:
   return "\n".join(["| what | value |", "| --- | --- |"] + [f"| {a} | {b} |" for a, b in rows])
 
 
+USAGE = ("usage: python benchmarks/gpu_step.py CONFIG [key=value ...] [--steps N] [--schedule] "
+         "[--trace] [--json FILE] [--hlo FILE] [--own_kernels NAMES|all]")
+
+
 def main(argv):
   from absl import flags, logging
   from nanotext.errors import UserError, fail
@@ -258,9 +262,14 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # the profiler logs its file writes at INFO
   f = flags.FLAGS
   if len(argv) < 2:
-    fail("usage: python benchmarks/gpu_step.py CONFIG [key=value ...] [--steps N] [--schedule] "
-         "[--trace] [--hlo FILE] [--own_kernels NAMES|all]")
+    fail(f"no CONFIG given; {USAGE}")
   try:
+    import bench_cli
+    bench_cli.at_least(1, steps=f.steps, repeats=f.repeats, trace_steps=f.trace_steps)
+    bench_cli.at_least(0, warmup=f.warmup, top=f.top)
+    for flag in ("json", "hlo"):
+      if f[flag].value:
+        bench_cli.writable_file(f[flag].value, f"--{flag}")
     with per_device.opting_in(*own_kernels(f.own_kernels)):
       r = measure(argv[1], argv[2:], steps=f.steps, repeats=f.repeats, warmup=f.warmup,
                   schedule=f.schedule, trace_steps=f.trace_steps if f.trace else 0, top=f.top,
@@ -302,6 +311,6 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  from absl import app
   define_flags()
-  app.run(main)
+  import bench_cli
+  bench_cli.run(main, USAGE, __doc__)

@@ -180,6 +180,9 @@ def table(columns: dict, reference: str, skip: int) -> str:
 def read_table(path: str) -> dict:
   """The columns of a table this script printed (its log), by name."""
   lines = [ln.strip() for ln in open(path) if ln.startswith("| ")]
+  if len(lines) < 3:
+    from nanotext.errors import UserError
+    raise UserError(f"'{path}' holds no table this script printed")
   names = [c.strip() for c in lines[0].strip("|").split("|")][1:]
   rows = [[float(c) for c in ln.strip("|").split("|")[1:]] for ln in lines[2:]]
   return {n: [r[i] for r in rows] for i, n in enumerate(names)}
@@ -208,11 +211,24 @@ def plot(columns: dict, reference: str, out: str, title: str) -> None:
   fig.savefig(out, dpi=110)
 
 
+USAGE = ("usage: python benchmarks/learning_check.py [--config=FILE] [--steps=150] "
+         "[--set=key=value ...] [--torch=auto|on|off] [--plot=PNG] | --from_table=LOG")
+
+
 def main(argv):
   from absl import flags
   FLAGS = flags.FLAGS
-  import jax
+  import bench_cli
   from nanotext.errors import UserError, fail
+  if len(argv) > 1:
+    raise UserError(f"unexpected argument '{argv[1]}'; {USAGE}")
+  if FLAGS.from_table:
+    bench_cli.existing_file(FLAGS.from_table, "--from_table")
+  bench_cli.at_least(1, steps=FLAGS.steps)
+  bench_cli.at_least(0, run_steps=FLAGS.run_steps, skip=FLAGS.skip)
+  if FLAGS.plot:
+    bench_cli.writable_file(FLAGS.plot, "--plot")
+  import jax
   if FLAGS.from_table:  # a past run's printed table: its summary (and --plot) again
     columns = read_table(FLAGS.from_table)
     reference = "record (torch)" if "record (torch)" in columns else "nanotext bf16 head"
@@ -255,7 +271,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from absl import app, flags
+  from absl import flags
+  import bench_cli
   flags.DEFINE_string("config", CONFIG, "config file (the shipped record by default)")
   flags.DEFINE_integer("steps", 150, "the schedules' length (train.steps)")
   flags.DEFINE_integer("run_steps", 0, "steps to run (0: --steps), the first of the schedule")
@@ -267,4 +284,4 @@ if __name__ == "__main__":
   flags.DEFINE_string("title", "", "the plot's title (default: the run)")
   flags.DEFINE_string("from_table", "", "read the columns from this script's printed table "
                       "(a log) instead of training")
-  app.run(main)
+  bench_cli.run(main, USAGE, __doc__)

@@ -13,7 +13,7 @@ estimate exceeds 4x that is not compiled either (XLA's compiler would need that 
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
 
 
 def define_flags() -> None:
@@ -63,6 +63,10 @@ def point(T: int, impl: str, window: int, heads: int, repeats: int, max_gib: flo
   return row
 
 
+USAGE = ("usage: python benchmarks/long_attention.py [--lengths=1024,4096,8192,49152] "
+         "[--window=1792] [--impls=blocked,xla]")
+
+
 def main(argv):
   from nanotext.errors import fail
   F = flags.FLAGS
@@ -76,6 +80,8 @@ def main(argv):
     fail(f"--impls takes blocked and/or xla, got {','.join(F.impls)}")
   if any(t <= 0 or t % 128 for t in lengths) or F.window % 128 or F.window <= 0:
     fail("--lengths and --window must be positive multiples of 128")
+  if min(F.heads, F.repeats) < 1 or F.dense_max_gib <= 0:
+    fail("--heads and --repeats must be at least 1, --dense_max_gib above 0")
   print("| T | impl | temporaries (GiB) | fwd+bwd (ms) | compile (s) |")
   print("| --- | --- | --- | --- | --- |")
   for T in lengths:
@@ -91,6 +97,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from nanotext.errors import parse_flags
   define_flags()
-  app.run(main, flags_parser=parse_flags)
+  import bench_cli
+  bench_cli.run(main, USAGE, __doc__)

@@ -1,16 +1,18 @@
 """The memory estimate against the compiler: `python benchmarks/memory_estimate.py [--topology=v6e-1]
-[--cases=small|mid|full] [--only=NAME,...]`.
+[--cases=small|mid|full] [--only="NAME;NAME"]`.
 
 For each case, nanotext.memory's per-device estimate of the train and eval programs (what the
 memory plan decides by) beside XLA's accounting of the same programs compiled for this host's CPU
 (default) or a TPU slice (libtpu, nothing runs): arguments + outputs - aliased + temporaries.
-Prints one markdown table. Eval programs run rows of train.seq_len here (eval_seq_len=0).
+Prints one markdown table. Eval programs run rows of train.seq_len here (eval_seq_len=0). Case
+names hold commas, so --only separates them with ';'. A case needing more devices than there are
+is a row saying so.
 """
 
 import os
 import time
 
-from absl import app, flags
+from absl import flags
 
 
 SMALL = ["model.num_layers=4", "model.d_model=128", "model.num_heads=2", "model.head_dim=64",
@@ -73,26 +75,49 @@ def define_flags():
   """The script's flags (defined only when run as a script: tests import it by path)."""
   flags.DEFINE_string("topology", "", "Compile for this TPU slice instead of the CPU.")
   flags.DEFINE_string("cases", "small", "small (CPU, seconds), mid or full (TPU sizes).")
-  flags.DEFINE_string("only", "", "Comma list of case names to run.")
+  flags.DEFINE_string("only", "", "Case names to run, separated by ';' (the names hold commas).")
+
+
+USAGE = ("usage: python benchmarks/memory_estimate.py [--topology=v6e-1] [--cases=small|mid|full] "
+         "[--only=\"NAME;NAME\"]")
+
+
+def select(cases: str, only: str) -> list:
+  """The cases of --cases=`cases` named in `only` (';'-separated; empty: all); UserError for an
+  unknown group or name, listing the known ones."""
+  from nanotext.errors import UserError
+  if cases not in CASES:
+    raise UserError(f"--cases={cases}: choose one of {', '.join(CASES)}")
+  names = [n.strip() for n in only.split(";") if n.strip()]
+  known = [c[0] for c in CASES[cases]]
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise UserError(f"--only: no case '{unknown[0]}' in --cases={cases}; its cases: "
+                    f"{'; '.join(known)}")
+  return [c for c in CASES[cases] if not names or c[0] in names]
 
 
 def main(argv):
-  del argv
-  import jax
+  from nanotext.errors import UserError
   f = flags.FLAGS
+  if len(argv) > 1:
+    raise UserError(f"unexpected argument '{argv[1]}'; {USAGE}")
+  chosen = select(f.cases, f.only)
+  import jax
   from nanotext import topology, wiring
   devices = jax.devices()
   where = f"{jax.devices()[0].platform} ({len(devices)} devices)"
   if f.topology:
     devices = topology.devices(topology.parse(f.topology))
     where = f"{f.topology} ({devices[0].device_kind}, compiled with libtpu, not run)"
-  only = {n.strip() for n in f.only.split(",") if n.strip()}
   print(f"Estimate vs compiled, bytes per device, {where}:\n")
   print("| case | program | estimate | compiled | estimate / compiled | compile |")
   print("| --- | --- | --- | --- | --- | --- |")
   from nanotext.memory import gib
-  for name, path, overrides, n in CASES[f.cases]:
-    if (only and name not in only) or n > len(devices):
+  for name, path, overrides, n in chosen:
+    if n > len(devices):
+      print(f"| {name} | - | needs {n} devices, there are {len(devices)} (on the CPU: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n}) | | | |")
       continue
     run = wiring.prepare(path, overrides + ["data.source=synthetic", "data.tokenizer=none",
                                             "data.eot_id=0", "train.eval_seq_len=0"],
@@ -110,5 +135,6 @@ def main(argv):
 
 if __name__ == "__main__":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import bench_cli
   define_flags()
-  app.run(main)
+  bench_cli.run(main, USAGE, __doc__)

@@ -9,7 +9,7 @@ import os
 import statistics
 import sys
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_step  # noqa: E402
@@ -17,10 +17,15 @@ import gpu_step  # noqa: E402
 LAYOUTS = ("distributed", "replicated", "sharded")
 
 
+USAGE = "usage: python benchmarks/muon_layout.py CONFIG [key=value ...] [--rounds R] [--steps N]"
+
+
 def main(argv):
+  import bench_cli
   from nanotext.errors import UserError, fail
   if len(argv) < 2:
-    fail("usage: python benchmarks/muon_layout.py CONFIG [key=value ...]")
+    fail(f"no CONFIG given; {USAGE}")
+  bench_cli.at_least(1, rounds=flags.FLAGS.rounds, steps=flags.FLAGS.steps)
   times = {k: [] for k in LAYOUTS}
   try:
     for _ in range(flags.FLAGS.rounds):
@@ -42,4 +47,5 @@ def main(argv):
 if __name__ == "__main__":
   gpu_step.define_flags()  # --steps: timed steps per round
   flags.DEFINE_integer("rounds", 3, "Interleaved rounds per layout.")
-  app.run(main)
+  import bench_cli
+  bench_cli.run(main, USAGE, __doc__)

@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -43,8 +43,9 @@ REQUIRED = {"model.positions": "learned", "model.norm": "layernorm", "model.mlp_
             "model.scan_layers": False}  # its weight copy reads blocks.{i}
 
 
-def check_supported(cfg) -> None:
-  """UserError unless the config is the GPT-2 baseline the reference implements."""
+def check_supported(cfg, who: str = "overhead.py") -> None:
+  """UserError unless the config is the GPT-2 baseline the reference implements (`who`: what
+  cannot compare it)."""
   from nanotext import config
   from nanotext.errors import UserError
   for key, want in REQUIRED.items():
@@ -54,7 +55,7 @@ def check_supported(cfg) -> None:
       continue  # a key this version of nanotext lacks cannot change the math
     if got != want:
       raise UserError(f"{key}={got!r}: the reference step implements GPT-2 as configs/base.yml "
-                      f"does ({key}={want!r}); overhead.py cannot compare this config")
+                      f"does ({key}={want!r}); {who} cannot compare this config")
 
 
 def hparams(cfg):
@@ -207,6 +208,9 @@ def table(r: dict, title: str) -> str:
   return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows])
 
 
+USAGE = "usage: python benchmarks/overhead.py [CONFIG] [key=value ...] [--rounds N]"
+
+
 def main(argv):
   from nanotext.errors import UserError, fail
   path = argv[1] if len(argv) > 1 and "=" not in argv[1] else DEFAULT_CONFIG
@@ -222,6 +226,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from nanotext.errors import parse_flags
   _define_flags()
-  app.run(main, flags_parser=parse_flags)
+  import bench_cli
+  bench_cli.run(main, USAGE, __doc__)

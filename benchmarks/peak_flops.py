@@ -7,7 +7,7 @@ the best FLOP/s of a jitted square matmul over a few sizes, median of repeats, o
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 
@@ -38,8 +38,17 @@ def matmul_flops(n: int, dtype, repeats: int) -> float:
   return 2 * n ** 3 / statistics.median(times)
 
 
+USAGE = "usage: python benchmarks/peak_flops.py [--dtype float32|bfloat16] [--repeats N]"
+
+
 def main(argv):
-  del argv
+  import bench_cli
+  from nanotext.errors import UserError
+  if len(argv) > 1:
+    raise UserError(f"unexpected argument '{argv[1]}'; {USAGE}")
+  bench_cli.at_least(1, repeats=FLAGS.repeats)
+  if FLAGS.dtype not in ("float32", "bfloat16"):
+    raise UserError(f"--dtype={FLAGS.dtype}: choose float32 or bfloat16")
   import jax
   import jax.numpy as jnp
   dtype = jnp.dtype(FLAGS.dtype)
@@ -56,4 +65,5 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  import bench_cli
+  bench_cli.run(main, USAGE, __doc__)

@@ -121,6 +121,12 @@ def main():
   ap.add_argument("--port", required=True, help="the port's train.py (a9d3e04)")
   ap.add_argument("--write", default="", help="save the port's side as a test fixture (.npz)")
   args = ap.parse_args()
+  from nanotext.errors import fail
+  if not os.path.isfile(args.port):
+    fail(f"--port '{args.port}' is not a file: give the port's train.py")
+  if args.write and (os.path.isdir(args.write) or
+                     not os.path.isdir(os.path.dirname(os.path.abspath(args.write)))):
+    fail(f"--write '{args.write}': name a file in a folder that exists")
   from nanotext.data import binfile
   with tempfile.TemporaryDirectory() as tmp:
     tokens = make_tokens(8 * 256 + 1 + 4096, PORT_CONFIG["vocab_size"])

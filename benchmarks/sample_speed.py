@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,14 +66,22 @@ def timed_samples(graphdef, params, max_len: int, prompt: list, tokens: int, n: 
   return out
 
 
+USAGE = ("usage: python benchmarks/sample_speed.py CONFIG [key=value ...] [--tokens N] "
+         "[--prompt P] [--repeats R] [--modes cache,bucket,whole] [--samples S]")
+
+
 def main(argv):
   from flax import nnx
   from nanotext import wiring
+  import bench_cli
+  from nanotext.errors import UserError
   if len(argv) < 2:
-    raise SystemExit(__doc__)
+    raise UserError(f"no CONFIG given; {USAGE}")
   modes = FLAGS.modes.split(",")
   if not modes or set(modes) - set(MODES):
-    raise SystemExit(f"--modes={FLAGS.modes}: a comma-separated subset of {','.join(MODES)}")
+    raise UserError(f"--modes={FLAGS.modes}: a comma-separated subset of {','.join(MODES)}")
+  bench_cli.at_least(1, tokens=FLAGS.tokens, prompt=FLAGS.prompt, repeats=FLAGS.repeats,
+                     samples=FLAGS.samples)
   run = wiring.prepare(argv[1], argv[2:])
   params = nnx.state(run.create_model(run.cfg.seed)).to_pure_dict()
   max_len = run.cfg.model.max_seq_len
@@ -117,4 +125,5 @@ if __name__ == "__main__":  # flags defined only here: tests import benchmarks i
   flags.DEFINE_integer("repeats", 3, "timed repeats (medians reported)")
   flags.DEFINE_string("modes", "cache,bucket", "comma-separated: cache, bucket, whole")
   flags.DEFINE_integer("samples", 1, "> 1: also time that many samples one by one and batched")
-  app.run(main)
+  import bench_cli
+  bench_cli.run(main, USAGE, __doc__)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,16 +60,30 @@ def measure(path, overrides, timeout: float):
                          capture_output=True, text=True)
   except subprocess.TimeoutExpired:
     return None
-  if out.returncode:
+  if out.returncode:  # the child's traceback: its last line, without the exception's name
     from nanotext.errors import UserError
-    raise UserError(out.stderr.strip().splitlines()[-1])
+    last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+    raise UserError(last.split("UserError: ", 1)[-1])
   return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+USAGE = ("usage: python benchmarks/scan_compile.py [CONFIG] [key=value ...] [--depths 4,12,48] "
+         "[--repeats 3]")
+
+
 def main(argv):
+  import bench_cli
+  from nanotext import wiring
   from nanotext.errors import UserError, fail
-  path = argv[1] if len(argv) > 1 else "configs/base.yml"
+  path = argv[1] if len(argv) > 1 else os.path.join(bench_cli.REPO, "configs", "base.yml")
   extra = TINY_WIDTH + argv[2:]
+  if not all(d.isdigit() and int(d) > 0 for d in FLAGS.depths):
+    raise UserError(f"--depths={','.join(FLAGS.depths)}: give positive integers")
+  bench_cli.at_least(1, repeats=FLAGS.repeats)
+  if FLAGS.timeout <= 0:
+    raise UserError(f"--timeout={FLAGS.timeout}: give a number of seconds above 0")
+  bench_cli.existing_file(path, "CONFIG")
+  wiring.load(path, extra)  # its keys and values, before any process compiles
   depths = [int(d) for d in FLAGS.depths]
   times = {(d, s): [] for d in depths for s in (False, True)}
   try:
@@ -106,4 +120,5 @@ def cell(runs) -> tuple:
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  import bench_cli
+  bench_cli.run(main, USAGE, __doc__)

@@ -256,3 +256,59 @@ def test_learning_check_decides_the_torch_column_before_training():
   with pytest.raises(UserError, match="--torch=on"):
     lc.torch_choice("on", cfg)
   assert lc.torch_choice("off", cfg) == "off"
+
+
+# Scripts with a command line of their own (the others are library modules).
+SCRIPTS = sorted(os.path.basename(p)[:-3] for p in
+                 __import__("glob").glob(os.path.join(REPO, "benchmarks", "*.py"))
+                 if "__main__" in open(p).read() and not p.endswith("bench_cli.py"))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_benchmark_explains_itself_and_refuses_an_unknown_flag(name):
+  """--help: the usage on stdout, exit 0 (absl's had exit 1; flash_tiles.py ran its benchmark);
+  an unknown flag: one line, exit 2."""
+  proc = _bench(name, "--help")
+  assert proc.returncode == 0 and proc.stdout.startswith("usage:"), (proc.stdout, proc.stderr)
+  if name not in ("port_parity", "suite_compile_time"):  # argparse's own usage error, exit 2
+    one_line_error(_bench(name, "--no_such_flag"), "no_such_flag")
+
+
+@pytest.mark.parametrize("name, args, needle", [
+    ("peak_flops", ["--repeats=0"], "--repeats=0"),
+    ("attention_cpu", ["0"], "ROUNDS=0"),
+    ("attention_numerics", ["--seeds=0"], "--seeds=0"),
+    ("gpu_step", [BASE, "--steps=0"], "--steps=0"),
+    ("gpu_step", [BASE, "--json=" + REPO], "is a folder"),
+    ("sample_speed", [BASE, "--prompt=0"], "--prompt=0"),
+    ("muon_layout", [BASE, "--rounds=0"], "--rounds=0"),
+    ("build_time", [BASE, "--tree=/no/such/tree"], "not a nanotext checkout"),
+    ("compile_matrix", ["--targets=h1000"], "unknown topology 'h1000'"),
+    ("learning_check", ["--from_table=/no/such.log"], "--from_table"),
+    ("scan_compile", ["/no/such.yml"], "/no/such.yml"),
+    ("scan_compile", [BASE, "model.bogus=1"], "model.bogus"),
+    ("long_attention", ["--lengths=128", "--repeats=0"], "--repeats"),
+    ("convergence", ["--out=" + os.path.join(REPO, "no_such_dir", "c")], "does not exist"),
+    ("flash_tiles", [], "--small"),  # the record's shape on the CPU: hours in interpret mode
+    ("port_parity", ["--port=/no/such.py"], "--port"),
+    ("cpu_vs_torch", ["--variants=torch-eagr"], "--variants=torch-eagr"),
+    ("cpu_vs_torch", [BASE, "model.d_model=64", "model.num_heads=2"], "model.head_dim=64"),
+    ("cpu_vs_torch", [SPEEDRUN], "model.positions"),
+])
+def test_a_benchmark_refuses_bad_arguments_in_one_line(name, args, needle):
+  """Before anything is measured: one `nanotext: error:` line and exit 2, not a traceback."""
+  one_line_error(_bench(name, *args, env={"JAX_PLATFORMS": "cpu"}), needle)
+
+
+@pytest.mark.fast
+def test_memory_estimate_selects_cases_by_their_comma_holding_names():
+  """--only split names on commas, and every case name holds one: nothing could be chosen."""
+  from nanotext.errors import UserError
+  me = _load("memory_estimate")
+  assert [c[0] for c in me.select("small", "base, dots/64; base, none/0")] == \
+      ["base, none/0", "base, dots/64"]
+  assert len(me.select("small", "")) == len(me.CASES["small"])
+  with pytest.raises(UserError, match="--cases=tiny: choose one of small, mid, full"):
+    me.select("tiny", "")
+  with pytest.raises(UserError, match="no case 'base' in --cases=small"):
+    me.select("small", "base")
