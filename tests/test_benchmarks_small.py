@@ -185,21 +185,44 @@ def test_build_time_times_each_phase_and_tabulates():
   assert text.count("| `base.yml` |") == 2
 
 
+def _gpu_shims(tmp_path) -> dict:
+  """PATH with stand-ins for nvidia-smi and python3: gpu_step.py fails unless it times cudnn."""
+  shims = tmp_path / "shims"
+  shims.mkdir()
+  (shims / "nvidia-smi").write_text("#!/bin/bash\necho fake GPU\n")
+  (shims / "python3").write_text(
+      "#!/bin/bash\ncase \"$*\" in *gpu_step.py*attention.impl=cudnn*) exit 0;;\n"
+      "  *gpu_step.py*) exit 1;; esac\nexit 0\n")
+  for f in shims.iterdir():
+    f.chmod(0o755)
+  return dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}")
+
+
 @pytest.mark.fast
 def test_gpu_lease_names_its_steps_and_runs_only_those_asked(tmp_path):
   """benchmarks/gpu_lease.sh: its usage lists every step it has (the record_cudnn fallback
-  aside), and naming steps runs only those; here none of them (no GPU needed)."""
+  aside); a name it does not have (a misspelt step ran nothing and exited 0), no OUT_DIR, or no
+  nvidia-smi is one line and exit 2, nothing written; `record` named and failing still times
+  cudnn (the fallback had been filtered out)."""
   script = os.path.join(REPO, "benchmarks", "gpu_lease.sh")
   text = open(script).read()
   listed = text.split("all if none:\n# ", 1)[1].split(";", 1)[0].split()
   steps = [line.split()[1] for line in text.splitlines() if line.lstrip().startswith("step ")]
   assert listed == [s for s in steps if s != "record_cudnn"] and "learning" in listed
+  env = _gpu_shims(tmp_path)
   out = tmp_path / "out"
-  proc = subprocess.run(["bash", script, str(out), "no_such_step"], cwd=tmp_path,
-                        capture_output=True, text=True, timeout=120)
+  run = lambda *args, env=env: subprocess.run(["bash", script, *args], cwd=tmp_path, env=env,
+                                              capture_output=True, text=True, timeout=120)
+  one_line_error(run(str(out), "recrod"), "no step 'recrod'", " ".join(listed))
+  one_line_error(run(), "no OUT_DIR")
+  bare = dict(env, PATH="/usr/bin:/bin")  # bash's own folders: no nvidia-smi there
+  if not os.path.exists("/usr/bin/nvidia-smi"):
+    one_line_error(run(str(out), "record", env=bare), "no nvidia-smi")
+  assert not out.exists()
+  proc = run(str(out), "record")
   assert proc.returncode == 0, proc.stderr
-  assert (out / "env.txt").exists() and not (out / "summary.txt").exists()
-  assert not [f for f in os.listdir(out) if f.endswith(".log")]
+  summary = [line.split(" after")[0] for line in (out / "summary.txt").read_text().splitlines()]
+  assert summary == ["record: exit 1", "record_cudnn: exit 0"]
 
 
 @pytest.mark.fast
