@@ -46,10 +46,10 @@ def compiled_bytes(run, program: str) -> int:
 
 
 # Measured on this CPU (estimate / compiled) over the 8 cases of benchmarks/memory_estimate.py:
-# train 0.85-1.13, eval 0.52-1.47; on a TPU (libtpu) train 0.94-1.16, eval 0.82-1.23 at
-# representative sizes (benchmarks/RESULTS.md). The train step, which decides remat and chunks,
-# is held to 25% here; the eval step's forward pass, whose CPU buffer reuse is the least
-# predictable, to a factor of 2.
+# train 0.85-1.13, eval 0.43-1.47 (0.43: base, dots/64, not a case here); on a TPU (libtpu)
+# train 0.94-1.16, eval 0.82-1.23 at representative sizes (benchmarks/RESULTS.md). The train
+# step, which decides remat and chunks, is held to 25% here; the eval step's forward pass, whose
+# CPU buffer reuse is the least predictable, to a factor of 2.
 ACCURACY_CASES = [
     ("speedrun", SPEEDRUN, SMALL_SPEEDRUN + ["model.remat=none", "train.loss_chunk=0"], 1),
     ("base", BASE, ["model.num_layers=4", "train.batch_size=16", "train.seq_len=256"], 1),
