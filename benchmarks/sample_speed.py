@@ -94,7 +94,7 @@ def main(argv):
                   statistics.median(r[1] for r in runs), runs[0][2])
   print(f"{FLAGS.tokens} tokens after a {FLAGS.prompt}-token prompt, model.max_seq_len="
         f"{max_len}, attention {run.cfg.attention.impl}, median of {FLAGS.repeats}\n")
-  print("| mode | s, compiles included | s after | tokens/s after | x the first mode |")
+  print(f"| mode | s, compiles included | s after | tokens/s after | time / {modes[0]}'s |")
   print("| --- | ---: | ---: | ---: | ---: |")
   for mode in modes:
     cold, warm, _ = rows[mode]
@@ -107,7 +107,8 @@ def main(argv):
             for _ in range(FLAGS.repeats)]
     print(f"\n{FLAGS.samples} samples of {FLAGS.tokens} tokens at temperature 1, with the "
           f"cache, median of {FLAGS.repeats}\n")
-    print("| samples drawn | s, compiles included | s after | tokens/s after | x one by one |")
+    print("| samples drawn | s, compiles included | s after | tokens/s after | "
+          "speed-up over one by one |")
     print("| --- | ---: | ---: | ---: | ---: |")
     base = statistics.median(r["one by one"][1] for r in runs)
     for way in runs[0]:

@@ -16,8 +16,13 @@
 #SBATCH --output=%x-%j.out
 
 set -euo pipefail
+usage="usage: sbatch [--nodes=N] $0 CONFIG.yml [key=value ...]"
 if [[ $# -lt 1 ]]; then
-  echo "usage: sbatch [--nodes=N] $0 CONFIG.yml [key=value ...]" >&2
+  echo "nanotext: error: no CONFIG given; $usage" >&2
+  exit 2
+fi
+if [[ -z "${SLURM_JOB_NODELIST:-}" || -z "${SLURM_JOB_ID:-}" || -z "${SLURM_NTASKS:-}" ]]; then
+  echo "nanotext: error: not inside a SLURM job (no SLURM_JOB_NODELIST): submit it; $usage" >&2
   exit 2
 fi
 

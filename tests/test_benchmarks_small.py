@@ -335,3 +335,27 @@ def test_memory_estimate_selects_cases_by_their_comma_holding_names():
     me.select("tiny", "")
   with pytest.raises(UserError, match="no case 'base' in --cases=small"):
     me.select("small", "base")
+
+
+def test_sample_speed_says_which_way_its_ratios_go():
+  """The mode table's ratio is a time ratio (above 1: slower), the samples table's a speed-up;
+  both had been labelled 'x ...'."""
+  tiny = ["model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
+          "model.vocab_size=512", "model.align=0", "train.seq_len=32"]
+  proc = _bench("sample_speed", BASE, *tiny, "--tokens=2", "--repeats=1", "--modes=cache",
+                "--samples=2")
+  assert proc.returncode == 0, proc.stderr
+  assert "| tokens/s after | time / cache's |" in proc.stdout
+  assert "| tokens/s after | speed-up over one by one |" in proc.stdout
+
+
+@pytest.mark.fast
+def test_slurm_train_outside_slurm_is_one_line(tmp_path):
+  """Outside a SLURM job: one line, exit 2 (was bash's 'unbound variable', exit 1)."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+  script = os.path.join(REPO, "scripts", "slurm_train.sh")
+  run = lambda *args: subprocess.run(["bash", script, *args], cwd=tmp_path, env=env,
+                                     capture_output=True, text=True, timeout=60)
+  one_line_error(run(BASE), "not inside a SLURM job")
+  one_line_error(run(), "no CONFIG")
+  assert not os.listdir(tmp_path)
