@@ -242,7 +242,7 @@ def table(r: dict) -> str:
                  f"in kernels, {gaps['gap_ms']:.1f} ms between them"))
   sources = r.get("kernel_ops", {})
   rows += [(f"kernel: `{name[:60]}`", f"{ms:.2f} ms/step ({100 * share:.1f}%)" +
-            (f", from `{sources[name][-80:]}`" if sources.get(name) else ""))
+            (f", from `{op_tail(sources[name])}`" if sources.get(name) else ""))
            for name, ms, share in r["kernels"]]
   if r.get("traced") and not r["kernels"]:
     # XLA's CPU runtime does not always name its ops in the trace (seen: 8 host devices, a
@@ -280,6 +280,16 @@ def main(argv):
   if f.json:
     with open(f.json, "w") as out:
       json.dump(r, out, indent=1)
+
+
+def op_tail(source: str, width: int = 80) -> str:
+  """The end of an op's name path (jit(step)/.../dot_general) in about `width` characters, cut
+  where a '/' separates two names, not inside one; '.../' marks what was left out."""
+  if len(source) <= width:
+    return source
+  tail = source[-width:]
+  cut = tail.find("/")
+  return ".../" + (tail[cut + 1:] if 0 <= cut < len(tail) - 1 else tail)
 
 
 def own_kernels(names: str) -> tuple:

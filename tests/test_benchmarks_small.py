@@ -359,3 +359,14 @@ def test_slurm_train_outside_slurm_is_one_line(tmp_path):
   one_line_error(run(BASE), "not inside a SLURM job")
   one_line_error(run(), "no CONFIG")
   assert not os.listdir(tmp_path)
+
+
+@pytest.mark.fast
+def test_gpu_step_shortens_an_op_path_between_names():
+  """The kernel rows' "from" column cut the op path at 80 characters, mid-name."""
+  gpu_step = _load("gpu_step")
+  path = "jit(step)/" + "/".join(f"transpose(jvp(block_{i}))" for i in range(6)) + "/dot_general"
+  short = gpu_step.op_tail(path)
+  assert short.startswith(".../transpose(jvp(block_") and short.endswith("/dot_general")
+  assert path.endswith(short[4:]) and len(short) <= 84
+  assert gpu_step.op_tail("jit(step)/dot_general") == "jit(step)/dot_general"
