@@ -21,14 +21,27 @@ _STARTED = time.perf_counter()  # the start-up line's clock: from the entry poin
 USAGE = ("usage: python -m nanotext.train CONFIG.yml [key=value ...] "
          "(or --config=CONFIG.yml [--set=key=value ...])")
 
-# Multi: a second --config is refused, not silently the one used.
-_CONFIG = flags.DEFINE_multi_string("config", [], "Config YAML (instead of the first argument).")
-_SET = flags.DEFINE_multi_string("set", [], "A key=value override; repeatable.")
+def define_flags() -> None:
+  """--config and --set, defined by the command line alone: a script that imports this module
+  (to call run) and defines its own --config (a flax example's) clashed with them."""
+  if not _FLAGS:
+    # Multi: a second --config is refused, not silently the one used.
+    _FLAGS["config"] = flags.DEFINE_multi_string("config", [], "Config YAML (instead of the "
+                                                 "first argument).")
+    _FLAGS["set"] = flags.DEFINE_multi_string("set", [], "A key=value override; repeatable.")
+
+
+_FLAGS = {}  # define_flags(): name -> absl flag holder
+
+
+def _flag(name: str) -> list:
+  """An absl flag's values where the command line defined it (define_flags), else none."""
+  return list(_FLAGS[name].value or []) if name in _FLAGS else []
 
 
 def parse_args(argv) -> tuple:
   """(config path, overrides) from positional arguments and the absl flags."""
-  args, given = list(argv), list(_CONFIG.value or [])
+  args, given = list(argv), _flag("config")
   if len(given) > 1:
     raise UserError(f"--config is given {len(given)} times ({', '.join(given)}): give one "
                     "config file")
@@ -38,10 +51,10 @@ def parse_args(argv) -> tuple:
   if given and not given[0].strip():
     raise UserError(f"--config is empty: give a config file's path; {USAGE}")
   if given:
-    return given[0], args + list(_SET.value)
+    return given[0], args + _flag("set")
   if not args or "=" in args[0]:
     raise UserError(f"no config file given; {USAGE}")
-  return args.pop(0), args + list(_SET.value)
+  return args.pop(0), args + _flag("set")
 
 
 def precheck(args) -> None:
@@ -50,20 +63,35 @@ def precheck(args) -> None:
   config.load(*parse_args(args))
 
 
-def enable_compile_cache(path: str) -> None:
-  """JAX's persistent compilation cache in `path`: later runs reuse every compiled program.
-
-  Every program is cached (no minimum compile time or size): a window schedule has many
-  step programs, and a restart should compile none of them again.
-  """
+@contextlib.contextmanager
+def compile_cache(path: str):
+  """JAX's persistent compilation cache in `path` while the block runs ('' leaves it as it is):
+  later runs reuse every compiled program. Every program is cached (no minimum compile time or
+  size): a window schedule has many step programs, and a restart should compile none of them
+  again. The process's own settings come back after (a notebook's later jits, a later run whose
+  config says '', went on caching into this run's folder)."""
+  if not path:
+    yield
+    return
   import jax
   from jax.experimental.compilation_cache import compilation_cache
+  before = {k: getattr(jax.config, k) for k in CACHE_KEYS}
   # JAX opens its cache at the first compilation and keeps that folder: a run started in a
   # process that compiled before (a notebook, tests) would otherwise cache elsewhere or nowhere.
   compilation_cache.reset_cache()
   jax.config.update("jax_compilation_cache_dir", os.path.abspath(os.path.expanduser(path)))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  try:
+    yield
+  finally:
+    compilation_cache.reset_cache()
+    for key, value in before.items():
+      jax.config.update(key, value)
+
+
+CACHE_KEYS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+              "jax_persistent_cache_min_entry_size_bytes")
 
 
 def data_lines(cfg, train_iter, val_local, log) -> None:
@@ -82,17 +110,23 @@ def run(path: str, overrides, log=print, started: float | None = None):
 
   `started` (a time.perf_counter()) is where the start-up line's clock starts; default now.
   """
-  import jax
-  from nanotext import checkpoint, distributed, memory_plan, wiring
-  from nanotext.data.fingerprint import fingerprint
-  from nanotext.session import Session
-  from nanotext.watch import Preemption, StartupClock
+  from nanotext import wiring
+  from nanotext.watch import StartupClock
 
   clock = StartupClock(started)
   clock.lap("imports")
   cfg = wiring.load(path, overrides)
-  if cfg.train.compile_cache_dir:  # before the first compilation of this process
-    enable_compile_cache(cfg.train.compile_cache_dir)
+  with compile_cache(cfg.train.compile_cache_dir):  # before this process's first compilation
+    return _run(cfg, log, clock)
+
+
+def _run(cfg, log, clock):
+  """run() from its config on: devices, wiring, session, first state, loop, report."""
+  import jax
+  from nanotext import checkpoint, distributed, memory_plan, wiring
+  from nanotext.data.fingerprint import fingerprint
+  from nanotext.session import Session
+  from nanotext.watch import Preemption
   clock.lap("config")
   # Joining the other processes must precede the first backend use (device counts in finalize).
   distributed.maybe_initialize(cfg.distributed)
@@ -311,6 +345,7 @@ def _print(line: str) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   # Until the run takes the signals (watch.Preemption) it has only read: a signal stops it.
   cli.run(main, USAGE, __doc__, jax=True, precheck=precheck,
           at_once="stopped by {} before the first step: nothing to save, nothing written")

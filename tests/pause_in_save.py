@@ -35,4 +35,5 @@ if __name__ == "__main__":
   step, marker, path, *rest = sys.argv[1:]
   install(int(step), marker)
   from nanotext import cli, train
+  train.define_flags()
   cli.run(train.main, train.USAGE, train.__doc__, argv=["nanotext.train", path, *rest], jax=True)

@@ -170,3 +170,14 @@ def test_the_config_file_argument_is_one_and_named(argv, want, tmp_path):
   (fake / "jax").mkdir(parents=True)
   (fake / "jax" / "__init__.py").write_text("raise SystemExit('jax was imported')\n")
   one_line_error(run_cli(*argv, env={"PYTHONPATH": str(fake)}, timeout=120), want)
+
+
+@pytest.mark.fast
+def test_importing_train_defines_no_flags():
+  """A script that defines its own --config (a flax example's config_flags) and imports
+  nanotext.train to call run: DuplicateFlagError at the import."""
+  code = ("from absl import flags\nflags.DEFINE_string('config', '', 'mine')\n"
+          "import nanotext.train\nprint('imported')")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                        timeout=120)
+  assert (proc.returncode, proc.stdout) == (0, "imported\n"), proc.stderr

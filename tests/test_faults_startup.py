@@ -187,6 +187,21 @@ def test_paths_with_percent_braces_and_spaces_work_in_every_tool(tmp_path,
   assert params_from.load(folder, checkpoint.latest_params(out)[1])[0] == folder
 
 
+def test_a_run_gives_back_the_compilation_cache_settings_it_found(tmp_path):
+  """train.compile_cache_dir stayed on for the rest of the process: a later run whose config
+  says '' (off) and a notebook's own jits went on caching into the first run's folder."""
+  import jax
+  from nanotext import train
+  before = {k: getattr(jax.config, k) for k in train.CACHE_KEYS}
+  quiet_run(str(tmp_path / "run"), "train.steps=1", f"train.compile_cache_dir={tmp_path / 'c'}")
+  assert os.listdir(tmp_path / "c")
+  assert {k: getattr(jax.config, k) for k in train.CACHE_KEYS} == before
+  (tmp_path / "file").write_text("")
+  with pytest.raises(UserError):  # refused after the cache was taken: given back as well
+    quiet_run(str(tmp_path / "file"), f"train.compile_cache_dir={tmp_path / 'c'}")
+  assert {k: getattr(jax.config, k) for k in train.CACHE_KEYS} == before
+
+
 @pytest.mark.fast
 def test_probes_leave_nothing_behind_and_tell_resources_from_permissions(tmp_path):
   probes.writable_dir(str(tmp_path / "a" / "b"), "x")

@@ -31,9 +31,10 @@ def test_no_module_over_the_limit():
 
 
 def test_train_run_reads_in_under_60_lines():
-  fn = next(n for n in _tree(_modules()["nanotext.train"]).body
-            if isinstance(n, ast.FunctionDef) and n.name == "run")
-  assert fn.end_lineno - fn.lineno + 1 < 60
+  for name in ("run", "_run"):  # the entry, and the run from its config on
+    fn = next(n for n in _tree(_modules()["nanotext.train"]).body
+              if isinstance(n, ast.FunctionDef) and n.name == name)
+    assert fn.end_lineno - fn.lineno + 1 < 60, name
 
 
 def mesh_axis_uses(tree: ast.Module) -> list:
