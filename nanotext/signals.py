@@ -62,6 +62,11 @@ def install() -> None:
   threading.Thread(target=_watch, args=(read,), name="nanotext-signals", daemon=True).start()
 
 
+def watching() -> bool:
+  """Whether a tool's command line took the signals (install); False for a library caller."""
+  return _watching
+
+
 def _ignore_from_here() -> None:
   """After every exit handler (registered as `nanotext` is imported, before any module imports
   jax: the last to run), Python's finalization resets its handlers to the default, and a signal

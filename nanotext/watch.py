@@ -180,6 +180,8 @@ class Preemption:
   def _on_signal(self, signum, frame):
     del frame
     if self.received == "SIGINT" and signum == signal.SIGINT and self._previous:
+      if not signals.watching():  # a library caller (a notebook): Python's own Ctrl-C
+        raise KeyboardInterrupt
       # Ctrl-C again: do not wait for the save (a hung file system would never return); the
       # step being written is discarded, the newest complete one stays. Only SIGINT: a
       # launcher may deliver SIGTERM twice, and preemption must get its checkpoint.
@@ -205,7 +207,11 @@ class Preemption:
 
     os._exit: compile threads cannot be joined, and nothing is left to flush. The line is
     written with os.write: the signal may have landed inside a print to the same stream.
-    The handler in the main thread and the watching thread may both get here: one stops."""
+    The handler in the main thread and the watching thread may both get here: one stops.
+    A library caller's process (train.run in a notebook) is not ended: the exception Python
+    raises for the signal unwinds the run (output_dir put back as after any failure)."""
+    if not signals.watching():
+      raise KeyboardInterrupt if signum == signal.SIGINT else signals.Terminated()
     self._stopping.acquire()  # never released: the first caller ends the process
     name = signal.Signals(signum).name
     try:

@@ -19,7 +19,7 @@ import pytest
 
 import nan_poison
 from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, train_command
-from nanotext import checkpoint, params_from, trainer, wiring
+from nanotext import checkpoint, params_from, signals, trainer, wiring
 from nanotext.errors import UserError
 from nanotext.train import run
 
@@ -211,6 +211,24 @@ def test_a_run_whose_every_step_was_skipped_says_so(tmp_path, monkeypatch):
   assert result.skipped_steps == 2
   assert "warning: 2 of 2 steps skipped for a non-finite loss or gradient norm (train.on_nonfinite" \
       "=skip) (every one: the parameters are those the run started with)" in lines
+
+
+@pytest.mark.parametrize("signum,raised", [(signal.SIGINT, KeyboardInterrupt),
+                                           (signal.SIGTERM, signals.Terminated)])
+def test_a_signal_before_the_first_step_in_process_raises_and_puts_output_dir_back(
+    tmp_path, monkeypatch, signum, raised):
+  """train.run in a notebook, interrupted while it compiles: os._exit(130) killed the kernel
+  (the caller's `except KeyboardInterrupt` never ran). A library caller gets the exception,
+  output_dir as it was."""
+  monkeypatch.setattr(signals, "_watching", False)  # no tool's command line took the signals
+  out = tmp_path / "run"
+  def send(line):
+    if line.startswith("model:"):  # output_dir is open, the first step not yet compiled
+      os.kill(os.getpid(), signum)
+  before = signal.getsignal(signum)
+  with pytest.raises(raised):
+    quiet_run(FSDP8 + [f"output_dir={out}"], log=send)
+  assert not out.exists() and signal.getsignal(signum) is before
 
 
 def test_sigterm_in_process_saves_stops_and_restores_handlers(tmp_path):
