@@ -48,18 +48,27 @@ class StartupClock:
 
 
 class CompileCounter:
-  """Counts XLA backend compilations (via jax.monitoring) while `active`."""
+  """Counts XLA backend compilations (via jax.monitoring) while `active`: those of the thread
+  that made it (the loop's), not another run's in a thread beside it (a sweep) or other code's.
+  One listener for the process, whatever the number of runs (each run added one before)."""
 
   _EVENT = "/jax/core/compile/backend_compile_duration"
+  _by_thread = {}  # thread id -> the newest counter made there
+  _listening = False
 
   def __init__(self):
     self.count, self.active = 0, False
-    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+    CompileCounter._by_thread[threading.get_ident()] = self
+    if not CompileCounter._listening:
+      jax.monitoring.register_event_duration_secs_listener(CompileCounter._on_event)
+      CompileCounter._listening = True
 
-  def _on_event(self, event, duration, **kwargs):
+  @staticmethod
+  def _on_event(event, duration, **kwargs):
     del duration, kwargs
-    if self.active and event == self._EVENT:
-      self.count += 1
+    counter = CompileCounter._by_thread.get(threading.get_ident())
+    if counter is not None and counter.active and event == CompileCounter._EVENT:
+      counter.count += 1
 
 
 class Profiler:

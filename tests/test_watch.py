@@ -376,3 +376,20 @@ def test_a_profile_past_the_runs_end_says_which_steps_it_holds(monkeypatch):
   inside = watch.Profiler(prepared(*LATE, "profile.start_step=1", "profile.steps=4").cfg,
                           lines.append, start_step=3)
   assert (inside.first, inside.last) == (3, 4)
+
+
+def test_compile_counter_counts_its_own_thread_only():
+  """A run's loop counted another run's compiles in a thread beside it (a sweep: 7 for a run
+  that compiles none alone), and each run added a listener for the rest of the process."""
+  from jax._src import monitoring
+  registered = lambda: len(getattr(monitoring, "_event_duration_secs_listeners", ()))
+  counter = watch.CompileCounter()
+  counter.active = True
+  listeners = registered()
+  other = threading.Thread(target=lambda: jax.jit(lambda x: x * 7 + 29)(
+      np.zeros(11, np.float32)).block_until_ready())
+  other.start()
+  other.join()
+  assert counter.count == 0
+  watch.CompileCounter()  # the next run's
+  assert registered() == listeners  # (jax's private list; 0 == 0 where it has another name)
