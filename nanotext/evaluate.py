@@ -128,6 +128,8 @@ def sources(out: str, step) -> list:
     raise UserError(f"output_dir '{out}' holds no checkpoints{rundir.aside_note(out)}")
   if step == -1:
     return [(None, out)]
+  if step != "all" and (isinstance(step, bool) or not isinstance(step, int)):
+    raise UserError(f"step={step!r} is no step: give an int (-1: the newest) or 'all'")
   if step == "all":
     return [(s, os.path.join(checkpoint_dir(out), str(s))) for s in have]
   if step not in have:
@@ -157,6 +159,8 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   from nanotext.integrity import Damaged
   from nanotext.model.kernels.dispatch import takes_runtime_window
   from nanotext.window_schedule import eval_plan, eval_windows
+  for override in overrides:  # as the command line refuses them (else: 'config.yml edited')
+    check_override(override.split("=", 1)[0].strip())
   cfg = load_config(out, overrides)
   todo = sources(out, step)  # a run without checkpoints refused before its data and model
   distributed.maybe_initialize(cfg.distributed)  # before the first backend use

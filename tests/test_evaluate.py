@@ -4,6 +4,7 @@ written; bad arguments are one line."""
 
 import json
 import os
+import re
 import shutil
 import socket
 
@@ -206,6 +207,18 @@ def test_bad_arguments_are_refused_before_anything_runs(tiny_run, argv, message)
     evaluate.precheck(argv)
     evaluate.sources(out, step)
   assert message in str(e.value)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("step,overrides,message", [
+    (-1, ["model.qk_norm=true"], "model.qk_norm changes the model the checkpoint"),
+    ("2", [], "step='2' is no step: give an int"),
+])
+def test_the_python_api_refuses_as_the_command_line_does(tiny_run, step, overrides, message):
+  """evaluate.evaluate(out, overrides=['model...']) said config.yml had been edited (nobody
+  had); a string step said 'no checkpoint for step 2; it has [2]'."""
+  with pytest.raises(UserError, match=re.escape(message)):
+    evaluate.evaluate(tiny_run[0], step, overrides, log=pytest.fail)
 
 
 @pytest.mark.fast
