@@ -184,7 +184,7 @@ def warn_misaligned(cfg) -> None:
 
 def prepare(path, overrides=(), *, devices=None, capacity=None) -> Run:
   """Load a config file with `key=value` overrides and build the run on `devices` (all)."""
-  return from_config(config.load(path, overrides), devices=devices, capacity=capacity)
+  return from_config(load(path, overrides), devices=devices, capacity=capacity, checked=True)
 
 
 def from_config(cfg, *, devices=None, capacity=None, prefer=None, checked=False) -> Run:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import one_line_error, run_cli
+from conftest import BASE, TINY, one_line_error, run_cli
 from nanotext.data import binfile, pipeline, prepare
 from nanotext.data.corpus import load_corpus
 from nanotext.data.pipeline import check_config, make_train_iter, make_val_batches
@@ -590,6 +590,15 @@ def test_a_data_key_the_source_does_not_read_is_refused(key, source, other):
     pipeline.check_overrides(data_cfg(source=other), [f"data.{key}=/some/*.bin"])
   pipeline.check_overrides(data_cfg(source=other), [f"data.{key}="])  # cleared
   pipeline.check_overrides(data_cfg(source=source), [f"data.{key}=/some/*.bin"])
+
+
+@pytest.mark.fast
+def test_wiring_prepare_refuses_what_train_refuses():
+  """wiring.prepare (the Python API's, and compile's) took data.train_files under a synthetic
+  source that train.run refuses, and built a run that read none of them."""
+  from nanotext import wiring
+  with pytest.raises(UserError, match="data.train_files is read only by data.source=bin"):
+    wiring.prepare(BASE, TINY + ["data.train_files=/some/*.bin"])
 
 
 @pytest.mark.fast
