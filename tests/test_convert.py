@@ -303,6 +303,16 @@ def test_export_torch_refuses_what_changes_the_records_function(override):
 
 
 @pytest.mark.fast
+def test_to_hf_takes_mlp_only_indices_past_the_last_layer():
+  """model.no_attention_layers=[5] on 2 layers builds every attention (base.yml: indices past
+  the last layer are ignored), yet to-hf refused it as unsupported."""
+  base = os.path.join(REPO, "configs", "base.yml")
+  hf.check_classic(config.load(base, ["model.num_layers=2", "model.no_attention_layers=[5]"]))
+  with pytest.raises(UserError, match=r"model.no_attention_layers=\[1, 5\] is not supported"):
+    hf.check_classic(config.load(base, ["model.num_layers=2", "model.no_attention_layers=[1,5]"]))
+
+
+@pytest.mark.fast
 def test_to_hf_and_from_hf_refuse_document_masks_and_other_table_rows(hf_dir, tmp_path):
   """GPT-2 has no document masks: a doc_mask run exported, or a GPT-2 imported into one, gave
   other logits after every <|endoftext|> (up to 1.2)."""
