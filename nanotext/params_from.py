@@ -114,7 +114,7 @@ def _load_params(item: str, whole_state: bool, abstract_params):
   integrity = record_beside(item) if whole_state else record_of_params_only(where)
   if _stacked(saved) != _stacked(abstract_params):
     return _load_other_layout(ckptr, item, whole_state, saved, abstract_params, where, integrity)
-  _check_same_params(saved, abstract_params, where)
+  _check_same_params(_shapes(saved), _shapes(abstract_params), where)
   # read as saved, checked, then cast (a bfloat16 folder into a float32 model): the sums are of
   # the saved bits, and a cast array went unchecked
   dtypes = {name_of(p): m.dtype for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
@@ -169,17 +169,22 @@ def _load_other_layout(ckptr, item: str, whole_state: bool, saved, abstract_para
   _verify_params(out, saved, integrity, where)
   flat = flatten(jax.device_get(out))
   flat = unstack_blocks(flat) if is_stacked(flat) else stack_blocks(flat)
+  _check_same_params({k.replace(".", "/"): tuple(v.shape) for k, v in flat.items()},
+                     _shapes(abstract_params), where)
   return fill(abstract_params, flat, f"checkpoint '{where}' (model.scan_layers converted)")
 
 
-def _check_same_params(saved, wanted, where: str) -> None:
-  """UserError naming the first parameter whose presence or shape differs."""
-  def shapes(tree):
-    # Saved trees key list positions by strings ('0'), live ones by ints: compare as text.
-    name = lambda k: str(getattr(k, "key", getattr(k, "idx", k)))
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(map(name, p)): tuple(x.shape) for p, x in flat}
-  a, b = shapes(saved), shapes(wanted)
+def _shapes(tree) -> dict:
+  """{'blocks/0/attn/o/bias': shape} of a params tree."""
+  # Saved trees key list positions by strings ('0'), live ones by ints: compare as text.
+  name = lambda k: str(getattr(k, "key", getattr(k, "idx", k)))
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {"/".join(map(name, p)): tuple(x.shape) for p, x in flat}
+
+
+def _check_same_params(a: dict, b: dict, where: str) -> None:
+  """UserError naming the first parameter whose presence or shape differs between the
+  checkpoint's {name: shape} `a` and the model's `b`."""
   for key in sorted(set(a) | set(b)):
     if a.get(key) != b.get(key):
       got = "missing" if key not in a else f"shape {a[key]}"

@@ -204,3 +204,14 @@ def test_a_config_yml_edited_in_scan_layers_reads_the_same_weights(tmp_path, sca
     assert sorted(got) == sorted(want)
     for k, v in got.items():
       np.testing.assert_array_equal(v, want[k], err_msg=k)
+
+
+def test_load_params_from_the_other_layout_names_the_key_that_differs(tmp_path):
+  """A scanned merged_qkv run loaded into an unrolled three-parameter model said only 'has no
+  value for nanotext parameter blocks.0.attn.k.bias' (the same layout names model.merged_qkv)."""
+  source = str(tmp_path / "src")
+  saved_run(BASE, TINY + EXACT + ["model.scan_layers=true", "model.merged_qkv=true"], source)
+  unrolled = prepare("base", False)
+  with pytest.raises(UserError, match="does not fit this model: parameter .* set "
+                                      "model.merged_qkv or model.fused_qkv as the source run"):
+    params_from.load(source, unrolled.abstract_state()["params"])
