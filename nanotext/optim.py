@@ -45,6 +45,9 @@ def check_config(o, d_model: int) -> None:
     raise UserError(f"optim.head_lr={o.head_lr} would be replaced by optim.head_lr_record="
                     f"{o.head_lr_record} / sqrt(model.d_model) = {derived:.6g}: set "
                     "optim.head_lr_record=0 to train with your head_lr")
+  if o.name == "muon" and o.weight_decay:  # an ablation of it trained two identical runs
+    raise UserError(f"optim.weight_decay={o.weight_decay} is read only by optim.name=adamw (the "
+                    "muon recipe, the record's, has no weight decay): leave it 0 under muon")
   if not 0 < o.muon_layer_decay <= 1:
     raise UserError(f"optim.muon_layer_decay={o.muon_layer_decay} must be in (0, 1] (1 = off)")
   for key in ("cooldown_frac", "final_lr_frac", "muon_momentum", "muon_momentum_start"):

@@ -446,11 +446,14 @@ def test_a_retired_key_in_an_old_runs_config_is_ignored(tmp_path):
     ("train.seq_len_step=-8", "train.seq_len_step=-8 must not be negative"),
     ("metrics.peak_flops=-5", "metrics.peak_flops=-5.0 must not be negative"),
     ("model.vocab_size=1", "model.vocab_size=1 must be more than 1"),  # a loss of 0 "learned"
+    # an ablation under muon: two identical runs
+    ("optim.name=muon optim.weight_decay=0.1", "optim.weight_decay=0.1 is read only by "
+                                               "optim.name=adamw"),
 ])
 def test_values_that_trained_nonsense_or_crashed_are_refused(override, message):
   from nanotext import wiring
   with pytest.raises(UserError, match=re.escape(message)):
-    wiring.load(BASE, [override])
+    wiring.load(BASE, override.split())
 
 
 def test_a_head_lr_the_records_head_lr_replaces_is_refused(tmp_path):
