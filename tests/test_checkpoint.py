@@ -345,7 +345,12 @@ def test_sighup_from_a_closed_terminal_saves_and_stops(tmp_path):
   master, slave = pty.openpty()
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
              JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen(train_command() + [BASE, *RESUME, "train.steps=200", f"output_dir={out}"],
+  # SIGHUP as a terminal's job has it (the tests themselves may run under nohup)
+  as_from_a_terminal = ("import runpy, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+                        "sys.argv[0] = 'nanotext.train'; "
+                        "runpy.run_module('nanotext.train', run_name='__main__')")
+  proc = subprocess.Popen([sys.executable, "-c", as_from_a_terminal, BASE, *RESUME,
+                           "train.steps=200", f"output_dir={out}"],
                           cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
                           start_new_session=True)
   os.close(slave)

@@ -155,8 +155,8 @@ def test_a_signal_ends_the_process_when_stderr_cannot_take_its_line(tmp_path, sc
 # second marker file appears.
 HANGUP = """
 import os, signal, sys, time
-if sys.argv[3] == "nohup":
-  signal.signal(signal.SIGHUP, signal.SIG_IGN)
+# as started from a terminal, or under nohup (the test itself may run under nohup)
+signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[3] == "nohup" else signal.SIG_DFL)
 from nanotext import cli
 def main(args):
   open(sys.argv[1], "w").close()

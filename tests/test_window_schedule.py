@@ -147,5 +147,4 @@ def test_run_switches_windows_without_compiling_and_profiles(tmp_path, restore_j
   assert result.compiles_in_loop == 0 and all(r["compiles"] == 0 for r in rows if "loss" in r)
   assert glob.glob(os.path.join(out, "profile", "plugins", "profile", "*", "*.xplane.pb"))
   assert any(l.startswith("profile of steps 2..3") for l in lines)
-  assert jax.config.jax_compilation_cache_dir == str(cache)
-  assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+  assert os.listdir(cache)  # the run's programs cached there (its settings given back after)
