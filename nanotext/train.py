@@ -21,6 +21,9 @@ _STARTED = time.perf_counter()  # the start-up line's clock: from the entry poin
 USAGE = ("usage: python -m nanotext.train CONFIG.yml [key=value ...] "
          "(or --config=CONFIG.yml [--set=key=value ...])")
 
+_FLAGS = {}  # define_flags(): name -> absl flag holder
+
+
 def define_flags() -> None:
   """--config and --set, defined by the command line alone: a script that imports this module
   (to call run) and defines its own --config (a flax example's) clashed with them."""
@@ -29,9 +32,6 @@ def define_flags() -> None:
     _FLAGS["config"] = flags.DEFINE_multi_string("config", [], "Config YAML (instead of the "
                                                  "first argument).")
     _FLAGS["set"] = flags.DEFINE_multi_string("set", [], "A key=value override; repeatable.")
-
-
-_FLAGS = {}  # define_flags(): name -> absl flag holder
 
 
 def _flag(name: str) -> list:
