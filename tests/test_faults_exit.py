@@ -181,7 +181,10 @@ def test_sighup_is_sigterm_unless_the_tool_started_under_nohup(tmp_path, started
   proc.send_signal(signal.SIGHUP)  # an ignored signal is dropped here, at the sending
   if started == "nohup":
     go.touch()
-  out, err = proc.communicate(timeout=120)
+  try:
+    out, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()  # none left behind by a failure
   if started == "nohup":
     assert (proc.returncode, out, err) == (0, "done\n", ""), err
   else:
