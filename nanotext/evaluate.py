@@ -159,8 +159,9 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   from nanotext.integrity import Damaged
   from nanotext.model.kernels.dispatch import takes_runtime_window
   from nanotext.window_schedule import eval_plan, eval_windows
+  from nanotext.config import parse_override
   for override in overrides:  # as the command line refuses them (else: 'config.yml edited')
-    check_override(override.split("=", 1)[0].strip())
+    check_override(parse_override(override)[0])
   cfg = load_config(out, overrides)
   todo = sources(out, step)  # a run without checkpoints refused before its data and model
   distributed.maybe_initialize(cfg.distributed)  # before the first backend use
