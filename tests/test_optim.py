@@ -10,6 +10,7 @@ import pytest
 
 from conftest import BASE, SPEEDRUN
 from nanotext import config, optim, wiring
+from nanotext.errors import UserError
 
 pytestmark = pytest.mark.fast
 
@@ -41,6 +42,25 @@ def test_speedrun_model_groups():
   assert labels["blocks"][0]["attn"]["qkv"]["kernel"] == "matrix"  # merged QKV: 3 matrices
   assert labels["blocks"][1]["mlp"]["proj"]["kernel"] == "matrix"
   assert labels["blocks"][0]["lambdas"] == "scalar"
+
+
+def test_a_tied_table_is_the_head_group_at_head_lr():
+  # Trained at embed_lr (0.6) as an embedding, a tied table (also the head) diverged: 9.0 -> 16.3.
+  run = wiring.prepare(SPEEDRUN, ["model.num_layers=2", "model.d_model=64", "model.num_heads=2",
+                                  "model.head_dim=32", "model.mlp_dim=128", "model.vocab_size=256",
+                                  "model.align=0", "train.batch_size=8", "model.fp8_head=false",
+                                  "model.tie_embeddings=true", "model.zero_init_head=false"])
+  params = nnx.state(nnx.eval_shape(run.create_model))
+  labels = optim.group_labels(params)
+  assert labels["embed"]["embedding"] == "head" and labels["value_embeds"][0]["embedding"] == "embed"
+  o = run.cfg.optim  # Adam's first update of a gradient of ones is the lr itself
+  grads = {"embed": {"embedding": jnp.ones((4, 64))}}
+  tx = optim.make_optimizer(o, {"embed": {"embedding": labels["embed"]["embedding"]}}, 100)
+  update, _ = tx.update(grads, tx.init(grads), grads)
+  peak = o.head_lr * float(optim.lr_factor(o, 100, xp=np)(0))
+  np.testing.assert_allclose(update["embed"]["embedding"], -peak, rtol=1e-4)
+  with pytest.raises(UserError, match="model.zero_init_head=true needs an untied head"):
+    wiring.load(SPEEDRUN, ["model.tie_embeddings=true", "model.fp8_head=false"])
 
 
 def test_schedule_warmup_constant_cooldown():

@@ -14,9 +14,8 @@ from nanotext.model.head_loss import head_loss_sum
 from nanotext.model.kernels import relu2_mlp as relu2_kernels
 from nanotext.model.kernels.dispatch import resolve_impl
 from nanotext.model.draws import Keys
-from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul,
-                                   init_array, lookup, param, proj_std, relu2_mlp, scaled_sum,
-                                   weight_std)
+from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul, init_array,
+                                   lookup, param, proj_std, relu2_mlp, scaled_sum, weight_std)
 
 
 CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
@@ -54,8 +53,9 @@ def check_config(m, attn_cfg=None) -> None:
   if m.fused_qkv and (m.merged_qkv or m.bias):
     raise UserError("model.fused_qkv=true is one [3*heads*head_dim, d_model] matrix without bias: "
                     "set model.merged_qkv=false and model.bias=false")
-  if m.fp8_head and m.tie_embeddings:
-    raise UserError("model.fp8_head=true needs an untied head (model.tie_embeddings=false)")
+  for key in ("fp8_head", "zero_init_head"):  # a tied table is the embedding too
+    if m[key] and m.tie_embeddings:
+      raise UserError(f"model.{key}=true needs an untied head (model.tie_embeddings=false)")
 
 
 def check_scan(m, attn_cfg, fix: str = "turn them off or set model.scan_layers=false") -> None:
@@ -178,8 +178,8 @@ class GPT(nnx.Module):
     # The record keeps 50,257-row bf16 tables and pads only the head (to 50,304).
     rows = cfg.embed_rows if cfg.embed_rows > 0 else cfg.vocab_size  # -1 left by an unfinalized cfg
     table_dtype = cfg.embed_dtype or cfg.param_dtype
-    self.embed = Embed(rows, cfg.d_model, std=cfg.embed_std,
-                       param_dtype=table_dtype, dtype=cfg.dtype, rngs=rngs)
+    self.embed = Embed(rows, cfg.d_model, std=cfg.embed_std, param_dtype=table_dtype,  # tied:
+                       dtype=cfg.dtype, rngs=rngs, role="head" if cfg.tie_embeddings else "embed")
     if cfg.positions == "learned":
       self.pos = param(init_array(rngs, (cfg.max_seq_len, cfg.d_model), cfg.embed_std,
                                   cfg.param_dtype), ("length", "embed"), "embed")

@@ -165,11 +165,12 @@ def rms_norm(x, eps=1e-6):
 
 
 class Embed(nnx.Module):
-  """Token embedding table [V, D]; `attend` gives tied-head logits."""
+  """Token embedding table [V, D]; `attend` gives tied-head logits. `role`: its optimizer group
+  ("head" for a table that is also the head: it trains at the head's lr)."""
 
-  def __init__(self, vocab, dim, *, std, param_dtype, dtype, rngs):
+  def __init__(self, vocab, dim, *, std, param_dtype, dtype, rngs, role="embed"):
     self.embedding = param(init_array(rngs, (vocab, dim), std, param_dtype), ("vocab", "embed"),
-                           "embed")
+                           role)
     self.dtype = dtype
 
   def __call__(self, tokens_BT):
