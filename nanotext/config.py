@@ -1,12 +1,11 @@
 """YAML configs -> locked ml_collections.ConfigDict, with inheritance, overrides and validation;
 then, once derived values are filled in, typed frozen per-section objects.
 
-Every key and its default lives in configs/base.yml; that file is the schema. A config file may
-name a parent in `base:` and hold only the keys it changes. Overrides come as `key=value` strings
-with dotted keys. Values are coerced to the type of the default. Derived values (those left at 0 or
--1 = "auto") are filled in by `finalize`, the one place that computes them; it returns a `Section`
-tree (frozen dataclasses whose fields and types are made from base.yml, so a new key is added
-there alone).
+Every key and its default lives in configs/base.yml, the schema. A config file may name a parent
+in `base:` and hold only the keys it changes. Overrides are `key.path=value` strings, coerced to
+the default's type. Derived values (left at 0 or -1 = "auto") are filled in by `finalize`, the one
+place that computes them; it returns a `Section` tree (frozen dataclasses whose fields and types
+are made from base.yml, so a new key is added there alone).
 """
 
 import datetime
@@ -253,13 +252,14 @@ def validate(cfg) -> None:
     why = f"does not divide train.batch_size={t.batch_size}" if t.eval_accum else "is not a value"
     raise UserError(f"train.eval_accum={t.eval_accum} {why}: give a divisor, or -1 (auto)")
   if m.max_seq_len and m.max_seq_len < t.seq_len:
-    raise UserError(f"model.max_seq_len={m.max_seq_len} is shorter than train.seq_len="
-                    f"{t.seq_len}")
+    raise UserError(f"train.seq_len={t.seq_len} is longer than the model's positions "
+                    f"(model.max_seq_len={m.max_seq_len}): use rows at most that long, or "
+                    "train with a longer model.max_seq_len")
   table = m.max_seq_len or t.seq_len
   if m.positions == "learned" and t.eval_seq_len > table:
     raise UserError(f"train.eval_seq_len={t.eval_seq_len} is longer than the learned positions "
                     f"(model.max_seq_len={m.max_seq_len}, 0 = train.seq_len={t.seq_len}); "
-                    "validate at most that long, or set model.positions=rope")
+                    "validate at most that long, or train with model.positions=rope")
   length = "eval_seq_len" if t.eval_seq_len > t.seq_len else "seq_len"
   tokens = t.batch_size * t[length]
   if tokens >= 2**31:  # jax indexes and counts a step's tokens in int32

@@ -231,6 +231,11 @@ def test_validation_rows_longer_than_the_learned_positions_are_refused():
   assert "train.eval_seq_len=512" in msg and "model.max_seq_len" in msg
   assert load("train.eval_seq_len=512", "model.max_seq_len=512").train.eval_seq_len == 512
   assert load("train.eval_seq_len=512", "model.positions=rope").train.eval_seq_len == 512
+  # Rows first: a run's evaluate takes train.* and refuses model.* (it read "model.max_seq_len=64
+  # is shorter than train.seq_len=128", "set model.positions=rope").
+  msg = error("model.max_seq_len=64", "train.seq_len=128")
+  assert msg.startswith("train.seq_len=128 is longer") and "at most that long, or train" in msg
+  assert "or train with model.positions=rope" in error("train.seq_len=64", "train.eval_seq_len=128")
 
 
 @pytest.mark.parametrize("length", ["seq_len", "eval_seq_len"])
