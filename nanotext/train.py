@@ -108,11 +108,13 @@ def data_lines(cfg, train_iter, val_local, log) -> None:
 def run(path: str, overrides, log=print, started: float | None = None):
   """Load, check and train; returns the loop result. Raises UserError on bad input.
 
-  `started` (a time.perf_counter()) is where the start-up line's clock starts; default now.
+  `log`: what takes each line (None: no lines). `started` (a time.perf_counter()) is where the
+  start-up line's clock starts; default now.
   """
   from nanotext import wiring
   from nanotext.watch import StartupClock
 
+  log = log or (lambda line: None)
   clock = StartupClock(started)
   clock.lap("imports")
   cfg = wiring.load(path, overrides)

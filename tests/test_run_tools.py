@@ -125,6 +125,8 @@ def test_a_finished_run_started_again_writes_no_second_row(tiny_run, tmp_path):
     assert f.read() == before
   assert any("(final; the run was complete: evaluated again, not recorded)" in line
              for line in lines), lines
+  # log=None: no lines (a library caller's None was a TypeError at the first line)
+  assert train.run(BASE, ARGS + [f"output_dir={out}"], log=None).val_loss > 0
 
 
 def test_plot_reads_the_runs_metrics(tiny_run):
