@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from nanotext import cli, signals
 from nanotext.errors import (ResourceError, UserError, drop_stdout, fail, stdout_widowed,
@@ -206,7 +206,7 @@ def report(run_, cfg, result, log) -> None:
   try:
     tokenizer = get_tokenizer(cfg.data.tokenizer)
   except UserError as e:  # e.g. tiktoken offline: the run itself succeeded
-    logging.warning("no sample: %s", e)
+    log(f"no sample: {e}")  # where a library caller's lines go, as the other reasons
     return
   why = past_rows(cfg, encode_prompt(tokenizer, cfg.sample.prompt))  # a synthetic run's table
   if why:

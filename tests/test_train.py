@@ -11,6 +11,7 @@ import yaml
 
 from conftest import BASE, SPEEDRUN, TINY, run_cli
 from nanotext import config
+from nanotext.errors import UserError
 from nanotext.train import run
 
 # A tiny GPT on the embedded corpus: learns visibly in a few dozen steps.
@@ -256,6 +257,21 @@ def test_no_sample_where_the_prompt_is_past_the_models_rows(tmp_path):
   assert len(lines) == 1 and re.fullmatch(r"no sample: the prompt's token id \d+ \(tokenizer "
                                           r"'shakespeare'\) is past the model's 512 token rows",
                                           lines[0]), lines
+
+
+@pytest.mark.fast
+def test_no_sample_where_the_tokenizer_cannot_load_is_a_log_line(monkeypatch):
+  """It went to absl's stderr, where a library caller's `log` never saw it."""
+  from nanotext import train
+  from nanotext.data import tokenizer
+
+  def missing(name):
+    raise UserError(f"the '{name}' tokenizer needs tiktoken")
+  monkeypatch.setattr(tokenizer, "get_tokenizer", missing)
+  cfg = config.load(BASE, ["data.tokenizer=gpt2", "data.source=synthetic"])
+  lines = []
+  train.report(None, cfg, None, lines.append)
+  assert lines == ["no sample: the 'gpt2' tokenizer needs tiktoken"]
 
 
 def test_target_val_loss_is_reported(corpus_run):
