@@ -19,6 +19,8 @@ from nanotext.window_schedule import eval_plan, eval_points, eval_windows, step_
 
 @dataclasses.dataclass
 class LoopResult:
+  """What train() ran to: the state, the last finite train loss of a step it ran (nan where it
+  ran none: a finished run started again) and the last val_loss (nan: none)."""
   state: dict
   last_loss: float
   val_loss: float
