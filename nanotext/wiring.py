@@ -108,10 +108,12 @@ class Run:
     """The fixed validation batches (this process's rows, as numpy)."""
     check_vocab(self.cfg)
     t = self.cfg.train
-    return pipeline.make_val_batches(
+    batches = pipeline.make_val_batches(
         self.cfg.data, num_batches=t.eval_batches,
         length_key="train.eval_seq_len" if t.eval_seq_len else "train.seq_len",
         **dict(self.data_kwargs(), seq_len=t.eval_seq_len or t.seq_len))
+    pipeline.check_tokenizer_ids(self.cfg.data, batches)
+    return batches
 
   def abstract_state(self):
     """ShapeDtypeStructs of the train state carrying its target shardings (for restore)."""

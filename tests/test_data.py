@@ -637,6 +637,27 @@ def test_shards_of_another_tokenizer_are_refused_and_score_no_bits_per_byte(tmp_
 
 
 @pytest.mark.fast
+def test_validation_ids_past_the_tokenizer_without_a_meta_json_are_refused(tmp_path):
+  """FineWeb-like shards (no meta.json) of GPT-2 ids read as data.tokenizer=shakespeare trained
+  with no val_bpb, no word why, and a sample decoded into Shakespeare's words."""
+  from nanotext import wiring
+  ids = np.arange(4096) * 4099 % 50257  # GPT-2's ids, most past Shakespeare's 8,192
+  for name, shard in (("train", ids), ("val", ids), ("small", ids % 8192)):
+    binfile.write_shard(str(tmp_path / f"{name}_000000.bin"), shard)
+
+  def val(split, *more):
+    return wiring.prepare(BASE, TINY + [f"data.train_files={tmp_path}/train_*.bin",
+                                        f"data.val_files={tmp_path}/{split}_*.bin",
+                                        "data.source=bin", "data.tokenizer=shakespeare",
+                                        "model.vocab_size=50304", "train.eval_batches=1",
+                                        *more]).val_batches()
+  with pytest.raises(UserError, match=r"token id \d+, past the 8192 ids of data.tokenizer="
+                     "shakespeare: .* set data.tokenizer to theirs, or none"):
+    val("val")
+  assert val("val", "data.tokenizer=none") and val("small")
+
+
+@pytest.mark.fast
 def test_a_tokenizer_that_cannot_load_is_named_where_the_data_are_its_text(monkeypatch):
   """evaluate dropped val_bpb without a word where tiktoken was missing (train says why)."""
   def offline(name):

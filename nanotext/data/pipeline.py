@@ -232,6 +232,23 @@ def tokenizer_problem(data_cfg) -> str:
   return ""
 
 
+def check_tokenizer_ids(data_cfg, batches) -> None:
+  """Refuse validation ids past data.tokenizer's vocabulary: shards of another tokenizer
+  (FineWeb's have no meta.json to say so) trained with no val_bpb, no word why, and a sample
+  decoded into another tokenizer's words."""
+  if data_cfg.tokenizer == "none" or not registry.get(data_cfg.source).text or not batches:
+    return
+  try:
+    vocab = get_tokenizer(data_cfg.tokenizer).vocab_size
+  except UserError:  # e.g. tiktoken offline: said where the run starts (tokenizer_problem)
+    return
+  top = max(int(np.asarray(b["targets"]).max()) for b in batches)
+  if vocab is not None and top >= vocab:
+    raise UserError(f"the validation data hold token id {top}, past the {vocab} ids of "
+                    f"data.tokenizer={data_cfg.tokenizer}: they are another tokenizer's (FineWeb's "
+                    "are gpt2's); set data.tokenizer to theirs, or none")
+
+
 def val_bytes_per_token(data_cfg, batches) -> float | None:
   """bytes_per_token of data.tokenizer over validation batches; None when it cannot tell."""
   if data_cfg.tokenizer == "none" or not registry.get(data_cfg.source).text:
