@@ -203,16 +203,11 @@ def staged_dir(out: str, *, force: bool, protect=(), own=None):
   except BaseException:
     _remove_made(made)
     raise
-  os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's private 0700 would outlive the rename
   try:
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's private 0700 would outlive the rename
     with writing(out):
       yield tmp
-  except BaseException:
-    fileio.remove_tree(tmp)  # a failed orbax save may still be writing into it
-    _remove_made(made)
-    raise
-  _shared(tmp)
-  try:
+    _shared(tmp)
     # A signal between the two renames left no output: the old one aside, the new one removed.
     with signals.held("after --out was written: it is complete"), _replacing(out):
       if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
@@ -231,9 +226,14 @@ def staged_dir(out: str, *, force: bool, protect=(), own=None):
         shutil.rmtree(old, ignore_errors=True)
       else:
         os.replace(tmp, out)
-  finally:
-    if os.path.isdir(tmp):
-      shutil.rmtree(tmp, ignore_errors=True)
+  except BaseException:
+    # A failure or a signal at any point before the rename (the body, the chmod walk, a
+    # refused rename): the staged output goes, as the folders made for it; a signal after
+    # the body left the whole output under a hidden name.
+    if os.path.lexists(tmp):  # renamed into place already: nothing staged is left
+      fileio.remove_tree(tmp)  # a failed orbax save may still be writing into it
+    _remove_made(made)
+    raise
 
 
 @contextlib.contextmanager

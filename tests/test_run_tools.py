@@ -337,6 +337,22 @@ def test_a_failed_write_removes_the_folders_made_for_its_out(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(tmp_path / "kept") == []
 
 
+def test_a_signal_after_the_body_removes_the_staged_output(tmp_path, monkeypatch):
+  """Ctrl-C or SIGTERM after the body wrote the whole output, in the chmod walk before the
+  rename: text_shards exited 130 and left '.out.tmp-*' holding every shard. Now the staged
+  folder and the folders made for --out go, as for a signal in the body."""
+  from nanotext import outputs
+
+  def interrupted(path):
+    raise KeyboardInterrupt()
+  monkeypatch.setattr(outputs, "_shared", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    with outputs.staged_dir(str(tmp_path / "a" / "b" / "out"), force=False) as tmp:
+      with open(os.path.join(tmp, "meta.json"), "w") as f:
+        f.write("{}")
+  assert os.listdir(tmp_path) == []
+
+
 def test_the_tools_name_what_was_given(tiny_run, tmp_path):
   """convert named --step as step=; verify called a missing path or a file a folder without
   checkpoints/, and a params-only folder without convert.json 'step -1' (generate: unknown)."""
