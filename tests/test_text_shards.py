@@ -50,6 +50,27 @@ def test_shards_are_the_documents_in_order_and_validation_is_the_tail(tmp_path):
     assert json.load(f) == meta
 
 
+def test_no_shard_holds_more_than_its_header_counts(tmp_path, monkeypatch):
+  """--shard_tokens of 2**31 died in an OverflowError traceback at the first shard's header,
+  after all the tokenizing; so could a validation split that long. --shard_tokens is refused
+  first, and a validation split past the cap is written as several shards."""
+  with pytest.raises(UserError, match=r"cannot write shard '.*': 2,147,483,648 tokens, more "
+                                      r"than the 2,147,483,647 a shard's header counts"):
+    binfile.write_shard(str(tmp_path / "huge.bin"), np.broadcast_to(np.uint16(5), (2**31,)))
+  with pytest.raises(UserError, match=r"^--shard_tokens=2147483648 is more than"):
+    text_shards.write_shards(str(tmp_path / "s"), np.arange(9, dtype=np.uint16),
+                             val_fraction=0.5, shard_tokens=2**31, meta={})
+  monkeypatch.setattr(binfile, "MAX_TOKENS", 10)  # a cap a test can reach
+  tokens = np.arange(100, dtype=np.uint16)
+  out = tmp_path / "shards"
+  meta = text_shards.write_shards(str(out), tokens, val_fraction=0.25, shard_tokens=10, meta={})
+  val = sorted(out.glob("val_*.bin"))
+  assert [binfile.read_header(str(p)) for p in val] == [10, 10, 5] and meta["val_tokens"] == 25
+  np.testing.assert_array_equal(np.concatenate([binfile.read_shard(str(p)) for p in val]),
+                                tokens[-25:])
+  assert not list(tmp_path.glob(".*"))
+
+
 def test_the_cli_writes_shards_a_run_reads(tmp_path):
   """The command the tool prints reads its shards: a run's batches are their tokens."""
   out = tmp_path / "shards"
@@ -84,6 +105,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
            ([*paths, str(tmp_path / "latin1.txt")], "is not UTF-8"),
            ([*paths, "--val_fraction=0"], "--val_fraction=0.0 must lie between 0 and 1"),
            ([*paths, "--shard_tokens=0"], "--shard_tokens=0 must be positive"),
+           ([*paths, "--shard_tokens=2147483648"], "is more than the 2,147,483,647 tokens a "
+            ".bin shard's header counts"),
            (paths[:1] + ["--val_fraction=0.99"], "cannot be split"),
            ([*paths, paths[0]], "is given twice")]
   for args, needle in cases:

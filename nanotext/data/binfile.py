@@ -14,6 +14,7 @@ VERSION = 1
 HEADER_WORDS = 256
 HEADER_BYTES = HEADER_WORDS * 4
 TOKEN_DTYPE = np.dtype("<u2")
+MAX_TOKENS = 2**31 - 1  # the header counts a shard's tokens in an int32
 
 
 def write_shard(path: str, tokens) -> None:
@@ -21,6 +22,9 @@ def write_shard(path: str, tokens) -> None:
   tokens = np.asarray(tokens)
   if tokens.ndim != 1:
     tokens = tokens.reshape(-1)
+  if tokens.size > MAX_TOKENS:  # before a scan of min/max: the header cannot hold the count
+    raise UserError(f"cannot write shard '{path}': {tokens.size:,} tokens, more than the "
+                    f"{MAX_TOKENS:,} a shard's header counts; write them as several shards")
   if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
     raise UserError(
         f"cannot write shard '{path}': token ids must lie in [0, 65536), "

@@ -71,20 +71,34 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple:
   return tokens[:-n_val], tokens[-n_val:]
 
 
+def check_shard_tokens(shard_tokens: int) -> None:
+  """UserError for a --shard_tokens no shard can hold, before minutes of tokenizing."""
+  if shard_tokens < 1:
+    raise UserError(f"--shard_tokens={shard_tokens} must be positive")
+  if shard_tokens > binfile.MAX_TOKENS:
+    raise UserError(f"--shard_tokens={shard_tokens} is more than the {binfile.MAX_TOKENS:,} "
+                    "tokens a .bin shard's header counts (an int32): give a smaller one")
+
+
 # What --force may replace: an earlier output of this tool (not, say, a pytorch_model.bin).
-OWN = ("meta.json", "train_" + "[0-9]" * 6 + ".bin", "val_000000.bin")
+OWN = ("meta.json", "train_" + "[0-9]" * 6 + ".bin", "val_" + "[0-9]" * 6 + ".bin")
 
 
 def write_shards(out: str, tokens: np.ndarray, *, val_fraction: float, shard_tokens: int,
                  meta: dict, force: bool = False) -> dict:
-  """train_NNNNNN.bin, val_000000.bin and meta.json in `out`, replacing it only when whole."""
+  """train_NNNNNN.bin, val_NNNNNN.bin and meta.json in `out`, replacing it only when whole."""
+  check_shard_tokens(shard_tokens)
   train, val = split(tokens, val_fraction)
   starts = range(0, train.size, shard_tokens)
   with staged_dir(out, force=force, own=OWN) as tmp:
     for k, start in enumerate(starts):
       shard = train[start:start + shard_tokens]
       binfile.write_shard(os.path.join(tmp, f"train_{k:06d}.bin"), shard)
-    binfile.write_shard(os.path.join(tmp, "val_000000.bin"), val)
+    # One shard, unless the split is longer than a shard's header counts (--val_fraction
+    # is not bounded by --shard_tokens): then as many as it takes.
+    for k, start in enumerate(range(0, val.size, binfile.MAX_TOKENS)):
+      binfile.write_shard(os.path.join(tmp, f"val_{k:06d}.bin"),
+                          val[start:start + binfile.MAX_TOKENS])
     meta = {**meta, "train_tokens": int(train.size), "val_tokens": int(val.size),
             "train_shards": len(starts)}
     with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
@@ -101,8 +115,7 @@ def main(args) -> None:
     raise UserError(f"--out is required; {USAGE}")
   if not 0 < F.val_fraction < 1:
     raise UserError(f"--val_fraction={F.val_fraction} must lie between 0 and 1")
-  if F.shard_tokens < 1:
-    raise UserError(f"--shard_tokens={F.shard_tokens} must be positive")
+  check_shard_tokens(F.shard_tokens)
   seen = {}
   for i, path in enumerate(args):  # every name, before minutes of tokenizing (nothing written)
     check_file(path)
@@ -119,8 +132,10 @@ def main(args) -> None:
                       force=F.force, meta={"tokenizer": F.tokenizer, "vocab_size": tok.vocab_size,
                                            "eot_id": tok.eot_id, "files": list(args)})
   vocab = -(-tok.vocab_size // 128) * 128  # the head rounded up to 128 rows
+  n_val = -(-meta["val_tokens"] // binfile.MAX_TOKENS)
   print(f"wrote {meta['train_shards']} training shard(s) of {meta['train_tokens']:,} tokens and "
-        f"a validation shard of {meta['val_tokens']:,} to {out}")
+        f"{'a validation shard' if n_val == 1 else f'{n_val} validation shards'} of "
+        f"{meta['val_tokens']:,} to {out}")
   files = [shlex.quote(f"data.{kind}_files={glob.escape(out)}/{kind}_*.bin")
            for kind in ("train", "val")]
   n = meta["train_tokens"]
