@@ -109,7 +109,25 @@ def test_a_failed_download_keeps_only_what_a_next_run_resumes(tmp_path):
     raise UserError("cannot download: connection reset")
   with pytest.raises(UserError, match="reset"):
     fineweb.download(1, str(out), fetch=cut_off, log=quiet)
-  assert os.listdir(out / fineweb.TMP_DIR) == ["fineweb_val_000000.bin.incomplete"]
+  assert sorted(os.listdir(out / fineweb.TMP_DIR)) == [fineweb.MARK,
+                                                       "fineweb_val_000000.bin.incomplete"]
+
+
+def test_a_folder_of_the_staging_name_that_it_did_not_make_is_left_alone(remote, tmp_path):
+  """A '.download' folder already in --out (the staging folder's old name) was deleted, the
+  user's files with it, once the download succeeded. The staging folder is named for the tool,
+  and one of that name it did not make is refused before any download."""
+  out = tmp_path / "out"
+  for name in (".download", fineweb.TMP_DIR):
+    (out / name).mkdir(parents=True, exist_ok=True)
+    (out / name / "my_notes.txt").write_text("mine")
+  with pytest.raises(UserError, match=r"holds '\.fineweb-download', which this tool did not "
+                                      r"make .*: move it or choose another --out$"):
+    fineweb.download(1, str(out), fetch=Fetch(remote), log=quiet)
+  shutil.rmtree(out / fineweb.TMP_DIR)
+  info = fineweb.download(1, str(out), fetch=Fetch(remote), log=quiet)
+  assert len(info["downloaded"]) == 2 and not os.path.exists(out / fineweb.TMP_DIR)
+  assert (out / ".download" / "my_notes.txt").read_text() == "mine"
 
 
 def test_fetch_returning_file_elsewhere_is_copied(remote, tmp_path):

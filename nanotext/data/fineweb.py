@@ -23,7 +23,11 @@ DEFAULT_TRAIN_SHARDS = 8
 # The record's validation loss is measured on the first 10,485,760 tokens (10 x 2^20) of
 # fineweb_val_000000.bin, so losses compare with its logs; speedrun.yml's data.val_tokens matches.
 VAL_TOKENS = 10_485_760
-TMP_DIR = ".download"  # inside out_dir: same file system, so the final rename is atomic
+# Inside out_dir (same file system: the final rename is atomic), named for this tool; a folder of
+# that name is deleted when done only where it holds MARK (this tool made it, now or in a run
+# that a later one resumes): a user's '.download' in --out, notes and all, was deleted.
+TMP_DIR = ".fineweb-download"
+MARK = ".made-by-nanotext-fineweb"
 
 
 def train_file(index: int) -> str:
@@ -142,6 +146,10 @@ def download(train_shards: int, out_dir: str | None = None, fetch=None, log=_log
   out_dir = os.path.abspath(os.path.expanduser(out_dir or DEFAULT_OUT))
   fetch = fetch or hf_fetch
   tmp_dir = os.path.join(out_dir, TMP_DIR)
+  if not _ours(tmp_dir):
+    raise UserError(f"--out '{out_dir}' holds '{TMP_DIR}', which this tool did not make (it "
+                    "stages its downloads in a folder of that name and deletes it when done): "
+                    "move it or choose another --out")
   made, missing = [], tmp_dir  # the folders this download makes, innermost first
   while not os.path.lexists(missing):
     made.append(missing)
@@ -151,6 +159,12 @@ def download(train_shards: int, out_dir: str | None = None, fetch=None, log=_log
   except OSError as e:
     raise UserError(f"cannot create '{tmp_dir}' ({e}): choose another --out") from None
   try:
+    try:
+      with open(os.path.join(tmp_dir, MARK), "a"):
+        pass
+    except OSError as e:
+      raise UserError(f"cannot write in '{tmp_dir}' ({e.strerror}): choose another --out") \
+          from None
     return _download_all(train_shards, out_dir, tmp_dir, fetch, log)
   except BaseException:
     if not _resumable(tmp_dir):  # nothing a next run resumes: the folders as they were
@@ -160,6 +174,18 @@ def download(train_shards: int, out_dir: str | None = None, fetch=None, log=_log
         if not _rmdir(folder):
           break
     raise
+
+
+def _ours(tmp_dir: str) -> bool:
+  """Whether the staging folder is absent, empty, or marked as this tool's."""
+  if not os.path.lexists(tmp_dir):
+    return True
+  if os.path.islink(tmp_dir) or not os.path.isdir(tmp_dir):
+    return False
+  try:
+    return os.path.isfile(os.path.join(tmp_dir, MARK)) or not os.listdir(tmp_dir)
+  except OSError:  # unreadable: not known to be ours
+    return False
 
 
 def _resumable(tmp_dir: str) -> bool:
