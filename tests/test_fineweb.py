@@ -68,6 +68,26 @@ def test_downloads_then_skips(remote, tmp_path):
   assert (info["train_tokens"], info["val_tokens"]) == (36, 10)
 
 
+def test_the_count_is_what_the_glob_reads(remote, tmp_path):
+  """--train-shards=2 after 5 reported 2 shards' tokens while the glob a config trains on read
+  all 5: the count is every valid shard it matches, the ones beyond those asked for named, and
+  one it matches that a run would refuse is a note."""
+  out = tmp_path / "out"
+  fineweb.download(5, str(out), fetch=Fetch(remote), log=quiet)
+  (out / "fineweb_train_000009.bin").write_bytes(b"<html>rate limited</html>")
+  info = fineweb.download(2, str(out), fetch=Fetch(remote), log=quiet)
+  files = binfile.find_shards(info["train_files"])
+  assert (info["train_shards"], info["train_tokens"]) == (5, 11 + 12 + 13 + 14 + 15)
+  assert len(files) == 6 and info["invalid"] == ["fineweb_train_000009.bin"]
+  assert info["extra"] == [f"fineweb_train_00000{i}.bin" for i in (3, 4, 5)]
+  lines = fineweb.summary(info)
+  assert lines[1] == ("train tokens: 65 (5 shards: the 2 asked for and 3 more already there, "
+                      "which the glob fineweb_train_*.bin reads too)")
+  assert lines[2] == (f"note: fineweb_train_000009.bin in {out} matches the glob "
+                      "fineweb_train_*.bin but is not a valid shard, which a run refuses: "
+                      "delete it, or download it again with a larger --train-shards")
+
+
 def test_redownloads_corrupt_shard(remote, tmp_path):
   out = tmp_path / "out"
   fineweb.download(2, str(out), fetch=Fetch(remote), log=quiet)

@@ -140,7 +140,9 @@ def download(train_shards: int, out_dir: str | None = None, fetch=None, log=_log
   `fetch(filename, tmp_dir) -> local_path` downloads one repo file into tmp_dir (default:
   `hf_fetch`; tests pass a local stand-in). Each file is validated before it is renamed to its
   final name, so out_dir only ever holds whole, valid shards. Returns the folder, the shard
-  globs, the token counts per split and the files downloaded and skipped.
+  globs, the token counts per split (of every valid shard the globs match: `extra` names the
+  training shards beyond those asked for, `invalid` those that are not valid shards) and the
+  files downloaded and skipped.
   """
   train_shards = check_train_shards(train_shards)
   out_dir = os.path.abspath(os.path.expanduser(out_dir or DEFAULT_OUT))
@@ -231,11 +233,21 @@ def _download_all(train_shards: int, out_dir: str, tmp_dir: str, fetch, log) -> 
   # Only after full success: a failed run keeps tmp_dir so huggingface_hub can resume.
   shutil.rmtree(tmp_dir, ignore_errors=True)
   pattern_dir = glob.escape(out_dir)  # a folder named with [ ] * ? is not a pattern
-  return {"dir": out_dir, "train_files": os.path.join(pattern_dir, "fineweb_train_*.bin"),
+  train_files = os.path.join(pattern_dir, "fineweb_train_*.bin")
+  # The glob a config trains on reads every training shard here, not only those asked for now
+  # (--train-shards=2 after 5 said 2 shards and trained on 5): its count is what is reported.
+  extra, invalid = [], []
+  for path in sorted(glob.glob(train_files)):
+    name = os.path.basename(path)
+    if name not in names:
+      count = _valid_tokens(path)
+      (extra if count is not None else invalid).append(name)
+      tokens["train"] += count or 0
+  return {"dir": out_dir, "train_files": train_files,
           "val_files": os.path.join(pattern_dir, "fineweb_val_*.bin"),
-          "train_shards": train_shards, "train_tokens": tokens["train"],
+          "train_shards": train_shards + len(extra), "train_tokens": tokens["train"],
           "val_tokens": tokens["val"], "downloaded": downloaded, "skipped": skipped,
-          "seconds": time.monotonic() - start}
+          "extra": extra, "invalid": invalid, "seconds": time.monotonic() - start}
 
 
 USAGE = "usage: python -m nanotext.data.fineweb [--train-shards=N] [--out=DIR]"
@@ -246,11 +258,28 @@ def main(args) -> None:
   if args:
     raise UserError(f"unexpected arguments: {' '.join(args)}; {USAGE}")
   info = download(flags.FLAGS.train_shards, flags.FLAGS.out or None)
-  print(f"shards in {info['dir']} ({len(info['downloaded'])} downloaded, "
-        f"{len(info['skipped'])} already present, {info['seconds']:.1f}s)")
-  print(f"train tokens: {info['train_tokens']:,} ({info['train_shards']} shards)")
-  print(f"val tokens:   {info['val_tokens']:,} (the speedrun evaluates the first "
-        f"{VAL_TOKENS:,})")
+  for line in summary(info):
+    print(line)
+
+
+def summary(info: dict) -> list[str]:
+  """download()'s result as the lines the CLI prints: the tokens the globs read."""
+  extra, bad = info["extra"], info["invalid"]
+  more = (f": the {info['train_shards'] - len(extra)} asked for and {len(extra)} more already "
+          "there, which the glob fineweb_train_*.bin reads too" if extra else "")
+  lines = [f"shards in {info['dir']} ({len(info['downloaded'])} downloaded, "
+           f"{len(info['skipped'])} already present, {info['seconds']:.1f}s)",
+           f"train tokens: {info['train_tokens']:,} ({info['train_shards']} shards{more})"]
+  if bad:
+    many = len(bad) > 1
+    lines.append(f"note: {bad[0]}{f' and {len(bad) - 1} more' if many else ''} in "
+                 f"{info['dir']} {'match' if many else 'matches'} the glob fineweb_train_*.bin "
+                 f"but {'are not valid shards' if many else 'is not a valid shard'}, which a run "
+                 f"refuses: delete {'them' if many else 'it'}, or download "
+                 f"{'them' if many else 'it'} again with a larger --train-shards")
+  lines.append(f"val tokens:   {info['val_tokens']:,} (the speedrun evaluates the first "
+               f"{VAL_TOKENS:,})")
+  return lines
 
 
 if __name__ == "__main__":
