@@ -90,6 +90,10 @@ def _check_own(out: str, own) -> None:
   else:
     names = [os.path.basename(out)]
   foreign = [n for n in names if not any(fnmatch.fnmatch(n, p) for p in own)]
+  if foreign and os.path.islink(out):  # its own name was taken for a file it holds
+    raise UserError(f"--out '{out}' is a link (to '{os.readlink(out)}'), which the output "
+                    "would replace, not write through: give the path it links to, or another "
+                    "path")
   if foreign:
     more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
     raise UserError(f"--out '{out}' holds '{foreign[0]}'{more}, which this tool does not write: "

@@ -242,3 +242,8 @@ def test_force_replaces_only_the_shards_and_meta_it_writes(tmp_path):
   (out / "pytorch_model.bin").write_text("mine")
   with pytest.raises(UserError, match="holds 'pytorch_model.bin', which this tool does not"):
     outputs.check_out(str(out), force=True, own=text_shards.OWN)
+  (tmp_path / "link").symlink_to(out)  # it said --out 'link' holds 'link'
+  with pytest.raises(UserError, match=r"^--out '.*/link' is a link \(to '.*/shards'\), which the "
+                                      r"output would replace, not write through: give the path "
+                                      r"it links to"):
+    outputs.check_out(str(tmp_path / "link"), force=True, own=text_shards.OWN)
