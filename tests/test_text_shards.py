@@ -195,6 +195,10 @@ def test_a_byte_order_mark_is_no_text_and_line_ends_read_as_newlines(tmp_path):
   plain.write_bytes("ROMEO: hi\nJULIET: ho\n".encode())
   marked.write_bytes(b"\xef\xbb\xbf" + "ROMEO: hi\r\nJULIET: ho\r\n".encode())
   assert text_shards.read_text(str(marked)) == text_shards.read_text(str(plain))
+  for head in (b"", b"\xef\xbb\xbf"):  # a bad byte after a BOM was said 3 bytes early
+    (tmp_path / "bad.txt").write_bytes(head + b"abc\xffdef")
+    with pytest.raises(UserError, match=rf"is not UTF-8 text \(byte {len(head) + 3}\)"):
+      text_shards.read_text(str(tmp_path / "bad.txt"))
 
 
 def test_the_printed_command_fits_its_batch_to_the_splits():

@@ -6,6 +6,7 @@ shard, the rest training shards of at most `--shard_tokens` tokens. The folder i
 or not at all; its meta.json records the tokenizer, the counts and the files.
 """
 
+import codecs
 import glob
 import json
 import os
@@ -40,9 +41,16 @@ def read_text(path: str) -> str:
     with open(path, encoding="utf-8-sig") as f:
       return f.read()
   except UnicodeDecodeError as e:
-    raise UserError(f"'{path}' is not UTF-8 text (byte {e.start}): convert it first") from None
+    # utf-8-sig counts from after a byte-order mark: the offset said is the file's own
+    at = e.start + (len(codecs.BOM_UTF8) if _starts_with_bom(path) else 0)
+    raise UserError(f"'{path}' is not UTF-8 text (byte {at}): convert it first") from None
   except OSError as e:
     raise UserError(f"cannot read '{path}' ({e.strerror})") from None
+
+
+def _starts_with_bom(path: str) -> bool:
+  with open(path, "rb") as f:
+    return f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8
 
 
 def tokenize(paths, tokenizer, log=lambda s: None, every_s: float = 5.0) -> np.ndarray:
