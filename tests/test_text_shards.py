@@ -3,12 +3,14 @@
 import json
 import os
 import shlex
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import BASE, TINY, one_line_error, run_cli
+from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, one_line_error, run_cli
 from nanotext import wiring
 from nanotext.data import binfile, text_shards
 from nanotext.data.tokenizer import get_tokenizer
@@ -92,6 +94,35 @@ def test_the_cli_writes_shards_a_run_reads(tmp_path):
   row = np.asarray(batch["inputs"])[0]
   windows = np.lib.stride_tricks.sliding_window_view(tokens, row.size)
   assert (windows == row).all(axis=1).any()  # a window of the training shards
+
+
+# text_shards as its command line runs it, a Ctrl-C arriving once its shards are in place
+INTERRUPTED = """
+import os, runpy, signal, sys
+from nanotext import config
+real = config.load
+def load(*args, **kwargs):  # the summary's read of base.yml: after the rename
+  os.kill(os.getpid(), signal.SIGINT)
+  return real(*args, **kwargs)
+config.load = load
+sys.argv = ["text_shards", *sys.argv[1:]]
+runpy.run_module("nanotext.data.text_shards", run_name="__main__")
+"""
+
+
+def test_a_signal_once_the_shards_are_written_says_they_are_complete(tmp_path):
+  """Ctrl-C after the rename, while the summary was made, printed 'nanotext: error:
+  interrupted' (exit 130) about a complete output. The summary is printed, then one line says
+  the output is complete."""
+  out = tmp_path / "shards"
+  proc = subprocess.run([sys.executable, "-c", INTERRUPTED, *texts(tmp_path), f"--out={out}",
+                         "--tokenizer=shakespeare"], cwd=REPO, capture_output=True, text=True,
+                        timeout=PROCESS_TIMEOUT_S)
+  assert proc.returncode == 130 and proc.stdout.startswith("wrote 1 training shard(s)")
+  assert "train on them: " in proc.stdout
+  assert proc.stderr == ("nanotext: error: stopped by SIGINT after --out was written: it is "
+                         "complete\n")
+  assert sorted(os.listdir(out)) == ["meta.json", "train_000000.bin", "val_000000.bin"]
 
 
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path):

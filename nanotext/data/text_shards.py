@@ -16,6 +16,7 @@ import time
 import numpy as np
 from absl import flags
 
+from nanotext import signals
 from nanotext.data import binfile
 from nanotext.data.tokenizer import get_tokenizer
 from nanotext.errors import UserError
@@ -139,20 +140,27 @@ def main(args) -> None:
   meta = write_shards(out, tokens, val_fraction=F.val_fraction, shard_tokens=F.shard_tokens,
                       force=F.force, meta={"tokenizer": F.tokenizer, "vocab_size": tok.vocab_size,
                                            "eot_id": tok.eot_id, "files": list(args)})
-  vocab = -(-tok.vocab_size // 128) * 128  # the head rounded up to 128 rows
+  # The shards are in place: a Ctrl-C while the summary is made (a config read) said only
+  # 'interrupted', exit 130; it now waits for the lines and says the output is complete.
+  with signals.held("after --out was written: it is complete"):
+    print(summary(out, meta, F.tokenizer, tok.vocab_size, F.shard_tokens), flush=True)
+
+
+def summary(out: str, meta: dict, tokenizer: str, vocab_size: int, shard_tokens: int) -> str:
+  """What was written, and the command that trains on it."""
+  vocab = -(-vocab_size // 128) * 128  # the head rounded up to 128 rows
   n_val = -(-meta["val_tokens"] // binfile.MAX_TOKENS)
-  print(f"wrote {meta['train_shards']} training shard(s) of {meta['train_tokens']:,} tokens and "
-        f"{'a validation shard' if n_val == 1 else f'{n_val} validation shards'} of "
-        f"{meta['val_tokens']:,} to {out}")
+  lines = [f"wrote {meta['train_shards']} training shard(s) of {meta['train_tokens']:,} tokens "
+           f"and {'a validation shard' if n_val == 1 else f'{n_val} validation shards'} of "
+           f"{meta['val_tokens']:,} to {out}"]
   files = [shlex.quote(f"data.{kind}_files={glob.escape(out)}/{kind}_*.bin")
            for kind in ("train", "val")]
   n = meta["train_tokens"]
-  sizes = [min(F.shard_tokens, n - start) for start in range(0, n, F.shard_tokens)]
+  sizes = [min(shard_tokens, n - start) for start in range(0, n, shard_tokens)]
   suffix, note = fitting_batch(sizes, meta["val_tokens"])
-  print(f"train on them: python -m nanotext.train configs/base.yml data.source=bin {files[0]} "
-        f"{files[1]} data.tokenizer={F.tokenizer} model.vocab_size={vocab}{suffix}")
-  if note:
-    print(note)
+  lines.append(f"train on them: python -m nanotext.train configs/base.yml data.source=bin "
+               f"{files[0]} {files[1]} data.tokenizer={tokenizer} model.vocab_size={vocab}{suffix}")
+  return "\n".join(lines + [note] * bool(note))
 
 
 def fitting_batch(train_sizes, val_tokens: int) -> tuple:
