@@ -76,7 +76,11 @@ def load_config(out: str, overrides, checked: bool = True):
   # NANOTEXT_* keys, or overrides, choose)
   own = [f"distributed.{k}={config.yaml_scalar(v) if v != '' else ''}" for k, v in
          config_file.read(config.SCHEMA_PATH)["distributed"].items() if k != "init_timeout"]
-  args = (os.path.join(out, "config.yml"), [*own, *overrides, f"output_dir={out}"])
+  # The eval step's memory choices back to auto (memory_plan.KEYS), the run's own preferred
+  # where they still fit (evaluate's saved_choice): config.yml's resolved values read as set kept
+  # one that no longer fit, and its advice walked one pass count at a time
+  auto = ["train.eval_accum=-1", "train.eval_loss_chunk=-1"]
+  args = (os.path.join(out, "config.yml"), [*own, *auto, *overrides, f"output_dir={out}"])
   if checked:
     from nanotext import wiring
     if any(o.strip().startswith("model.scan_layers=") for o in overrides):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, TINY, one_line_error, run_cli
-from nanotext import evaluate, params_from, wiring
+from nanotext import evaluate, memory_plan, params_from, wiring
 from nanotext.convert import params
 from nanotext.errors import UserError
 
@@ -39,6 +39,18 @@ def test_the_newest_step_evaluates_to_the_runs_own_loss_and_nothing_is_written(t
   assert rows[0]["tokens"] == 2 * 8 * 32  # TINY: 2 eval batches of 8 rows of 32
   assert lines[-1].split()[:4] == ["step", "2", "|", "val_loss"]
   assert snapshot(out) == before
+
+
+@pytest.mark.fast
+def test_the_eval_steps_memory_choices_are_chosen_again(tiny_run):
+  """config.yml's resolved eval_accum read as set: one that no longer fit (less memory, another
+  mesh) was refused, the advice walking one pass count at a time. Now auto, the run's own value
+  preferred where it fits (memory_plan.saved_choice); one given is kept."""
+  out, _ = tiny_run
+  assert memory_plan.saved_choice(out)["train.eval_accum"] == 1  # as config.yml holds it
+  cfg = evaluate.load_config(out, [], checked=False)
+  assert (cfg.train.eval_accum, cfg.train.eval_loss_chunk) == (-1, -1)
+  assert evaluate.load_config(out, ["train.eval_accum=2"], checked=False).train.eval_accum == 2
 
 
 @pytest.mark.fast
