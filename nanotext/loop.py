@@ -103,6 +103,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     stack.callback(profiler.stop)  # a trace in progress is written even if the loop fails
     counter.active = True
     preemption.begin_training()  # a signal from here on saves and stops; before, it just stops
+    writer.begin()  # a resumed run's rows past its step go, even if it stops before its first
     if start_row is not None:  # written once training began: a stop before it changes nothing
       writer.write(0, start_row)
     for step in range(start_step, t_cfg.steps):

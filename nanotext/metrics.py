@@ -99,8 +99,8 @@ class Writer:
 
   def __init__(self, output_dir: str, *, tensorboard: bool, enabled: bool = True,
                resumed_at: int | None = None):
-    """`resumed_at`: the step the run starts from; the first write drops the rows of steps
-    after it (a killed run's steps past its newest checkpoint, trained again now)."""
+    """`resumed_at`: the step the run starts from; `begin` (or the first write) drops the rows
+    of steps after it (a killed run's steps past its newest checkpoint, trained again now)."""
     self.enabled = enabled
     self._jsonl = self._tb = None
     self._resumed_at = resumed_at
@@ -111,14 +111,21 @@ class Writer:
     if tensorboard:
       self._tb = Events(os.path.join(output_dir, "tb"))
 
+  def begin(self) -> None:
+    """The run trains from here: the rows past resumed_at go now, not at its first row (a run
+    stopped before writing one left the dead run's rows past its checkpoint, which plot drew).
+    Called once training began: a stop before it must leave metrics.jsonl as it was."""
+    if not self.enabled or self._resumed_at is None:
+      return
+    at, self._resumed_at = self._resumed_at, None
+    self._drop_rows_after(at)
+    if self._tb is not None:  # TensorBoard drops the earlier files' events from here on
+      self._tb.restart(at + 1 if at else 0)
+
   def write(self, step: int, values: dict) -> None:
     if not self.enabled:
       return
-    if self._resumed_at is not None:
-      self._drop_rows_after(self._resumed_at)
-      if self._tb is not None:  # TensorBoard drops the earlier files' events from here on
-        self._tb.restart(self._resumed_at + 1 if self._resumed_at else 0)
-      self._resumed_at = None
+    self.begin()
     row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
     # strict JSON (jq, JavaScript and pandas' strict readers reject NaN): non-finite is null
     strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v

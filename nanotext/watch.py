@@ -287,6 +287,7 @@ class Monitor:
     self.rate_steps = max(RATE_STEPS, t_cfg.log_every)
     self.said_peak = False
     self.unverified = []  # [(step, device metrics)] not yet read back
+    self._last = self._rowed = None  # (step, loss, grad_norm) read last; the last step rowed
     self.skipped, self.last_loss, self.verified = skipped, float("nan"), start_step
     self.saved = start_step if start_step else None  # the newest checkpoint's step (the loop's)
 
@@ -321,8 +322,12 @@ class Monitor:
       self.flush()
 
   def flush(self, final: bool = False) -> None:
-    """Read every pending step (blocking on the newest); abort on a non-finite one."""
+    """Read every pending step (blocking on the newest); abort on a non-finite one. `final`:
+    the run ends here, so its last step gets a row (the flush of a save or an eval before it
+    read that step: a preempted run's rows ended before the step it stopped at)."""
     if not self.unverified:
+      if final and self._last is not None and self._last[0] != self._rowed:
+        self._row(*self._last)
       return
     pending, self.unverified = self.unverified, []
     values = jax.device_get([dev for _, dev in pending])
@@ -338,13 +343,14 @@ class Monitor:
             f"step {step} has a non-finite {what} (loss {loss}, grad_norm {grad_norm}); stopped "
             f"before checkpointing it, and {then} with train.on_nonfinite=skip to skip such steps")
       self.skipped += not finite
-      self.verified = step
+      self.verified, self._last = step, (step, loss, grad_norm)
       if finite:
         self.last_loss = loss
       if self.is_log_step(step) or (final and step == last):
         self._row(step, loss, grad_norm)
 
   def _row(self, step: int, loss: float, grad_norm: float) -> None:
+    self._rowed = step
     now = time.perf_counter()
     self.reads.append((step, now, self.paused_s))
     while len(self.reads) > 2 and step - self.reads[1][0] >= self.rate_steps:

@@ -19,7 +19,7 @@ import pytest
 
 import nan_poison
 from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, train_command
-from nanotext import checkpoint, params_from, signals, trainer, wiring
+from nanotext import checkpoint, params_from, signals, trainer, watch, wiring
 from nanotext.errors import UserError
 from nanotext.train import run
 
@@ -243,6 +243,25 @@ def test_sigterm_in_process_saves_stops_and_restores_handlers(tmp_path):
   assert 3 <= stopped < 50 and steps_on_disk(str(tmp_path)) == [stopped]
   assert f"received SIGTERM: saved the checkpoint of step {stopped} and stopped; " \
          "the same command resumes from it" in lines
+
+
+def test_a_stopped_run_records_the_step_it_stopped_at(tmp_path, monkeypatch):
+  """A preempted run's rows ended before the step it saved and stopped at (the save read that
+  step back first, with no row); resumed and stopped before its first row, the killed run's
+  rows past its checkpoint stayed (plot drew them). Killed after step 4, checkpoint at 2,
+  resumed with a signal in its first step (step 3): the rows are those of steps 1-3."""
+  out = str(tmp_path)
+  common = FSDP8 + [f"output_dir={out}", "checkpoint.every=2"]
+  quiet_run(common + ["train.steps=4"])  # a row of every step
+  shutil.rmtree(os.path.join(out, "checkpoints", "4"))  # as if killed before step 4's save
+  def begin_with_a_signal(self):
+    self.training, self.received = True, "SIGTERM"
+  monkeypatch.setattr(watch.Preemption, "begin_training", begin_with_a_signal)
+  result, lines = quiet_run(common + ["train.steps=50", "train.log_every=100"])
+  assert result.preempted and steps_on_disk(out) == [2, 3], lines
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  assert [(r["step"], "loss" in r) for r in rows] == [(1, True), (2, True), (3, True)], rows
 
 
 

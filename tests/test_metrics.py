@@ -88,6 +88,18 @@ def test_a_resumed_writer_drops_the_rows_past_its_step(tmp_path):
   assert read_lines(tmp_path) == ["not a row", '{"step": 0, "val_loss": 9.0}']
 
 
+def test_a_resumed_writer_drops_the_rows_past_its_step_when_training_begins(tmp_path):
+  """A resumed run stopped before its first row (a signal in its first step, a non-finite
+  abort) left the killed run's rows past its checkpoint; they go when training begins."""
+  (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n'
+                                                  for s in (1, 2, 3)))
+  w = metrics.Writer(str(tmp_path), tensorboard=False, resumed_at=2)
+  assert len(read_lines(tmp_path)) == 3  # nothing changes before training begins
+  w.begin()
+  w.close()
+  assert read_lines(tmp_path) == ['{"step": 1, "loss": 1.0}', '{"step": 2, "loss": 1.0}']
+
+
 def test_a_row_cut_short_by_a_crash_is_no_glue_for_the_next(tmp_path):
   """metrics.jsonl ending inside a row (a crash mid-append): the resumed run's first row was
   appended to it, one broken line. A part row goes; a whole row without its newline gets one."""

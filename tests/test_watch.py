@@ -98,6 +98,19 @@ def test_monitor_reads_metrics_one_step_late_on_log_steps(reads):
   assert rows.steps() == [1, 2, 4, 5] and rows.rows[-1][1]["loss"] == 1.5
 
 
+def test_the_final_flush_writes_the_last_step_read_by_an_earlier_flush():
+  """A preempted run's save read its last step back (no row: no log step) before the final
+  flush, which found nothing pending: the run's rows ended before the step it stopped at."""
+  mon, rows, _ = monitor(*LATE)
+  mon.add(1, dev(5.0))
+  mon.add(3, dev(3.0))
+  mon.flush()  # the save's: 3 is no logging step
+  assert rows.steps() == [1]
+  mon.flush(final=True)
+  mon.flush(final=True)  # once
+  assert rows.steps() == [1, 3] and rows.rows[-1][1]["loss"] == 3.0
+
+
 def test_monitor_abort_names_the_nonfinite_step():
   """Under on_nonfinite=abort a NaN loss at step 3 raises when 3 is read, naming step 3."""
   mon, rows, _ = monitor(*LATE)
