@@ -104,6 +104,7 @@ class Writer:
     self.enabled = enabled
     self._jsonl = self._tb = None
     self._resumed_at = resumed_at
+    self._kept = set()  # (step, metric) of the rows kept at resumed_at: not written again
     if not enabled:
       return
     os.makedirs(output_dir, exist_ok=True)
@@ -118,7 +119,7 @@ class Writer:
     if not self.enabled or self._resumed_at is None:
       return
     at, self._resumed_at = self._resumed_at, None
-    self._drop_rows_after(at)
+    self._kept = {(at, k) for k in self._drop_rows_after(at)}
     if self._tb is not None:  # TensorBoard drops the earlier files' events from here on
       self._tb.restart(at + 1 if at else 0)
 
@@ -126,6 +127,8 @@ class Writer:
     if not self.enabled:
       return
     self.begin()
+    if any((int(step), k) in self._kept for k in values):  # each step has its rows once
+      return
     row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
     # strict JSON (jq, JavaScript and pandas' strict readers reject NaN): non-finite is null
     strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v
@@ -135,9 +138,10 @@ class Writer:
       self._tb.scalars(int(step), {k: v for k, v in row.items()
                                    if k != "step" and isinstance(v, (int, float))})
 
-  def _drop_rows_after(self, step: int) -> None:
+  def _drop_rows_after(self, step: int) -> set:
     """Rewrite metrics.jsonl (atomically) without rows of steps after `step`; from step 0,
-    without any (the run writes them all again)."""
+    without any (the run writes them all again). Returns the metrics of the rows kept at `step`
+    (a run ended at its checkpoint evaluates that step again: its val row is there already)."""
     path = self._jsonl.path
     try:
       with open(path, "rb") as f:
@@ -151,6 +155,8 @@ class Writer:
         self._jsonl = _Appender(path)
     except OSError as e:
       raise os_error(e, f"cannot rewrite '{path}'") from None
+    at = [json.loads(line) for line in keep if step and _row(line) == step]
+    return {k for row in at for k in row if k != "step"}
 
   def close(self) -> None:
     for f in (self._jsonl, self._tb):

@@ -254,10 +254,11 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
   # A finished run started again only evaluates (and samples): its config.yml, rows and
   # TensorBoard folder stay those of its training. One ended now, train.steps lowered to its
   # newest step, is recorded as ending there (a killed run's rows past that step dropped).
-  ends_here = start.step == cfg.train.steps and start.saved_steps not in (None, start.step)
+  path = os.path.join(cfg.output_dir, "config.yml")
+  ends_here = jax.process_index() == 0 and ended_here(cfg, start, path)
   writes = jax.process_index() == 0 and (start.step < cfg.train.steps or ends_here)
-  if writes:
-    config.save(cfg, os.path.join(cfg.output_dir, "config.yml"))
+  if writes and not ends_here:
+    config.save(cfg, path)
   writer = metrics.Writer(cfg.output_dir, tensorboard=cfg.metrics.tensorboard, enabled=writes,
                           resumed_at=start.step)
   clock.lap("output_dir")
@@ -271,10 +272,26 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
     checkpoint.wait(manager)  # the run is not over until its last save is on disk
   finally:
     writer.close()
+  if ends_here:  # its end recorded: later starts find a finished run (no second final row)
+    config.save(cfg, path)
   if not result.preempted:  # once the run gives the signals back (closing its workers, saves)
     signals.work_done("received {} after the last step: the final checkpoint is saved",
                       together=jax.process_count() > 1)
   return result
+
+
+def ended_here(cfg, start, path: str) -> bool:
+  """Whether this start ends at its checkpoint a run saved under another train.steps (lowered
+  to that step) whose end is not recorded yet: config.yml, saved once its final row is, still
+  holds the train.steps it trained under (its step's saved one stays: nothing is saved again)."""
+  from nanotext import config_file
+  if start.step != cfg.train.steps or start.saved_steps in (None, start.step):
+    return False
+  try:
+    train = config_file.read(path).get("train")
+  except UserError:  # none, or unreadable: nothing says the end was recorded
+    return True
+  return not isinstance(train, dict) or train.get("steps") != start.step
 
 
 def sharding_summary(run_) -> str:

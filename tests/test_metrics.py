@@ -100,6 +100,20 @@ def test_a_resumed_writer_drops_the_rows_past_its_step_when_training_begins(tmp_
   assert read_lines(tmp_path) == ['{"step": 1, "loss": 1.0}', '{"step": 2, "loss": 1.0}']
 
 
+def test_a_row_of_the_resumed_step_already_recorded_is_not_written_again(tmp_path):
+  """A run ended at its checkpoint evaluates that step again: its val row was there already
+  and another was appended (each start, one more). A metric of the step is recorded once."""
+  (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 2.0}\n'
+                                          '{"step": 2, "val_loss": 5.0}\n')
+  w = metrics.Writer(str(tmp_path), tensorboard=True, resumed_at=2)
+  w.write(2, {"val_loss": 5.0})
+  w.write(2, {"other": 1.0})  # a metric the step has no row of is written
+  w.close()
+  assert read_lines(tmp_path) == ['{"step": 2, "loss": 2.0}', '{"step": 2, "val_loss": 5.0}',
+                                  '{"step": 2, "other": 1.0}']
+  assert read_events(str(tmp_path / "tb")) == [("other", 2, 1.0)]
+
+
 def test_a_row_cut_short_by_a_crash_is_no_glue_for_the_next(tmp_path):
   """metrics.jsonl ending inside a row (a crash mid-append): the resumed run's first row was
   appended to it, one broken line. A part row goes; a whole row without its newline gets one."""

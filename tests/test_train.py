@@ -173,17 +173,23 @@ def test_a_finished_run_started_again_changes_nothing(tiny_run, tmp_path):
 def test_a_killed_run_ended_at_its_checkpoint_drops_the_rows_past_it(tmp_path):
   """Killed after step 4 with its newest checkpoint at 2, then ended there (train.steps=2): it
   said "the run was complete" and kept the rows of steps 3-4 (which plot drew) and config.yml's
-  train.steps; it is recorded as ending at 2 now."""
+  train.steps; it is recorded as ending at 2 now. Every later start appended another val row
+  of step 2 (and a TensorBoard file with it): it evaluates again, not recorded, as any finished
+  run; the val row the killed run wrote at 2 is the one row of it."""
   out = str(tmp_path)
   common = TINY + [f"output_dir={out}", "checkpoint.every=2", "sample.max_new_tokens=0",
-                   "train.eval_every=0"]
+                   "metrics.tensorboard=true"]
   quiet_run(BASE, common + ["train.steps=4"])
   shutil.rmtree(os.path.join(out, "checkpoints", "4"))  # as if killed before step 4's save
   _, lines = quiet_run(BASE, common + ["train.steps=2"])
   assert not any("not recorded" in l for l in lines), lines
   rows = metrics_of(out)
-  assert [r["step"] for r in rows] == [1, 2, 2] and "val_loss" in rows[-1], rows
+  assert [(r["step"], "val_loss" in r) for r in rows] == [(1, False), (2, False), (2, True)]
   assert config.load(os.path.join(out, "config.yml")).train.steps == 2
+  tb = sorted(os.listdir(os.path.join(out, "tb")))
+  _, lines = quiet_run(BASE, common + ["train.steps=2"])
+  assert any("(final; the run was complete: evaluated again, not recorded)" in l for l in lines)
+  assert metrics_of(out) == rows and sorted(os.listdir(os.path.join(out, "tb"))) == tb
 
 
 def test_an_overwrite_plans_afresh_and_replaces_a_run_past_its_steps(tiny_run, tmp_path):
