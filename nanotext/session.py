@@ -60,6 +60,12 @@ class Session:
     self.replacing = rundir.check_run(self.cfg, self.out)
     if self.main and self.replacing:
       rundir.set_aside(self.out)
+    elif self.main and self.cfg.overwrite and rundir.has_checkpoint(self.out):
+      # overwrite is resume-ok: a command that keeps it (a preempted job restarted) goes on
+      self.log(f"overwrite=true changed nothing: output_dir '{self.cfg.output_dir}' holds this "
+               "same run (the config is its own), which goes on from its checkpoint; "
+               "overwrite=true replaces only a different run (to start afresh, choose another "
+               "output_dir or delete this one)")
     if self.main:  # every write the run will make, tried before it compiles
       probes.run_outputs(self.cfg, self.out, checkpoint_bytes)
 

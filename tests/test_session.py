@@ -114,6 +114,18 @@ def test_a_failure_after_a_checkpoint_keeps_a_replacing_run_for_the_next_start(t
   assert not (tmp_path / rundir.ASIDE).exists()
 
 
+def test_overwrite_on_the_same_run_says_it_changed_nothing(tmp_path):
+  """overwrite=true replaces only a different run (it is resume-ok: a restarted command that
+  keeps it must not wipe its run); on the same run's folder it resumed without a word."""
+  before = old_run(tmp_path)
+  s, lines = session(tmp_path, "overwrite=true", "train.steps=8")
+  with s.open(Preemption(on_early_stop=s.stop_early), 0):
+    assert not s.replacing
+  assert snapshot(tmp_path) == before and len(lines) == 1, lines
+  assert lines[0].startswith(f"overwrite=true changed nothing: output_dir '{tmp_path}' holds "
+                             "this same run"), lines
+
+
 @pytest.mark.parametrize("overrides", [["train.steps=8"], ["overwrite=true", "seed=1"]])
 def test_an_early_signal_puts_output_dir_back_and_releases_it(tmp_path, overrides):
   """Preemption calls stop_early in its signal handler before the first step (then exits)."""
