@@ -66,11 +66,13 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
   n_eval = len(eval_execs)
   evals_said = "" if not n_eval else " and the eval step" if n_eval == 1 else \
       f" and {n_eval} eval step programs"
-  log(f"compiled {len(train_execs)} train step program(s){evals_said} ({programs} in all) in "
-      f"{compile_s:.1f} s")
+  n_train = len(train_execs)
+  trains = (f"{n_train} train step program{'s' if n_train > 1 else ''}" if n_train else
+            "no train step program (no step left to train)")  # a finished run started again
+  log(f"compiled {trains}{evals_said} ({programs} in all) in {compile_s:.1f} s")
   if clock is not None:
     clock.lap("compile")
-    log(clock.line({"compile": f"{programs} programs"}))
+    log(clock.line({"compile": f"{programs} program{'s' if programs != 1 else ''}"}))
 
   def evaluate(params, done):
     stage = (eval_windows(cfg, done), t_cfg.eval_seq_len or t_cfg.seq_len)

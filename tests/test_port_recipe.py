@@ -189,7 +189,7 @@ def test_train_cli_compiles_every_length_before_step_one(tmp_path):
                  "model.param_dtype=float32", f"output_dir={tmp_path / 'run'}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout + proc.stderr
-  assert "compiled 2 train step program(s)" in out, out[-2000:]
+  assert "compiled 2 train step programs" in out, out[-2000:]
   assert "compilations inside the training loop: 0" in out
 
 

@@ -66,7 +66,7 @@ def test_record_config_trains_on_one_49152_token_row(tmp_path):
                  "checkpoint.every=0", f"output_dir={tmp_path}",
                  env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "1x49152 tokens/step" in proc.stdout and "compiled 1 train step program(s)" in proc.stdout
+  assert "1x49152 tokens/step" in proc.stdout and "compiled 1 train step program " in proc.stdout
   assert "compilations inside the training loop: 0" in proc.stdout
   with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]

@@ -125,6 +125,10 @@ def test_a_finished_run_started_again_writes_no_second_row(tiny_run, tmp_path):
     assert f.read() == before
   assert any("(final; the run was complete: evaluated again, not recorded)" in line
              for line in lines), lines
+  # the plurals right: "compiled 0 train step program(s)", "compile 1.2 s (1 programs)"
+  assert any(l.startswith("compiled no train step program (no step left to train) and the eval "
+                          "step (1 in all)") for l in lines), lines
+  assert any(l.startswith("start-up:") and " s (1 program);" in l for l in lines), lines
   # log=None: no lines (a library caller's None was a TypeError at the first line)
   assert train.run(BASE, ARGS + [f"output_dir={out}"], log=None).val_loss > 0
 

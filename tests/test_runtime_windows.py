@@ -109,7 +109,7 @@ def test_record_schedule_compiles_one_train_and_one_eval_program(tmp_path):
   assert result.programs == 2 and result.compiles_in_loop == 0
   assert any(l.startswith("compiled train (windows 128..512, runtime) in ") for l in lines)
   assert any(l.startswith("compiled eval (windows 256..512, runtime) in ") for l in lines)
-  assert any(l.startswith("compiled 1 train step program(s) and the eval step (2 in all)")
+  assert any(l.startswith("compiled 1 train step program and the eval step (2 in all)")
              for l in lines)
   with open(tmp_path / "metrics.jsonl") as f:
     rows = [json.loads(line) for line in f]
