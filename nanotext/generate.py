@@ -40,7 +40,7 @@ def pick(temperature: float, top_k: int, ids: int | None = None):
 
 
 def split(keys):
-  """(keys to go on with, subkeys to draw with) [B] each: row i that of jax.random.split(keys[i])."""
+  """(keys to go on with, subkeys to draw with) [B] each: row i jax.random.split(keys[i])'s."""
   return _split_rows()(keys)
 
 

@@ -27,8 +27,8 @@ def check_config(d) -> None:
   if d.source == "shakespeare" and d.tokenizer == "gpt2":  # read as gpt2 ids, scored, sampled
     raise UserError("data.source=shakespeare holds ids of the shipped 'shakespeare' tokenizer, "
                     "not data.tokenizer=gpt2's: set data.tokenizer=shakespeare, or give gpt2 "
-                    "data (data.source=bin with data.train_files and data.val_files, e.g. FineWeb's "
-                    "shards, or text_shards' --tokenizer=gpt2 output)")
+                    "data (data.source=bin with data.train_files and data.val_files, e.g. "
+                    "FineWeb's shards, or text_shards' --tokenizer=gpt2 output)")
   registry.get(d.source).check(d)
 
 
