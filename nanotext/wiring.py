@@ -267,9 +267,13 @@ def build(cfg, mesh) -> Run:
 
 
 def check_divisible(cfg, abstract, rules) -> None:
-  """Every sharded dimension of the activations and of every parameter divides its mesh axes."""
+  """Every sharded dimension of the activations (validation rows too) and of every parameter
+  divides its mesh axes."""
   sizes = gpt.logical_sizes(cfg.model, cfg.train)
   dims = [(name, size, key) for name, (key, size) in sizes.items()]
+  t = cfg.train
+  if t.eval_seq_len not in (0, t.seq_len):  # validation batches are placed as the train rows
+    dims.append(("act_length", t.eval_seq_len, "train.eval_seq_len"))
   dims += sharding.param_dims(abstract, sizes, gpt.table_sizes(cfg.model))
   mesh_sizes = {a: cfg.mesh[a] for a in sharding.MESH_AXES}
   sharding.check_divisible(dims, rules, mesh_sizes)

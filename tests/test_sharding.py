@@ -83,6 +83,21 @@ def test_state_follows_the_rules_under_fsdp_and_tp():
   assert all(x.sharding.spec == P("fsdp", "tensor") for x in moments)
 
 
+def test_validation_rows_must_divide_the_act_length_axes():
+  """train.eval_seq_len=63 with act_length over tensor=2 passed every check (train.seq_len=62 was
+  refused) and crashed placing the first validation batch (IndivisibleError traceback)."""
+  rules = "mesh.rules=[[batch, fsdp], [act_length, tensor]]"
+  cfg = config.load(BASE, TINY + ["mesh.tensor=2", "mesh.fsdp=4", rules,
+                                  "train.eval_seq_len=63", "model.max_seq_len=64"])
+  with pytest.raises(UserError, match=r"^train.eval_seq_len=63 is not divisible by "
+                                      r"mesh.tensor=2 \(logical axis 'act_length'\); change "
+                                      r"train.eval_seq_len or the mesh$"):
+    wiring.from_config(cfg, devices=jax.devices()[:8])
+  cfg = config.load(BASE, TINY + ["mesh.tensor=2", "mesh.fsdp=4", rules,
+                                  "train.eval_seq_len=64", "model.max_seq_len=64"])
+  assert wiring.from_config(cfg, devices=jax.devices()[:8]).cfg.train.eval_seq_len == 64
+
+
 @pytest.mark.parametrize("override, key", [
     ("model.d_model=100", "model.d_model=100"),
     ("model.mlp_dim=100", "model.mlp_dim=100"),
