@@ -107,6 +107,7 @@ def maybe_initialize(dist_cfg, log=print) -> bool:
   if p is None:
     return False
   if jax.distributed.is_initialized():
+    check_device_counts(jax.devices())
     return True  # an in-process caller (a notebook, a test) already joined
   watchdog = threading.Timer(p.init_timeout, errors.fail, (not_joined(p),))
   watchdog.daemon = True
@@ -130,7 +131,27 @@ def maybe_initialize(dist_cfg, log=print) -> bool:
     watchdog.cancel()
   log(f"process {jax.process_index()}/{jax.process_count()} on host {socket.gethostname()} "
       f"with {jax.local_device_count()} local devices ({jax.device_count()} in all)")
+  check_device_counts(jax.devices())
   return True
+
+
+def check_device_counts(devices) -> None:
+  """Refuse, on every process, processes with different numbers of devices: each process's
+  all-gathers (check_same_config's first) reshape to [processes, local devices] and crashed
+  them with a traceback. Read from the global device list every process holds: no collective."""
+  counts: dict = {}
+  for d in devices:
+    counts[d.process_index] = counts.get(d.process_index, 0) + 1
+  if len(set(counts.values())) > 1:
+    by_count: dict = {}
+    for p, n in sorted(counts.items()):
+      by_count.setdefault(n, []).append(p)
+    each = "; ".join(f"{n} on process{'es' if len(ps) > 1 else ''} "
+                     f"{', '.join(map(str, ps[:3]))}{', ...' if len(ps) > 3 else ''}"
+                     for n, ps in sorted(by_count.items()))
+    raise UserError(f"the processes hold different numbers of devices (jax.local_device_count(): "
+                    f"{each}): give every process the same number (distributed."
+                    "local_device_count on CPUs; as many visible accelerators on each host)")
 
 
 def not_joined(p: Plan) -> str:

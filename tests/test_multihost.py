@@ -39,9 +39,10 @@ def metrics_of(out):
 
 
 def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expect=0,
-               cwds=(REPO, REPO), poke=None) -> list:
+               cwds=(REPO, REPO), poke=None, devices=(4, 4)) -> list:
   """Run processes 0 and 1 of one distributed run (each with its `per_process` overrides too,
-  in its folder of `cwds`; `poke(processes)` once they started); returns their combined outputs, each process's exit status `expect`. A port that another
+  in its folder of `cwds`, with its number of `devices`; `poke(processes)` once they started);
+  returns their combined outputs, each process's exit status `expect`. A port that another
   program took between free_port() and the coordinator's bind is tried again."""
   address = f"127.0.0.1:{free_port()}"
   # distributed.local_device_count beats the 8 devices conftest puts in XLA_FLAGS.
@@ -49,7 +50,7 @@ def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expe
   procs = [subprocess.Popen(
       [sys.executable, "-m", "nanotext.train", BASE, *overrides, *per_process[i],
        f"distributed.coordinator_address={address}", "distributed.num_processes=2",
-       f"distributed.process_id={i}", "distributed.local_device_count=4",
+       f"distributed.process_id={i}", f"distributed.local_device_count={devices[i]}",
        "distributed.init_timeout=60"],
       cwd=cwds[i], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(2)]
@@ -63,7 +64,8 @@ def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expe
       if tries > 1 and p is procs[0] and PORT_TAKEN in outputs[0]:
         procs[1].kill()
         procs[1].communicate()
-        return launch_two(overrides, timeout, tries - 1, per_process, expect, cwds, poke)
+        return launch_two(overrides, timeout, tries - 1, per_process, expect, cwds, poke,
+                          devices)
   except subprocess.TimeoutExpired:
     for p in procs:
       p.kill()
@@ -150,6 +152,33 @@ def test_processes_given_different_configs_refuse_in_one_line(tmp_path):
         f"nanotext: error: process 1 was given another seed than process 0 ({i} here): give "
         "every process the same config and overrides (only distributed.process_id differs)"), text
   assert not out.exists()
+
+
+def test_processes_with_different_device_counts_refuse_in_one_line(tmp_path):
+  """2 devices on process 0, 3 on process 1: check_same_config's all-gather crashed both
+  ('cannot reshape array of size 5 into shape (2,2)', exit 1). Refused once they joined."""
+  out = tmp_path / "run"
+  outputs = launch_two(TINY + [f"output_dir={out}", "mesh.fsdp=-1"], devices=(2, 3), expect=2)
+  for text in outputs:
+    assert text.strip().splitlines()[-1] == (
+        "nanotext: error: the processes hold different numbers of devices "
+        "(jax.local_device_count(): 2 on process 0; 3 on process 1): give every process the same "
+        "number (distributed.local_device_count on CPUs; as many visible accelerators on each "
+        "host)"), text
+  assert not out.exists()
+
+
+@pytest.mark.fast
+def test_device_counts_are_compared_per_process():
+  """From the global device list each process holds (no collective, which unequal counts
+  break)."""
+  class Device:
+    def __init__(self, process_index):
+      self.process_index = process_index
+  distributed.check_device_counts([Device(p) for p in (0, 0, 1, 1)])
+  with pytest.raises(UserError, match=r"\(jax.local_device_count\(\): 1 on processes 1, 2, 3, "
+                                      r"\.\.\.; 2 on process 0\)"):
+    distributed.check_device_counts([Device(p) for p in (0, 0, 1, 2, 3, 4)])
 
 
 def test_an_output_dir_not_shared_by_the_processes_is_refused(tmp_path):
