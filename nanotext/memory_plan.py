@@ -79,6 +79,11 @@ def auto_chunk(lengths) -> int:
   return max((c for c in range(1, min(memory.CHUNK, g - 1) + 1) if g % c == 0), default=0)
 
 
+def cuts(chunk: int, length: int) -> bool:
+  """Whether a loss chunk can cut rows of `length` (loss.check_config's rule)."""
+  return not 0 < chunk < length or length % chunk == 0
+
+
 def passes(rows: int) -> list:
   """The train.eval_accum values that split `rows` validation rows per device evenly."""
   return [a for a in range(1, rows + 1) if rows % a == 0]
@@ -133,7 +138,8 @@ class Planner:
     train_ladder = sorted(((r, c) for r in remats for c in chunks),
                           key=lambda rc: (remats.index(rc[0]) + bool(rc[1]), bool(rc[1])))
     train_ladder = self._preferred(train_ladder, KEYS[:2], (m.remat == "auto",
-                                                             t.loss_chunk == -1))
+                                                             t.loss_chunk == -1),
+                                   lambda rc: all(cuts(rc[1], n) for n in seq_lens(t)))
     train_problem = ""
     try:
       self._attention_first(model, "train")  # kept as the eval step's: compile --programs=eval
@@ -155,7 +161,9 @@ class Planner:
     accums = passes(model.eval_rows) if t.eval_accum == -1 else [t.eval_accum]
     eval_ladder = [(c, a) for a in accums for c in eval_chunks]
     eval_ladder = self._preferred(eval_ladder, KEYS[2:], (t.eval_loss_chunk == -1,
-                                                          t.eval_accum == -1))
+                                                          t.eval_accum == -1),
+                                  lambda ca: cuts(ca[0], model.eval_len)
+                                  and model.eval_rows % ca[1] == 0)
     problem = ""
     try:
       self._attention_first(model, "eval")
@@ -171,10 +179,12 @@ class Planner:
                      self.capacity, self.source, why, problem, train_problem)
     return self.plan.choice
 
-  def _preferred(self, ladder: list, keys: tuple, auto: tuple) -> list:
-    """`ladder` with the resumed run's choice first (for the keys left to auto)."""
+  def _preferred(self, ladder: list, keys: tuple, auto: tuple, valid) -> list:
+    """`ladder` with the resumed run's choice first (for the keys left to auto) where it is
+    `valid` here: an eval_accum saved for another device count may not divide each device's
+    rows now (it was kept, and evaluate then refused the run's own config.yml)."""
     want = tuple(self.prefer.get(k, c) if a else c for k, a, c in zip(keys, auto, ladder[0]))
-    if any(self.prefer.get(k) is None for k, a in zip(keys, auto) if a):
+    if any(self.prefer.get(k) is None for k, a in zip(keys, auto) if a) or not valid(want):
       return ladder
     return [want] + [c for c in ladder if c != want]
 

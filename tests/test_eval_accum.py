@@ -77,6 +77,18 @@ def test_auto_takes_the_fewest_passes_that_fit_and_says_so():
 
 
 @pytest.mark.fast
+def test_a_saved_number_that_no_longer_divides_the_rows_is_chosen_again():
+  """A run that chose eval_accum=3 for 24 rows on one device, resumed on 6 (4 rows each), kept
+  3 ('kept from the run's config.yml') and evaluate then refused its config.yml."""
+  cfg = wiring.load(SPEEDRUN, SMALL + SYNTH + ["train.batch_size=6"])
+  sizes = mesh_sizes()
+  cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=1.0, data_dir="", tokenizer_vocab=None)
+  plan = lambda prefer: memory_plan.Planner("gpu", sizes, 64 * 2**30, "test", prefer=prefer)(cfg)
+  assert plan({"train.eval_accum": 3})["train.eval_accum"] == 3  # 6 rows: kept
+  assert plan({"train.eval_accum": 4})["train.eval_accum"] == 1  # no divisor: chosen again
+
+
+@pytest.mark.fast
 def test_a_fixed_number_is_kept_and_refused_advice_names_passes():
   cfg, plan = planned(SMALL + ["train.eval_accum=4"], 64 * 2**30)
   assert cfg.train.eval_accum == 4 and ", eval_accum=4 (" in plan.line()
