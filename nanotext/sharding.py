@@ -92,11 +92,20 @@ def parse_rules(rules) -> tuple:
   return tuple(out)
 
 
-def unused_axes(mesh: Mesh, rules) -> list:
-  """Mesh axes of more than one device that no rule names: everything is replicated over them
-  (the work done that many times over, as a mislabelled ablation row would not show)."""
-  named = {a for _, axes in rules for a in axes}
+def unused_axes(mesh: Mesh, rules, model_axes=LOGICAL_AXES) -> list:
+  """Mesh axes of more than one device that no rule of an axis in `model_axes` (the model's:
+  model_axes) names: everything is replicated over them (the work done that many times over, as
+  a mislabelled ablation row would not show)."""
+  named = {a for name, axes in rules if name in model_axes for a in axes}
   return [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in named]
+
+
+def model_axes(abstract_state) -> frozenset:
+  """The logical axes a model's arrays have: every activation axis, and the weight axes of its
+  parameters (no `length` under rope, no `layers` without model.scan_layers)."""
+  specs = jax.tree.leaves(param_specs(abstract_state), is_leaf=lambda v: isinstance(v, P))
+  names = lambda entry: (entry,) if isinstance(entry, str) else entry or ()
+  return frozenset(ACTIVATION_AXES) | {n for s in specs for e in s for n in names(e)}
 
 
 def logical_to_spec(logical_axes, rules) -> P:

@@ -42,6 +42,7 @@ class Run:
   num_params: int
   eot_id: int | None  # set when attention.doc_mask: documents start at this token
   memory: object = None  # the memory.Plan that checked (and chose) remat and loss chunks
+  axes: frozenset = frozenset(sharding.LOGICAL_AXES)  # the logical axes its arrays have
 
   @property
   def tx(self):
@@ -263,14 +264,17 @@ def build(cfg, mesh) -> Run:
   opt_sh = sharding.like_params(opt_shapes, param_sh, abstract_params, replicated)
   state_sh = new_state(replicated, param_sh, opt_sh)
   return Run(cfg, mesh, backend, impl, rules, graphdef, labels, state_sh,
-             sharding.batch_sharding(mesh, rules), count_params(abstract_params), eot_id)
+             sharding.batch_sharding(mesh, rules), count_params(abstract_params), eot_id,
+             axes=sharding.model_axes(abstract))
 
 
 def check_divisible(cfg, abstract, rules) -> None:
   """Every sharded dimension of the activations (validation rows too) and of every parameter
   divides its mesh axes."""
   sizes = gpt.logical_sizes(cfg.model, cfg.train)
-  dims = [(name, size, key) for name, (key, size) in sizes.items()]
+  # A weight axis no parameter has (length under rope, layers without scan_layers) shards nothing
+  have = sharding.model_axes(abstract)
+  dims = [(name, size, key) for name, (key, size) in sizes.items() if name in have]
   t = cfg.train
   if t.eval_seq_len not in (0, t.seq_len):  # validation batches are placed as the train rows
     dims.append(("act_length", t.eval_seq_len, "train.eval_seq_len"))

@@ -164,6 +164,32 @@ def test_processes_holding_the_same_rows_load_the_same_rows():
     sharding.row_groups(crossed, 8, 0)
 
 
+def test_rules_for_axes_the_model_lacks_shard_nothing():
+  """Under rope there is no position table and without scan_layers no stacked layers, yet their
+  rules were refused for model.max_seq_len and model.num_layers; and a mesh axis named only by
+  such rules got no 'replicated' note, as one no rule names gets."""
+  from nanotext.train import sharding_summary
+  load = lambda *o: config.load(BASE, TINY + ["mesh.fsdp=1", *o])
+  run = wiring.from_config(load("model.positions=rope", "train.batch_size=6", "mesh.data=3",
+                                "mesh.rules=[[batch, data], [length, data]]"),
+                           devices=jax.devices()[:3])
+  assert "length" not in run.axes and "replicated" not in sharding_summary(run)
+  run = wiring.from_config(load("mesh.data=4", "mesh.rules=[[layers, data]]"),
+                           devices=jax.devices()[:4])  # model.num_layers=2
+  assert sharding_summary(run).endswith(
+      "(data=4 shards no array of this model under mesh.rules: everything is replicated over it)")
+  run = wiring.from_config(load("model.positions=rope", "mesh.data=4",
+                                "mesh.rules=[[length, data]]"), devices=jax.devices()[:4])
+  assert sharding.unused_axes(run.mesh, run.rules, run.axes) == ["data"]
+  # The learned position table has the axis: its rule shards it and is checked.
+  run = wiring.from_config(load("mesh.data=4", "mesh.rules=[[length, data]]"),
+                           devices=jax.devices()[:4])
+  assert sharding.unused_axes(run.mesh, run.rules, run.axes) == []
+  with pytest.raises(UserError, match=r"^model.max_seq_len=32 is not divisible by mesh.data=3"):
+    wiring.from_config(load("train.batch_size=6", "mesh.data=3", "mesh.rules=[[length, data]]"),
+                       devices=jax.devices()[:3])
+
+
 @pytest.mark.fast
 def test_a_mesh_axis_no_rule_names_is_said_to_replicate():
   """mesh.data=2 with rules that never name data: the start line said 'mesh data=2 fsdp=4' while
