@@ -104,19 +104,31 @@ def precheck(argv) -> None:
   sources(out, step)
 
 
-def fit_mesh(cfg, out: str, overrides, devices: int, log):
-  """The run's config where its mesh (saved with the sizes it resolved to) spans `devices`, or
-  where the overrides set a mesh.* key; else the config with every device on fsdp."""
-  from nanotext import sharding
+def fit_mesh(cfg, out: str, overrides, devices, log):
+  """The run's config where its mesh (saved with the sizes it resolved to) spans `devices` (a
+  list, or a count of jax.devices()), or where the overrides set a mesh.* key; else the config
+  with every device on fsdp, or on data where the model's dimensions do not divide that."""
+  import jax
+  from nanotext import sharding, wiring
+  devices = jax.devices()[:devices] if isinstance(devices, int) else list(devices)
   try:
-    sharding.mesh_shape(cfg.mesh, devices)
+    sharding.mesh_shape(cfg.mesh, len(devices))
     return cfg
   except UserError:
     if any(o.strip().startswith("mesh.") for o in overrides):
       return cfg  # the user's own mesh: its error comes from wiring, as train's would
-  log(f"the run's mesh ({sharding.sizes_text(cfg.mesh)}) does not span this machine's {devices} "
-      f"devices: evaluating with {' '.join(sharding.ALL_ON_FSDP)} (set mesh.* to choose)")
-  return load_config(out, [*sharding.ALL_ON_FSDP, *overrides])
+
+  def divides(layout) -> bool:
+    try:
+      wiring.check_mesh(load_config(out, [*layout, *overrides]), devices)
+      return True
+    except sharding.NotDivisible:
+      return False
+  layouts = (sharding.ALL_ON_FSDP, sharding.ALL_ON_DATA)
+  layout = next((a for a in layouts if divides(a)), layouts[0])  # neither: fsdp's refusal
+  log(f"the run's mesh ({sharding.sizes_text(cfg.mesh)}) does not span this machine's "
+      f"{len(devices)} devices: evaluating with {' '.join(layout)} (set mesh.* to choose)")
+  return load_config(out, [*layout, *overrides])
 
 
 def sources(out: str, step) -> list:
@@ -169,7 +181,7 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   cfg = load_config(out, overrides)
   todo = sources(out, step)  # a run without checkpoints refused before its data and model
   distributed.maybe_initialize(cfg.distributed)  # before the first backend use
-  cfg = fit_mesh(cfg, out, overrides, jax.device_count(), log)
+  cfg = fit_mesh(cfg, out, overrides, jax.devices(), log)
   try:
     run = wiring.from_config(cfg, prefer=memory_plan.saved_choice(out), checked=True)
   except sharding.NotDivisible as e:

@@ -56,6 +56,8 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple:
 
 # Overrides that put every device on the fsdp axis: the schema's mesh (configs/base.yml).
 ALL_ON_FSDP = tuple(f"mesh.{a}={-1 if a == 'fsdp' else 1}" for a in MESH_AXES)
+# Every device on the data axis: parameters whole on each, so no model dimension need divide.
+ALL_ON_DATA = tuple(f"mesh.{a}={-1 if a == 'data' else 1}" for a in MESH_AXES)
 
 
 def sizes_text(mesh_cfg) -> str:

@@ -242,6 +242,16 @@ def finalize_plan(cfg, devices, *, capacity=None, prefer=None) -> tuple:
   return config.with_values(cfg, planner(cfg)), planner.plan
 
 
+def check_mesh(cfg, devices) -> None:
+  """NotDivisible where a dimension of cfg's model or batch does not divide the mesh it asks for
+  on `devices`: `build`'s check, without a memory plan or a mesh."""
+  sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, len(devices))))
+  cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=metrics.default_peak_flops(devices),
+                        data_dir=default_dir(), tokenizer_vocab=tokenizer_vocab(cfg.data))
+  _, abstract, _ = gpt.abstract_model(cfg, devices[0].platform)
+  check_divisible(cfg, abstract, sharding.parse_rules(cfg.mesh.rules))
+
+
 def tokenizer_vocab(data_cfg) -> int | None:
   """The tokenizer's vocabulary size (None for data.tokenizer=none)."""
   return None if data_cfg.tokenizer == "none" else known_vocab_size(data_cfg.tokenizer)

@@ -244,6 +244,25 @@ def test_a_saved_mesh_of_other_devices_becomes_fsdp_over_these(tiny_run):
   assert evaluate.fit_mesh(cfg, out, [], 2, lines.append) is cfg  # it spans them
 
 
+@pytest.mark.fast
+def test_a_model_fsdp_does_not_divide_is_evaluated_data_parallel(tiny_run):
+  """d_model=64 on 3 devices: the fallback took mesh.fsdp=-1 and was refused ('model.d_model=64
+  is not divisible by mesh.fsdp=3'), though mesh.data=3 evaluates it."""
+  import jax
+  out = tiny_run[0]
+  cfg = evaluate.load_config(out, ["mesh.fsdp=2", "train.batch_size=6"])
+  lines = []
+  moved = evaluate.fit_mesh(cfg, out, ["train.batch_size=6"], jax.devices()[:3], lines.append)
+  assert (moved.mesh.data, moved.mesh.fsdp, moved.mesh.tensor) == (-1, 1, 1)
+  assert lines == ["the run's mesh (data=1 fsdp=2 tensor=1) does not span this machine's 3 "
+                   "devices: evaluating with mesh.data=-1 mesh.fsdp=1 mesh.tensor=1 (set mesh.* "
+                   "to choose)"]
+  assert wiring.from_config(moved, devices=jax.devices()[:3], checked=True).mesh.shape["data"] == 3
+  # Neither divides (8 rows over 3 devices): fsdp's, whose refusal names d_model as before.
+  moved = evaluate.fit_mesh(cfg, out, [], jax.devices()[:3], lines.append)
+  assert (moved.mesh.data, moved.mesh.fsdp) == (1, -1)
+
+
 def test_the_cli_prints_each_steps_loss_and_refuses_a_params_only_step(tiny_run, tmp_path):
   proc = run_cli("nanotext.evaluate", f"output_dir={tiny_run[0]}", "step=all",
                  "train.eval_batches=1")
