@@ -263,12 +263,12 @@ def shard_count(logical_axes, rules, mesh_sizes: dict) -> int:
 
 
 class NotDivisible(UserError):
-  """A dimension its mesh axes do not divide; `key` sets it, `head` says which and by what (a
-  tool that cannot change `key` gives its own advice)."""
+  """A dimension its mesh axes do not divide; `key` sets it (to `size`), `head` says which and by
+  what (a tool that cannot change `key` gives its own advice)."""
 
-  def __init__(self, key: str, head: str):
+  def __init__(self, key: str, head: str, size: int | None = None):
     super().__init__(f"{head}; change {key} or the mesh")
-    self.key, self.head = key, head
+    self.key, self.head, self.size = key, head, size
 
 
 def check_divisible(dims, rules, mesh_sizes: dict) -> None:
@@ -283,7 +283,7 @@ def check_divisible(dims, rules, mesh_sizes: dict) -> None:
     if size % n:
       axes = "*".join(f"mesh.{a}" for a in table[name])
       raise NotDivisible(what, f"{what}={size} is not divisible by {axes}={n} (logical axis "
-                               f"'{name}')")
+                               f"'{name}')", size)
 
 
 def param_dims(abstract_state, keys_by_axis: dict, alternates: dict | None = None):

@@ -125,7 +125,7 @@ def run(path: str, overrides, log=print, started: float | None = None):
 def _run(cfg, log, clock):
   """run() from its config on: devices, wiring, session, first state, loop, report."""
   import jax
-  from nanotext import checkpoint, distributed, memory_plan, wiring
+  from nanotext import checkpoint, distributed, memory_plan, sharding, wiring
   from nanotext.data.fingerprint import fingerprint
   from nanotext.session import Session
   from nanotext.watch import Preemption
@@ -138,7 +138,13 @@ def _run(cfg, log, clock):
   # A resumed run keeps the remat and loss chunks it chose before, where they still fit.
   # Checks, derived values and the vocabulary / process-count rules all happen in wiring.
   prefer = memory_plan.saved_choice(cfg.output_dir)
-  run_ = wiring.from_config(cfg, prefer=prefer, checked=True)
+  try:
+    run_ = wiring.from_config(cfg, prefer=prefer, checked=True)
+  except sharding.NotDivisible as e:
+    if e.key.startswith("train.") or not resumes_with(cfg, e.key, e.size):
+      raise
+    raise UserError(f"{e.head}; the run in output_dir resumes with the model it was trained as: "
+                    "change the mesh (mesh.*) or the number of devices") from None
   if prefer and cfg.overwrite and replaces(run_.cfg):  # the choices of the run replaced
     run_ = wiring.from_config(cfg, prefer={}, checked=True)
   run_.memory.require("train", "eval")  # every run validates at its end
@@ -182,6 +188,19 @@ def finish(run_, cfg, result, received: str | None, log) -> None:
   report(run_, cfg, result, log)
   if received or signals.late():
     log(late.format(received or signals.late()))
+
+
+def resumes_with(cfg, key: str, size) -> bool:
+  """Whether this run resumes the one in output_dir, which saved `key` (a model's, or a
+  parameter's dimension) as `size`: on a resume only the mesh can change; only reads."""
+  from nanotext import config, config_file, rundir
+  if cfg.overwrite or not rundir.has_checkpoint(cfg.output_dir):
+    return False
+  try:
+    saved = config.flatten(config_file.read(os.path.join(cfg.output_dir, "config.yml")))
+  except UserError:  # said where it counts, when the session opens
+    return False
+  return key not in saved or saved[key] == size
 
 
 def replaces(cfg) -> bool:

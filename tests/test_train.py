@@ -156,6 +156,21 @@ def test_resume_continues_from_the_latest_checkpoint(tmp_path):
   assert steps == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.fast
+def test_a_resume_on_a_mesh_the_model_does_not_divide_advises_the_mesh(tiny_run, tmp_path):
+  """A resume can change only the mesh, yet the line said 'change model.num_heads or the mesh'
+  (evaluate words it right); a new run in another output_dir may change the model."""
+  mesh = ["mesh.fsdp=1", "mesh.tensor=8", "train.steps=8"]
+  with pytest.raises(UserError, match=r"^model.num_heads=2 is not divisible by mesh.tensor=8 .*; "
+                                      r"the run in output_dir resumes with the model it was "
+                                      r"trained as: change the mesh \(mesh.\*\) or the number "
+                                      r"of devices$"):
+    run(BASE, TINY + mesh + [f"output_dir={tiny_run[0]}"], log=None)
+  with pytest.raises(UserError, match=r"; change model.num_heads or the mesh$"):
+    run(BASE, TINY + mesh + [f"output_dir={tmp_path / 'new'}"], log=None)
+  assert not os.path.exists(tmp_path / "new")
+
+
 def test_a_finished_run_started_again_changes_nothing(tiny_run, tmp_path):
   """Started again with resume-ok keys changed, a finished run rewrote config.yml with values
   it never trained with, and TensorBoard's folder appeared; it evaluates and says so only."""
