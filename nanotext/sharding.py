@@ -38,7 +38,11 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple:
   sizes = [mesh_cfg[a] for a in MESH_AXES]
   keys = [f"mesh.{a}" for a in MESH_AXES]
   if sizes.count(-1) > 1:
-    raise UserError(f"at most one of {', '.join(keys)} may be -1")
+    named = [k for k, s in zip(keys, sizes) if s == -1]
+    which = f"{', '.join(named[:-1])} and {named[-1]} are {'both' if len(named) == 2 else 'all'}"
+    default = " (mesh.fsdp=-1 is configs/base.yml's default)" if mesh_cfg["fsdp"] == -1 else ""
+    raise UserError(f"{which} -1{default}; at most one mesh axis may be -1: give the others "
+                    "a size")
   if any(s == 0 or s < -1 for s in sizes):
     got = " ".join(f"{a}={n}" for a, n in zip(MESH_AXES, sizes))
     raise UserError(f"mesh sizes must be positive or -1, got {got}")

@@ -29,6 +29,11 @@ def test_mesh_shape_resolves_minus_one():
     (dict(data=3, fsdp=1), "product"),
     (dict(data=3, fsdp=-1), "cannot be split"),
     (dict(data=-1, fsdp=-1), "at most one"),
+    # fsdp is -1 by default: the line named no axis and left it to be guessed
+    (dict(tensor=-1), r"^mesh.fsdp and mesh.tensor are both -1 \(mesh.fsdp=-1 is "
+                      r"configs/base.yml's default\); at most one mesh axis may be -1: give the "
+                      r"others a size$"),
+    (dict(data=-1, fsdp=1, tensor=-1), r"^mesh.data and mesh.tensor are both -1; at most one"),
     (dict(tensor=0), "positive"),
 ])
 def test_mesh_shape_errors(kw, match):
