@@ -412,6 +412,29 @@ def test_a_gpu_keeps_a_dense_softmax_as_scores_and_bfloat16_probabilities(monkey
 
 
 @pytest.mark.fast
+def test_a_gpu_keeps_looked_up_rows_a_rematted_block_takes():
+  """Rows looked up outside a rematted block and passed into it (speedrun.yml's value
+  embeddings under remat=full) are kept from the forward pass to the block's backward: XLA does
+  not look them up again there. Counted as free (a lookup fused into its readers), the plan took
+  speedrun.yml's auto step on one H100 at 51.8 GiB; it compiled to 56.6 of the 59.4 GiB pool."""
+  import jax.numpy as jnp
+  from nanotext import fusion
+  T, D, V = 256, 128, 512
+  block = jax.checkpoint(lambda x, ve, w: jnp.tanh((x + ve) @ w))
+
+  def loss(x, w, table, ids):
+    return block(x, jnp.take(table, ids, axis=0), w).astype(jnp.float32).sum()
+  x, w = jax.ShapeDtypeStruct((T, D), jnp.bfloat16), jax.ShapeDtypeStruct((D, D), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((V, D), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((T,), jnp.int32)
+  size = lambda a: a.size * a.dtype.itemsize
+  kept = sum(b for _, b in fusion.kept_bytes(
+      fusion.saved_residuals(loss, x, w, table, ids, backend="gpu"), size))
+  # the looked-up rows and the ids their gradient's scatter reads (x, w: arguments, not counted)
+  assert kept == T * D * 2 + T * 4
+
+
+@pytest.mark.fast
 def test_a_gpus_forward_pass_keeps_one_residual_stream(monkeypatch):
   """fusion.FORWARD's GPU habits in peak_live: a GEMM's output added to the stream is the
   GEMM's sum (cuBLASLt's C, beta 1), so the stream is one stored value at any depth, where
