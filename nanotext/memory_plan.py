@@ -30,11 +30,11 @@ KEYS = ("model.remat", "train.loss_chunk", "train.eval_loss_chunk", "train.eval_
 
 class DoesNotFit(UserError):
   """A program's leanest estimate exceeds the device (the message says by what, and what
-  would fit)."""
+  would fit); `choice` is the ladder's choice that estimate is of (None: none traced)."""
 
-  def __init__(self, message: str, estimate):
+  def __init__(self, message: str, estimate, choice=None):
     super().__init__(message)
-    self.estimate = estimate
+    self.estimate, self.choice = estimate, choice
 
 
 @dataclasses.dataclass
@@ -147,7 +147,7 @@ class Planner:
           train_ladder, lambda rc: model.train(*rc), cfg, model, "train")
     except DoesNotFit as e:  # kept for Plan.require, as the eval step's below
       train_problem, why, train = str(e), "the train step does not fit", e.estimate
-      remat, chunk = train_ladder[-1]
+      remat, chunk = e.choice or train_ladder[-1]  # the choice whose estimate the line shows
     if t.eval_accum > 0 and model.eval_rows % t.eval_accum:  # before a trace of no rows
       raise UserError(f"train.eval_accum={t.eval_accum} does not divide each device's "
                       f"{model.eval_rows} validation row(s) (train.batch_size={t.batch_size} "
@@ -171,7 +171,7 @@ class Planner:
           eval_ladder, lambda ca: model.eval(*ca), cfg, model, "eval")
     except DoesNotFit as e:  # kept for Plan.require: only a run that evaluates is refused
       problem, eval_why, evaluation = str(e), "the eval step does not fit", e.estimate
-      eval_chunk, eval_accum = eval_ladder[-1]
+      eval_chunk, eval_accum = e.choice or eval_ladder[-1]
     if (t.eval_loss_chunk == -1 and eval_chunk) or (t.eval_accum == -1 and eval_accum > 1) \
         or eval_why.startswith(("may", "the eval")):
       why = f"{why}; {eval_why}"  # said only when it changes something
@@ -202,7 +202,7 @@ class Planner:
     if est.total <= self.capacity * (1 + self.tolerance):
       return choice, est, (f"may not fit: the {program} step is within the estimate's accuracy "
                            "of the device")
-    raise DoesNotFit(self._refusal(est, cfg, model, program), est)
+    raise DoesNotFit(self._refusal(est, cfg, model, program), est, choice)
 
   def _why(self, ladder, choice, tried, program) -> str:
     if len(ladder) == 1:

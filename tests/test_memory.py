@@ -256,6 +256,20 @@ def test_fixed_choices_are_checked_not_changed():
 
 
 @pytest.mark.fast
+def test_a_step_that_fits_nowhere_is_named_by_the_choice_whose_figure_it_shows():
+  """Where nothing fits, the plan line names the leanest choice tried with its own estimate
+  (it named the ladder's last, remat=full, beside remat=none's smaller figure)."""
+  cfg, plan = planned(BASE, TINY + ["attention.impl=blocked"], 2**20, backend="gpu")
+  assert plan.train_problem and plan.eval_problem
+  sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, 1)))
+  model = memory.model_of(cfg, "gpu", sizes)
+  c = plan.choice
+  assert model.train(c["model.remat"], c["train.loss_chunk"]).total == plan.train.total
+  assert model.eval(c["train.eval_loss_chunk"], c["train.eval_accum"]).total == plan.eval.total
+  assert plan.train.total == min(model.train(r, k).total for r in memory.REMATS for k in (0, 16))
+
+
+@pytest.mark.fast
 def test_absurd_sizes_are_refused_before_any_model_is_built(monkeypatch):
   def no_model(*a, **k):
     raise AssertionError("built a model for a config that cannot fit")
