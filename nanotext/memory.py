@@ -206,8 +206,8 @@ class Model:
     return self.activation_bytes(aval) * (2 if cpu16 else 1)
 
   def trace(self, remat: str, chunk: int, length: int = 0) -> dict:
-    """{'block', 'loss', 'other': bytes the backward keeps, per device} and 'per_block', for
-    rows of `length` tokens (0: train.seq_len)."""
+    """{'block' (of it 'kernel', in the attention kernel), 'loss', 'other': bytes the backward
+    keeps, per device} and 'per_block', for rows of `length` tokens (0: train.seq_len)."""
     key = (remat, chunk, length or self.cfg.train.seq_len)
     if key not in self._traces:
       self._traces[key] = self._trace(*key)
@@ -234,7 +234,7 @@ class Model:
         out[where] += size
     if self.stand_in:
       out["kernel"] = self.flash_residuals(self.rows, length)
-    out["block"] += out.pop("kernel")
+    out["block"] += out["kernel"]
     out["per_block"] = out["block"] / self.cfg.model.num_layers
     return out
 
@@ -265,12 +265,10 @@ class Model:
   def static(self) -> dict:
     """Terms that do not depend on remat or chunks: state and a step's batch."""
     t = self.cfg.train
-    accum_grads = self.param_bytes if t.grad_accum > 1 else 0  # the running sum beside each's
     return {"parameters": self.param_bytes, "optimizer_state": self.opt_bytes,
-            "gradients": self.param_bytes + accum_grads,
+            "gradients": self.param_bytes * (1 + (t.grad_accum > 1)),  # micro-batches': + a sum
             "gathered_parameters": self._gathered_at_loss() if self.backend == "gpu"
-            else self.gathered_bytes,
-            "batch": 2 * 4 * self.rows * t.grad_accum * t.seq_len,
+            else self.gathered_bytes, "batch": 2 * 4 * self.rows * t.grad_accum * t.seq_len,
             "gemm_workspace": self.workspace_bytes()}
 
   def workspace_bytes(self) -> int:
@@ -343,10 +341,12 @@ class Model:
     kept = self.trace("none" if cpu else remat, chunk, length)
     stored = kept["block"] + kept["other"]
     # At the loss: every kept activation, the loss's and the head's working set. Later, in a
-    # block's backward under remat: its recomputed activations and their gradients.
+    # block's backward under remat: its recomputed activations and their gradients (a dense
+    # kernel's scores and probabilities once: their gradients are attention_bytes').
     loss_peak = kept["loss"] - self.head_outputs_freed(self.rows, length, chunk) \
         + self.head_bytes(self.rows, length, chunk)
-    recompute = 2 * self.trace("none", chunk, length)["per_block"] \
+    plain, dense = self.trace("none", chunk, length), self.impl in DENSE_KERNELS
+    recompute = 2 * plain["per_block"] - dense * plain["kernel"] / self.cfg.model.num_layers \
         if remat != "none" and not cpu else 0
     attention = self.attention_bytes(self.rows, length, train=True) + \
         self.kernel_operands(self.rows, length, train=True)

@@ -279,6 +279,26 @@ def test_absurd_sizes_are_refused_before_any_model_is_built(monkeypatch):
 
 
 @pytest.mark.fast
+def test_dense_attention_under_remat_counts_its_recomputed_scores_once():
+  """A rematted block's dense scores and probabilities are recomputed once in its backward,
+  their gradients beside them (Model.attention_bytes); the plan doubled them as well, so
+  remat=full saved nothing where the scores dominate (an H100, 8 heads x 1,024^2: none 12.6 and
+  full 12.6 GiB planned; compiled 10.4 and 6.25) and a config that fits was refused."""
+  heads = ["model.num_layers=2", "model.d_model=64", "model.num_heads=8", "model.head_dim=8",
+           "model.vocab_size=512", "model.align=0", "train.batch_size=8", "train.seq_len=512",
+           "train.eval_seq_len=0", "attention.impl=xla"]
+  cfg, _ = planned(BASE, heads, 64 * GIB, backend="gpu")
+  model = memory.model_of(cfg, "gpu", dict(zip(sharding.MESH_AXES,
+                                               sharding.mesh_shape(cfg.mesh, 1))))
+  scores = 8 * 8 * 512 * 512 * 4
+  none, full = (model.train(r, 0) for r in ("none", "full"))
+  assert dict(none.terms)["activations"] >= 2 * 2 * scores  # each layer's scores, probabilities
+  # one layer's at a time, with their gradients: about 4 score arrays, not 6
+  assert 4 * scores <= dict(full.terms)["recompute and attention"] < 5 * scores
+  assert full.total < 0.8 * none.total
+
+
+@pytest.mark.fast
 def test_dense_attention_is_refused_before_tracing_its_mask(monkeypatch):
   """The forgotten train.eval_seq_len=262144 with attention.impl=xla: refused from arithmetic,
   naming train.eval_seq_len, before a 64 GiB numpy mask is built."""
