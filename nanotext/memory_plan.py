@@ -329,20 +329,19 @@ def keys_that_help(cfg, mesh_sizes: dict, programs=("train",)) -> str:
   the eval step, a forward pass)."""
   t, m = cfg.train, cfg.model
   keys = []
+  shards = sharding.shard_count(("batch",), sharding.parse_rules(cfg.mesh.rules), mesh_sizes)
   if any(p != "eval" for p in programs):
     if m.remat != "full":
       keys.append("model.remat=" + ("dots or full" if m.remat == "none" else "full"))
     if not t.loss_chunk and auto_chunk([t.seq_len]):
       keys.append(f"train.loss_chunk={auto_chunk([t.seq_len])}")
-    if t.batch_size % (2 * t.grad_accum) == 0:
+    if t.batch_size % (2 * t.grad_accum * shards) == 0:  # each device's rows split in two
       keys.append(f"train.grad_accum={2 * t.grad_accum} (half the activations per micro-batch)")
   if "eval" in programs:
     length = t.eval_seq_len or t.seq_len
     if not t.eval_loss_chunk and auto_chunk([length]):
       keys.append(f"train.eval_loss_chunk={auto_chunk([length])}")
-    rows = t.batch_size // sharding.shard_count(("batch",), sharding.parse_rules(cfg.mesh.rules),
-                                                mesh_sizes)
-    more = more_passes(rows, t.eval_accum)
+    more = more_passes(t.batch_size // shards, t.eval_accum)
     if more:
       keys.append(f"train.eval_accum={more} (the validation rows in more passes)")
     keys.append("train.eval_seq_len" if t.eval_seq_len else "train.batch_size")

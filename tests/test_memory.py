@@ -256,6 +256,19 @@ def test_fixed_choices_are_checked_not_changed():
 
 
 @pytest.mark.fast
+def test_compiles_advice_splits_only_rows_each_device_has_to_split():
+  """compile's "does not fit" keys: micro-batches of half the rows only where each device's
+  rows split in two (8 rows on 8 devices: train.grad_accum=2 was advised, and refused as
+  indivisible by the mesh)."""
+  def keys(devices):
+    cfg, _ = planned(BASE, TINY, None, devices=devices)
+    sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, devices)))
+    return memory_plan.keys_that_help(cfg, sizes)
+  assert "train.grad_accum" not in keys(8)
+  assert "train.grad_accum=2 " in keys(4)
+
+
+@pytest.mark.fast
 def test_a_step_that_fits_nowhere_is_named_by_the_choice_whose_figure_it_shows():
   """Where nothing fits, the plan line names the leanest choice tried with its own estimate
   (it named the ladder's last, remat=full, beside remat=none's smaller figure)."""
