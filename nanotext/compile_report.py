@@ -82,7 +82,8 @@ def kernel_lines(inv: dict, platform: str) -> list:
   n = inv.get("unknown_loops", 0)
   unknown = f" (short: {n} loop(s) of unknown trip count counted once)" if n else ""
   parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
-  slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} launches)"
+  units = ("launch", "launches") if platform == "gpu" else ("op", "ops")
+  slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} {units[n != 1]})"
                    for op, s, n, _ in inv["slowest_ops"][:3])
   return [
       f"  kernels per step   {inv['launches']} {'launches' if platform == 'gpu' else 'ops'}: "

@@ -283,10 +283,10 @@ def _own_gemm(ins: Instr, operand_types) -> tuple:
   return (m, k, b[1]) if b[0] == k else (m, k, b[0]) if b[1] == k else ()
 
 
-def op_name(ins: Instr) -> str:
-  """The jax op an instruction came from (its op_name metadata, the jit's name dropped)."""
-  m = re.search(r'op_name="(?:jit\([^)]*\)/)?([^"]*)"', ins.attrs)
-  return m.group(1) if m else ""
+def op_name(ins: Instr, jit: bool = False) -> str:
+  """The jax op an instruction came from (its op_name metadata unescaped; `jit`: with the jit)."""
+  m = re.search(r'op_name="' + ("" if jit else r"(?:jit\([^)]*\)/)?") + r'([^"]*)"', ins.attrs)
+  return re.sub(r"\\(.)", r"\1", m.group(1)) if m else ""  # batch[\\'inputs\\'] in the text
 
 
 def custom_call_target(ins: Instr) -> str:

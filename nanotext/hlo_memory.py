@@ -14,7 +14,6 @@ _ALIASES = {"bitcast", "get-tuple-element", "tuple", "opt-barrier", "while", "ca
             "conditional", "add-dependency", "domain"}
 _VIEWS = {"bitcast", "get-tuple-element", "tuple"}
 _NOT_TEMPORARY = {"parameter", "constant", "after-all", "partition-id", "replica-id"}
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SPACE = re.compile(r"\bS\((\d+)\)")
 _TILED = re.compile(r"\s*([a-z]+[0-9][a-z0-9]*|pred)\[([0-9,]*)\]\{([0-9,]*):T\(([0-9,]+)\)")
 ROWS = 8  # values listed by nanotext.compile --peak
@@ -167,7 +166,7 @@ def _peak(comps, name, memo) -> tuple:
   alive, live, best, at = {}, 0, 0, {}
   for i, ins in enumerate(instrs):
     scratch = 0  # elements nothing reads (a cuBLAS workspace): alive while `ins` runs
-    m = _OP_NAME.search(ins.attrs)
+    name = hlo.op_name(ins, jit=True)
     if ins.name in made:
       for b in owners[ins.name]:
         if b not in last:
@@ -176,11 +175,11 @@ def _peak(comps, name, memo) -> tuple:
         if not sizes[b]:
           continue  # on chip
         alive[b] = Buffer(sizes[b], ins.opcode, _elements(ins.type)[b[1]],
-                          m.group(1) if m else "")
+                          name)
         live += sizes[b]
     inner, body = _inner(comps, ins, memo)
     if live + scratch + inner > best:  # what runs now is listed too, so the rows add up
-      op = m.group(1) if m else ins.name
+      op = name or ins.name
       best, at = live + scratch + inner, dict(alive)
       if scratch:
         at["scratch"] = Buffer(scratch, ins.opcode, "", f"workspace of {op} (never read)")

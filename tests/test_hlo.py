@@ -6,7 +6,7 @@ plugin; test_gpu_compile.py checks the same on programs XLA's GPU compiler made.
 
 import pytest
 
-from nanotext import compile_report, hlo, roofline
+from nanotext import compile_report, hlo, hlo_memory, roofline
 
 pytestmark = pytest.mark.fast
 
@@ -231,6 +231,29 @@ def test_passes_are_summed_by_the_jax_op_of_every_layer():
   assert inv["passes_s"] == pytest.approx(6 * one)  # every non-GEMM launch, listed or not
   assert [row[0] for row in roofline.inventory(LAYERS, PEAKS, top=1)["slowest_ops"]] == \
       ["while/body/jvp(block_N)/mlp/square"]
+
+
+def test_the_step_estimate_line_counts_launches_in_words():
+  """'(1 launch)', '(2 launches)'; a TPU's are ops ('(1 launches)' was printed)."""
+  inv = roofline.inventory(LAYERS, PEAKS)
+  line = compile_report.kernel_lines(inv, "gpu")[2]
+  assert "(3 launches)" in line and "(2 launches)" in line and "(1 launch)" in line
+  assert "(1 op)" in compile_report.kernel_lines(inv, "tpu")[2]
+
+
+def test_op_names_are_unescaped():
+  """An argument's op_name as the HLO text escapes it (batch[\\'inputs\\']) reads as jax
+  wrote it, in the kernel inventory and in --peak's rows."""
+  text = """HloModule m
+
+ENTRY %main (a: f32[1024,256]) -> f32[1024,256] {
+  %a = f32[1024,256]{1,0} parameter(0), metadata={op_name="batch[\\'inputs\\']"}
+  ROOT %e = f32[1024,256]{1,0} exponential(%a), metadata={op_name="jit(f)/x[\\'y\\']/exp"}
+}
+"""
+  comps, entry = hlo.parse(text)
+  assert [hlo.op_name(i) for i in comps[entry]] == ["batch['inputs']", "x['y']/exp"]
+  assert hlo_memory.record(text)[1][0][2] == "jit(f)/x['y']/exp"
 
 
 def test_passes_lines_list_the_slowest_first_with_their_bytes():
