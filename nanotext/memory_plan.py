@@ -210,8 +210,9 @@ class Planner:
     keys = KEYS[:2] if program == "train" else KEYS[2:]
     if self.prefer and tuple(self.prefer.get(k) for k in keys) == choice:
       return "kept from the run's config.yml"
-    if not tried:
-      return f"the plain {program} step fits"
+    if not tried:  # the plain step only where no key was set away from it
+      plain = choice == ((memory.REMATS[0], 0) if program == "train" else (0, 1))
+      return f"the plain {program} step fits" if plain else "the cheapest choice fits"
     return f"the plain {program} step needs ~{gib(tried[0][1].total)}"
 
   def _attention_first(self, model, program: str) -> None:

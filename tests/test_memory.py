@@ -95,6 +95,10 @@ def test_auto_takes_the_plain_step_when_it_fits():
   assert (cfg.model.remat, cfg.train.loss_chunk, cfg.train.eval_loss_chunk) == ("none", 0, 0)
   assert plan.line().startswith("memory plan: remat=none, loss_chunk=0, eval_loss_chunk=0 ")
   assert "the plain train step fits" in plan.line()
+  # a loss chunk (or remat) set by hand: the step auto took is not the plain one
+  for fixed in ("train.loss_chunk=128", "model.remat=dots"):
+    plan = planned(SPEEDRUN, SMALL_SPEEDRUN + [fixed], 64 * GIB, backend="tpu")[1]
+    assert "plain train step" not in plan.line() and "the cheapest choice fits" in plan.line()
 
 
 def test_auto_recomputes_and_chunks_when_the_plain_step_does_not_fit():
