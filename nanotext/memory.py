@@ -293,19 +293,19 @@ class Model:
         rows, positions, vocab, item, m.fp8_head, self.backend, kernel)
 
   def head_outputs_freed(self, rows: int, length: int, chunk: int) -> float:
-    """The kept head outputs z a one-GPU train step never holds at once. The loss's cotangent
-    is known before the step runs, so each head slice's backward may run right after its
-    forward and free its z; on one GPU XLA's schedule does (the record's H100 step holds one of
-    its 12 slices' z at its peak; counting all 12 planned it 1.14x the compiler). With
-    collectives to overlap it holds several (the record on h100-8: 4 of 12, and 4 slices'
-    FP8 gradients), and a TPU every slice's rounded gradient (speedrun.yml on v6e-8): those,
-    the CPU and a chunked loss are planned as traced. So are more than head_loss.UNROLL slices:
-    their loop stacks every slice's z for the backward's (128 rows of 1,024 tokens on an H100:
-    12.3 GiB of z the plan took as freed, 2.3 GiB planned against 14.9 compiled)."""
-    one_device = math.prod(self.mesh_sizes.values()) == 1
-    if self.backend != "gpu" or not one_device or 0 < chunk < length:
+    """The kept head outputs z a one-device train step never holds at once. The loss's cotangent
+    is known before the step runs, so each head slice's backward may run right after its forward
+    and free its z; on one GPU XLA's schedule does (the record's H100 step holds one of its 12
+    slices' z: all 12 planned 1.14x the compiler), and on one TPU without an FP8 head (a v6e,
+    1,024 rows of 1,024: one of 8 slices' z; all 8 planned 39.3 GiB, 14.5 compiled). With
+    collectives to overlap it holds several (the record on h100-8: 4 of 12, and 4 slices' FP8
+    gradients), a TPU every slice's rounded gradient (speedrun.yml on v6e-8): those, the CPU and
+    a chunked loss are planned as traced; so are more than head_loss.UNROLL slices, whose loop
+    stacks every z (H100, 128 rows of 1,024: 2.3 GiB planned, 14.9 compiled)."""
+    m, one_device = self.cfg.model, math.prod(self.mesh_sizes.values()) == 1
+    freeing = self.backend == "gpu" or self.backend == "tpu" and not m.fp8_head
+    if not (one_device and freeing) or 0 < chunk < length:
       return 0.0
-    m = self.cfg.model
     vocab = m.vocab_size // self.split[m.vocab_size]
     k = head_loss.slices(rows, length, vocab, self.backend)
     if k > head_loss.UNROLL:

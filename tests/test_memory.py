@@ -202,9 +202,9 @@ def test_a_gpu_train_step_holds_one_head_slices_output_at_its_loss(monkeypatch):
   """One GPU runs each head slice's backward right after its forward (the loss's cotangent is
   known up front), so its train step holds one slice's kept head output z at the loss, not all
   k (counting all 12 planned the record's H100 step 1.14x the compiler; tests/test_gpu_compile.py
-  holds the compiled one). Several GPUs, CPU and TPU plans, and a chunked loss keep what is
-  traced (the record on h100-8 holds 4 of its 12 slices' z), as are more than UNROLL slices,
-  which run as a loop."""
+  holds the compiled one), as does one TPU without an FP8 head. Several devices, CPU plans, an
+  FP8 head on a TPU and a chunked loss keep what is traced (the record on h100-8 holds 4 of its
+  12 slices' z), as are more than UNROLL slices, which run as a loop."""
   from nanotext.model import head_loss
   monkeypatch.setattr(head_loss, "DEFAULT_SLICE_BYTES", 2**16)  # several slices at tiny dims
   sizes = mesh_sizes(fsdp=1)
@@ -225,6 +225,12 @@ def test_a_gpu_train_step_holds_one_head_slices_output_at_its_loss(monkeypatch):
   traced = m["gpu"].trace("none", 0)["loss"] + m["gpu"].head_bytes(rows, length, 0)
   assert traced >= z  # the trace keeps every slice's z
   assert loss == pytest.approx(traced - z * (k - 1) / k, rel=1e-6)
+  # One TPU without the FP8 head does the same (a v6e at 1,024 rows of 1,024 holds one of its
+  # 8 slices' z: all 8 planned 39.3 GiB, 14.5 compiled); with it, every rounded gradient.
+  monkeypatch.setattr(head_loss, "SLICE_BYTES", {})  # a TPU's slices as small as a GPU's
+  plain = memory.Model(config.replace_sections(cfg, model={"fp8_head": False}), "tpu", sizes)
+  assert plain.head_outputs_freed(rows, length, 0) == pytest.approx(z * (k - 1) / k)
+  assert m["tpu"].head_outputs_freed(rows, length, 0) == 0
   monkeypatch.setattr(head_loss, "UNROLL", k - 1)  # a loop, which keeps every slice's z
   assert m["gpu"].head_outputs_freed(rows, length, 0) == 0
 
