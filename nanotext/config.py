@@ -253,8 +253,7 @@ def validate(cfg) -> None:
     raise UserError(f"train.eval_accum={t.eval_accum} {why}: give a divisor, or -1 (auto)")
   if m.max_seq_len and m.max_seq_len < t.seq_len:
     raise UserError(f"train.seq_len={t.seq_len} is longer than the model's positions "
-                    f"(model.max_seq_len={m.max_seq_len}): use rows at most that long, or "
-                    "train with a longer model.max_seq_len")
+                    f"(model.max_seq_len={m.max_seq_len}): use rows at most that long")
   table = m.max_seq_len or t.seq_len
   if m.positions == "learned" and t.eval_seq_len > table:
     raise UserError(f"train.eval_seq_len={t.eval_seq_len} is longer than the learned positions "

@@ -234,7 +234,7 @@ def test_validation_rows_longer_than_the_learned_positions_are_refused():
   # Rows first: a run's evaluate takes train.* and refuses model.* (it read "model.max_seq_len=64
   # is shorter than train.seq_len=128", "set model.positions=rope").
   msg = error("model.max_seq_len=64", "train.seq_len=128")
-  assert msg.startswith("train.seq_len=128 is longer") and "at most that long, or train" in msg
+  assert msg.startswith("train.seq_len=128 is longer") and "(model.max_seq_len=64)" in msg
   assert "or train with model.positions=rope" in error("train.seq_len=64", "train.eval_seq_len=128")
 
 

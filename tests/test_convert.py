@@ -377,7 +377,7 @@ def test_from_hf_refuses_conflicting_override(hf_dir, tmp_path):
   with pytest.raises(UserError, match="model.vocab_size=1024 conflicts"):
     from_hf(hf_dir[0], str(tmp_path / "run"), TRAIN_KEYS + ["model.vocab_size=1024"], log=quiet)
   # rows longer than the checkpoint's positions: named as its config.json names them
-  with pytest.raises(UserError, match=r"model.max_seq_len=64 .* \(model.max_seq_len is the "
+  with pytest.raises(UserError, match=r"model.max_seq_len=64\).* \(model.max_seq_len is the "
                                       r"Hugging Face checkpoint's n_positions=64\)"):
     from_hf(hf_dir[0], str(tmp_path / "run"), TRAIN_KEYS + ["train.seq_len=128"], log=quiet)
 

@@ -36,7 +36,8 @@ CLASSIC = {"model.positions": "learned", "model.norm": "layernorm", "model.mlp_a
            "model.x0_mix": False, "model.qk_norm": False, "model.value_embeds": 0,
            "model.unet_skips": False, "model.value_residual": False,
            "model.fused_qkv": False, "model.no_attention_layers": [],
-           "model.attn_scale_learned": False, "model.fp8_head": False, "attention.window": 0,
+           "model.attn_scale_learned": False, "model.fp8_head": False,
+           "model.zero_init_head": False, "attention.window": 0,
            "attention.window_pattern": "", "attention.window_schedule": False,
            "attention.block_windows": False, "attention.doc_mask": False}
 
