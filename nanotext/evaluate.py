@@ -187,8 +187,7 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   except sharding.NotDivisible as e:
     if e.key.startswith("train."):  # a key evaluate takes: the advice stands
       raise
-    raise UserError(f"{e.head}; evaluate builds the model as the run trained it: change the "
-                    "mesh (mesh.*) or the number of devices") from None
+    raise e.mesh_only("evaluate builds the model as the run trained it") from None
   run.memory.require("eval")
   cfg, t = run.cfg, run.cfg.train
   val_local = run.val_batches()

@@ -274,6 +274,10 @@ class NotDivisible(UserError):
     super().__init__(f"{head}; change {key} or the mesh")
     self.key, self.head, self.size = key, head, size
 
+  def mesh_only(self, why: str) -> UserError:
+    """The line for a tool where only the mesh can change (`why`: the model is the run's)."""
+    return UserError(f"{self.head}; {why}: change the mesh (mesh.*) or the number of devices")
+
 
 def check_divisible(dims, rules, mesh_sizes: dict) -> None:
   """Each dimension must divide evenly by the mesh axes its logical name maps to.

@@ -143,8 +143,8 @@ def _run(cfg, log, clock):
   except sharding.NotDivisible as e:
     if e.key.startswith("train.") or not resumes_with(cfg, e.key, e.size):
       raise
-    raise UserError(f"{e.head}; the run in output_dir resumes with the model it was trained as: "
-                    "change the mesh (mesh.*) or the number of devices") from None
+    raise e.mesh_only("the run in output_dir resumes with the model it was trained as") \
+        from None
   if prefer and cfg.overwrite and replaces(run_.cfg):  # the choices of the run replaced
     run_ = wiring.from_config(cfg, prefer={}, checked=True)
   run_.memory.require("train", "eval")  # every run validates at its end

@@ -219,9 +219,7 @@ def for_sampling(cfg, devices, *, checked=False) -> tuple:
   if not checked:
     check(cfg)
   devices = list(devices)[:1]
-  cfg = config.finalize(cfg, mesh_sizes={a: 1 for a in sharding.MESH_AXES},
-                        peak_flops=metrics.default_peak_flops(devices), data_dir=default_dir(),
-                        tokenizer_vocab=tokenizer_vocab(cfg.data))
+  cfg = _finalize(cfg, devices, {a: 1 for a in sharding.MESH_AXES})
   graphdef, abstract, _ = gpt.abstract_model(cfg, devices[0].platform)
   return cfg, graphdef, abstract.to_pure_dict()
 
@@ -234,20 +232,29 @@ def finalize(cfg, devices, capacity=None):
 
 def finalize_plan(cfg, devices, *, capacity=None, prefer=None) -> tuple:
   """(finalized config, memory.Plan) for `devices`; UserError if the run cannot fit them."""
-  sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, len(devices))))
+  sizes = mesh_sizes(cfg, devices)
   limit, source = device_memory.capacity(devices) if capacity is None else (capacity, "given")
   planner = memory_plan.Planner(devices[0].platform, sizes, limit, source, prefer=prefer)
-  cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=metrics.default_peak_flops(devices),
-                        data_dir=default_dir(), tokenizer_vocab=tokenizer_vocab(cfg.data))
+  cfg = _finalize(cfg, devices, sizes)
   return config.with_values(cfg, planner(cfg)), planner.plan
+
+
+def mesh_sizes(cfg, devices) -> dict:
+  """{mesh axis: size} of cfg's mesh on `devices` (its -1 resolved)."""
+  return dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, len(devices))))
+
+
+def _finalize(cfg, devices, sizes: dict):
+  """config.finalize with the values that need devices: mesh `sizes`, peak FLOP/s, data
+  folder, the tokenizer's vocabulary."""
+  return config.finalize(cfg, mesh_sizes=sizes, peak_flops=metrics.default_peak_flops(devices),
+                         data_dir=default_dir(), tokenizer_vocab=tokenizer_vocab(cfg.data))
 
 
 def check_mesh(cfg, devices) -> None:
   """NotDivisible where a dimension of cfg's model or batch does not divide the mesh it asks for
   on `devices`: `build`'s check, without a memory plan or a mesh."""
-  sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, len(devices))))
-  cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=metrics.default_peak_flops(devices),
-                        data_dir=default_dir(), tokenizer_vocab=tokenizer_vocab(cfg.data))
+  cfg = _finalize(cfg, devices, mesh_sizes(cfg, devices))
   _, abstract, _ = gpt.abstract_model(cfg, devices[0].platform)
   check_divisible(cfg, abstract, sharding.parse_rules(cfg.mesh.rules))
 

@@ -14,7 +14,7 @@ from absl import flags
 from nanotext.data import registry
 from nanotext.errors import UserError
 from nanotext import config
-from nanotext.data.tokenizer import NAMES, bytes_per_token, get_tokenizer
+from nanotext.data.tokenizer import NAMES, bytes_per_token, get_tokenizer, known_vocab_size
 
 DEFAULT_VOCAB = 8192
 # Elements are whole batches, so a short prefetch queue keeps memory small and still hides I/O.
@@ -238,12 +238,9 @@ def check_tokenizer_ids(data_cfg, batches) -> None:
   decoded into another tokenizer's words."""
   if data_cfg.tokenizer == "none" or not registry.get(data_cfg.source).text or not batches:
     return
-  try:
-    vocab = get_tokenizer(data_cfg.tokenizer).vocab_size
-  except UserError:  # e.g. tiktoken offline: said where the run starts (tokenizer_problem)
-    return
+  vocab = known_vocab_size(data_cfg.tokenizer)  # without tiktoken too: gpt2's is known
   top = max(int(np.asarray(b["targets"]).max()) for b in batches)
-  if vocab is not None and top >= vocab:
+  if top >= vocab:
     raise UserError(f"the validation data hold token id {top}, past the {vocab} ids of "
                     f"data.tokenizer={data_cfg.tokenizer}: they are another tokenizer's (FineWeb's "
                     "are gpt2's); set data.tokenizer to theirs, or none")
