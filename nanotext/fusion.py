@@ -179,15 +179,16 @@ class _Graph:
     return self.memo[v]
 
 
-def saved_residuals(fn, *args, backend: str = "") -> list:
+def saved_residuals(fn, *args, backend: str = "", rematted: bool = False) -> list:
   """[(aval, producing eqn, fused anchors {var: eqn})] of what the backward pass of `fn(*args)`
   keeps: JAX's residuals, each with the materialised values `backend`'s compiler computes them
-  from."""
+  from. `rematted`: `fn`'s blocks are rematted, so the looked-up rows they take are kept
+  (_Graph.looked_up); without remat the compiler looks them up again where they are read."""
   import jax
   closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
   g = _Graph(closed.jaxpr, REPEATED.get(backend, frozenset()), FORWARD.get(backend, frozenset()))
   n = len(jax.tree.leaves(shapes[1]))
-  return [(v.aval, g.producer[v], g.anchors(v) or g.looked_up(v))
+  return [(v.aval, g.producer[v], g.anchors(v) or (g.looked_up(v) if rematted else {}))
           for v in g.vars(g.jaxpr.outvars[-n:]) if v in g.producer]
 
 

@@ -7,10 +7,9 @@ compilation, no allocation) at one device's rows: the train step's are what the 
 `model.loss.loss_fn` saves under the remat policy and loss chunk; the eval step's, the most that is
 alive at once in its forward pass. A fusing compiler (GPU, TPU) materialises only values made by
 matmuls, reductions, gathers, kernels, and values that several ops read; chains of elementwise
-ops are recomputed where used. The CPU compiler keeps what JAX saves (in float32 for 16-bit math
-under jax 0.10), whatever the remat policy (measured: remat changes nothing there). Attention and
-loss temporaries that are not saved are added per kernel and chunk. Accuracy against compiled
-programs: tests/test_memory.py and benchmarks/memory_estimate.py.
+ops are recomputed where used. The CPU compiler keeps what JAX saves (16-bit math in float32 under
+jax 0.10) under any remat policy (measured). Attention and loss temporaries that are not saved are
+added per kernel and chunk. Accuracy: tests/test_memory.py and benchmarks/memory_estimate.py.
 """
 
 import dataclasses
@@ -22,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from nanotext.fusion import kept_bytes, peak_live, saved_residuals, scope
 from nanotext import config, optim, sharding, window_schedule
+from nanotext.fusion import kept_bytes, peak_live, saved_residuals, scope
 from nanotext.model import head_loss
 from nanotext.model.gpt import abstract_model
 from nanotext.model.kernels import blocked as ba, dispatch
@@ -225,7 +224,8 @@ class Model:
     tokens = jax.ShapeDtypeStruct((self.rows, length), jnp.int32)
     out = {"block": 0.0, "loss": 0.0, "other": 0.0, "kernel": 0.0}
     with building_for(self.backend):  # the target's program (matmuls, rotary, head slices)
-      residuals = saved_residuals(loss, self.params, tokens, tokens, backend=self.backend)
+      residuals = saved_residuals(loss, self.params, tokens, tokens, backend=self.backend,
+                                  rematted=remat != "none")
     if self.backend == "cpu":  # kept as JAX saves them (stored_bytes: at float32 on jax 0.10)
       for aval, eqn, _ in residuals:
         out[scope(eqn)] += self.stored_bytes(aval)

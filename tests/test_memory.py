@@ -486,7 +486,7 @@ def test_a_gpu_keeps_looked_up_rows_a_rematted_block_takes():
   ids = jax.ShapeDtypeStruct((T,), jnp.int32)
   size = lambda a: a.size * a.dtype.itemsize
   kept = sum(b for _, b in fusion.kept_bytes(
-      fusion.saved_residuals(loss, x, w, table, ids, backend="gpu"), size))
+      fusion.saved_residuals(loss, x, w, table, ids, backend="gpu", rematted=True), size))
   # the looked-up rows and the ids their gradient's scatter reads (x, w: arguments, not counted)
   assert kept == T * D * 2 + T * 4
 
