@@ -140,6 +140,30 @@ def eval_windows(cfg, done: int) -> tuple:
   return effective_windows(w, t.eval_seq_len or t.seq_len)
 
 
+def model_windows(attn_cfg, model_cfg, seq_len: int = 0) -> tuple:
+  """A model's per-layer windows when its caller names none: the final ones; scanned, as the
+  kernels see them at rows of model.max_seq_len, the longest it takes (windows covering every
+  row: one causal window, as one scanned block takes; unfinalized 0: `seq_len`'s rows)."""
+  final = layer_windows(attn_cfg, model_cfg.num_layers, attn_cfg.window)
+  rows = model_cfg.max_seq_len or seq_len
+  return effective_windows(final, rows) if model_cfg.scan_layers and rows else final
+
+
+def windows_differ(attn_cfg, model_cfg, cfg=None) -> bool:
+  """Whether layers' windows, as the kernels see them, differ at some row: of `cfg`'s train
+  steps, evaluations and sampling, else of model.max_seq_len's."""
+  runs = [model_windows(attn_cfg, model_cfg)] if cfg is None else run_windows(cfg)
+  return any(len(set(w)) > 1 for w in runs)
+
+
+def run_windows(cfg) -> list:
+  """Every per-layer windows tuple, as the kernels see them, of the run's train steps, its
+  evaluations and the model's own (`model_windows`: sampling's)."""
+  evals = eval_plan(cfg, eval_points(cfg.train), False)
+  return stages(cfg, 0, cfg.train.steps, step_windows) + [w for w, _ in evals] + \
+      [model_windows(cfg.attention, cfg.model, cfg.train.seq_len)]
+
+
 def stage_runs(cfg, start: int, stop: int, key=step_stage) -> list:
   """[(stage, first step, last step)]: each run of 0-based steps start..stop-1 with one `key`.
 

@@ -138,7 +138,7 @@ def load(path, overrides=()):
 
 def check(cfg):
   """Each module checks its own section: choices and the rules between its keys."""
-  gpt.check_config(cfg.model, cfg.attention)
+  gpt.check_config(cfg.model, cfg.attention, cfg)
   attention.check_config(cfg.attention)
   loss.check_config(cfg.train)
   optim.check_config(cfg.optim, cfg.model.d_model)

@@ -118,6 +118,28 @@ def test_refuses_blocks_that_differ():
                          "model.no_attention_layers=[5]"])  # same window everywhere; no layer 5
 
 
+@pytest.mark.fast
+def test_windows_covering_every_row_scan_as_one():
+  """A long (128) and short (64) window that both cover every row the run takes (train's 32,
+  eval's and sampling's 64) are plain causal on each layer: scanned, computing what the unrolled
+  layers do; rows past the short window (model.max_seq_len=128: sampling's) are refused."""
+  extra = ["attention.window=128", "attention.window_block=16", "attention.window_pattern=LS",
+           "train.eval_seq_len=64", "model.max_seq_len=64"]
+  unrolled, scanned = prepare("base", False, extra), prepare("base", True, extra)
+  params = jax.device_get(nnx.state(unrolled.create_model()).to_pure_dict())
+  tokens = np.asarray(next(unrolled.train_iter())["inputs"])
+  np.testing.assert_allclose(forward(scanned.graphdef, stack_blocks(params), tokens),
+                             forward(unrolled.graphdef, params, tokens), rtol=RTOL, atol=1e-6)
+  with pytest.raises(UserError, match="attention.window_pattern='LS'"):
+    prepare("base", True, extra + ["model.max_seq_len=128"])
+  with pytest.raises(UserError, match="attention.window_pattern='LS'"):  # 128+64 at the start
+    prepare("base", True, ["attention.window=256", "attention.window_block=16",
+                           "attention.window_pattern=LS", "train.seq_len=128",
+                           "attention.window_schedule=true", "attention.window_start=128"])
+  prepare("base", True, ["attention.window=256", "attention.window_block=16",
+                         "attention.window_pattern=LS", "train.seq_len=128"])  # 256+128: causal
+
+
 def test_cli_refusal_is_one_line(tmp_path):
   proc = run_cli("nanotext.train", SPEEDRUN, "model.scan_layers=true",
                  f"output_dir={tmp_path / 'run'}")

@@ -7,7 +7,7 @@ from flax import nnx
 
 from nanotext import config, sharding
 from nanotext.errors import UserError
-from nanotext.window_schedule import layer_windows, row_keys
+from nanotext.window_schedule import model_windows, row_keys, windows_differ
 from nanotext.model import kv_cache
 from nanotext.model.attention import CausalSelfAttention
 from nanotext.model.head_loss import head_loss_sum
@@ -25,12 +25,12 @@ CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
            "rope_freqs": ("linspace", "arange")}
 
 
-def check_config(m, attn_cfg=None) -> None:
+def check_config(m, attn_cfg=None, cfg=None) -> None:
   """The model section's choices and the rules between its switches (UserError naming keys);
-  with `attn_cfg`, also that model.scan_layers gets identical blocks."""
+  with `attn_cfg`, also that model.scan_layers gets identical blocks (at `cfg`'s rows)."""
   config.check_choices("model", m, CHOICES)
   if attn_cfg is not None:
-    check_scan(m, attn_cfg)
+    check_scan(m, attn_cfg, cfg=cfg)
   if m.head_dim == 0 and m.d_model % m.num_heads:
     raise UserError(f"model.d_model={m.d_model} is not divisible by model.num_heads="
                     f"{m.num_heads}; set model.head_dim explicitly or change one of them")
@@ -58,12 +58,12 @@ def check_config(m, attn_cfg=None) -> None:
       raise UserError(f"model.{key}=true needs an untied head (model.tie_embeddings=false)")
 
 
-def check_scan(m, attn_cfg, fix: str = "turn them off or set model.scan_layers=false") -> None:
+def check_scan(m, attn_cfg, fix="turn them off or set model.scan_layers=false", cfg=None) -> None:
   """model.scan_layers=true needs identical blocks: refuse (one line) the keys that differ them.
   Value embeddings on some layers, MLP-only layers, U-net skips between layers, the first
-  layer's v carried to the others and a window pattern with both sizes make block i differ from
-  block j; x0 lambdas, a learned attention scale and fused QKV stack like any other parameter
-  (`fix`: the line's advice)."""
+  layer's v carried to the others and windows that differ at the rows (`cfg`'s, else sampling's)
+  make block i differ from block j; x0 lambdas, a learned attention scale and fused QKV stack
+  like any other parameter (`fix`: the line's advice)."""
   if not m.scan_layers:
     return
   no_attn = [i for i in m.no_attention_layers if i < m.num_layers]
@@ -71,7 +71,7 @@ def check_scan(m, attn_cfg, fix: str = "turn them off or set model.scan_layers=f
   bad += [f"model.value_embeds={m.value_embeds}"] if m.value_embeds else []
   bad += [f"model.no_attention_layers={no_attn}"] if no_attn else []
   bad += ["model.value_residual=true"] if m.value_residual else []  # layer 0's v feeds the rest
-  if len(set(layer_windows(attn_cfg, m.num_layers, attn_cfg.window))) > 1:
+  if windows_differ(attn_cfg, m, cfg):  # windows covering every row are all plain causal
     bad.append(f"attention.window_pattern={attn_cfg.window_pattern!r}")
   if bad:
     raise UserError(f"model.scan_layers=true needs identical blocks; these make layers differ: "
@@ -189,7 +189,7 @@ class GPT(nnx.Module):
     self.ln_embed = Norm(cfg.d_model, cfg.norm, param_dtype=cfg.param_dtype, **norm_eps(cfg)) \
         if cfg.norm == "rmsnorm" else None
     # Per-layer windows when the caller names none: the pattern at the full (final) window.
-    self.windows = layer_windows(attn_cfg, cfg.num_layers, attn_cfg.window)
+    self.windows = model_windows(attn_cfg, cfg)
     if cfg.scan_layers:  # one Block whose parameters carry a leading `layers` axis
       check_scan(cfg, attn_cfg)
       self.blocks = stacked_blocks(cfg, attn_cfg, impl, rngs)
