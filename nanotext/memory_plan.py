@@ -84,6 +84,12 @@ def cuts(chunk: int, length: int) -> bool:
   return not 0 < chunk < length or length % chunk == 0
 
 
+def whole(chunk: int, length: int) -> int:
+  """A loss chunk as it cuts rows of `length` (the longest): one as long as the rows, or longer,
+  is the whole row (0), so the plan line, compile's report and config.yml say what runs."""
+  return 0 if chunk >= length else chunk
+
+
 def passes(rows: int) -> list:
   """The train.eval_accum values that split `rows` validation rows per device evenly."""
   return [a for a in range(1, rows + 1) if rows % a == 0]
@@ -134,7 +140,8 @@ class Planner:
     t, m = cfg.train, cfg.model
     remats = memory.REMATS if m.remat == "auto" else (m.remat,)
     chunk = auto_chunk(seq_lens(t))
-    chunks = ((0, chunk) if chunk else (0,)) if t.loss_chunk == -1 else (t.loss_chunk,)
+    chunks = ((0, chunk) if chunk else (0,)) if t.loss_chunk == -1 else \
+        (whole(t.loss_chunk, t.seq_len),)
     train_ladder = sorted(((r, c) for r in remats for c in chunks),
                           key=lambda rc: (remats.index(rc[0]) + bool(rc[1]), bool(rc[1])))
     train_ladder = self._preferred(train_ladder, KEYS[:2], (m.remat == "auto",
@@ -155,7 +162,7 @@ class Planner:
                       f"{model.eval_rows}, or -1 (auto)")
     eval_chunk = auto_chunk([model.eval_len])
     eval_chunks = ((0, eval_chunk) if eval_chunk else (0,)) if t.eval_loss_chunk == -1 else \
-        (t.eval_loss_chunk,)
+        (whole(t.eval_loss_chunk, model.eval_len),)
     # Whole rows at once first; then each device's rows in 2, 3, ... passes (a forward pass
     # keeps nothing between them).
     accums = passes(model.eval_rows) if t.eval_accum == -1 else [t.eval_accum]

@@ -101,6 +101,20 @@ def test_auto_takes_the_plain_step_when_it_fits():
     assert "plain train step" not in plan.line() and "the cheapest choice fits" in plan.line()
 
 
+@pytest.mark.fast
+def test_a_loss_chunk_past_the_rows_is_the_whole_row():
+  """train.loss_chunk=4096 on 512-token rows (eval_loss_chunk as long as them) cuts nothing: the
+  plan, its line and the config the run (and compile's report) reads say 0, the whole row."""
+  plain = planned(SPEEDRUN, SMALL_SPEEDRUN + ["train.loss_chunk=0", "model.remat=none"],
+                  64 * GIB, backend="tpu")[1]
+  cfg, plan = planned(SPEEDRUN, SMALL_SPEEDRUN + ["train.loss_chunk=4096", "model.remat=none",
+                                                  "train.eval_loss_chunk=512"],
+                      64 * GIB, backend="tpu")
+  assert (cfg.train.loss_chunk, cfg.train.eval_loss_chunk) == (0, 0)
+  assert plan.line().startswith("memory plan: remat=none, loss_chunk=0, eval_loss_chunk=0 ")
+  assert plan.train.total == plain.train.total
+
+
 def test_auto_recomputes_and_chunks_when_the_plain_step_does_not_fit():
   plain = planned(SPEEDRUN, SMALL_SPEEDRUN, 64 * GIB, backend="tpu")[1].train.total
   lean = planned(SPEEDRUN, SMALL_SPEEDRUN + ["model.remat=full", "train.loss_chunk=256"],
