@@ -21,6 +21,18 @@ def flatten(params) -> dict:
   return {path_name(p): v for p, v in leaves}
 
 
+def int_keys(tree):
+  """A restored tree in the model's key types: saved trees key an nnx.List's items by strings
+  ('0', '1', '10', ...), the model's tree by ints in order, so each dict whose keys are all
+  digit strings is keyed by ints, in numeric order (merged by position, string order would
+  permute 11 or more layers)."""
+  if not isinstance(tree, dict):
+    return tree
+  if tree and all(isinstance(k, str) and k.isdigit() for k in tree):
+    return {int(k): int_keys(tree[k]) for k in sorted(tree, key=int)}
+  return {k: int_keys(v) for k, v in tree.items()}
+
+
 def is_stacked(flat: dict) -> bool:
   """Whether flat names hold model.scan_layers blocks ('blocks.mlp.fc.kernel' [L, ...]) rather
   than one layer each ('blocks.0.mlp.fc.kernel')."""

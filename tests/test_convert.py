@@ -5,6 +5,7 @@ import json
 import re
 import os
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -224,7 +225,10 @@ def test_params_only(base_run, tmp_path, dtype):
   step, got = load_params(out)
   _, want_step, want = load_run(base_run)
   assert step == want_step == 2
-  # load_run gives the model's own tree (int layer keys), the folder its saved one ('0', ...)
+  # the model's own tree, as load_run gives it: layers keyed by ints in order (they were the
+  # saved strings '0', '1', ..., a tree nnx.merge does not take for the model's)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  assert list(got["blocks"]) == list(range(len(want["blocks"])))
   got, want = flatten(got), flatten(want)
   assert sorted(got) == sorted(want)
   for name, w in want.items():

@@ -7,7 +7,7 @@ import os
 import jax
 
 from nanotext.errors import UserError
-from nanotext.trees import stack_blocks, unstack_blocks
+from nanotext.trees import int_keys, stack_blocks, unstack_blocks
 from nanotext import rundir
 
 
@@ -58,7 +58,8 @@ def read_params(path: str, step: int, what: str, step_arg: str):
 
 def load_params(path: str):
   """(step, params) of a params-only folder, on one local device, checked against the checksums
-  written with it (a folder written before they existed is read unchecked)."""
+  written with it (a folder written before they existed is read unchecked), in the model's key
+  types (layers keyed 0, 1, 2, ... as nnx.state(model).to_pure_dict() has them)."""
   import orbax.checkpoint as ocp
   from nanotext.checkpoint import error_head
   from nanotext.integrity import record_of_params_only, verify
@@ -79,7 +80,7 @@ def load_params(path: str):
     ckptr.close()
   step = params_only_step(path)
   verify(params, record_of_params_only(path), path, prefix="params/")
-  return step, params
+  return step, int_keys(params)
 
 
 def params_only_step(path: str) -> int:
