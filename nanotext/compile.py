@@ -291,7 +291,7 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
   target = topology.parse(target_name)
   devices = topology.devices(target)
   try:
-    run = wiring.prepare(path, overrides, devices=devices)
+    run = wiring.prepare(path, overrides, devices=devices, log=log)
   except sharding.MeshSizeError as e:  # v4-8 counts TensorCores: 4 devices, not a mesh of 8
     cores = getattr(getattr(target, "chip", None), "cores_per_chip", 1)
     if cores == 1:

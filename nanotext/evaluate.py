@@ -183,7 +183,7 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   distributed.maybe_initialize(cfg.distributed)  # before the first backend use
   cfg = fit_mesh(cfg, out, overrides, jax.devices(), log)
   try:
-    run = wiring.from_config(cfg, prefer=memory_plan.saved_choice(out), checked=True)
+    run = wiring.from_config(cfg, prefer=memory_plan.saved_choice(out), checked=True, log=log)
   except sharding.NotDivisible as e:
     if e.key.startswith("train."):  # a key evaluate takes: the advice stands
       raise

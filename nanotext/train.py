@@ -139,14 +139,15 @@ def _run(cfg, log, clock):
   # Checks, derived values and the vocabulary / process-count rules all happen in wiring.
   prefer = memory_plan.saved_choice(cfg.output_dir)
   try:
-    run_ = wiring.from_config(cfg, prefer=prefer, checked=True)
+    run_ = wiring.from_config(cfg, prefer=prefer, checked=True, log=log)
   except sharding.NotDivisible as e:
     if e.key.startswith("train.") or not resumes_with(cfg, e.key, e.size):
       raise
     raise e.mesh_only("the run in output_dir resumes with the model it was trained as") \
         from None
   if prefer and cfg.overwrite and replaces(run_.cfg):  # the choices of the run replaced
-    run_ = wiring.from_config(cfg, prefer={}, checked=True)
+    run_ = wiring.from_config(cfg, prefer={}, checked=True, log=lambda line: None)  # said
+    run_.log = log
   run_.memory.require("train", "eval")  # every run validates at its end
   cfg = run_.cfg
   # Everything up to `session.open` is only read: a mistake found there changes nothing.

@@ -42,6 +42,7 @@ class Run:
   num_params: int
   eot_id: int | None  # set when attention.doc_mask: documents start at this token
   memory: object = None  # the memory.Plan that checked (and chose) remat and loss chunks
+  log: object = None  # where its warnings go (from_config's `log`; None: absl's warning)
   axes: frozenset = frozenset(sharding.LOGICAL_AXES)  # the logical axes its arrays have
 
   @property
@@ -114,6 +115,7 @@ class Run:
         length_key="train.eval_seq_len" if t.eval_seq_len else "train.seq_len",
         **dict(self.data_kwargs(), seq_len=t.eval_seq_len or t.seq_len))
     pipeline.check_tokenizer_ids(self.cfg.data, batches)
+    warn(registry.get(self.cfg.data.source).warn(self.cfg.data), self.log)
     return batches
 
   def abstract_state(self):
@@ -176,21 +178,29 @@ def check_vocab(cfg) -> None:
                     f"set model.vocab_size>={vocab}")
 
 
-def warn_misaligned(cfg) -> None:
+def warn(line: str, log=None) -> None:
+  """A warning line ('': none) to `log`, the caller's (train.run(log=...)), as 'warning: ...';
+  without one to absl's log."""
+  if line:
+    log(f"warning: {line}") if log else logging.warning("%s", line)
+
+
+def warn_misaligned(cfg, log=None) -> None:
   """One warning line for matmul dims off model.align (model.strict_align=true refuses them in
   config.finalize)."""
   bad = config.misaligned_dims(cfg.model)
   if bad:
-    logging.warning("matmul dims not multiples of model.align=%d: %s", cfg.model.align,
-                    ", ".join(bad))
+    warn(f"matmul dims not multiples of model.align={cfg.model.align}: {', '.join(bad)}", log)
 
 
-def prepare(path, overrides=(), *, devices=None, capacity=None) -> Run:
+def prepare(path, overrides=(), *, devices=None, capacity=None, log=None) -> Run:
   """Load a config file with `key=value` overrides and build the run on `devices` (all)."""
-  return from_config(load(path, overrides), devices=devices, capacity=capacity, checked=True)
+  return from_config(load(path, overrides), devices=devices, capacity=capacity, checked=True,
+                     log=log)
 
 
-def from_config(cfg, *, devices=None, capacity=None, prefer=None, checked=False) -> Run:
+def from_config(cfg, *, devices=None, capacity=None, prefer=None, checked=False,
+                log=None) -> Run:
   """Check `cfg`, fill in derived values for `devices` (default jax.devices()) and build the
   run on them: the one path from a loaded config to a run (train, compile, convert, generate,
   the benchmarks).
@@ -198,16 +208,17 @@ def from_config(cfg, *, devices=None, capacity=None, prefer=None, checked=False)
   `checked`: the caller already ran `check` (`load` does), so it is not run twice. Before
   anything is built the memory plan checks that the train and eval programs fit the devices
   (`capacity` bytes each; None = ask them) and resolves the auto remat / loss chunks,
-  preferring the choices in `prefer` ({key: value}, a resumed run's) where they fit.
+  preferring the choices in `prefer` ({key: value}, a resumed run's) where they fit. `log`: where
+  its warnings go (the run's lines; None: absl's log).
   """
   if not checked:
     check(cfg)
   devices = list(jax.devices() if devices is None else devices)
   cfg, plan = finalize_plan(cfg, devices, capacity=capacity, prefer=prefer)
-  warn_misaligned(cfg)
+  warn_misaligned(cfg, log)
   run = build(cfg, sharding.make_mesh(cfg.mesh, devices))
   check_placement(run)  # after the mesh and memory errors, in the order train reported them
-  run.memory = plan
+  run.memory, run.log = plan, log
   return run
 
 

@@ -241,6 +241,27 @@ def test_validation_capped_by_its_data_says_so(tmp_path):
   assert not [line for line in lines if line.startswith("training data:")]  # 8 of 62 rows
 
 
+def test_startup_warnings_go_to_the_runs_log(tmp_path, caplog):
+  """Misaligned matmul dims and a validation glob matching a training shard went to absl's log,
+  not the `log=` of train.run: a library caller never saw them, the CLI an absl-formatted line."""
+  from nanotext.data import binfile
+  for name in ("train.bin", "val.bin"):
+    binfile.write_shard(str(tmp_path / name), np.arange(2000) % 512)
+  _, lines = quiet_run(BASE, TINY + [f"output_dir={tmp_path / 'run'}", "train.steps=1",
+                                     "model.align=128", "data.source=bin",
+                                     f"data.train_files={tmp_path}/*.bin",
+                                     f"data.val_files={tmp_path}/val.bin",
+                                     "sample.max_new_tokens=0"])
+  warnings = [line for line in lines if line.startswith("warning: ")]
+  assert warnings == [
+      "warning: matmul dims not multiples of model.align=128: model.d_model=64, "
+      "model.num_heads*model.head_dim=64",
+      f"warning: data.train_files and data.val_files both match '{tmp_path}/val.bin': the "
+      "validation loss is of text the run trains on (text_shards writes train_*.bin and "
+      "val_*.bin)"]
+  assert "not multiples" not in caplog.text and "both match" not in caplog.text
+
+
 def test_steps_past_the_training_data_say_the_epochs(tmp_path):
   """16 rows read of 9 sequences: each read again, said in one start-up line (was no word)."""
   from nanotext.data import binfile

@@ -10,8 +10,6 @@ import json
 import os
 from typing import Callable
 
-from absl import logging
-
 from nanotext.data import binfile
 from nanotext.data.sources import PackedDocSource, ShardSource, SyntheticSource
 from nanotext.errors import UserError
@@ -29,13 +27,15 @@ class Source:
   returns a random-access window source for split 'train' or 'val'; `files(data_cfg, split)` the
   paths to fingerprint (None: nothing to check on resume); `check` raises UserError for missing
   or contradictory data.* keys; `text` is False where the ids are not tokenized text (no bpb);
-  `shuffled` is True where its windows come in random order already (the pipeline keeps it)."""
+  `shuffled` is True where its windows come in random order already (the pipeline keeps it);
+  `warn(data_cfg)` is a line to say ('': none) of keys that are valid but likely a mistake."""
   name: str
   open: Callable
   check: Callable = _no_check
   files: Callable | None = None
   text: bool = True
   shuffled: bool = False
+  warn: Callable = lambda data_cfg: ""
 
 
 SOURCES: dict[str, Source] = {}
@@ -82,24 +82,28 @@ def _check_written_with(tokenizer: str, folder: str) -> None:
 
 
 def _bin_files(data_cfg, split: str) -> list[str]:
-  """The shards matched by data.train_files / data.val_files; a warning where the validation
-  glob matches a training shard too (`shards/*.bin` over a text_shards folder validated on
-  text it trained on, without a word; an overfitting check may mean it)."""
+  """The shards matched by data.train_files / data.val_files."""
   files = binfile.find_shards(data_cfg[f"{split}_files"], key=f"data.{split}_files")
   for folder in sorted({os.path.dirname(f) for f in files}):
     _check_written_with(data_cfg.tokenizer, folder)
-  if split == "val" and data_cfg.train_files:  # said once: a run reads its validation once
-    try:
-      train = {os.path.realpath(f) for f in binfile.find_shards(data_cfg.train_files)}
-    except UserError:  # training shards moved away: evaluate reads only these
-      train = set()
-    both = [f for f in files if os.path.realpath(f) in train]
-    if both:
-      logging.warning(f"data.train_files and data.val_files both match '{both[0]}'"
-                      f"{f' and {len(both) - 1} more' if len(both) > 1 else ''}: the validation "
-                      "loss is of text the run trains on (text_shards writes train_*.bin and "
-                      "val_*.bin)")
   return files
+
+
+def _shared_shards(data_cfg) -> str:
+  """The warning where the validation glob matches a training shard too (`shards/*.bin` over a
+  text_shards folder validated on text it trained on, without a word; an overfitting check may
+  mean it); '' where it does not, or either glob matches nothing (said where it is read)."""
+  try:
+    train = {os.path.realpath(f) for f in binfile.find_shards(data_cfg.train_files)}
+    both = [f for f in binfile.find_shards(data_cfg.val_files)
+            if os.path.realpath(f) in train]
+  except UserError:  # training shards moved away: evaluate reads only the validation ones
+    return ""
+  if not both:
+    return ""
+  return (f"data.train_files and data.val_files both match '{both[0]}'"
+          f"{f' and {len(both) - 1} more' if len(both) > 1 else ''}: the validation loss is of "
+          "text the run trains on (text_shards writes train_*.bin and val_*.bin)")
 
 
 def _shards(files: Callable) -> Callable:
@@ -159,6 +163,7 @@ def _open_synthetic(data_cfg, split, *, seq_len, seed, vocab_size, group, max_to
 
 # Registration order is the order `data.source` errors list the choices in.
 register(Source("shakespeare", _shards(_shakespeare_files), files=_shakespeare_files))
-register(Source("bin", _shards(_bin_files), check=_check_bin, files=_bin_files))
+register(Source("bin", _shards(_bin_files), check=_check_bin, files=_bin_files,
+                warn=_shared_shards))
 register(Source("tfds", _open_tfds, check=_check_tfds))  # no files of ours to fingerprint
 register(Source("synthetic", _open_synthetic, text=False, shuffled=True))
