@@ -108,7 +108,8 @@ def select(progs: list, spec: str) -> list:
 
 def check_programs(cfg, spec: str) -> None:
   """`select`'s check of --programs before jax loads: until jax resolves the attention kernel,
-  a name counts if the run has it with static windows or with the windows a runtime input."""
+  a name counts if the run has it with static windows or with the windows a runtime input
+  (run_compile checks it again against the target's kernel, before the plan and the build)."""
   program_words(spec)
   static, runtime = (program_list(cfg, r) for r in (False, True))
   try:
@@ -288,10 +289,13 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
                 hlo_dir="", peak=False, passes=0):
   """Build the run for the target and compile the selected programs; (run, target, records)."""
   from nanotext import sharding, wiring
+  from nanotext.model.kernels.dispatch import config_impl
   target = topology.parse(target_name)
   devices = topology.devices(target)
+  cfg = wiring.load(path, overrides)  # --programs against the kernel the target takes, before
+  select(programs(cfg, config_impl(cfg, devices[0].platform)), which)  # the plan and the build
   try:
-    run = wiring.prepare(path, overrides, devices=devices, log=log)
+    run = wiring.from_config(cfg, devices=devices, checked=True, log=log)
   except sharding.MeshSizeError as e:  # v4-8 counts TensorCores: 4 devices, not a mesh of 8
     cores = getattr(getattr(target, "chip", None), "cores_per_chip", 1)
     if cores == 1:

@@ -88,6 +88,19 @@ def test_bad_program_lists_are_refused(spec, why):
     nt_compile.check_programs(cfg, spec)
 
 
+def test_a_program_of_the_other_kernel_family_is_refused_before_the_build():
+  """train@128 names a static-window program; attention.impl=blocked takes the windows at run
+  time (one `train` program). The precheck cannot tell the kernel before jax loads, so it took
+  the name, and the run was planned and built (the header and plan printed) before the refusal."""
+  lines = []
+  overrides = REACHES + ["attention.impl=blocked", "data.source=synthetic", "data.tokenizer=none",
+                         "data.eot_id=0"]
+  with pytest.raises(UserError, match=r"^--programs names unknown program\(s\) train@128; "
+                                      r"choose from all, first, last, train, eval$"):
+    nt_compile.run_compile(SPEEDRUN, overrides, "v6e-8", "train@128", log=lines.append)
+  assert lines == []
+
+
 def test_an_unknown_program_exits_2_before_jax_loads():
   proc = run_cli("nanotext.compile", BASE, *SMALL, "--topology=v6e-8", "--programs=eval,bogus")
   assert proc.returncode == 2 and proc.stdout == "", proc.stderr

@@ -7,12 +7,12 @@ from flax import nnx
 
 from nanotext import config, sharding
 from nanotext.errors import UserError
-from nanotext.window_schedule import model_windows, row_keys, windows_differ
+from nanotext.window_schedule import model_windows, windows_differ
 from nanotext.model import kv_cache
 from nanotext.model.attention import CausalSelfAttention
 from nanotext.model.head_loss import head_loss_sum
 from nanotext.model.kernels import relu2_mlp as relu2_kernels
-from nanotext.model.kernels.dispatch import resolve_impl
+from nanotext.model.kernels.dispatch import config_impl
 from nanotext.model.draws import Keys
 from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul, init_array,
                                    lookup, param, proj_std, relu2_mlp, scaled_sum, weight_std)
@@ -80,12 +80,7 @@ def check_scan(m, attn_cfg, fix="turn them off or set model.scan_layers=false", 
 
 def abstract_model(cfg, backend: str):
   """(graphdef, abstract parameter State, attention kernel) of cfg's model on `backend`."""
-  a, t = cfg.attention, cfg.train
-  kw = dict(head_dim=cfg.model.head_dim, window=a.window, block_windows=a.block_windows,
-            doc_mask=a.doc_mask)
-  impl = resolve_impl(a.impl, backend, seq_len=t.seq_len, **kw)
-  for n, key in row_keys(t):  # the kernel takes the warmup's and eval's rows too
-    resolve_impl(impl, backend, seq_len=n, seq_key=key, **kw)
+  impl = config_impl(cfg, backend)
   build = lambda: GPT(cfg.model, cfg.attention, impl=impl, rngs=Keys(jax.random.key(cfg.seed)))
   graphdef, abstract = nnx.split(nnx.eval_shape(build))  # no arrays
   return graphdef, abstract, impl

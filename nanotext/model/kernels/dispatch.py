@@ -12,6 +12,7 @@ from nanotext.model.kernels.cpu import cpu_attention
 from nanotext.model.kernels.einsum import einsum_attention
 from nanotext.model.kernels.per_device import platform
 from nanotext.model.kernels.xla import xla_attention
+from nanotext.window_schedule import row_keys
 
 IMPLS = ("auto", "xla", "cudnn", "splash", "flash", "flash_gpu", "blocked", "cpu", "einsum")
 # Kernels whose window may be a traced int32 (masks built from it; blocked sizes its strips by a
@@ -82,6 +83,18 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
   if impl == "flash_gpu" and (problem := flash_gpu.problem(seq_len, head_dim,
                                                            seq_key=seq_key)):
     raise UserError(f"attention.impl=flash_gpu {problem}; use attention.impl=blocked or auto")
+  return impl
+
+
+def config_impl(cfg, backend: str) -> str:
+  """The kernel of a loaded config's attention on `backend`, checked against every row length
+  its programs take (the warmup's and validation's too): one UserError naming the key."""
+  a, t, m = cfg.attention, cfg.train, cfg.model
+  kw = dict(head_dim=m.head_dim or m.d_model // m.num_heads, window=a.window,
+            block_windows=a.block_windows, doc_mask=a.doc_mask)
+  impl = resolve_impl(a.impl, backend, seq_len=t.seq_len, **kw)
+  for n, key in row_keys(t):  # the kernel takes the warmup's and eval's rows too
+    resolve_impl(impl, backend, seq_len=n, seq_key=key, **kw)
   return impl
 
 
