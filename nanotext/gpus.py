@@ -93,7 +93,9 @@ class GpuHost:
 
   @property
   def memory_what(self) -> str:
-    return f"JAX's pool, {pool_fraction():.0%} of {self.gpu.memory_bytes / GIB:.1f} GiB"
+    f = pool_fraction()  # a share below 1% was '0%': with a decimal, or '<0.1%'
+    share = f"{f:.0%}" if f >= 0.01 else f"{f:.1%}" if f >= 0.001 else "<0.1%"
+    return f"JAX's pool, {share} of {self.gpu.memory_bytes / GIB:.1f} GiB"
 
   @property
   def peaks(self) -> Peaks:

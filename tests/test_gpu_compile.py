@@ -56,6 +56,13 @@ def test_usable_memory_is_jaxs_pool(monkeypatch):
     topology.parse("h100").memory_bytes
 
 
+@pytest.mark.parametrize("fraction, share", [(".75", "75%"), (".004", "0.4%"), (".0004", "<0.1%")])
+def test_the_pool_line_names_a_small_share(monkeypatch, fraction, share):
+  """XLA_PYTHON_CLIENT_MEM_FRACTION=.004 (0.3 GiB of an H100) was 'JAX's pool, 0% of 79.1 GiB'."""
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+  assert topology.parse("h100").memory_what == f"JAX's pool, {share} of 79.1 GiB"
+
+
 def test_without_the_plugin_says_how_to_install(monkeypatch):
   monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda13", None)  # import now fails
   with pytest.raises(UserError, match=r"pip install -e '\.\[gpu-compile\]'"):
