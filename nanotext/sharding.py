@@ -196,10 +196,22 @@ def row_groups(batch: NamedSharding, rows: int, process: int | None = None) -> t
       len({len(s) for s in shares}) > 1:
     counts = ", ".join(f"process {p}: {len(r)} row(s)" for p, r in sorted(held.items()))
     raise UserError(f"the mesh and mesh.rules give processes overlapping or unequal shares of "
-                    f"the batch ({counts}): shard the batch along whole processes or replicate "
-                    "it on all")
+                    f"the batch ({counts}): {crossing(batch)}; shard the batch along whole "
+                    "processes or replicate it on all")
   mine = tuple(sorted(held[jax.process_index() if process is None else process]))
   return shares.index(mine), len(shares)
+
+
+def crossing(batch: NamedSharding) -> str:
+  """The keys behind a batch's shares: the mesh axes its rows split over (mesh.rules' batch
+  rule) and those the processes lie along, with their mesh.* sizes."""
+  mesh, rows = batch.mesh, batch.spec[0] if len(batch.spec) else None
+  rows = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
+  procs = np.vectorize(lambda d: d.process_index)(np.asarray(mesh.devices))
+  across = [a for i, a in enumerate(mesh.axis_names) if (np.diff(procs, axis=i) != 0).any()]
+  name = lambda axes: " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in axes) or "no mesh axis"
+  return (f"its rows split over {name(rows)} (mesh.rules' batch rule) while the processes lie "
+          f"along {name(across)}")
 
 
 def per_device(fn, args, in_axes, out_axes, out_shape=None):

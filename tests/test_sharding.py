@@ -3,6 +3,7 @@
 import types
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -143,10 +144,13 @@ class _Device:
 
 
 class _Sharding:
-  """devices_indices_map of 8 devices, 4 a process, each holding the rows `rows(device)`."""
-  def __init__(self, rows):
-    self.mesh = types.SimpleNamespace(size=8)
-    self.rows = rows
+  """devices_indices_map of 8 devices, 4 a process, each holding the rows `rows(device)`; a
+  data=2 x fsdp=4 mesh (the processes along data) whose batch rule splits rows over `spec`'s."""
+  def __init__(self, rows, spec=P()):
+    devices = np.array([_Device(d // 4) for d in range(8)]).reshape(2, 4)
+    self.mesh = types.SimpleNamespace(size=8, devices=devices, axis_names=("data", "fsdp"),
+                                      shape={"data": 2, "fsdp": 4})
+    self.rows, self.spec = rows, spec
 
   def devices_indices_map(self, shape):
     return {_Device(d // 4): (self.rows(d), slice(None)) for d in range(8)}
@@ -164,9 +168,21 @@ def test_processes_holding_the_same_rows_load_the_same_rows():
   assert sharding.row_groups(whole, 3, 1) == (0, 1)  # 3 rows on 2 processes: each loads all 3
   pairs = _Sharding(lambda d: slice(4 * (d % 2), 4 * (d % 2) + 4))  # halves along `tensor`
   assert [sharding.row_groups(pairs, 8, p) for p in (0, 1)] == [(0, 1), (0, 1)]
-  crossed = _Sharding(lambda d: slice(0, 4) if d < 4 else slice(2, 8))
+  crossed = _Sharding(lambda d: slice(0, 4) if d < 4 else slice(2, 8), P("fsdp", None))
   with pytest.raises(UserError, match="unequal shares of the batch"):
     sharding.row_groups(crossed, 8, 0)
+
+
+@pytest.mark.fast
+def test_overlapping_shares_name_the_mesh_keys():
+  """The refusal named the row counts alone, not the rule and mesh axes that cross them."""
+  crossed = _Sharding(lambda d: slice(0, 4) if d < 4 else slice(2, 8), P(("fsdp", "data")))
+  with pytest.raises(UserError, match=r"\(process 0: 4 row\(s\), process 1: 6 row\(s\)\): its "
+                     r"rows split over mesh.fsdp=4 x mesh.data=2 \(mesh.rules' batch rule\) while "
+                     r"the processes lie along mesh.data=2; shard the batch along whole"):
+    sharding.row_groups(crossed, 8, 1)
+  with pytest.raises(UserError, match="rows split over no mesh axis"):
+    sharding.row_groups(_Sharding(lambda d: slice(0, 4) if d < 4 else slice(2, 8)), 8, 0)
 
 
 def test_rules_for_axes_the_model_lacks_shard_nothing():
