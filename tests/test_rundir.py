@@ -168,6 +168,25 @@ def test_shards_of_one_name_in_two_folders_are_told_apart(tmp_path):
   assert "is gone" in fingerprint.fingerprint_change(first, fingerprint.fingerprint(one.data))
 
 
+def test_the_same_shards_read_in_another_order_are_other_data(tmp_path):
+  """x/train_b.bin and y/train_a.bin gathered into one folder keep their names but sort the
+  other way: the resume read other batches than the run it continued, without a word."""
+  for d, name, tokens in (("x", "train_b.bin", np.arange(3000)), ("y", "train_a.bin",
+                                                                   np.arange(3000)[::-1])):
+    (tmp_path / d).mkdir()
+    binfile.write_shard(str(tmp_path / d / name), tokens % 500)
+  load = lambda glob: fingerprint.fingerprint(config.load(
+      BASE, TINY + ["data.source=bin", f"data.train_files={tmp_path}/{glob}"]).data)
+  first = load("*/train_*.bin")
+  for d, name in (("x", "train_b.bin"), ("y", "train_a.bin")):  # a move keeping the order
+    os.renames(tmp_path / d / name, tmp_path / "moved" / d / name)
+  assert fingerprint.fingerprint_change(first, load("moved/*/train_*.bin")) == ""
+  for d, name in (("x", "train_b.bin"), ("y", "train_a.bin")):  # one folder: another order
+    os.renames(tmp_path / "moved" / d / name, tmp_path / "all" / name)
+  assert fingerprint.fingerprint_change(first, load("all/train_*.bin")) == \
+      "the shards' paths sort in another order: 'train_a.bin' now comes before 'train_b.bin'"
+
+
 def test_a_step_missing_a_process_data_file_is_damaged():
   """Each process saves its own data-iterator file; a step without all of them is damaged (a
   resume falls back past it), which is not the same as one saved by another process count."""

@@ -1,5 +1,6 @@
 """The training data's fingerprint: names, sizes and a cheap hash of the files its source reads,
-saved with every checkpoint, so a resume on data that changed is noticed."""
+in the order it reads them, saved with every checkpoint, so a resume on data that changed is
+noticed."""
 
 import os
 import zlib
@@ -42,15 +43,30 @@ def _names(paths: list) -> list:
   return [os.path.relpath(os.path.abspath(p), root) for p in paths]
 
 
+def _pairs(old: list, new: list) -> dict:
+  """{index in new: index in old} of each shard that was there before, by name."""
+  at = {o[0]: i for i, o in enumerate(old)}
+  return {j: at[n[0]] for j, n in enumerate(new) if n[0] in at}
+
+
 def fingerprint_change(old: list, new: list) -> str:
-  """'' when equal, else what changed between two fingerprints, in a few words."""
-  a, b = {n: (s, h) for n, s, h in old}, {n: (s, h) for n, s, h in new}
-  for name in sorted(set(a) | set(b)):
-    if name not in b:
-      return f"shard '{name}' is gone"
-    if name not in a:
+  """'' when equal, else what changed between two fingerprints, in a few words. The order
+  counts: the run reads its shards in the order of their sorted paths."""
+  pairs = _pairs(old, new)
+  gone = [name for i, (name, _, _) in enumerate(old) if i not in pairs.values()]
+  if gone:
+    return f"shard '{gone[0]}' is gone"
+  for j, (name, _, _) in enumerate(new):
+    if j not in pairs:
       return f"shard '{name}' is new"
-    if a[name] != b[name]:
-      return f"shard '{name}' changed (size {a[name][0]} -> {b[name][0]} bytes)" \
-          if a[name][0] != b[name][0] else f"shard '{name}' changed (same size, other contents)"
+  for j, (name, size, crc) in enumerate(new):
+    was = old[pairs[j]]
+    if [was[1], was[2]] != [size, crc]:
+      return f"shard '{name}' changed (size {was[1]} -> {size} bytes)" \
+          if was[1] != size else f"shard '{name}' changed (same size, other contents)"
+  moved = next((j for j in range(len(new)) if pairs[j] != j), None)
+  if moved is not None:  # the same shards, read in another order: other batches
+    before = next(k for k in range(len(new)) if pairs[k] == moved)
+    return (f"the shards' paths sort in another order: '{new[moved][0]}' now comes before "
+            f"'{new[before][0]}'")
   return ""
