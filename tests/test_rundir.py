@@ -168,6 +168,20 @@ def test_shards_of_one_name_in_two_folders_are_told_apart(tmp_path):
   assert "is gone" in fingerprint.fingerprint_change(first, fingerprint.fingerprint(one.data))
 
 
+def test_a_second_folder_of_the_same_names_is_named_as_the_new_shard(tmp_path):
+  """Adding cB/train_000000.bin beside cA's turns both names into paths: the refusal named the
+  old shard, cA's, as new; removing a folder named the kept one's new form as gone."""
+  (tmp_path / "cA").mkdir()
+  binfile.write_shard(str(tmp_path / "cA" / "train_000000.bin"), np.arange(3000) % 500)
+  glob = ["data.source=bin", f"data.train_files={tmp_path}/c*/train_*.bin"]
+  one = fingerprint.fingerprint(config.load(BASE, TINY + glob).data)
+  (tmp_path / "cB").mkdir()
+  binfile.write_shard(str(tmp_path / "cB" / "train_000000.bin"), np.arange(3000)[::-1] % 500)
+  both = fingerprint.fingerprint(config.load(BASE, TINY + glob).data)
+  assert fingerprint.fingerprint_change(one, both) == "shard 'cB/train_000000.bin' is new"
+  assert fingerprint.fingerprint_change(both, one) == "shard 'cB/train_000000.bin' is gone"
+
+
 def test_the_same_shards_read_in_another_order_are_other_data(tmp_path):
   """x/train_b.bin and y/train_a.bin gathered into one folder keep their names but sort the
   other way: the resume read other batches than the run it continued, without a word."""

@@ -43,10 +43,30 @@ def _names(paths: list) -> list:
   return [os.path.relpath(os.path.abspath(p), root) for p in paths]
 
 
+def _same_shard(a: str, b: str) -> bool:
+  """Whether two names may be one shard's: equal, or one its path below a folder that a second
+  shard of its name added (train_000000.bin became cA/train_000000.bin; see _names)."""
+  return a == b or a.endswith(os.sep + b) or b.endswith(os.sep + a)
+
+
 def _pairs(old: list, new: list) -> dict:
-  """{index in new: index in old} of each shard that was there before, by name."""
-  at = {o[0]: i for i, o in enumerate(old)}
-  return {j: at[n[0]] for j, n in enumerate(new) if n[0] in at}
+  """{index in new: index in old} of each shard that was there before: equal names first, then
+  names that changed form, those with the same size and hash first within each."""
+  pairs, left = {}, list(range(len(old)))
+  for loose, same_contents in ((False, True), (False, False), (True, True), (True, False)):
+    for j, now in enumerate(new):
+      i = None if j in pairs else next((i for i in left if _fits(old[i], now, loose,
+                                                                 same_contents)), None)
+      if i is not None:
+        pairs[j] = i
+        left.remove(i)
+  return pairs
+
+
+def _fits(was: list, now: list, loose: bool, same_contents: bool) -> bool:
+  """Whether `now` may be the shard `was`, under one of _pairs' rules."""
+  name = _same_shard(was[0], now[0]) if loose else was[0] == now[0]
+  return name and (not same_contents or list(was[1:]) == list(now[1:]))
 
 
 def fingerprint_change(old: list, new: list) -> str:
