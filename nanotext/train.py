@@ -303,14 +303,16 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
 def ended_here(cfg, start, path: str) -> bool:
   """Whether this start ends at its checkpoint a run saved under another train.steps (lowered
   to that step) whose end is not recorded yet: config.yml, saved once its final row is, still
-  holds the train.steps it trained under (its step's saved one stays: nothing is saved again)."""
+  holds the train.steps it trained under (its step's saved one stays: nothing is saved again).
+  A step saved as a run's final one is such a step too where config.yml says otherwise: an
+  extension of the finished run died before its next checkpoint (its rows past it stayed)."""
   from nanotext import config_file
-  if start.step != cfg.train.steps or start.saved_steps in (None, start.step):
+  if start.step != cfg.train.steps or start.saved_steps is None:
     return False
   try:
     train = config_file.read(path).get("train")
   except UserError:  # none, or unreadable: nothing says the end was recorded
-    return True
+    return start.saved_steps != start.step
   return not isinstance(train, dict) or train.get("steps") != start.step
 
 

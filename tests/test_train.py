@@ -207,6 +207,24 @@ def test_a_killed_run_ended_at_its_checkpoint_drops_the_rows_past_it(tmp_path):
   assert metrics_of(out) == rows and sorted(os.listdir(os.path.join(out, "tb"))) == tb
 
 
+def test_a_finished_run_whose_extension_died_ends_at_its_checkpoint_again(tmp_path):
+  """A finished 2-step run extended to 4 and killed before step 4's save, then started again
+  with train.steps=2: its step 2 was saved as a final step, so it counted as finished and kept
+  the dead extension's rows of steps 3-4 and its config.yml (train.steps=4)."""
+  out = str(tmp_path)
+  common = TINY + [f"output_dir={out}", "checkpoint.every=0", "sample.max_new_tokens=0"]
+  quiet_run(BASE, common + ["train.steps=2"])
+  quiet_run(BASE, common + ["train.steps=4"])
+  shutil.rmtree(os.path.join(out, "checkpoints", "4"))  # as if killed before step 4's save
+  _, lines = quiet_run(BASE, common + ["train.steps=2"])
+  assert not any("not recorded" in l for l in lines), lines
+  assert [(r["step"], "val_loss" in r) for r in metrics_of(out)] == [(1, False), (2, False),
+                                                                     (2, True)]
+  assert config.load(os.path.join(out, "config.yml")).train.steps == 2
+  _, lines = quiet_run(BASE, common + ["train.steps=2"])
+  assert any("(final; the run was complete: evaluated again, not recorded)" in l for l in lines)
+
+
 def test_an_overwrite_plans_afresh_and_replaces_a_run_past_its_steps(tiny_run, tmp_path):
   """overwrite=true kept the replaced run's memory-plan choices (remat, loss chunks), and a
   run of the same identity past train.steps was refused whatever overwrite said."""
