@@ -144,9 +144,29 @@ def test_an_unfinished_save_is_ignored_and_cleaned(fsdp8_run, tmp_path):
     f.write("x")
   result, lines = quiet_run(FSDP8 + [f"output_dir={out}", "train.steps=3"])
   assert any("resumed from the checkpoint of step 2" in l for l in lines)
-  assert any(l.startswith("train.steps 2 -> 3: every schedule") for l in lines), lines
+  assert "train.steps 2 -> 3: the learning rate's cooldown follows 3 steps from step 2 on" in \
+      lines, lines
   assert not os.path.exists(junk) and steps_on_disk(out) == [2, 3]
   assert int(result.state["step"]) == 3
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("extra, changes", [
+    ([], "the learning rate's cooldown follows"),
+    (["optim.cooldown_frac=0"], "no schedule here counts in train.steps; only the end moves"),
+    (["optim.name=muon", "optim.muon_momentum_warmup=10", "train.seq_len=32",
+      "train.seq_len_start=16", "attention.window_schedule=true", "attention.window_block=8",
+      "attention.window_start=8", "attention.window=32"],
+     "the learning rate's cooldown, the row length (train.seq_len_start), the attention windows "
+     "follow"),
+])
+def test_a_resume_under_other_train_steps_names_the_schedules_that_change(extra, changes):
+  """The line named momentum (Muon's warmup counts optimizer steps, not train.steps) and left
+  out the row-length warmup, whose rows went back to their short length."""
+  from nanotext import config
+  cfg = config.load(BASE, TINY + extra + ["train.steps=48"])
+  line = wiring.steps_change_line(cfg, 24, 16)
+  assert line.startswith(f"train.steps 24 -> 48: {changes}") and "momentum" not in line, line
 
 
 def test_nonfinite_loss_aborts_before_the_bad_state_is_saved(tmp_path):
