@@ -336,8 +336,9 @@ def initial_state(run: Run, manager, log=print) -> Start:
   cfg = run.cfg
   if manager is not None and manager.all_steps():
     step, state, data, integrity = newest_intact(run, manager, log)
-    check_data_unchanged(cfg, integrity, step, manager.fingerprint)
-    log(f"resumed from the checkpoint of step {step} in {cfg.output_dir}")
+    change = check_data_unchanged(cfg, integrity, step, manager.fingerprint)
+    log(f"resumed from the checkpoint of step {step} in {cfg.output_dir}"
+        + (f"; data.allow_changed=true: {change}" if change else ""))
     was = (rundir.step_config(cfg.output_dir, step).get("train") or {}).get("steps")
     if isinstance(was, int) and was != cfg.train.steps:  # the schedules change: say so
       log(steps_change_line(cfg, was, step))
@@ -396,13 +397,15 @@ def newest_intact(run: Run, manager, log) -> tuple:
                   if len(damaged) > 1 else str(why))
 
 
-def check_data_unchanged(cfg, integrity, step: int, fingerprint) -> None:
-  """Refuse to resume on training shards that differ from those the step was trained on."""
+def check_data_unchanged(cfg, integrity, step: int, fingerprint) -> str:
+  """Refuse to resume on training shards that differ from those the step was trained on; what
+  changed where data.allow_changed=true lets it ('' where nothing did)."""
   saved = (integrity or {}).get("data")
-  if saved is None or fingerprint is None or cfg.data.allow_changed:  # unknown: e.g. converted
-    return
+  if saved is None or fingerprint is None:  # unknown: e.g. converted
+    return ""
   change = fingerprint_change(saved, fingerprint)
-  if change:
+  if change and not cfg.data.allow_changed:
     raise UserError(f"the training data changed since the checkpoint of step {step} ({change}): "
                     "a resume would not see the batches it would have seen. Restore the data, or "
                     "pass data.allow_changed=true to continue on the new data")
+  return change
