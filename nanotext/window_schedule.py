@@ -279,3 +279,18 @@ def eval_plan(cfg, dones, runtime: bool) -> dict:
     windows.append(w)
     i = lo + 1
   return plan([(w, seq_len) for w in windows], runtime)
+
+
+def steps_change_line(cfg, was: int, step: int) -> str:
+  """What a resume under another train.steps changes from `step` on: these schedules and the
+  learning rate's cooldown count in train.steps (Muon's momentum warmup counts optimizer steps:
+  it does not change)."""
+  now = cfg.train.steps
+  changes = ((["the learning rate's cooldown"] if cfg.optim.cooldown_frac else [])
+             + (["the row length (train.seq_len_start)"]
+                if len(seq_lens(cfg.train)) > 1 else [])
+             + (["the attention windows"] if cfg.attention.window_schedule else []))
+  if not changes:
+    return f"train.steps {was} -> {now}: no schedule here counts in train.steps; only the end moves"
+  return (f"train.steps {was} -> {now}: {', '.join(changes)} follow{'s' * (len(changes) == 1)} "
+          f"{now} steps from step {step} on")

@@ -341,7 +341,7 @@ def initial_state(run: Run, manager, log=print) -> Start:
         + (f"; data.allow_changed=true: {change}" if change else ""))
     was = (rundir.step_config(cfg.output_dir, step).get("train") or {}).get("steps")
     if isinstance(was, int) and was != cfg.train.steps:  # the schedules change: say so
-      log(steps_change_line(cfg, was, step))
+      log(window_schedule.steps_change_line(cfg, was, step))
     if cfg.checkpoint.load_params_from:
       log("checkpoint.load_params_from is not read again: the run it started resumes from its "
           "own checkpoint")
@@ -353,20 +353,6 @@ def initial_state(run: Run, manager, log=print) -> Start:
     log(f"initialised parameters from {source} (fresh optimizer state, step 0)")
     return Start(run.state_from_params(params), 0, how="loaded")
   return Start(run.init_state(), 0)
-
-
-def steps_change_line(cfg, was: int, step: int) -> str:
-  """What a resume under another train.steps changes from `step` on: the schedules that count
-  in train.steps (Muon's momentum warmup counts optimizer steps: it does not change)."""
-  now = cfg.train.steps
-  changes = ((["the learning rate's cooldown"] if cfg.optim.cooldown_frac else [])
-             + (["the row length (train.seq_len_start)"]
-                if len(window_schedule.seq_lens(cfg.train)) > 1 else [])
-             + (["the attention windows"] if cfg.attention.window_schedule else []))
-  if not changes:
-    return f"train.steps {was} -> {now}: no schedule here counts in train.steps; only the end moves"
-  return (f"train.steps {was} -> {now}: {', '.join(changes)} follow{'s' * (len(changes) == 1)} "
-          f"{now} steps from step {step} on")
 
 
 def newest_intact(run: Run, manager, log) -> tuple:

@@ -19,7 +19,7 @@ import pytest
 
 import nan_poison
 from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, train_command
-from nanotext import checkpoint, params_from, signals, trainer, watch, wiring
+from nanotext import checkpoint, params_from, signals, trainer, watch, window_schedule, wiring
 from nanotext.errors import UserError
 from nanotext.train import run
 
@@ -165,7 +165,7 @@ def test_a_resume_under_other_train_steps_names_the_schedules_that_change(extra,
   out the row-length warmup, whose rows went back to their short length."""
   from nanotext import config
   cfg = config.load(BASE, TINY + extra + ["train.steps=48"])
-  line = wiring.steps_change_line(cfg, 24, 16)
+  line = window_schedule.steps_change_line(cfg, 24, 16)
   assert line.startswith(f"train.steps 24 -> 48: {changes}") and "momentum" not in line, line
 
 
