@@ -199,8 +199,9 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   tokens = len(val) * t.batch_size * seq_len
   short = f", all the validation data holds (train.eval_batches={t.eval_batches})" \
       if len(val) < t.eval_batches else ""
-  log(f"model: {run.num_params:,} parameters | {len(val)} batches of {t.batch_size}x{seq_len} "
-      f"tokens ({tokens:,}{short}) | {run.mesh.size} {run.backend} device(s)")
+  log(f"model: {run.num_params:,} parameters | {len(val)} batch{'es' * (len(val) != 1)} of "
+      f"{t.batch_size}x{seq_len} tokens ({tokens:,}{short}) | {run.mesh.size} {run.backend} "
+      "device(s)")
   abstract = run.abstract_state()["params"]
   done = lambda s: t.steps if s < 0 else s  # eval_windows=step: the windows of that step
   execs, rows, damaged = None, [], []

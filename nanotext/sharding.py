@@ -53,8 +53,9 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple:
                       f"product {known}; change {'/'.join(keys)}")
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
-    raise MeshSizeError(f"{'*'.join(keys)} = {math.prod(sizes)} but there are "
-                    f"{num_devices} devices; make the product match (or use -1 for one axis)")
+    there = "there is 1 device" if num_devices == 1 else f"there are {num_devices} devices"
+    raise MeshSizeError(f"{'*'.join(keys)} = {math.prod(sizes)} but {there}; make the product "
+                        "match (or use -1 for one axis)")
   return tuple(sizes)
 
 

@@ -61,7 +61,9 @@ def test_a_params_only_folder_and_every_step_agree(tiny_run, tmp_path):
   rows = evaluate.evaluate(folder, log=lambda line: None)
   assert [r["step"] for r in rows] == [2]  # from its convert.json
   np.testing.assert_allclose(rows[0]["val_loss"], result.val_loss, rtol=1e-6)
-  every = evaluate.evaluate(out, "all", ["train.eval_batches=1"], log=lambda line: None)
+  lines = []
+  every = evaluate.evaluate(out, "all", ["train.eval_batches=1"], log=lines.append)
+  assert any("parameters | 1 batch of 8x32 tokens" in line for line in lines), lines
   assert [r["step"] for r in every] == [2] and every[0]["tokens"] == 8 * 32
 
 

@@ -42,6 +42,11 @@ def test_mesh_shape_errors(kw, match):
     sharding.mesh_shape(mesh_cfg(**kw), 8)
 
 
+def test_one_device_is_named_in_the_singular():
+  with pytest.raises(UserError, match=r"= 8 but there is 1 device; make the product match"):
+    sharding.mesh_shape(mesh_cfg(data=8, fsdp=1), 1)
+
+
 def test_logical_to_spec_uses_each_mesh_axis_once():
   rules = sharding.parse_rules([["batch", ["data", "fsdp"]], ["embed", "fsdp"],
                                 ["mlp", "tensor"]])
