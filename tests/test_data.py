@@ -331,8 +331,13 @@ def test_val_batches_split_over_processes(arange_bins):
 def test_val_tokens_cap_and_too_little_data(arange_bins):
   arange_bins.val_tokens = 100  # 99 // 8 = 12 windows: one batch of 8.
   assert len(make_val_batches(arange_bins, seq_len=8, batch_size=8, num_batches=10)) == 1
-  with pytest.raises(UserError, match=r"data.val_files.*train.batch_size"):
+  # The cap holds the data back: raising it is the way (data.val_tokens cannot add data at 0).
+  with pytest.raises(UserError, match=r": raise data.val_tokens=100 or lower train.batch_size"):
     make_val_batches(arange_bins, seq_len=8, batch_size=16, num_batches=10)
+  arange_bins.val_tokens = 0
+  with pytest.raises(UserError, match=r": add validation data \(data.val_files, or "
+                                      r"data.tfds_val_split\) or lower train.batch_size"):
+    make_val_batches(arange_bins, seq_len=8, batch_size=4096, num_batches=10)
 
 
 def test_bad_data_config(tmp_path):

@@ -209,13 +209,14 @@ def make_val_batches(data_cfg, *, seq_len: int, batch_size: int, num_batches: in
   global_batch = batch_size * process_count
   # Every process gets the same number of batches, so eval collectives line up.
   n = min(num_batches, len(source) // global_batch)
-  if n == 0:
+  if n == 0:  # data.val_tokens caps what there is: raising it adds data only where it is set
+    more = f"raise data.val_tokens={data_cfg.val_tokens}" if data_cfg.val_tokens else \
+        "add validation data (data.val_files, or data.tfds_val_split)"
     raise UserError(
         f"validation data holds {len(source)} sequence{'s' * (len(source) != 1)} of "
         f"{seq_len + 1} tokens, fewer than "
-        f"one global batch of {global_batch} (train.batch_size): add validation data "
-        "(data.val_files / data.val_tokens, or data.tfds_val_split) or lower train.batch_size "
-        f"or {length_key}")
+        f"one global batch of {global_batch} (train.batch_size): {more} or lower "
+        f"train.batch_size or {length_key}")
   ds = grain.MapDataset.source(source)[:n * global_batch][process_index::process_count]
   return list(ds.batch(batch_size, drop_remainder=True).map(_split_batch))
 
