@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import mesh as conftest_mesh
+from conftest import BASE, mesh as conftest_mesh
 
 from nanotext.errors import UserError
 from nanotext.model.kernels import cudnn, splash
-from nanotext.model.kernels.dispatch import dot_product_attention, resolve_impl
+from nanotext.model.kernels.dispatch import config_impl, dot_product_attention, resolve_impl
 from nanotext.model.kernels.masks import segment_ids_from_tokens
 
 B, H, K = 2, 2, 32
@@ -179,6 +179,30 @@ def test_auto_resolution():
   assert resolve_impl("xla", "tpu") == "xla"
   with pytest.raises(UserError, match="attention.impl='flash2'"):
     resolve_impl("flash2", "cpu")
+
+
+def config_kernel(backend, *overrides):
+  """config_impl of base.yml at 256-token rows and `overrides` on `backend`."""
+  from nanotext import wiring
+  return config_impl(wiring.load(BASE, ["train.seq_len=256", *overrides]), backend)
+
+
+@pytest.mark.fast
+def test_auto_takes_a_kernel_that_tiles_every_row_length():
+  """auto resolved on train.seq_len alone, then refused the validation or warmup rows that its
+  kernel could not tile, advising 'auto', which was set: it takes what tiles them all."""
+  assert config_kernel("tpu") == "splash"
+  assert config_kernel("tpu", "train.eval_seq_len=200") == "xla"
+  assert config_kernel("tpu", "train.seq_len_start=64") == "xla"
+  assert config_kernel("tpu", "attention.window=128", "attention.block_windows=true",
+                       "train.eval_seq_len=200") == "blocked"
+  docs = ["attention.doc_mask=true", "model.num_heads=2", "model.d_model=128"]
+  assert config_kernel("gpu", *docs) == "flash_gpu"
+  assert config_kernel("gpu", *docs, "train.eval_seq_len=200") in ("cudnn", "xla")
+  with pytest.raises(UserError, match=r"splash needs train\.eval_seq_len .*got 200.*or auto$"):
+    config_kernel("tpu", "attention.impl=splash", "train.eval_seq_len=200")
+  with pytest.raises(UserError, match=r"flash_gpu cannot tile train\.eval_seq_len=200"):
+    config_kernel("gpu", *docs, "attention.impl=flash_gpu", "train.eval_seq_len=200")
 
 
 @pytest.mark.parametrize("impl,window,tol", [("splash", 16, SPLASH_TOL), ("flash", 0, 1e-5)])

@@ -32,7 +32,7 @@ DENSE_MAX_T = 4096
 
 def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0,
                  window: int = 0, block_windows: bool = False, doc_mask: bool = False,
-                 seq_key: str = "train.seq_len") -> str:
+                 seq_key: str = "train.seq_len", rows=()) -> str:
   """The concrete kernel for `attention.impl` on this backend (the one place that decides).
 
   `head_dim` and `seq_len` (0 = unknown) let `auto` check that the kernel accepts the model's
@@ -42,23 +42,39 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
   (cuDNN and jax's xla path have no such mask) or the sequence is longer than DENSE_MAX_T;
   otherwise on CPU up to DENSE_MAX_T tokens the cpu kernel (faster there than xla's full score
   matrix), on GPU cudnn when a trial trace of cuDNN flash attention succeeds, else xla.
-  `seq_key` names the key of `seq_len` in the errors.
+  `seq_key` names the key of `seq_len` in the errors; `rows` [(length, key)] are the other row
+  lengths the run's programs take: `auto` takes a kernel that tiles every one, and a kernel
+  named is refused for the first it cannot take, naming its key.
   """
   if impl not in IMPLS:
     raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
+  every = [(seq_len, seq_key), *((n, key) for n, key in rows if n != seq_len)]
   if impl == "auto":
-    if backend == "tpu" and seq_len % splash.LANES == 0:
-      return "splash"
-    if (backend == "gpu" and (window or doc_mask) and head_dim and seq_len
-        and flash_gpu.problem(seq_len, head_dim) is None):
-      return "flash_gpu"
-    if window and (block_windows or seq_len > DENSE_MAX_T):
-      return "blocked"
-    if backend == "cpu" and seq_len <= DENSE_MAX_T:  # it unrolls T / 128 query blocks
-      return "cpu"
-    if backend == "gpu" and cudnn.problem(head_dim, seq_len) is None:
-      return "cudnn"
-    return "xla"
+    return _auto(backend, head_dim, seq_len, list(dict.fromkeys(n for n, _ in every)), window,
+                 block_windows, doc_mask)
+  for n, key in every:
+    _check(impl, backend, head_dim, n, key, window, block_windows)
+  return impl
+
+
+def _auto(backend, head_dim, seq_len, lens, window, block_windows, doc_mask) -> str:
+  """resolve_impl's `auto`: the first kernel of its list that takes every row length `lens`."""
+  if backend == "tpu" and all(n % splash.LANES == 0 for n in lens):
+    return "splash"
+  if (backend == "gpu" and (window or doc_mask) and head_dim and seq_len
+      and all(flash_gpu.problem(n, head_dim) is None for n in lens)):
+    return "flash_gpu"
+  if window and (block_windows or seq_len > DENSE_MAX_T):
+    return "blocked"
+  if backend == "cpu" and seq_len <= DENSE_MAX_T:  # it unrolls T / 128 query blocks
+    return "cpu"
+  if backend == "gpu" and all(cudnn.problem(head_dim, n) is None for n in lens):
+    return "cudnn"
+  return "xla"
+
+
+def _check(impl, backend, head_dim, seq_len, seq_key, window, block_windows) -> None:
+  """A UserError, naming the key to change, where kernel `impl` cannot take these shapes."""
   if impl in ("cudnn", "cpu") and block_windows and window:
     raise UserError(f"attention.impl={impl} cannot express block-granular windows "
                     "(attention.block_windows=true); use attention.impl=blocked or auto")
@@ -73,7 +89,7 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
     problem = cudnn.problem(head_dim, seq_len)
     if problem is not None:
       raise UserError(f"attention.impl=cudnn is not usable on backend {backend} "
-                      f"(head_dim={head_dim or 'unknown'}, seq_len={seq_len or 'unknown'}): "
+                      f"(head_dim={head_dim or 'unknown'}, {seq_key}={seq_len or 'unknown'}): "
                       f"{problem}; use attention.impl=xla or auto")
   if impl == "splash" and seq_len:
     splash.block_size(seq_len, seq_key)  # a UserError early for a length it cannot tile
@@ -83,19 +99,16 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
   if impl == "flash_gpu" and (problem := flash_gpu.problem(seq_len, head_dim,
                                                            seq_key=seq_key)):
     raise UserError(f"attention.impl=flash_gpu {problem}; use attention.impl=blocked or auto")
-  return impl
 
 
 def config_impl(cfg, backend: str) -> str:
-  """The kernel of a loaded config's attention on `backend`, checked against every row length
-  its programs take (the warmup's and validation's too): one UserError naming the key."""
+  """The kernel of a loaded config's attention on `backend`, one that takes every row length
+  its programs take (the warmup's and validation's too): `auto` picks it, a kernel named is
+  refused in one UserError naming the key of a length it cannot take."""
   a, t, m = cfg.attention, cfg.train, cfg.model
-  kw = dict(head_dim=m.head_dim or m.d_model // m.num_heads, window=a.window,
-            block_windows=a.block_windows, doc_mask=a.doc_mask)
-  impl = resolve_impl(a.impl, backend, seq_len=t.seq_len, **kw)
-  for n, key in row_keys(t):  # the kernel takes the warmup's and eval's rows too
-    resolve_impl(impl, backend, seq_len=n, seq_key=key, **kw)
-  return impl
+  return resolve_impl(a.impl, backend, head_dim=m.head_dim or m.d_model // m.num_heads,
+                      seq_len=t.seq_len, window=a.window, block_windows=a.block_windows,
+                      doc_mask=a.doc_mask, rows=row_keys(t))
 
 
 def takes_runtime_window(impl: str) -> bool:
