@@ -348,11 +348,17 @@ def main(args) -> None:
 
 
 def out_of_memory(e: Exception) -> str:
-  """The one line for a device allocation that failed (XLA's RESOURCE_EXHAUSTED), else ""."""
+  """The one line for a device allocation that failed (XLA's RESOURCE_EXHAUSTED), else "";
+  a kernel's tiles past the GPU's shared memory say so, as no memory setting helps them."""
   import jax
   head = (str(e).splitlines() or [""])[0]
   if not isinstance(e, jax.errors.JaxRuntimeError) or not head.startswith("RESOURCE_EXHAUSTED"):
     return ""
+  if "Shared memory" in head:  # Triton's: a Pallas kernel's tiles, not the device's memory
+    return (f"a Pallas kernel's tiles do not fit in the GPU's shared memory "
+            f"({head[len('RESOURCE_EXHAUSTED: '):][:120]}), which no memory setting changes; "
+            "checkpoints already written are intact. Take another attention kernel: "
+            "attention.impl=blocked or xla")
   return (f"the device ran out of memory ({head[len('RESOURCE_EXHAUSTED: '):][:120]}); checkpoints "
           "already written are intact. Lower the memory per device: model.remat=dots, "
           "train.loss_chunk=256, train.grad_accum, train.eval_accum, train.eval_seq_len, or more "

@@ -235,6 +235,23 @@ def test_device_out_of_memory_is_one_line_and_status_1():
                                                    "a program: INTERNAL: YNNPACK operation failed")
 
 
+@pytest.mark.fast
+def test_shared_memory_past_the_gpus_is_not_the_device_out_of_memory():
+  """Triton's RESOURCE_EXHAUSTED for a kernel's tiles past a block's shared memory was told as
+  the device out of memory, advising remat, loss chunks and accumulation, which change nothing
+  there: it names the attention kernel to change."""
+  import jax
+  from nanotext.train import out_of_memory
+  line = out_of_memory(jax.errors.JaxRuntimeError(
+      "RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 278528, available: "
+      "232448, context: []"))
+  assert "shared memory (Shared memory size limit exceeded: requested 278528" in line
+  assert "attention.impl=blocked" in line and "ran out of memory" not in line
+  assert "model.remat" not in line
+  assert "ran out of memory" in out_of_memory(jax.errors.JaxRuntimeError(
+      "RESOURCE_EXHAUSTED: Out of memory allocating 38730384176 bytes."))
+
+
 def test_a_leading_tilde_is_home_in_every_path_argument(tmp_path, monkeypatch):
   """Only output_dir expanded '~' (and the shell, where it did): --run=~/run, verify '~/run' and
   checkpoint.load_params_from=~/run said 'does not exist', and --out=~/po wrote a folder named
