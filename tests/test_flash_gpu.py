@@ -206,6 +206,23 @@ def test_auto_takes_it_on_gpu_for_windows_and_documents():
 
 
 @pytest.mark.fast
+def test_float32_tiles_past_shared_memory_are_refused_and_auto_passes_them_by():
+  """At model.dtype=float32 and head_dim 256 the kernel's tiles take 256 KiB of shared memory, an
+  H100 gives a block 227: accepted, the program failed to compile (RESOURCE_EXHAUSTED), and auto
+  picked it itself. bfloat16 at 256 and float32 at 128 compile (compile --topology=h100)."""
+  gpu = dict(seq_len=1024, doc_mask=True, window=256)
+  with pytest.raises(UserError, match=r"flash_gpu cannot hold model\.head_dim=256 at "
+                                      r"model\.dtype=float32 in shared memory.*227 KiB"):
+    resolve_impl("flash_gpu", "gpu", head_dim=256, dtype="float32", **gpu)
+  assert resolve_impl("auto", "gpu", head_dim=256, dtype="float32", block_windows=True,
+                      **gpu) == "blocked"
+  assert resolve_impl("auto", "gpu", head_dim=256, dtype="bfloat16", **gpu) == "flash_gpu"
+  assert resolve_impl("auto", "gpu", head_dim=128, dtype="float32", **gpu) == "flash_gpu"
+  # the interpreter has no shared memory: the tests' CPU path takes any dtype
+  assert resolve_impl("flash_gpu", "cpu", head_dim=256, dtype="float32", **gpu) == "flash_gpu"
+
+
+@pytest.mark.fast
 def test_lowers_to_three_triton_kernels_for_cuda(monkeypatch):
   """Built for CUDA from this CPU host (jax.export), forward + backward are the forward Triton
   kernel and the backward's dq and dk/dv kernels, with no [T, T] array, each at 4 warps for

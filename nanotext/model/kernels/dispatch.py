@@ -32,7 +32,7 @@ DENSE_MAX_T = 4096
 
 def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0,
                  window: int = 0, block_windows: bool = False, doc_mask: bool = False,
-                 seq_key: str = "train.seq_len", rows=()) -> str:
+                 seq_key: str = "train.seq_len", rows=(), dtype=None) -> str:
   """The concrete kernel for `attention.impl` on this backend (the one place that decides).
 
   `head_dim` and `seq_len` (0 = unknown) let `auto` check that the kernel accepts the model's
@@ -44,25 +44,26 @@ def resolve_impl(impl: str, backend: str, *, head_dim: int = 0, seq_len: int = 0
   matrix), on GPU cudnn when a trial trace of cuDNN flash attention succeeds, else xla.
   `seq_key` names the key of `seq_len` in the errors; `rows` [(length, key)] are the other row
   lengths the run's programs take: `auto` takes a kernel that tiles every one, and a kernel
-  named is refused for the first it cannot take, naming its key.
+  named is refused for the first it cannot take, naming its key. `dtype` (None: unknown) is
+  the model's: flash_gpu's tiles at it must fit a GPU's shared memory.
   """
   if impl not in IMPLS:
     raise UserError(f"attention.impl={impl!r} is not one of {', '.join(IMPLS)}")
   every = [(seq_len, seq_key), *((n, key) for n, key in rows if n != seq_len)]
   if impl == "auto":
     return _auto(backend, head_dim, seq_len, list(dict.fromkeys(n for n, _ in every)), window,
-                 block_windows, doc_mask)
+                 block_windows, doc_mask, dtype)
   for n, key in every:
-    _check(impl, backend, head_dim, n, key, window, block_windows)
+    _check(impl, backend, head_dim, n, key, window, block_windows, dtype)
   return impl
 
 
-def _auto(backend, head_dim, seq_len, lens, window, block_windows, doc_mask) -> str:
+def _auto(backend, head_dim, seq_len, lens, window, block_windows, doc_mask, dtype) -> str:
   """resolve_impl's `auto`: the first kernel of its list that takes every row length `lens`."""
   if backend == "tpu" and all(n % splash.LANES == 0 for n in lens):
     return "splash"
   if (backend == "gpu" and (window or doc_mask) and head_dim and seq_len
-      and all(flash_gpu.problem(n, head_dim) is None for n in lens)):
+      and all(flash_gpu.problem(n, head_dim, dtype=dtype) is None for n in lens)):
     return "flash_gpu"
   if window and (block_windows or seq_len > DENSE_MAX_T):
     return "blocked"
@@ -73,7 +74,7 @@ def _auto(backend, head_dim, seq_len, lens, window, block_windows, doc_mask) -> 
   return "xla"
 
 
-def _check(impl, backend, head_dim, seq_len, seq_key, window, block_windows) -> None:
+def _check(impl, backend, head_dim, seq_len, seq_key, window, block_windows, dtype) -> None:
   """A UserError, naming the key to change, where kernel `impl` cannot take these shapes."""
   if impl in ("cudnn", "cpu") and block_windows and window:
     raise UserError(f"attention.impl={impl} cannot express block-granular windows "
@@ -96,8 +97,8 @@ def _check(impl, backend, head_dim, seq_len, seq_key, window, block_windows) -> 
   if impl == "flash" and (problem := flash.problem(seq_len, head_dim, window, seq_key)):
     other = "splash, " if window else ""  # splash tiles what flash tiles, and windows too
     raise UserError(f"attention.impl=flash {problem}; use attention.impl={other}blocked or auto")
-  if impl == "flash_gpu" and (problem := flash_gpu.problem(seq_len, head_dim,
-                                                           seq_key=seq_key)):
+  if impl == "flash_gpu" and (problem := flash_gpu.problem(  # shared memory: a GPU's only
+      seq_len, head_dim, seq_key=seq_key, dtype=dtype if backend == "gpu" else None)):
     raise UserError(f"attention.impl=flash_gpu {problem}; use attention.impl=blocked or auto")
 
 
@@ -108,7 +109,7 @@ def config_impl(cfg, backend: str) -> str:
   a, t, m = cfg.attention, cfg.train, cfg.model
   return resolve_impl(a.impl, backend, head_dim=m.head_dim or m.d_model // m.num_heads,
                       seq_len=t.seq_len, window=a.window, block_windows=a.block_windows,
-                      doc_mask=a.doc_mask, rows=row_keys(t))
+                      doc_mask=a.doc_mask, rows=row_keys(t), dtype=m.dtype)
 
 
 def takes_runtime_window(impl: str) -> bool:
@@ -141,7 +142,7 @@ def qkv_attention(qkv_BT3HK, freq, eps: float, lambdas=None, value_embed_BTHK=No
   (kernels/flash_gpu.py, flash_gpu_qkv_attention); the mask as there."""
   T, head_dim = qkv_BT3HK.shape[1], qkv_BT3HK.shape[-1]
   window = _static_window(window, T)
-  resolve_impl("flash_gpu", platform(), head_dim=head_dim, seq_len=T)
+  resolve_impl("flash_gpu", platform(), head_dim=head_dim, seq_len=T, dtype=qkv_BT3HK.dtype)
   live = _runtime("flash_gpu", runtime_window)
   return flash_gpu.flash_gpu_qkv_attention(
       qkv_BT3HK, freq, eps, lambdas, value_embed_BTHK, scale=scale,
@@ -165,7 +166,7 @@ def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, wi
   if impl == "auto":
     impl = resolve_impl(impl, jax.default_backend(), head_dim=q_BTHK.shape[-1], seq_len=T,
                         window=window, block_windows=bool(block),
-                        doc_mask=segment_ids_BT is not None)
+                        doc_mask=segment_ids_BT is not None, dtype=q_BTHK.dtype)
   args = (q_BTHK, k_BTHK, v_BTHK)
   live = _runtime(impl, runtime_window)
   if impl == "blocked":
@@ -190,7 +191,8 @@ def dot_product_attention(q_BTHK, k_BTHK, v_BTHK, *, impl: str, scale: float, wi
     resolve_impl("flash", platform(), head_dim=q_BTHK.shape[-1], seq_len=T, window=window)
     return flash.flash_attention(*args, scale=scale, segment_ids_BT=segment_ids_BT)
   if impl == "flash_gpu":
-    resolve_impl("flash_gpu", platform(), head_dim=q_BTHK.shape[-1], seq_len=T)
+    resolve_impl("flash_gpu", platform(), head_dim=q_BTHK.shape[-1], seq_len=T,
+                 dtype=q_BTHK.dtype)
     return flash_gpu.flash_gpu_attention(
         *args, scale=scale, window=live.get("runtime_window", window),
         segment_ids_BT=segment_ids_BT, block=block)

@@ -44,13 +44,32 @@ from nanotext.model.kernels.flash_gpu_programs import Tiles
 from nanotext.model.kernels.per_device import opted_in, platform
 
 
-def problem(seq_len: int, head_dim: int, tiles: Tiles = Tiles(), seq_key: str = "train.seq_len"):
-  """None if the kernel can run this (0 = unknown), else why not, for a UserError."""
+# Shared memory one block may use on an H100 (232,448 bytes; Triton refuses a kernel past it)
+SHARED_BYTES = 227 * 1024
+
+
+def tile_bytes(head_dim: int, dtype, tiles: Tiles = Tiles()) -> int:
+  """Bytes of the tiles one program holds in shared memory: the forward's query tile and a key
+  and a value tile; the backward's query and output-gradient tiles and a key and a value tile."""
+  rows = max(tiles.block_q + 2 * tiles.block_k, 2 * tiles.block_q_bwd + 2 * tiles.block_k_bwd)
+  return rows * head_dim * jnp.dtype(dtype).itemsize
+
+
+def problem(seq_len: int, head_dim: int, tiles: Tiles = Tiles(), seq_key: str = "train.seq_len",
+            dtype=None):
+  """None if the kernel can run this (0 = unknown), else why not, for a UserError. `dtype`
+  (None: not compiled for a GPU) is the model's, whose tiles must fit in shared memory."""
   step = max(tiles.block_q, tiles.block_k, tiles.block_q_bwd, tiles.block_k_bwd)
   if seq_len and seq_len % step:
     return f"cannot tile {seq_key}={seq_len}: it is not a multiple of {step}"
   if head_dim and (head_dim < 16 or head_dim & (head_dim - 1) or head_dim > 256):
     return f"cannot tile model.head_dim={head_dim}: it must be a power of two from 16 to 256"
+  if head_dim and dtype is not None and tile_bytes(head_dim, dtype, tiles) > SHARED_BYTES:
+    name = jnp.dtype(dtype).name
+    return (f"cannot hold model.head_dim={head_dim} at model.dtype={name} in shared memory: its "
+            f"{name} tiles take {tile_bytes(head_dim, dtype, tiles) // 1024} KiB where an H100 "
+            f"gives a block {SHARED_BYTES // 1024} KiB (bfloat16, or float32 up to head_dim 128, "
+            "fit)")
   return None
 
 
@@ -59,7 +78,7 @@ def flash_gpu_attention(q_BTHK, k_BTHK, v_BTHK, *, scale: float, window=0, segme
   """Causal attention within documents (`segment_ids_BT` [B, T], ids never decreasing along a
   row) and a window (int or traced int32; 0 = none) of tokens, or with `block` > 0 of whole
   `block`-token blocks (the record's block mask); per device under a mesh."""
-  cfg = _config(q_BTHK.shape, scale, block, tiles, 0.0)
+  cfg = _config(q_BTHK.shape, scale, block, tiles, 0.0, q_BTHK.dtype)
   return _attention(cfg, (q_BTHK, k_BTHK, v_BTHK), (), (),
                     *_mask(segment_ids_BT, window, q_BTHK.shape), ())
 
@@ -76,15 +95,16 @@ def flash_gpu_qkv_attention(qkv_BT3HK, freq, eps: float, lambdas=None, value_emb
   tables = tuple(lax.stop_gradient(f(theta_TK)) for f in (jnp.cos, jnp.sin))
   extra = () if value_embed_BTHK is None else (value_embed_BTHK,)
   coef = () if lambdas is None else (jnp.asarray(lambdas, jnp.float32)[:1 + len(extra)],)
-  cfg = _config(shape, scale, block, tiles, eps)
+  cfg = _config(shape, scale, block, tiles, eps, qkv_BT3HK.dtype)
   return _attention(cfg, (qkv_BT3HK,), coef, extra, *_mask(segment_ids_BT, window, shape),
                     tables)
 
 
-def _config(shape_BTHK, scale, block, tiles, eps) -> programs.Config:
-  if problem(shape_BTHK[1], shape_BTHK[-1], tiles):
-    raise ValueError(f"flash_gpu: {problem(shape_BTHK[1], shape_BTHK[-1], tiles)}")
-  return programs.Config(float(scale), block, tiles, platform() != "gpu", float(eps))
+def _config(shape_BTHK, scale, block, tiles, eps, dtype) -> programs.Config:
+  interpret = platform() != "gpu"  # the interpreter has no shared memory to run out of
+  if why := problem(shape_BTHK[1], shape_BTHK[-1], tiles, dtype=None if interpret else dtype):
+    raise ValueError(f"flash_gpu: {why}")
+  return programs.Config(float(scale), block, tiles, interpret, float(eps))
 
 
 def _mask(segment_ids_BT, window, shape_BTHK):
