@@ -205,6 +205,19 @@ def test_auto_takes_a_kernel_that_tiles_every_row_length():
     config_kernel("gpu", *docs, "attention.impl=flash_gpu", "train.eval_seq_len=200")
 
 
+@pytest.mark.fast
+def test_a_model_max_seq_len_the_kernel_cannot_tile_is_refused_before_training():
+  """The sampler's context slides at model.max_seq_len tokens: one a Pallas kernel could not
+  tile trained, evaluated and saved, then failed at the sample naming train.seq_len=320."""
+  docs = ["attention.doc_mask=true", "model.num_heads=2", "model.d_model=128"]
+  with pytest.raises(UserError, match=r"flash_gpu cannot tile model\.max_seq_len=320"):
+    config_kernel("gpu", *docs, "attention.impl=flash_gpu", "model.max_seq_len=320")
+  with pytest.raises(UserError, match=r"splash needs model\.max_seq_len .*got 320"):
+    config_kernel("cpu", "attention.impl=splash", "model.max_seq_len=320")
+  assert config_kernel("tpu", "model.max_seq_len=320") == "xla"
+  assert config_kernel("tpu", "model.max_seq_len=384") == "splash"
+
+
 @pytest.mark.parametrize("impl,window,tol", [("splash", 16, SPLASH_TOL), ("flash", 0, 1e-5)])
 def test_pallas_kernels_under_a_mesh_are_sharded(impl, window, tol):
   """With sharding rules active, splash and flash run per device (shard_map) on batch/head

@@ -104,12 +104,14 @@ def _check(impl, backend, head_dim, seq_len, seq_key, window, block_windows, dty
 
 def config_impl(cfg, backend: str) -> str:
   """The kernel of a loaded config's attention on `backend`, one that takes every row length
-  its programs take (the warmup's and validation's too): `auto` picks it, a kernel named is
-  refused in one UserError naming the key of a length it cannot take."""
+  its programs take (the warmup's, validation's, and the sampler's once its context slides, of
+  model.max_seq_len tokens): `auto` picks it, a kernel named is refused in one UserError naming
+  the key of a length it cannot take."""
   a, t, m = cfg.attention, cfg.train, cfg.model
+  rows = row_keys(t) + ([(m.max_seq_len, "model.max_seq_len")] if m.max_seq_len else [])
   return resolve_impl(a.impl, backend, head_dim=m.head_dim or m.d_model // m.num_heads,
                       seq_len=t.seq_len, window=a.window, block_windows=a.block_windows,
-                      doc_mask=a.doc_mask, rows=row_keys(t), dtype=m.dtype)
+                      doc_mask=a.doc_mask, rows=rows, dtype=m.dtype)
 
 
 def takes_runtime_window(impl: str) -> bool:
