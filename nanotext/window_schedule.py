@@ -164,6 +164,18 @@ def run_windows(cfg) -> list:
       [model_windows(cfg.attention, cfg.model, cfg.train.seq_len)]
 
 
+def applied_window(cfg) -> int:
+  """The longest window, as the kernels see it, that any program of the run applies: of its
+  train steps, its evaluations and sampling (rows up to model.max_seq_len); 0 where every
+  window covers its rows (plain causal attention throughout)."""
+  a, m = cfg.attention, cfg.model
+  final = layer_windows(a, m.num_layers, a.window)
+  evals = eval_plan(cfg, eval_points(cfg.train), False)
+  return long_of([long_of(w) for w in stages(cfg, 0, cfg.train.steps, step_windows)]
+                 + [long_of(w) for w, _ in evals]
+                 + [long_of(effective_windows(final, m.max_seq_len or cfg.train.seq_len))])
+
+
 def stage_runs(cfg, start: int, stop: int, key=step_stage) -> list:
   """[(stage, first step, last step)]: each run of 0-based steps start..stop-1 with one `key`.
 

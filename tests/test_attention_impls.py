@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import BASE, TINY
+from conftest import BASE, REPO, TINY
 from conftest import mesh as conftest_mesh
 from test_attention import (MASKS, SCALE, forward_and_grads, inputs, kernel, max_errors,
                             reference)
 from nanotext.errors import UserError
-from nanotext.model.kernels.dispatch import resolve_impl
+from nanotext.model.kernels.dispatch import config_impl, resolve_impl
 
 # float32: einsum is xla's math written out (same einsums, float32 softmax), so they agree to
 # round-off, observed <= 1e-6; flash's online softmax over 128-key tiles and its backward from the
@@ -67,8 +67,24 @@ def test_bfloat16(impl):
 
 
 @pytest.mark.fast
+def test_flash_takes_windows_that_cover_every_row():
+  """shakespeare.yml's windows (1792, short 896) all cover its 256-token rows, so its attention is
+  plain causal; attention.impl=flash was refused for attention.window=1792. A window shorter
+  than rows a program takes (training's, validation's, the sampler's) is still refused."""
+  from nanotext import wiring
+  path = os.path.join(REPO, "configs", "shakespeare.yml")
+  impl = lambda *o: config_impl(wiring.load(path, ["attention.impl=flash", *o]), "tpu")
+  assert impl() == "flash"
+  for longer in ("train.eval_seq_len=2048", "model.max_seq_len=1024"):
+    with pytest.raises(UserError, match=r"attention\.impl=flash cannot express sliding windows"):
+      impl(longer)
+  with pytest.raises(UserError, match=r"a window of 128 tokens"):
+    impl("attention.window=256", "attention.window_schedule=false")
+
+
+@pytest.mark.fast
 def test_flash_refuses_windows_and_untileable_shapes():
-  with pytest.raises(UserError, match=r"attention\.impl=flash.*attention\.window=64"):
+  with pytest.raises(UserError, match=r"attention\.impl=flash.*window of 64 tokens"):
     resolve_impl("flash", "tpu", head_dim=64, seq_len=1024, window=64)
   with pytest.raises(UserError, match=r"train\.seq_len=200: it is not a multiple of 128"):
     resolve_impl("flash", "tpu", head_dim=64, seq_len=200)
@@ -77,7 +93,7 @@ def test_flash_refuses_windows_and_untileable_shapes():
   assert resolve_impl("flash", "tpu", head_dim=256, seq_len=2048) == "flash"
   assert resolve_impl("einsum", "tpu", seq_len=100, window=7, block_windows=True) == "einsum"
   q, k, v, _, _ = inputs(128)
-  with pytest.raises(UserError, match=r"attention\.impl=flash.*attention\.window=16"):
+  with pytest.raises(UserError, match=r"attention\.impl=flash.*window of 16 tokens"):
     kernel("flash")(q, k, v, scale=SCALE, window=16)
   # A window covering the whole sequence is plain causal, which flash does express.
   np.testing.assert_allclose(kernel("flash")(q, k, v, scale=SCALE, window=128),

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nanotext import window_schedule
 from nanotext.errors import UserError
 from nanotext.model.kernels import cudnn, flash, flash_gpu, splash
 from nanotext.model.kernels.blocked import blocked_attention
@@ -12,7 +13,6 @@ from nanotext.model.kernels.cpu import cpu_attention
 from nanotext.model.kernels.einsum import einsum_attention
 from nanotext.model.kernels.per_device import platform
 from nanotext.model.kernels.xla import xla_attention
-from nanotext.window_schedule import row_keys
 
 IMPLS = ("auto", "xla", "cudnn", "splash", "flash", "flash_gpu", "blocked", "cpu", "einsum")
 # Kernels whose window may be a traced int32 (masks built from it; blocked sizes its strips by a
@@ -108,9 +108,13 @@ def config_impl(cfg, backend: str) -> str:
   model.max_seq_len tokens): `auto` picks it, a kernel named is refused in one UserError naming
   the key of a length it cannot take."""
   a, t, m = cfg.attention, cfg.train, cfg.model
-  rows = row_keys(t) + ([(m.max_seq_len, "model.max_seq_len")] if m.max_seq_len else [])
+  rows = window_schedule.row_keys(t) + ([(m.max_seq_len, "model.max_seq_len")]
+                                        if m.max_seq_len else [])
+  # a kernel named is checked against the windows its programs apply: one covering its rows is
+  # plain causal attention, which flash computes
+  window = a.window if a.impl == "auto" else window_schedule.applied_window(cfg)
   return resolve_impl(a.impl, backend, head_dim=m.head_dim or m.d_model // m.num_heads,
-                      seq_len=t.seq_len, window=a.window, block_windows=a.block_windows,
+                      seq_len=t.seq_len, window=window, block_windows=a.block_windows,
                       doc_mask=a.doc_mask, rows=rows, dtype=m.dtype)
 
 

@@ -29,9 +29,11 @@ LANES = 128  # key tiles (and the segment-id broadcast) are this wide
 
 
 def problem(seq_len: int, head_dim: int, window: int = 0, seq_key: str = "train.seq_len"):
-  """None if the kernel can run this (0 = unknown), else why not, for a UserError."""
+  """None if the kernel can run this (0 = unknown), else why not, for a UserError. `window` is
+  one the kernel would apply: 0 where every window covers the rows (effective_windows)."""
   if window:
-    return (f"cannot express sliding windows (attention.window={window}; jax's Pallas flash "
+    return (f"cannot express sliding windows shorter than the rows (a window of {window} tokens, "
+            "attention.window or a short one of attention.window_pattern; jax's Pallas flash "
             "kernel masks only causally and by document)")
   if seq_len % LANES:
     return f"cannot tile {seq_key}={seq_len}: it is not a multiple of {LANES}"
