@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from nanotext.model.head_loss import head_loss_sum
+from nanotext.model.head_loss import head_loss_sum, takes_kernel
 from nanotext.model.layers import fp8_head_scales, fp8_matmul, rms_norm
 
 pytestmark = pytest.mark.fast
@@ -56,6 +56,24 @@ def test_value_and_gradients_match_autodiff(softcap, dtype, fp8, r):
   np.testing.assert_allclose(ours[0], want[0], rtol=1e-6)
   for a, b in zip(ours[1], want[1]):
     assert a.dtype == b.dtype and rel(a, b) < tol, (rel(a, b), a.dtype)
+
+
+@pytest.mark.parametrize("softcap", [30.0, 100.0, 1000.0])
+def test_a_large_softcap_gives_a_finite_loss(softcap):
+  """Soft-capped logits were summed as exp(l) without subtracting the max, safe only for a cap
+  below ~88: a logit of 120 under model.logit_softcap=1000 made the loss inf."""
+  x = jnp.ones((4, 8), jnp.float32) * 5.0
+  w = jnp.zeros((8, 16), jnp.float32).at[:, 3].set(3.0)  # the logit of class 3 is 120
+  y = jnp.array([3, 3, 0, 1])
+  got = jax.value_and_grad(lambda x, w: head_loss_sum(x, w, y, softcap=softcap),
+                           argnums=(0, 1))(x, w)
+  want = jax.value_and_grad(lambda x, w: unfused(x, w, y, softcap, None), argnums=(0, 1))(x, w)
+  assert np.isfinite(got[0]) and np.allclose(got[0], want[0], rtol=1e-6)
+  for a, b in zip(got[1], want[1]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # the FP8 kernel sums exp(l) in its epilogue: a cap past the bound takes XLA's path instead
+  takes = takes_kernel(1, 1024, 768, 50304, "bfloat16", softcap, True, "gpu")
+  assert takes == (softcap <= 64)
 
 
 def logits_sized_ops(hlo: str, n: int, v: int) -> int:

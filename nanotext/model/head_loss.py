@@ -4,10 +4,10 @@ Left to autodiff, logits -> soft-cap -> log-softmax -> target pick makes several
 passes over the [tokens, vocab] logits each way (a max, a shifted exp-sum, the soft-cap's tanh
 and its derivative, the softmax minus the one-hot, dtype converts); at one 49,152-token row and
 50,304 head rows each pass moves gigabytes. Here the forward pass is the head's matmul plus ONE
-fused pass (soft-capped logits lie in [-c, c], so exp needs no running max: the log-sum-exp is a
-single reduction) and the backward pass is ONE fused pass making the logits' gradient
-(softmax - one-hot, times the soft-cap's derivative 1 - (l / c)^2, times the incoming scale)
-before the two matmuls. The head output z (the matmul's, in the model dtype, as the record's
+fused pass (soft-capped logits lie in [-c, c], so for c up to 64 exp needs no running max: the
+log-sum-exp is a single reduction) and the backward pass is ONE fused pass making the logits'
+gradient (softmax - one-hot, times the soft-cap's derivative 1 - (l / c)^2, times the incoming
+scale) before the two matmuls. The head output z (the matmul's, in the model dtype, as the record's
 `out_dtype=bfloat16`) is kept for the backward pass, not the float32 logits; under
 train.loss_chunk the chunk's scan step is rematerialised instead (model/loss.py).
 
@@ -71,8 +71,9 @@ def takes_kernel(rows: int, length: int, d_model: int, vocab: int, dtype, softca
 
 
 def _kernel_head(fp8, softcap, dtype) -> bool:
-  """An FP8, soft-capped, bfloat16 head: what kernels/fp8_head.py computes."""
-  return bool(fp8 and softcap and jnp.dtype(dtype) == jnp.bfloat16)
+  """An FP8, soft-capped (at most fp8_head.UNSHIFTED_CAP), bfloat16 head: what
+  kernels/fp8_head.py computes."""
+  return bool(fp8 and 0 < softcap <= fp8_head.UNSHIFTED_CAP and jnp.dtype(dtype) == jnp.bfloat16)
 
 
 def head_loss_sum(x_BTD, w_DV, targets_BT, *, softcap: float = 0.0, fp8=None, fp8_scale=1.0):
@@ -183,7 +184,7 @@ def _uses_kernel(a_MD, b_DV, softcap, fp8, dt) -> bool:
 
 def _lse(l_MV, softcap):
   """The log-sum-exp of each row of the float32 logits."""
-  if softcap:  # |l| <= c: exp cannot overflow, one reduction gives the log-sum-exp
+  if 0 < softcap <= fp8_head.UNSHIFTED_CAP:  # |l| <= c: exp cannot overflow, one reduction
     lse_M = jnp.log(jnp.sum(jnp.exp(l_MV), axis=-1))
   else:
     top_M = jax.lax.stop_gradient(jnp.max(l_MV, axis=-1))

@@ -28,6 +28,13 @@ from nanotext.model.kernels.per_device import opted_in, platform
 BM, BV, BK = 128, 128, 64  # tokens and head rows a program writes; the contraction's step
 
 
+# Soft-capped logits lie in [-c, c]: up to this c a sum of exp(logit) over any vocabulary (up to
+# 2**31 entries: e**64 * 2**31 < 3.4e38) is finite in float32 without subtracting the row's max,
+# so the exp-sum is one pass (the epilogue's, head_loss._lse's); past it the loss subtracts the
+# max first, as without a cap, and a head takes XLA's path, not this kernel.
+UNSHIFTED_CAP = 64.0
+
+
 def applies(tokens: int, d_model: int, vocab: int) -> bool:
   """Whether the program being built takes the kernel for a head slice of `tokens` tokens per
   device: on a GPU where opted in (per_device.OWN_KERNELS), where it tiles (elsewhere, and for
@@ -53,6 +60,8 @@ def forward(a8_ND, b8_DV, scale: float, r: float, softcap: float):
   """(z [N, V] bfloat16, sum over V of exp(softcap * tanh(z / r / softcap)) [N] float32) for
   e4m3 codes a and b with z = scale * (a @ b), per device under a mesh (tokens split as
   "batch", the head's codes whole)."""
+  if not 0 < softcap <= UNSHIFTED_CAP:
+    raise ValueError(f"fp8_head: softcap={softcap} is not in (0, {UNSHIFTED_CAP}]")
   local = functools.partial(_forward, scale=float(scale), r=float(r), softcap=float(softcap),
                             interpret=platform() != "gpu")
   N, V = a8_ND.shape[0], b8_DV.shape[1]
