@@ -165,8 +165,10 @@ def _run(cfg, log, clock):
       checkpoint.make_manager(cfg.output_dir, keep=cfg.checkpoint.keep,
                               async_save=cfg.checkpoint["async"], fingerprint=data_fingerprint,
                               on_confirmed=session.confirmed) as manager:
+    from nanotext.model.kernels.dispatch import interpreted  # a Pallas kernel off its chip
     log(f"model: {run_.num_params:,} parameters | {sharding_summary(run_)} | "
-        f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens/step")
+        f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens/step"
+        f"{interpreted(run_.impl, run_.backend, ' | ')}")
     log(run_.memory.line())
     data_lines(cfg, train_iter, val_local, log)
     clock.lap("output_dir")

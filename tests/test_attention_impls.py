@@ -66,6 +66,22 @@ def test_bfloat16(impl):
   assert max(errs) < BF16_TOL, errs
 
 
+def test_a_pallas_kernel_off_its_chip_says_it_is_interpreted(tmp_path):
+  """attention.impl=flash (a TPU kernel) on a CPU run ran in Pallas's interpreter, far slower,
+  and no start-up line said so: the model line does; a kernel on its own platform adds nothing."""
+  from nanotext.model.kernels.dispatch import interpreted
+  from nanotext.train import run
+  lines = []
+  run(BASE, [*TINY, "train.seq_len=128", "train.steps=1", "train.eval_batches=1",
+             "attention.impl=flash", f"output_dir={tmp_path}"], log=lines.append)
+  model = [l for l in lines if l.startswith("model:")]
+  assert len(model) == 1 and model[0].endswith(
+      "| attention flash (Pallas interpret mode on CPU: a test mode, far slower)"), model
+  assert interpreted("flash_gpu", "gpu") == interpreted("splash", "tpu") == ""
+  assert interpreted("cpu", "cpu") == interpreted("xla", "tpu") == ""
+  assert "flash_gpu (Pallas interpret mode on CPU" in interpreted("flash_gpu", "cpu")
+
+
 @pytest.mark.fast
 def test_flash_takes_windows_that_cover_every_row():
   """shakespeare.yml's windows (1792, short 896) all cover its 256-token rows, so its attention is

@@ -118,6 +118,19 @@ def config_impl(cfg, backend: str) -> str:
                       doc_mask=a.doc_mask, rows=rows, dtype=m.dtype)
 
 
+# Pallas kernels and the platform each is compiled for; elsewhere Pallas interprets it
+PALLAS_PLATFORM = {"splash": "tpu", "flash": "tpu", "flash_gpu": "gpu"}
+
+
+def interpreted(impl: str, backend: str, sep: str = "") -> str:
+  """'' where kernel `impl` runs compiled on `backend`, else `sep` and a note that it runs in
+  Pallas's interpreter (taken where asked for, on CPU: the tests' mode), for start-up lines."""
+  if PALLAS_PLATFORM.get(impl, backend) == backend:
+    return ""
+  return (f"{sep}attention {impl} (Pallas interpret mode on {backend.upper()}: a test mode, far "
+          "slower)")
+
+
 def takes_runtime_window(impl: str) -> bool:
   """Whether kernel `impl` (resolved, not auto) takes the window as a runtime input, so that one
   program serves every stage of a window schedule."""
