@@ -304,10 +304,8 @@ def _train(run_, cfg, manager, train_iter, val_local, preemption, log, clock):
 
 def ended_here(cfg, start, path: str) -> bool:
   """Whether this start ends at its checkpoint a run saved under another train.steps (lowered
-  to that step) whose end is not recorded yet: config.yml, saved once its final row is, still
-  holds the train.steps it trained under (its step's saved one stays: nothing is saved again).
-  A step saved as a run's final one is such a step too where config.yml says otherwise: an
-  extension of the finished run died before its next checkpoint (its rows past it stayed)."""
+  to that step; or its final step, an extension past it dead before its next checkpoint) whose
+  end is not recorded yet: config.yml, saved once the final row is, holds another train.steps."""
   from nanotext import config_file
   if start.step != cfg.train.steps or start.saved_steps is None:
     return False
