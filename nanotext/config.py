@@ -8,7 +8,6 @@ place that computes them; it returns a `Section` tree (frozen dataclasses whose 
 are made from base.yml, so a new key is added there alone).
 """
 
-import datetime
 import dataclasses
 import difflib
 import os
@@ -19,6 +18,7 @@ import ml_collections
 import yaml
 
 from nanotext import config_file, sections
+from nanotext.config_file import coerce
 from nanotext.errors import UserError
 from nanotext.fileio import atomic_write
 
@@ -27,8 +27,11 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 # Keys nanotext no longer has: a config file that holds one (a run's saved config.yml from an
 # older version) still loads, the key ignored.
 RETIRED = ("train.debug_nan_step",)
+# Keys that are actions of one start, not settings of the run: a saved config.yml holds their
+# defaults, and a run folder's config.yml (an older one saved them) is read without them, so a
+# start from that file (a resume, docs/convert.md's start from its weights) does not act unasked.
+ONE_SHOT = ("overwrite", "data.allow_changed")
 MAX_BASE_DEPTH = 32  # a chain of base: files deeper than this is refused
-FLOAT32_MAX = 3.4028234663852886e38  # every float key is used in float32
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -58,68 +61,6 @@ def _unknown_key(key: str, known) -> UserError:
     close = [k for k in known if close and k.endswith("." + close[0])][:1]
   hint = f"; did you mean '{close[0]}'?" if close else ""
   return UserError(f"unknown config key '{key}'{hint}")
-
-
-_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-def coerce(key: str, value, default):
-  """Return `value` converted to the type of `default`, or raise UserError naming the key."""
-  kind = type(default)
-  def bad(expected):
-    return UserError(f"config key '{key}' expects {expected}, got {value!r}")
-  if kind is bool:
-    if isinstance(value, bool):
-      return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-      return value.strip().lower() in _TRUE
-    raise bad("a boolean (true or false)")
-  if kind is int:
-    if isinstance(value, str):
-      try:
-        value = int(value.strip())
-      except ValueError:
-        pass
-    if isinstance(value, int) and not isinstance(value, bool):
-      if not -2**63 <= value < 2**63:
-        raise bad("an integer that fits in 64 bits")
-      return value
-    raise bad("an integer")
-  if kind is float:
-    number = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      number = value
-    elif isinstance(value, str):
-      try:
-        number = float(value.strip())
-      except ValueError:
-        pass
-    try:
-      number = None if number is None else float(number)
-    except OverflowError:
-      number = float("inf")
-    if number is None:
-      raise bad("a number")
-    if not abs(number) <= FLOAT32_MAX:  # NaN or inf (in float32, as the step computes) can
-      raise bad("a finite number (float32: at most 3.4e38)")  # only poison the run
-    return number
-  if kind is str:
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-      return str(value)
-    if isinstance(value, (bool, datetime.date)) or value is None:  # YAML read it as one
-      raise bad("a string (YAML reads yes/no/on/off/true/false, null and dates as such "
-                "values: quote it)")
-    raise bad("a string")
-  if kind is list:
-    if isinstance(value, str):
-      try:
-        value = config_file.parse(value, f"the value of {key}")
-      except yaml.YAMLError:
-        raise bad("a YAML list") from None
-    if isinstance(value, list):
-      return value
-    raise bad("a list")
-  raise UserError(f"config key '{key}' has an unsupported default type {kind.__name__}")
 
 
 def file_chain(path) -> list:
@@ -160,8 +101,9 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
   schema = _schema()
   values = dict(schema)
   for source, flat in file_chain(path):
+    saved = _in_run_folder(source)
     for key, value in flat.items():
-      if key in RETIRED:
+      if key in RETIRED or (saved and key in ONE_SHOT):
         continue
       if key not in schema:
         raise UserError(f"{_unknown_key(key, schema)} (in '{source}')")
@@ -178,6 +120,15 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
   cfg = _to_configdict(values)
   validate(cfg)
   return cfg
+
+
+def _in_run_folder(source: str) -> bool:
+  """Whether a config file is a run folder's own config.yml: a training run's (its checkpoints
+  or metrics beside it) or a params-only folder's (convert.json)."""
+  folder = os.path.dirname(source)
+  return os.path.basename(source) == "config.yml" and any(
+      os.path.lexists(os.path.join(folder, n)) for n in ("checkpoints", "metrics.jsonl",
+                                                          "convert.json"))
 
 
 def _to_configdict(flat: dict) -> ml_collections.ConfigDict:
@@ -337,7 +288,15 @@ def typed(cfg, schema: dict | None = None) -> sections.Section:
 
 
 def to_yaml(cfg) -> str:
-  return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
+  """The config as a run saves it: the ONE_SHOT keys at their defaults."""
+  tree, schema = cfg.to_dict(), _schema()
+  for key in ONE_SHOT:
+    *parents, leaf = key.split(".")
+    node = tree
+    for p in parents:
+      node = node[p]
+    node[leaf] = schema[key]
+  return yaml.safe_dump(tree, sort_keys=False, default_flow_style=None)
 
 
 def save(cfg, path) -> None:
@@ -380,7 +339,7 @@ def run_identity_diff(old: dict, new: dict) -> list:
   a, b = _spelled_out(flatten(old)), _spelled_out(flatten(new))
   free = [k for k, rules in key_rules().items() if "resume-ok" in rules]
   def ignored(k):
-    return any(k == p or k.startswith(p + ".") for p in free)
+    return k in ONE_SHOT or any(k == p or k.startswith(p + ".") for p in free)
   changed = {k for k in set(a) & set(b) if not ignored(k) and a[k] != b[k]}
   # a key that follows another (max_seq_len: train.seq_len's) after it: the one a user changed
   follows = lambda k: k in _STANDS_FOR and _STANDS_FOR[k][1] in changed

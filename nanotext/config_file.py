@@ -1,7 +1,9 @@
 """A config file read safely: UTF-8 text, one YAML mapping of plain values (no tags), no key given
 twice, and bounds that keep a hostile file (an alias bomb, a huge file) to one line; and the
-schema's rules, read from the `# [rule ...]` opening a key's comment (`rules`)."""
+schema's rules, read from the `# [rule ...]` opening a key's comment (`rules`); a value coerced
+to its key's type (`coerce`)."""
 
+import datetime
 import functools
 import re
 from pathlib import Path
@@ -47,6 +49,69 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float",
                                  _UniqueKeyLoader.construct_yaml_float)
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # every float key is used in float32
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def coerce(key: str, value, default):
+  """Return `value` converted to the type of `default`, or raise UserError naming the key."""
+  kind = type(default)
+  def bad(expected):
+    return UserError(f"config key '{key}' expects {expected}, got {value!r}")
+  if kind is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+      return value.strip().lower() in _TRUE
+    raise bad("a boolean (true or false)")
+  if kind is int:
+    if isinstance(value, str):
+      try:
+        value = int(value.strip())
+      except ValueError:
+        pass
+    if isinstance(value, int) and not isinstance(value, bool):
+      if not -2**63 <= value < 2**63:
+        raise bad("an integer that fits in 64 bits")
+      return value
+    raise bad("an integer")
+  if kind is float:
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      number = value
+    elif isinstance(value, str):
+      try:
+        number = float(value.strip())
+      except ValueError:
+        pass
+    try:
+      number = None if number is None else float(number)
+    except OverflowError:
+      number = float("inf")
+    if number is None:
+      raise bad("a number")
+    if not abs(number) <= FLOAT32_MAX:  # NaN or inf (in float32, as the step computes) can
+      raise bad("a finite number (float32: at most 3.4e38)")  # only poison the run
+    return number
+  if kind is str:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+      return str(value)
+    if isinstance(value, (bool, datetime.date)) or value is None:  # YAML read it as one
+      raise bad("a string (YAML reads yes/no/on/off/true/false, null and dates as such "
+                "values: quote it)")
+    raise bad("a string")
+  if kind is list:
+    if isinstance(value, str):
+      try:
+        value = parse(value, f"the value of {key}")
+      except yaml.YAMLError:
+        raise bad("a YAML list") from None
+    if isinstance(value, list):
+      return value
+    raise bad("a list")
+  raise UserError(f"config key '{key}' has an unsupported default type {kind.__name__}")
 
 
 # A config is a few kilobytes; these bounds keep a hostile file (a YAML alias bomb, a huge file)

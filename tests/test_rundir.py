@@ -320,6 +320,28 @@ def test_a_config_yml_edited_after_the_newest_step_is_another_run(tmp_path):
   assert rundir.check_run(edited, str(tmp_path)) is False
 
 
+def test_one_shot_keys_act_only_when_given_for_this_start(tmp_path):
+  """A run started with overwrite=true saved `overwrite: true`: a later start from its config.yml
+  (a model key changed; docs/convert.md's start from its weights into another folder) replaced
+  the run there unasked. Saved now at false; a run folder's older config.yml is read without it."""
+  run = tmp_path / "run"
+  run.mkdir()
+  cfg = config.load(BASE, TINY + [f"output_dir={run}", "overwrite=true", "data.allow_changed=true"])
+  config.save(cfg, run / "config.yml")
+  assert "overwrite: false" in (run / "config.yml").read_text()
+  (run / "metrics.jsonl").write_text("")
+  text = (run / "config.yml").read_text()  # as an older nanotext saved it
+  (run / "config.yml").write_text(text.replace("overwrite: false", "overwrite: true")
+                                  .replace("allow_changed: false", "allow_changed: true"))
+  again = config.load(run / "config.yml", ["model.num_layers=3"])
+  assert (again.overwrite, again.data.allow_changed) == (False, False)
+  with pytest.raises(UserError, match=r"holds a different run \(model.num_layers: 2 -> 3\)"):
+    rundir.check_run(again, str(run))
+  assert config.load(run / "config.yml", ["overwrite=true"]).overwrite  # given now: it acts
+  (tmp_path / "mine.yml").write_text(f"base: {BASE}\noverwrite: true\n")  # not a run's file
+  assert config.load(tmp_path / "mine.yml").overwrite
+
+
 def test_someone_elses_config_yml_is_no_run_to_resume(tmp_path):
   """A config.yml sharing no key with nanotext's (a docker-compose file) was 'the same run':
   replaced by the run's, a foreign metrics.jsonl appended to, exit 0."""
