@@ -331,12 +331,24 @@ def changes_model(key: str) -> bool:
   return key.startswith(("model.", "attention.")) and key not in HOW_COMPUTED
 
 
+def _as_typed(flat: dict) -> dict:
+  """Each value coerced to its key's type as `load` does (YAML reads 1e-10 as a string, a file
+  may spell 0.003 as 3e-3); one that does not coerce is kept as it is."""
+  schema, out = _schema(), dict(flat)
+  for k, v in flat.items():
+    try:
+      out[k] = coerce(k, v, schema[k]) if k in schema else v
+    except UserError:
+      pass
+  return out
+
+
 def run_identity_diff(old: dict, new: dict) -> list:
   """Keys (with old -> new values) whose change makes `new` a different run than `old`.
 
   A key only one side has was added to (or removed from) nanotext between the two: not a change
   of the run (a resume takes the key's value from here on)."""
-  a, b = _spelled_out(flatten(old)), _spelled_out(flatten(new))
+  a, b = _spelled_out(_as_typed(flatten(old))), _spelled_out(_as_typed(flatten(new)))
   free = [k for k, rules in key_rules().items() if "resume-ok" in rules]
   def ignored(k):
     return k in ONE_SHOT or any(k == p or k.startswith(p + ".") for p in free)

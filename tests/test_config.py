@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import BASE, SPEEDRUN, TINY
-from nanotext import config, config_file, sections, sharding, wiring
+from nanotext import config, config_file, rundir, sections, sharding, wiring
 from nanotext.errors import UserError
 
 pytestmark = pytest.mark.fast
@@ -350,6 +350,22 @@ def test_run_identity_diff():
   assert any(d.startswith("model.d_model: 256 -> 512") for d in diff)
   assert config.run_identity_diff(old, finalize("seed=1").to_dict()) == ["seed: 0 -> 1"]
 
+
+
+def test_run_identity_diff_compares_values_as_their_keys_types(tmp_path):
+  """config.yml spelling a value another way (3e-3, which YAML reads as a string; JSON's 1e-10
+  copied back from a checkpoint) was 'a different run (optim.lr: 3e-3 -> 0.003)'."""
+  cfg = config.load(BASE, [f"output_dir={tmp_path}"])
+  config.save(cfg, tmp_path / "config.yml")
+  text = (tmp_path / "config.yml").read_text()
+  assert "lr: 0.003," in text and "eps: 1.0e-08," in text
+  (tmp_path / "config.yml").write_text(text.replace("lr: 0.003,", "lr: 3e-3,")
+                                       .replace("eps: 1.0e-08,", "eps: 1e-8,"))
+  assert rundir.check_run(cfg, str(tmp_path)) is False
+  old = config_file.read(tmp_path / "config.yml")
+  assert old["optim"]["lr"] == "3e-3" and config.run_identity_diff(old, cfg.to_dict()) == []
+  old["optim"]["lr"] = "4e-3"
+  assert config.run_identity_diff(old, cfg.to_dict()) == ["optim.lr: 0.004 -> 0.003"]
 
 # Typed sections: built once by finalize from base.yml's keys and types.
 
