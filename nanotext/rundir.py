@@ -176,9 +176,13 @@ def _check_run(cfg, out: str) -> bool:
                     f"run's (no {', '.join(k + ':' for k in RUN_SECTIONS)} sections): choose "
                     "another output_dir, or pass overwrite=true to replace what is there")
   diff, saved = config.run_identity_diff(old, cfg.to_dict()) + _source_change(old, cfg, done), ""
-  if not diff and done:  # config.yml edited since the newest step was saved by the run
-    diff, saved = config.run_identity_diff(step_config(out, done[-1]), cfg.to_dict()), \
+  kept = step_config(out, done[-1]) if done else {}
+  against = config.run_identity_diff(kept, cfg.to_dict()) if kept else []
+  if not diff and against:  # config.yml edited since the newest step was saved by the run
+    diff, saved = against, \
         f", against its checkpoint of step {done[-1]}: config.yml was edited after it"
+  elif diff and kept and not against and not _source_change(kept, cfg, done) and not cfg.overwrite:
+    edited(path, config.run_identity_diff(kept, old) or diff, done[-1])  # the checkpoint's run
   if diff:
     if not cfg.overwrite:
       same = "; or give the checkpoint.load_params_from it started from (or none) to resume " \
@@ -194,6 +198,14 @@ def _check_run(cfg, out: str) -> bool:
                     f"train.steps={cfg.train.steps}: raise train.steps to continue that run, "
                     "choose another output_dir, or pass overwrite=true to replace it")
   return False
+
+
+def edited(path: str, diff: list, step: int, where: str = "") -> None:
+  """UserError: config.yml at `path` was edited after its checkpoint of `step` was saved."""
+  raise UserError(f"'{path}' differs from the config its checkpoint of step {step} was saved "
+                  f"with ({diff[0]}{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}): it "
+                  "was edited after; put the saved values back "
+                  f"({where or f'checkpoints/{step}/config/metadata'} holds them)")
 
 
 def _without_config(cfg, out: str) -> bool:
@@ -221,17 +233,12 @@ def check_unedited(out: str, cfg_dict: dict) -> None:
   regrouped, a softcap added) and say nothing."""
   from nanotext import config
   done = steps_on_disk(out)
-  if done:
-    saved, step, where = step_config(out, done[-1]), done[-1], "checkpoints/<step>/config/metadata"
-  else:
-    (saved, step), where = params_only_config(out), "convert.json's config"
+  (saved, step), where = ((step_config(out, done[-1]), done[-1]), "") if done else \
+      (params_only_config(out), "convert.json's config")
   diff = [d for d in (config.run_identity_diff(saved, cfg_dict) if saved else [])
           if config.changes_model(d.split(":")[0])]
   if diff:
-    more = f" and {len(diff) - 1} more" if len(diff) > 1 else ""
-    raise UserError(f"'{os.path.join(out, 'config.yml')}' differs from the config its checkpoint "
-                    f"of step {step} was saved with ({diff[0]}{more}): it was edited after; "
-                    f"put the saved values back ({where} holds them)")
+    edited(os.path.join(out, "config.yml"), diff, step, where)
 
 
 def params_only_config(out: str) -> tuple:

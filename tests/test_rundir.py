@@ -320,6 +320,23 @@ def test_a_config_yml_edited_after_the_newest_step_is_another_run(tmp_path):
   assert rundir.check_run(edited, str(tmp_path)) is False
 
 
+def test_a_config_yml_edited_after_a_step_this_run_matches_says_so(tmp_path):
+  """config.yml edited (seed 0 -> 7) while the command and the newest step agree (seed 0): it was
+  'a different run', the advice overwrite=true (deleting the matching checkpoint)."""
+  run = config.load(BASE, TINY + [f"output_dir={tmp_path}"])
+  item = tmp_path / "checkpoints" / "4" / "config"
+  item.mkdir(parents=True)
+  item.joinpath("metadata").write_text(json.dumps(run.to_dict()))
+  config.save(config.load(BASE, TINY + [f"output_dir={tmp_path}", "seed=7"]),
+              tmp_path / "config.yml")
+  with pytest.raises(UserError, match=r"config.yml' differs from the config its checkpoint of step "
+                                      r"4 was saved with \(seed: 0 -> 7\): it was edited after; "
+                                      r"put the saved values back \(checkpoints/4/config/metadata"):
+    rundir.check_run(run, str(tmp_path))
+  with pytest.raises(UserError, match=r"holds a different run \(seed: 7 -> 3"):  # neither's run
+    rundir.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", "seed=3"]), str(tmp_path))
+
+
 def test_one_shot_keys_act_only_when_given_for_this_start(tmp_path):
   """A run started with overwrite=true saved `overwrite: true`: a later start from its config.yml
   (a model key changed; docs/convert.md's start from its weights into another folder) replaced
