@@ -122,13 +122,25 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
   return cfg
 
 
-def _in_run_folder(source: str) -> bool:
+_TRAINED = ("checkpoints", "metrics.jsonl")  # beside a training run's config.yml
+
+
+def _in_run_folder(source: str, marks=_TRAINED + ("convert.json",)) -> bool:
   """Whether a config file is a run folder's own config.yml: a training run's (its checkpoints
   or metrics beside it) or a params-only folder's (convert.json)."""
   folder = os.path.dirname(source)
   return os.path.basename(source) == "config.yml" and any(
-      os.path.lexists(os.path.join(folder, n)) for n in ("checkpoints", "metrics.jsonl",
-                                                          "convert.json"))
+      os.path.lexists(os.path.join(folder, n)) for n in marks)
+
+
+def check_source(path, overrides, cfg) -> None:
+  """UserError where train's config file is output_dir's own config.yml where no run is yet:
+  the run would save over it."""
+  src, out = os.path.realpath(path), os.path.realpath(cfg.output_dir)
+  if src == os.path.join(out, "config.yml") and not _in_run_folder(src):
+    raise UserError(f"config file '{path}' is output_dir's own config.yml, which the run "
+                    "replaces with the config it resolves: keep your config elsewhere, or name "
+                    "another output_dir")
 
 
 def _to_configdict(flat: dict) -> ml_collections.ConfigDict:

@@ -111,13 +111,14 @@ def run(path: str, overrides, log=print, started: float | None = None):
   `log`: what takes each line (None: no lines). `started` (a time.perf_counter()) is where the
   start-up line's clock starts; default now.
   """
-  from nanotext import wiring
+  from nanotext import config, wiring
   from nanotext.watch import StartupClock
 
   log = log or (lambda line: None)
   clock = StartupClock(started)
   clock.lap("imports")
   cfg = wiring.load(path, overrides)
+  config.check_source(path, overrides, cfg)
   with compile_cache(cfg.train.compile_cache_dir):  # before this process's first compilation
     return _run(cfg, log, clock)
 

@@ -337,6 +337,24 @@ def test_a_config_yml_edited_after_a_step_this_run_matches_says_so(tmp_path):
     rundir.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", "seed=3"]), str(tmp_path))
 
 
+def test_a_config_in_output_dir_is_trained_from_only_as_that_runs_own(tmp_path):
+  """train runs/u/config.yml, a hand-written file in the folder it names as output_dir, no run
+  there: 'holds a different run (base: ... -> '')', and overwrite=true replaced the file."""
+  from nanotext import train
+  out = tmp_path / "u"
+  out.mkdir()
+  mine = f"# notes\nbase: {BASE}\noutput_dir: {out}\ntrain: {{steps: 2}}\n"
+  (out / "config.yml").write_text(mine)
+  for extra in ([], ["overwrite=true"], [f"output_dir={out}"]):
+    with pytest.raises(UserError, match=r"config file '.*u/config.yml' is output_dir's own "
+                                        r"config.yml, .*name another output_dir"):
+      train.run(str(out / "config.yml"), TINY + extra, log=None)
+  assert (out / "config.yml").read_text() == mine
+  config.save(config.load(BASE, TINY + [f"output_dir={out}"]), out / "config.yml")
+  (out / "metrics.jsonl").write_text("")  # a run's own: resumed as before
+  config.check_source(str(out / "config.yml"), [], config.load(out / "config.yml"))
+
+
 def test_one_shot_keys_act_only_when_given_for_this_start(tmp_path):
   """A run started with overwrite=true saved `overwrite: true`: a later start from its config.yml
   (a model key changed; docs/convert.md's start from its weights into another folder) replaced
