@@ -134,13 +134,21 @@ def _in_run_folder(source: str, marks=_TRAINED + ("convert.json",)) -> bool:
 
 
 def check_source(path, overrides, cfg) -> None:
-  """UserError where train's config file is output_dir's own config.yml where no run is yet:
-  the run would save over it."""
+  """UserError where train's config file is a config.yml it cannot start from as it stands:
+  output_dir's own where no run is yet (the run saves over it), or a training run's saved one
+  in a folder other than its output_dir (moved or copied: it would train at the old path)."""
   src, out = os.path.realpath(path), os.path.realpath(cfg.output_dir)
-  if src == os.path.join(out, "config.yml") and not _in_run_folder(src):
-    raise UserError(f"config file '{path}' is output_dir's own config.yml, which the run "
-                    "replaces with the config it resolves: keep your config elsewhere, or name "
-                    "another output_dir")
+  folder = os.path.dirname(os.path.abspath(path))
+  if src == os.path.join(out, "config.yml"):
+    if not _in_run_folder(src):
+      raise UserError(f"config file '{path}' is output_dir's own config.yml, which the run "
+                      "replaces with the config it resolves: keep your config elsewhere, or "
+                      "name another output_dir")
+  elif _in_run_folder(src, _TRAINED) and not any(
+      parse_override(a)[0] == "output_dir" for a in overrides):
+    raise UserError(f"config file '{path}' is the saved config of the run whose output_dir is "
+                    f"'{cfg.output_dir}', not of the folder it lies in: pass output_dir={folder} "
+                    "to resume the run there, or output_dir=DIR to start one elsewhere")
 
 
 def _to_configdict(flat: dict) -> ml_collections.ConfigDict:

@@ -355,6 +355,24 @@ def test_a_config_in_output_dir_is_trained_from_only_as_that_runs_own(tmp_path):
   config.check_source(str(out / "config.yml"), [], config.load(out / "config.yml"))
 
 
+def test_a_moved_runs_config_is_not_trained_at_its_old_path(tmp_path):
+  """mv runs/m runs/m2; train runs/m2/config.yml trained from scratch at runs/m (the output_dir
+  it saved), saying nothing."""
+  from nanotext import train
+  old, moved = tmp_path / "m", tmp_path / "m2"
+  moved.mkdir()
+  config.save(config.load(BASE, TINY + [f"output_dir={old}"]), moved / "config.yml")
+  (moved / "checkpoints" / "2").mkdir(parents=True)
+  with pytest.raises(UserError, match=f"config file '{moved}/config.yml' is the saved config of "
+                                      f"the run whose output_dir is '{old}', not of the folder it "
+                                      f"lies in: pass output_dir={moved} to resume"):
+    train.run(str(moved / "config.yml"), [], log=None)
+  assert not old.exists()
+  for out in (moved, tmp_path / "new"):  # the run resumed there, or a start elsewhere
+    config.check_source(str(moved / "config.yml"), [f"output_dir={out}"], config.load(
+        moved / "config.yml", [f"output_dir={out}"]))
+
+
 def test_one_shot_keys_act_only_when_given_for_this_start(tmp_path):
   """A run started with overwrite=true saved `overwrite: true`: a later start from its config.yml
   (a model key changed; docs/convert.md's start from its weights into another folder) replaced
