@@ -96,11 +96,12 @@ def coerce(key: str, value, default):
       raise bad("a finite number (float32: at most 3.4e38)")  # only poison the run
     return number
   if kind is str:
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-      return str(value)
-    if isinstance(value, (bool, datetime.date)) or value is None:  # YAML read it as one
-      raise bad("a string (YAML reads yes/no/on/off/true/false, null and dates as such "
-                "values: quote it)")
+    if isinstance(value, str):
+      return value
+    # YAML read it as one; a number's str() is another spelling (3.10 -> '3.1', 1_000 -> '1000')
+    if isinstance(value, (bool, int, float, datetime.date)) or value is None:
+      raise bad("a string (YAML reads numbers, yes/no/on/off/true/false, null and dates as "
+                "such values: quote it)")
     raise bad("a string")
   if kind is list:
     if isinstance(value, str):

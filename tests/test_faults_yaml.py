@@ -101,9 +101,10 @@ def test_a_merge_key_is_named_not_called_a_tag(tmp_path):
 
 
 @pytest.mark.parametrize("value,read", [("no", "False"), ("2024-01-01", "datetime.date"),
-                                        ("null", "None")])
+                                        ("null", "None"), ("1.10", "1.1"), ("1_000", "1000")])
 def test_a_string_key_given_what_yaml_reads_as_another_value_says_quote_it(tmp_path, value, read):
-  """'expects a string, got datetime.date(2024, 1, 1)' left the fix to the user."""
+  """'expects a string, got datetime.date(2024, 1, 1)' left the fix to the user; a number was
+  taken as its str(), another spelling (output_dir: 1.10 trained into '1.1')."""
   path = tmp_path / "s.yml"
   path.write_text(f"base: {BASE}\noutput_dir: {value}\n")
   refused(path, match=f"output_dir' expects a string .*quote it\\), got {read}")
