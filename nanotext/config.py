@@ -116,7 +116,7 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
       raise _unknown_key(key, schema)
     values[key] = coerce(key, value, schema[key])
   values.update(base="", **{k: os.path.expanduser(values[k]) for k in  # ~ as a shell would
-                             ("output_dir", "checkpoint.load_params_from")})
+                             ("output_dir", "checkpoint.load_params_from", "profile.dir")})
   cfg = _to_configdict(values)
   validate(cfg)
   return cfg

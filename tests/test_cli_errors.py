@@ -276,5 +276,7 @@ def test_a_leading_tilde_is_home_in_every_path_argument(tmp_path, monkeypatch):
   with pytest.raises(UserError, match=f"output_dir '{home}/gone' does not"):
     evaluate.parse(["output_dir=~/gone"])
   assert os.listdir(cwd) == [] and sorted(os.listdir(home)) == ["afile"]
-  cfg = config.load(BASE, ["output_dir=~/run", "checkpoint.load_params_from=~/src"])
-  assert (cfg.output_dir, cfg.checkpoint.load_params_from) == (f"{home}/run", f"{home}/src")
+  cfg = config.load(BASE, ["output_dir=~/run", "checkpoint.load_params_from=~/src",
+                           "profile.dir=~/trace"])  # the trace went into a folder named '~'
+  assert (cfg.output_dir, cfg.checkpoint.load_params_from, cfg.profile.dir) == \
+      (f"{home}/run", f"{home}/src", f"{home}/trace")
