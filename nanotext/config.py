@@ -274,8 +274,8 @@ def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
   for axis, size in mesh_sizes.items():
     cfg.mesh[axis] = size
   cfg.data.dir = cfg.data.dir or data_dir
-  for k in ("train_files", "val_files"):  # saved whole: evaluate read them from its own folder
-    cfg.data[k] = cfg.data[k] and os.path.abspath(os.path.expanduser(cfg.data[k]))
+  for k in ("dir", "train_files", "val_files"):  # saved whole: evaluate read (or prepared) them
+    cfg.data[k] = cfg.data[k] and os.path.abspath(os.path.expanduser(cfg.data[k]))  # in its cwd
   cfg.metrics.peak_flops = cfg.metrics.peak_flops or peak_flops
   bad = misaligned_dims(m)
   if bad and m.strict_align:

@@ -267,10 +267,13 @@ def test_finalize_fills_derived_values():
 @pytest.mark.fast
 def test_shard_globs_are_saved_whole(monkeypatch, tmp_path):
   """A relative data.val_files was saved as given: evaluate from another folder read that
-  folder's shards (6.73 for the run's 5.46), without a word."""
+  folder's shards (6.73 for the run's 5.46), without a word; a relative data.dir had evaluate
+  prepare the corpus again in its own folder."""
   monkeypatch.chdir(tmp_path)
-  cfg = finalize("data.source=bin", "data.train_files=sh/train_*.bin", "data.val_files=")
+  cfg = finalize("data.source=bin", "data.train_files=sh/train_*.bin", "data.val_files=",
+                 "data.dir=shards")
   assert cfg.data.train_files == f"{tmp_path}/sh/train_*.bin" and cfg.data.val_files == ""
+  assert cfg.data.dir == f"{tmp_path}/shards"
 
 
 def test_finalize_keeps_explicit_values_and_input():
