@@ -35,13 +35,16 @@ MAX_BASE_DEPTH = 32  # a chain of base: files deeper than this is refused
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
-  out = {}
+  """{dotted key: value}; UserError for a key given both dotted and nested (`train.steps: 5`
+  beside `train: {steps: 6}`), which would have been last-wins."""
+  out: dict = {}
   for k, v in tree.items():
     key = f"{prefix}{k}"
-    if isinstance(v, dict):
-      out.update(flatten(v, key + "."))
-    else:
-      out[key] = v
+    for leaf, value in (flatten(v, key + ".") if isinstance(v, dict) else {key: v}).items():
+      if leaf in out:
+        raise UserError(f"config key '{leaf}' is given twice (dotted, and nested in its "
+                        "section): give it once")
+      out[leaf] = value
   return out
 
 
@@ -78,7 +81,11 @@ def file_chain(path) -> list:
       raise UserError(f"config file '{seen[0]}' has a chain of 'base:' files more than "
                       f"{MAX_BASE_DEPTH} deep")
     seen.append(path)
-    flat = flatten(config_file.read(path))
+    tree = config_file.read(path)
+    try:
+      flat = flatten(tree)
+    except UserError as e:
+      raise UserError(f"{e} (in '{path}')") from None
     parent = flat.pop("base", "") or ""
     if not isinstance(parent, str):
       raise UserError(f"config key 'base' in '{path}' must be a file path")

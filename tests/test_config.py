@@ -61,6 +61,17 @@ def test_a_config_file_is_one_mapping_of_plain_values(tmp_path):
     config_file.read(write(tmp_path / "d.yml", "seed: 1\n? [a, b]\n: 2\n"))
 
 
+def test_a_key_given_dotted_and_nested_is_refused(tmp_path):
+  """train.steps: 5 beside train: {steps: 6} loaded, the last one winning, where a key given
+  twice in one section is refused."""
+  for text in ("train.steps: 5\ntrain:\n  steps: 6\n", "train:\n  steps: 6\ntrain.steps: 5\n"):
+    path = write(tmp_path / "t.yml", f"base: {BASE}\n{text}")
+    with pytest.raises(UserError, match=r"config key 'train.steps' is given twice \(dotted, and "
+                                        rf"nested in its section\): give it once \(in '{path}'\)"):
+      config.load(path)
+  assert config.load(write(tmp_path / "u.yml", f"base: {BASE}\ntrain.steps: 5\n")).train.steps == 5
+
+
 def test_override_int_and_str():
   cfg = load("train.steps=7", "output_dir=/tmp/x", "sample.prompt=12")
   assert cfg.train.steps == 7 and type(cfg.train.steps) is int
