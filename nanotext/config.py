@@ -15,7 +15,6 @@ import re
 from pathlib import Path
 
 import ml_collections
-import yaml
 
 from nanotext import config_file, sections
 from nanotext.config_file import coerce
@@ -126,6 +125,7 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
                              ("output_dir", "checkpoint.load_params_from", "profile.dir")})
   cfg = _to_configdict(values)
   validate(cfg)
+  config_file.dump(cfg.to_dict())  # a run reads its config.yml back: one too big refused now
   return cfg
 
 
@@ -314,7 +314,7 @@ def typed(cfg, schema: dict | None = None) -> sections.Section:
   return sections.build(config_file.read(SCHEMA_PATH) if schema is None else schema, values)
 
 
-def to_yaml(cfg) -> str:
+def saved_tree(cfg) -> dict:
   """The config as a run saves it: the ONE_SHOT keys at their defaults."""
   tree, schema = cfg.to_dict(), _schema()
   for key in ONE_SHOT:
@@ -323,12 +323,12 @@ def to_yaml(cfg) -> str:
     for p in parents:
       node = node[p]
     node[leaf] = schema[key]
-  return yaml.safe_dump(tree, sort_keys=False, default_flow_style=None)
+  return tree
 
 
 def save(cfg, path) -> None:
   """Write the resolved config atomically (a failed write leaves no config.yml.tmp)."""
-  atomic_write(str(path), [to_yaml(cfg).encode("utf-8")])
+  atomic_write(str(path), [config_file.dump(saved_tree(cfg)).encode("utf-8")])
 
 
 # Keys whose default stands for another key's value, left so in a saved config: a resume that

@@ -184,6 +184,39 @@ def parse(text: str, what: str):
     loader.dispose()
 
 
+class _Dumper(yaml.SafeDumper):
+  """safe_dump's writer, a string holding a character YAML reads as a line break (NEL, U+2028,
+  U+2029) double-quoted: written raw (allow_unicode) it came back as a space."""
+
+
+_Dumper.add_representer(str, lambda dumper, s: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", s, style='"' if any(c in s for c in "\x85\u2028\u2029") else None))
+
+
+def dump(tree: dict) -> str:
+  """`tree` as config.yml holds it; UserError, naming the largest value, where that file would
+  be more than `read` reads back. Non-ASCII text is written as is: escaped (4 to 10 bytes a
+  character), a config under the bound made a config.yml over it."""
+  def text(t):
+    return yaml.dump(t, Dumper=_Dumper, sort_keys=False, default_flow_style=None,
+                     allow_unicode=True)
+  out = text(tree)
+  if len(out.encode("utf-8")) > MAX_YAML_BYTES:
+    flat = _flat(tree)
+    key = max(flat, key=lambda k: len(text({k: flat[k]}).encode("utf-8")))
+    raise UserError(f"this config's values make a config.yml of {len(out.encode('utf-8')):,} "
+                    f"bytes, more than a config can be ({MAX_YAML_BYTES:,}), which the run could "
+                    f"not read back: shorten {key} (the largest)")
+  return out
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in tree.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
 _KEY_LINE = re.compile(r"(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<rest>.*)")
 _RULES = re.compile(r"\[(?P<rules>[^\]]*)\]")
 

@@ -355,6 +355,24 @@ def test_save_load_round_trip(tmp_path):
   assert os.listdir(path.parent) == ["config.yml"]  # no temporary file left
 
 
+@pytest.mark.parametrize("prompt", ["\u00e9t\u00e9 \U0001F600", "a\x85b", "a\u2028b\u2029",
+                                    "\ufeffROMEO", "line\nbreak", "\x00\x1b[31m", "yes", "'\""])
+def test_a_saved_prompt_reads_back_as_it_was(tmp_path, prompt):
+  path = tmp_path / "config.yml"
+  config.save(load(f"sample.prompt={prompt}"), path)
+  assert config.load(str(path)).sample.prompt == prompt
+
+
+def test_a_saved_config_yml_is_no_bigger_than_a_config_can_be(tmp_path):
+  """A 600 KB prompt of \u00e9 trained, then its config.yml (escaped, 1.3 MB) was refused."""
+  path = tmp_path / "config.yml"
+  config.save(load("sample.prompt=" + "\u00e9" * 300_000), path)  # written as is: 2 bytes each
+  assert config.load(str(path)).sample.prompt == "\u00e9" * 300_000
+  with pytest.raises(UserError, match=r"config.yml of 1,\d+,\d+ bytes, more than a config can be "
+                     r"\(1,048,576\).*shorten sample.prompt"):  # refused before any training
+    load("sample.prompt=" + "\x01" * 270_000)  # each written as the 4 bytes "\x01"
+
+
 def test_run_identity_diff():
   old = finalize().to_dict()
   same = finalize("train.steps=9", "train.log_every=3", "checkpoint.every=7",
