@@ -8,6 +8,7 @@ positional arguments and runs under errors.run_cli: every failure is one line an
 
 import logging
 import os
+import re
 import resource
 import signal
 import sys
@@ -144,6 +145,13 @@ def parse(argv, usage: str, describe=None):
     return flags.FLAGS([argv[0]] + undash(args))
   except flags.Error as e:
     errors.fail(f"{e}; {usage}")
+
+
+def names_config(arg: str) -> bool:
+  """Whether a tool's first positional argument is its config file, not a key=value override:
+  a file that exists (in a sweep's folder lr=3e-3), or text with no key before its '='."""
+  return (os.path.isfile(arg) or "=" not in arg
+          or not re.fullmatch(r"[\w.]+", arg.split("=", 1)[0].strip()))
 
 
 def is_utf8(text: str) -> bool:

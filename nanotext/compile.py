@@ -334,9 +334,9 @@ USAGE = ("usage: python -m nanotext.compile CONFIG [key=value ...] --topology=NA
 
 def precheck(args):
   """The flags, the target's name and the config, checked before jax loads."""
-  from nanotext import config
+  from nanotext import cli, config
   f = flags.FLAGS
-  if not args or ("=" in args[0] and not os.path.isfile(args[0])):
+  if not args or not cli.names_config(args[0]):
     raise UserError(f"no config file given; {USAGE}")
   if not f.topology:
     raise UserError(f"--topology is required; known: {', '.join(topology.known())}")

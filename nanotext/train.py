@@ -52,7 +52,7 @@ def parse_args(argv) -> tuple:
     raise UserError(f"--config is empty: give a config file's path; {USAGE}")
   if given:
     return given[0], args + _flag("set")
-  if not args or "=" in args[0]:
+  if not args or not cli.names_config(args[0]):
     raise UserError(f"no config file given; {USAGE}")
   return args.pop(0), args + _flag("set")
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO, one_line_error, run_cli
+from nanotext.errors import UserError
 
 # Each tool as run, and the words its usage line starts with.
 TOOLS = {
@@ -170,6 +171,21 @@ def test_the_config_file_argument_is_one_and_named(argv, want, tmp_path):
   (fake / "jax").mkdir(parents=True)
   (fake / "jax" / "__init__.py").write_text("raise SystemExit('jax was imported')\n")
   one_line_error(run_cli(*argv, env={"PYTHONPATH": str(fake)}, timeout=120), want)
+
+
+@pytest.mark.fast
+def test_a_config_path_holding_an_equals_sign_is_the_config(tmp_path):
+  """A sweep's folder lr=3e-3: train said 'no config file given' though the file exists."""
+  from nanotext import train
+  path = tmp_path / "lr=3e-3" / "c.yml"
+  path.parent.mkdir()
+  shutil.copy(os.path.join(REPO, "configs", "base.yml"), path)
+  assert train.parse_args([str(path), "train.steps=3"]) == (str(path), ["train.steps=3"])
+  train.precheck([str(path), "train.steps=3"])
+  with pytest.raises(UserError, match="config file '.*lr=3e-3/missing.yml' does not exist"):
+    train.precheck([str(tmp_path / "lr=3e-3" / "missing.yml")])
+  with pytest.raises(UserError, match="no config file given"):
+    train.parse_args(["train.steps=3"])
 
 
 @pytest.mark.fast
