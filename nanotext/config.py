@@ -102,18 +102,22 @@ def parse_override(arg: str):
   return key.strip(), value
 
 
+def check_known(flat: dict, source: str, schema: dict | None = None) -> None:
+  """UserError naming the first key of `flat`, read from `source`, that nanotext does not know."""
+  schema = schema or _schema()
+  for key in (k for k in flat if k not in schema and k not in RETIRED):
+    raise UserError(f"{_unknown_key(key, schema)} (in '{source}')")
+
+
 def load(path, overrides=()) -> ml_collections.ConfigDict:
   """Load a config file (with its `base:` ancestors) and apply `key=value` overrides."""
   schema = _schema()
   values = dict(schema)
   for source, flat in file_chain(path):
-    saved = _in_run_folder(source)
-    for key, value in flat.items():
-      if key in RETIRED or (saved and key in ONE_SHOT):
-        continue
-      if key not in schema:
-        raise UserError(f"{_unknown_key(key, schema)} (in '{source}')")
-      values[key] = coerce(key, value, schema[key])
+    check_known(flat, source, schema)
+    saved = _in_run_folder(source)  # its one-shot keys were the start's that wrote it
+    values.update((k, coerce(k, v, schema[k])) for k, v in flat.items()
+                  if k not in RETIRED and not (saved and k in ONE_SHOT))
   for arg in overrides:
     key, value = parse_override(arg)
     if key == "base":

@@ -9,7 +9,7 @@ import shutil
 
 import jax
 
-from nanotext import distributed, probes, rundir
+from nanotext import config, config_file, distributed, probes, rundir
 from nanotext.lock import Lock
 
 
@@ -58,6 +58,10 @@ class Session:
       rundir.recover(self.out, self.log)
       self.start = StartUp(self.out)  # after the repairs, which stay made
     self.replacing = rundir.check_run(self.cfg, self.out)
+    path = os.path.join(self.out, "config.yml")
+    if not self.replacing and os.path.isfile(path):  # a newer nanotext's key: refused as the
+      config.check_known(config.flatten(config_file.read(path)), path)  # read tools refuse it,
+      # not dropped unsaid from config.yml as the resume rewrites it
     if self.main and self.replacing:
       rundir.set_aside(self.out)
     elif self.main and self.cfg.overwrite and rundir.has_checkpoint(self.out):

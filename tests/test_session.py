@@ -162,6 +162,24 @@ def test_a_refused_run_changes_nothing_and_releases_the_lock(tmp_path):
   assert snapshot(tmp_path) == before and not (tmp_path / lock.LOCK).exists()
 
 
+@pytest.mark.parametrize("overrides", [["train.steps=8"], ["train.steps=8", "overwrite=true"]])
+def test_a_key_this_nanotext_does_not_know_stops_a_resume(tmp_path, overrides):
+  """config.yml from a newer version: evaluate refused its unknown key, a resume (overwrite=true
+  on the same run included) went on and rewrote config.yml without it."""
+  old_run(tmp_path)
+  path = tmp_path / "config.yml"
+  path.write_text(path.read_text().replace("seed: 0\n", "seed: 0\nnew_feature: 3\n"))
+  before = snapshot(tmp_path)
+  s, _ = session(tmp_path, *overrides)
+  with pytest.raises(UserError, match=rf"^unknown config key 'new_feature'.* \(in '{path}'\)$"):
+    with s.open(Preemption(on_early_stop=s.stop_early), 0):
+      pass
+  assert snapshot(tmp_path) == before and not (tmp_path / lock.LOCK).exists()
+  s, _ = session(tmp_path, "seed=1", "overwrite=true")  # another run: replaces it, unread
+  with s.open(Preemption(on_early_stop=s.stop_early), 0):
+    assert s.replacing
+
+
 def test_a_run_holding_the_lock_is_left_alone(tmp_path):
   """Another run's output_dir: refused, and nothing of it put back or removed."""
   before = old_run(tmp_path)
