@@ -91,7 +91,7 @@ def file_chain(path) -> list:
     chain.append((str(path), flat))
     if not parent:
       return chain[::-1]
-    path = path.parent / parent
+    path = config_file.base_of(path, parent)
 
 
 def parse_override(arg: str):

@@ -5,6 +5,7 @@ to its key's type (`coerce`)."""
 
 import datetime
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -157,6 +158,17 @@ def read(path) -> dict:
   if not isinstance(data, dict):
     raise UserError(f"config file '{path}' must hold a mapping of keys, not {type(data).__name__}")
   return data
+
+
+def base_of(path, base: str) -> Path:
+  """The file a config file's `base:` names: relative to that file's folder, `~` as a shell
+  reads it; UserError naming both files where it is none."""
+  parent = Path(path).parent / os.path.expanduser(base)
+  if not parent.is_file():
+    raise UserError(f"config file '{path}' has base: {base}, but '{parent}' "
+                    f"{'is not a file' if parent.exists() else 'does not exist'} (base: is a "
+                    "path from the folder of the file that names it)")
+  return parent
 
 
 def parse(text: str, what: str):

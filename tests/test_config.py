@@ -140,8 +140,19 @@ def test_inheritance_cycle(tmp_path):
 
 
 def test_missing_parent(tmp_path):
+  """Named only '.../nope.yml' does not exist, not which file's base: pointed there, or how."""
   child = write(tmp_path / "child.yml", "base: nope.yml\n")
-  assert "nope.yml" in error(path=child)
+  assert error(path=child) == (f"config file '{child}' has base: nope.yml, but "
+                               f"'{tmp_path / 'nope.yml'}' does not exist (base: is a path from "
+                               "the folder of the file that names it)")
+  assert "'/' is not a file" in error(path=write(tmp_path / "dir.yml", "base: /\n"))
+
+
+def test_a_base_under_home_is_read_as_a_shell_would(tmp_path, monkeypatch):
+  monkeypatch.setenv("HOME", str(tmp_path))
+  write(tmp_path / "parent.yml", f"base: {BASE}\ntrain:\n  steps: 11\n")
+  (tmp_path / "exp").mkdir()
+  assert load(path=write(tmp_path / "exp" / "c.yml", "base: ~/parent.yml\n")).train.steps == 11
 
 
 def test_speedrun_loads():
