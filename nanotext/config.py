@@ -23,9 +23,9 @@ from nanotext.fileio import atomic_write
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 
-# Keys nanotext no longer has: a config file that holds one (a run's saved config.yml from an
-# older version) still loads, the key ignored.
-RETIRED = ("train.debug_nan_step",)
+# Keys nanotext no longer has, with the value that meant "off": a file holding one so (a run's
+# config.yml saved by an older version) loads, the key ignored; set to anything else, refused.
+RETIRED = {"train.debug_nan_step": -1}
 # Keys that are actions of one start, not settings of the run: a saved config.yml holds their
 # defaults, and a run folder's config.yml (an older one saved them) is read without them, so a
 # start from that file (a resume, docs/convert.md's start from its weights) does not act unasked.
@@ -61,7 +61,8 @@ def _unknown_key(key: str, known) -> UserError:
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known], n=1)
     close = [k for k in known if close and k.endswith("." + close[0])][:1]
-  hint = f"; did you mean '{close[0]}'?" if close else ""
+  hint = ("; it was retired (nanotext no longer does what it set): remove it" if key in RETIRED
+          else f"; did you mean '{close[0]}'?" if close else "")
   return UserError(f"unknown config key '{key}'{hint}")
 
 
@@ -105,7 +106,7 @@ def parse_override(arg: str):
 def check_known(flat: dict, source: str, schema: dict | None = None) -> None:
   """UserError naming the first key of `flat`, read from `source`, that nanotext does not know."""
   schema = schema or _schema()
-  for key in (k for k in flat if k not in schema and k not in RETIRED):
+  for key in (k for k in flat if k not in schema and (k, flat[k]) not in RETIRED.items()):
     raise UserError(f"{_unknown_key(key, schema)} (in '{source}')")
 
 
@@ -117,7 +118,7 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
     check_known(flat, source, schema)
     saved = _in_run_folder(source)  # its one-shot keys were the start's that wrote it
     values.update((k, coerce(k, v, schema[k])) for k, v in flat.items()
-                  if k not in RETIRED and not (saved and k in ONE_SHOT))
+                  if k in schema and not (saved and k in ONE_SHOT))
   for arg in overrides:
     key, value = parse_override(arg)
     if key == "base":

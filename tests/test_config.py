@@ -492,6 +492,18 @@ def test_a_retired_key_in_an_old_runs_config_is_ignored(tmp_path):
   assert config.load(str(path)).train.steps == config.load(BASE).train.steps
 
 
+def test_a_retired_key_set_in_a_file_is_refused_as_on_the_command_line(tmp_path):
+  """train.debug_nan_step: 5 in a config file was ignored unsaid (refused as an override)."""
+  path = tmp_path / "mine.yml"
+  path.write_text("base: %s\ntrain:\n  debug_nan_step: 5\n" % os.path.abspath(BASE))
+  line = ("unknown config key 'train.debug_nan_step'; it was retired (nanotext no longer does "
+          "what it set): remove it")
+  with pytest.raises(UserError, match=re.escape(f"{line} (in '{path}')")):
+    config.load(str(path))
+  with pytest.raises(UserError, match=re.escape(line)):
+    load("train.debug_nan_step=5")
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("override,message", [
     (f"seed={2**31}", "does not fit in 32 bits"),  # a traceback from jnp.int32 in init_state
