@@ -122,6 +122,22 @@ MAX_YAML_BYTES = 1 << 20
 MAX_YAML_VALUES = 100_000
 
 
+# The parser's words for the mistakes people make, in theirs; any other problem as it says it.
+_CAUSES = (("'\\t' that cannot start", "a tab character (YAML indents with spaces only)"),
+           ("another document", "more than one document (a --- line): a config is one"),
+           ("mapping values are not allowed", "a ': ' where no key can be: quote a value "
+            "holding ': ', or check the indentation"),
+           ("expected <block end>", "a key indented unlike the keys beside it"),
+           ("end of stream", "a quote or bracket left open"),
+           ("<stream end>", "a quote or bracket left open"))
+
+
+def _cause(e: yaml.YAMLError) -> str:
+  """What the parser found wrong, in a few words."""
+  problem = str(getattr(e, "problem", None) or e).split("\n")[0]
+  return next((said for found, said in _CAUSES if found in problem), problem)
+
+
 def read(path) -> dict:
   """The mapping in a config file (a run's saved config.yml included); UserError, one line, for
   anything else."""
@@ -153,8 +169,8 @@ def read(path) -> dict:
     raise UserError(f"config file '{path}' line {line}: {problem}") from None
   except yaml.YAMLError as e:
     line = getattr(getattr(e, "problem_mark", None), "line", None)
-    where = f" (line {line + 1})" if line is not None else ""
-    raise UserError(f"config file '{path}' is not valid YAML{where}") from None
+    where = f"line {line + 1}: " if line is not None else ""
+    raise UserError(f"config file '{path}' is not valid YAML ({where}{_cause(e)})") from None
   if not isinstance(data, dict):
     raise UserError(f"config file '{path}' must hold a mapping of keys, not {type(data).__name__}")
   return data

@@ -208,10 +208,17 @@ def test_missing_file(tmp_path):
   assert "does not exist" in error(path=str(tmp_path / "nope.yml"))
 
 
-def test_invalid_yaml(tmp_path):
-  bad = write(tmp_path / "bad.yml", "train:\n  steps: [1,\n")
-  msg = error(path=bad)
-  assert "bad.yml" in msg and "not valid YAML" in msg
+@pytest.mark.parametrize("text,said", [
+    ("train:\n  steps: [1,\n", "line 3: a quote or bracket left open"),
+    ("train:\n\tsteps: 3\n", "line 2: a tab character (YAML indents with spaces only)"),
+    ("seed: 1\n---\nseed: 2\n", "line 2: more than one document (a --- line): a config is one"),
+    ("train:\n  steps: 3\n batch_size: 4\n", "line 3: a key indented unlike the keys beside it"),
+    ("sample:\n  prompt: ROMEO: hi\n", "line 2: a ': ' where no key can be: quote a value"),
+    ("seed: *nope\n", "line 1: found undefined alias 'nope'")])  # any other: the parser's words
+def test_invalid_yaml_says_what_is_wrong(tmp_path, text, said):
+  """Said only 'not valid YAML (line 2)': a tab, a second document were left to be guessed."""
+  bad = write(tmp_path / "bad.yml", text)
+  assert error(path=bad).startswith(f"config file '{bad}' is not valid YAML ({said}")
 
 
 def test_non_mapping_yaml(tmp_path):
