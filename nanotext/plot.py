@@ -18,8 +18,8 @@ USAGE = "usage: python -m nanotext.plot RUN_DIR [RUN_DIR ...] --out=FILE.png [--
 
 
 def read_run(run_dir: str) -> dict:
-  """{'name', 'tokens_per_step', 'train': [(step, loss)], 'val': [(step, loss, bpb|None)],
-  'skipped': [line numbers that are not metrics]}.
+  """{'name', 'tokens_per_step', 'tokens_unknown' (why it is None), 'train': [(step, loss)],
+  'val': [(step, loss, bpb|None)], 'skipped': [line numbers that are not metrics]}.
 
   A line that is not a metrics row (not UTF-8, not JSON, a step that is not a finite integer,
   a loss that is not a number; a run still writing its last line) is skipped and counted."""
@@ -43,8 +43,9 @@ def read_run(run_dir: str) -> dict:
           val[step] = (val_loss, bpb)
   except OSError as e:
     raise os_error(e, f"cannot read '{path}'") from None
+  tokens, unknown = _tokens_per_step(run_dir)
   return {"name": os.path.basename(os.path.normpath(run_dir)) or run_dir,
-          "tokens_per_step": _tokens_per_step(run_dir),
+          "tokens_per_step": tokens, "tokens_unknown": unknown,
           "train": sorted(train.items()),
           "val": [(s, v, b) for s, (v, b) in sorted(val.items())],
           "skipped": skipped}
@@ -80,14 +81,28 @@ MAX_VALUE = 1e100
 MAX_STEP = 2**53  # steps past it are no run's (and a float no longer counts them)
 
 
-def _tokens_per_step(run_dir: str) -> int | None:
-  """train.batch_size * train.seq_len from the run's config.yml; None if unreadable."""
+def _tokens_per_step(run_dir: str) -> tuple:
+  """(train.batch_size * train.seq_len from the run's config.yml, ''), or (None, why not)."""
   from nanotext import config_file
+  path = os.path.join(run_dir, "config.yml")
+  if not os.path.lexists(path):
+    return None, "no config.yml"
   try:
-    t = config_file.read(os.path.join(run_dir, "config.yml"))["train"]
-    return int(t["batch_size"]) * int(t["seq_len"])
-  except (UserError, KeyError, TypeError, ValueError, OverflowError):
-    return None
+    cfg = config_file.read(path)
+  except UserError:
+    return None, "config.yml unreadable"
+  try:
+    return int(cfg["train"]["batch_size"]) * int(cfg["train"]["seq_len"]), ""
+  except (KeyError, TypeError, ValueError, OverflowError):
+    return None, "config.yml is empty" if not cfg else "no train.batch_size, seq_len in config.yml"
+
+
+def tokens_unknown(runs: list) -> str:
+  """Why no run of `runs` (from read_run) has its tokens per step; '' where one has."""
+  if any(r["tokens_per_step"] is not None for r in runs):
+    return ""
+  why = {r["tokens_unknown"] for r in runs}
+  return f"{why.pop() if len(why) == 1 else 'no readable config.yml'}: tokens per step unknown"
 
 
 def _bpb_scale(run: dict) -> float | None:
@@ -148,10 +163,10 @@ def plot(runs: list, out: str, title: str = "") -> None:
     for ax in axes[1]:
       ax.text(0.5, 0.5, "no val_bpb in these runs", ha="center", va="center",
               transform=ax.transAxes, color="gray")
-  if all(r["tokens_per_step"] is None for r in runs):
+  if tokens_unknown(runs):
     for ax in axes[:, 1]:
-      ax.text(0.5, 0.5, "no config.yml: tokens per step unknown", ha="center", va="center",
-              transform=ax.transAxes, color="gray")
+      ax.text(0.5, 0.5, tokens_unknown(runs), ha="center", va="center", transform=ax.transAxes,
+              color="gray")
   from matplotlib.ticker import EngFormatter
   for ax in axes[:, 1]:
     ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 300k tokens, not 300000

@@ -95,6 +95,26 @@ def test_odd_numbers_are_drawn_or_named_never_a_traceback(tmp_path):
                  "no line of the metrics.jsonl")
 
 
+def test_the_tokens_axis_says_why_tokens_per_step_are_unknown(tmp_path):
+  """An empty config.yml was labelled 'no config.yml: tokens per step unknown'."""
+  from nanotext import plot
+  run = fake_run(tmp_path / "run")
+  config = os.path.join(run, "config.yml")
+  assert plot.tokens_unknown([plot.read_run(run)]) == ""
+  for text, why in (("", "config.yml is empty"), ("train: [\n", "config.yml unreadable"),
+                    ("seed: 1\n", "no train.batch_size, seq_len in config.yml"),
+                    (None, "no config.yml")):
+    if text is None:
+      os.remove(config)
+    else:
+      with open(config, "w") as f:
+        f.write(text)
+    got = plot.read_run(run)
+    assert (got["tokens_per_step"], got["tokens_unknown"]) == (None, why)
+    assert plot.tokens_unknown([got, got]) == f"{why}: tokens per step unknown"
+  assert plot.tokens_unknown([got, plot.read_run(fake_run(tmp_path / "b"))]) == ""
+
+
 @pytest.mark.plots
 def test_dollars_in_a_title_or_run_name_are_text(tmp_path):
   """matplotlib read '$...$' as math: a title or a run folder named 'cost $x^$' was a
