@@ -46,7 +46,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
           "or quote it to mean a string", node.start_mark)
     return super().construct_yaml_float(node)
 
+  def construct_yaml_str(self, node):
+    text = super().construct_yaml_str(node)
+    try:  # JSON's "\\ud83d\\ude00" (a checkpoint's saved config) is one character, as in JSON
+      return text.encode("utf-16", "surrogatepass").decode("utf-16")
+    except UnicodeDecodeError:  # a lone surrogate: kept, as YAML reads it
+      return text
 
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:str", _UniqueKeyLoader.construct_yaml_str)
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float",
                                  _UniqueKeyLoader.construct_yaml_float)

@@ -58,7 +58,11 @@ def check_run_dir(path: str, what: str, holds: str = "config.yml",
   if not os.path.isdir(path):
     raise UserError(f"{what} '{path}' does not exist")
   if not os.path.isfile(os.path.join(path, holds)):
-    raise UserError(f"{what} '{path}' holds no {holds}: is it {kind}?")
+    saved = [s for s in steps_on_disk(path) if holds == "config.yml" and step_config(path, s)]
+    back = saved and os.path.join(path, "checkpoints", str(saved[-1]), "config", "metadata")
+    raise UserError(f"{what} '{path}' holds no {holds}" + (
+        f", which its checkpoint of step {saved[-1]} was saved with: put it back (cp '{back}' "
+        f"'{os.path.join(path, holds)}': JSON is YAML)" if saved else f": is it {kind}?"))
 
 
 def run_holding(path: str) -> str:

@@ -5,6 +5,7 @@ the config mistakes that must be one line (duplicate keys, non-UTF-8, NaN rates,
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -468,6 +469,28 @@ def test_a_runs_files_without_its_config_yml_are_not_continued_blind(tmp_path):
   with pytest.raises(UserError, match=r"holds checkpoint steps \[2\] but no config.yml"):
     check()
   assert check("overwrite=true") is True
+
+
+def test_read_tools_say_how_to_put_a_lost_config_yml_back(tmp_path):
+  """evaluate and generate on a run without config.yml asked 'is it a run's output_dir?' of a
+  folder whose checkpoints hold the config; the cp they now advise gives it back whole."""
+  from nanotext import evaluate, generate
+  (tmp_path / "checkpoints" / "4" / "config").mkdir(parents=True)
+  with pytest.raises(UserError, match=r"holds no config.yml: is it a run's output_dir\?$"):
+    rundir.check_run_dir(str(tmp_path), "output_dir")  # no step holds a config
+  prompt = "sample.prompt=\u00e9t\u00e9 \U0001F600"
+  cfg = config.load(BASE, TINY + [f"output_dir={tmp_path}", prompt, "optim.lr=3e-05"]).to_dict()
+  saved = tmp_path / "checkpoints" / "2" / "config" / "metadata"
+  saved.parent.mkdir(parents=True)
+  saved.write_text(json.dumps(cfg))  # as orbax writes it: JSON, ASCII (\ud83d\ude00, 3e-05)
+  line = (f"output_dir '{tmp_path}' holds no config.yml, which its checkpoint of step 2 was saved "
+          f"with: put it back (cp '{saved}' '{tmp_path / 'config.yml'}': JSON is YAML)")
+  for parse in (evaluate.parse, generate.parse):  # step 4's config unreadable: step 2's named
+    with pytest.raises(UserError, match=f"^{re.escape(line)}$"):
+      parse([f"output_dir={tmp_path}"])
+  shutil.copy(saved, tmp_path / "config.yml")
+  assert config.load(str(tmp_path / "config.yml")).to_dict() == cfg
+  evaluate.parse([f"output_dir={tmp_path}"])
 
 
 def test_an_eot_id_past_the_vocabulary_is_refused():
