@@ -116,7 +116,7 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
   values = dict(schema)
   for source, flat in file_chain(path):
     check_known(flat, source, schema)
-    saved = _in_run_folder(source)  # its one-shot keys were the start's that wrote it
+    saved = in_run_folder(source)  # its one-shot keys were the start's that wrote it
     values.update((k, coerce(k, v, schema[k])) for k, v in flat.items()
                   if k in schema and not (saved and k in ONE_SHOT))
   for arg in overrides:
@@ -134,33 +134,15 @@ def load(path, overrides=()) -> ml_collections.ConfigDict:
   return cfg
 
 
-_TRAINED = ("checkpoints", "metrics.jsonl")  # beside a training run's config.yml
+TRAINED = ("checkpoints", "metrics.jsonl")  # beside a training run's config.yml
 
 
-def _in_run_folder(source: str, marks=_TRAINED + ("convert.json",)) -> bool:
+def in_run_folder(source: str, marks=TRAINED + ("convert.json",)) -> bool:
   """Whether a config file is a run folder's own config.yml: a training run's (its checkpoints
   or metrics beside it) or a params-only folder's (convert.json)."""
   folder = os.path.dirname(source)
   return os.path.basename(source) == "config.yml" and any(
       os.path.lexists(os.path.join(folder, n)) for n in marks)
-
-
-def check_source(path, overrides, cfg) -> None:
-  """UserError where train's config file is a config.yml it cannot start from as it stands:
-  output_dir's own where no run is yet (the run saves over it), or a training run's saved one
-  in a folder other than its output_dir (moved or copied: it would train at the old path)."""
-  src, out = os.path.realpath(path), os.path.realpath(cfg.output_dir)
-  folder = os.path.dirname(os.path.abspath(path))
-  if src == os.path.join(out, "config.yml"):
-    if not _in_run_folder(src):
-      raise UserError(f"config file '{path}' is output_dir's own config.yml, which the run "
-                      "replaces with the config it resolves: keep your config elsewhere, or "
-                      "name another output_dir")
-  elif _in_run_folder(src, _TRAINED) and not any(
-      parse_override(a)[0] == "output_dir" for a in overrides):
-    raise UserError(f"config file '{path}' is the saved config of the run whose output_dir is "
-                    f"'{cfg.output_dir}', not of the folder it lies in: pass output_dir={folder} "
-                    "to resume the run there, or output_dir=DIR to start one elsewhere")
 
 
 def _to_configdict(flat: dict) -> ml_collections.ConfigDict:

@@ -69,8 +69,8 @@ def check_override(key: str) -> None:
 def load_config(out: str, overrides, checked: bool = True):
   """The run's config with `overrides` (output_dir: the run's folder, wherever it was trained),
   `checked` as train checks it (wiring, which imports jax), else only read and typed; a
-  config.yml edited after the newest checkpoint is refused (rundir.check_unedited)."""
-  from nanotext import config, config_file, rundir
+  config.yml edited after the newest checkpoint is refused (identity.check_unedited)."""
+  from nanotext import config, config_file, identity
   # distributed.* as the schema has them: a run of 2 processes saved its coordinator, count and
   # index, and evaluate waited init_timeout to join a coordinator long gone (the environment's
   # NANOTEXT_* keys, or overrides, choose)
@@ -93,7 +93,7 @@ def load_config(out: str, overrides, checked: bool = True):
   else:
     cfg = config.load(*args)
   # its overrides change no key of the model (check_override): the model is config.yml's
-  rundir.check_unedited(out, cfg.to_dict())
+  identity.check_unedited(out, cfg.to_dict())
   return cfg
 
 

@@ -328,11 +328,11 @@ def check_seeds(cfg, num: int) -> None:
 
 
 def main(argv) -> None:
-  from nanotext import rundir, wiring
+  from nanotext import identity, wiring
   from nanotext.data.tokenizer import get_tokenizer
   out, step, num, cfg_path, overrides = parse(argv)
   cfg = wiring.load(cfg_path, overrides)  # checked as train checks it
-  rundir.check_unedited(out, cfg.to_dict())
+  identity.check_unedited(out, cfg.to_dict())
   check_seeds(cfg, num)
   if cfg.data.tokenizer == "none":  # no data.* argument here: the run's file names it
     raise UserError(f"data.tokenizer is 'none' (the run read token ids, no text): set it in "

@@ -9,7 +9,7 @@ import shutil
 
 import jax
 
-from nanotext import config, config_file, distributed, probes, rundir
+from nanotext import config, config_file, distributed, identity, probes, rundir
 from nanotext.lock import Lock
 
 
@@ -57,7 +57,7 @@ class Session:
       self.lock.acquire()
       rundir.recover(self.out, self.log)
       self.start = StartUp(self.out)  # after the repairs, which stay made
-    self.replacing = rundir.check_run(self.cfg, self.out)
+    self.replacing = identity.check_run(self.cfg, self.out)
     path = os.path.join(self.out, "config.yml")
     if not self.replacing and os.path.isfile(path):  # a newer nanotext's key: refused as the
       config.check_known(config.flatten(config_file.read(path)), path)  # read tools refuse it,

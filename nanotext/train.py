@@ -111,14 +111,14 @@ def run(path: str, overrides, log=print, started: float | None = None):
   `log`: what takes each line (None: no lines). `started` (a time.perf_counter()) is where the
   start-up line's clock starts; default now.
   """
-  from nanotext import config, wiring
+  from nanotext import identity, wiring
   from nanotext.watch import StartupClock
 
   log = log or (lambda line: None)
   clock = StartupClock(started)
   clock.lap("imports")
   cfg = wiring.load(path, overrides)
-  config.check_source(path, overrides, cfg)
+  identity.check_source(path, overrides, cfg)
   with compile_cache(cfg.train.compile_cache_dir):  # before this process's first compilation
     return _run(cfg, log, clock)
 
@@ -209,9 +209,9 @@ def resumes_with(cfg, key: str, size) -> bool:
 
 def replaces(cfg) -> bool:
   """Whether this run (overwrite=true) replaces the run in output_dir; only reads."""
-  from nanotext import rundir
+  from nanotext import identity
   try:
-    return rundir.check_run(cfg, cfg.output_dir)
+    return identity.check_run(cfg, cfg.output_dir)
   except UserError:  # said again, where it counts, when the session opens
     return False
 

@@ -13,7 +13,7 @@ import os
 import sys
 
 # jax, numpy and orbax are imported inside the functions: --help and a bad argument need none.
-from nanotext import rundir
+from nanotext import identity, rundir
 from nanotext.errors import UserError
 
 USAGE = "usage: python -m nanotext.verify OUTPUT_DIR"
@@ -115,7 +115,7 @@ def config_edited(out: str) -> str:
   then, though each checksum matches. '' where it is the saved config."""
   from nanotext import config
   try:
-    rundir.check_unedited(out, config.load(os.path.join(out, "config.yml")).to_dict())
+    identity.check_unedited(out, config.load(os.path.join(out, "config.yml")).to_dict())
   except UserError as e:
     return f"config.yml: {e}"
   return ""

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import BASE, SPEEDRUN, TINY
-from nanotext import config, config_file, rundir, sections, sharding, wiring
+from nanotext import config, config_file, identity, sections, sharding, wiring
 from nanotext.errors import UserError
 
 pytestmark = pytest.mark.fast
@@ -411,7 +411,7 @@ def test_run_identity_diff_compares_values_as_their_keys_types(tmp_path):
   assert "lr: 0.003," in text and "eps: 1.0e-08," in text
   (tmp_path / "config.yml").write_text(text.replace("lr: 0.003,", "lr: 3e-3,")
                                        .replace("eps: 1.0e-08,", "eps: 1e-8,"))
-  assert rundir.check_run(cfg, str(tmp_path)) is False
+  assert identity.check_run(cfg, str(tmp_path)) is False
   old = config_file.read(tmp_path / "config.yml")
   assert old["optim"]["lr"] == "3e-3" and config.run_identity_diff(old, cfg.to_dict()) == []
   old["optim"]["lr"] = "4e-3"

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import BASE, TINY
-from nanotext import checkpoint, config, lock, rundir, sharding, window_schedule, wiring
+from nanotext import (checkpoint, config, identity, lock, rundir, sharding, window_schedule,
+                      wiring)
 from nanotext.data import binfile, fingerprint, pipeline
 from nanotext.errors import UserError
 
@@ -314,11 +315,11 @@ def test_a_config_yml_edited_after_the_newest_step_is_another_run(tmp_path):
   config.save(edited, tmp_path / "config.yml")
   with pytest.raises(UserError, match=r"holds a different run \(seed: 0 -> 7, against its "
                                       r"checkpoint of step 4: config.yml was edited after it\)"):
-    rundir.check_run(edited, str(tmp_path))
+    identity.check_run(edited, str(tmp_path))
   overwrite = config.load(BASE, TINY + [f"output_dir={tmp_path}", "seed=7", "overwrite=true"])
-  assert rundir.check_run(overwrite, str(tmp_path)) is True  # replaced, as asked
+  assert identity.check_run(overwrite, str(tmp_path)) is True  # replaced, as asked
   item.joinpath("metadata").write_text("{")  # unreadable: the restore judges the step
-  assert rundir.check_run(edited, str(tmp_path)) is False
+  assert identity.check_run(edited, str(tmp_path)) is False
 
 
 def test_a_config_yml_edited_after_a_step_this_run_matches_says_so(tmp_path):
@@ -333,9 +334,9 @@ def test_a_config_yml_edited_after_a_step_this_run_matches_says_so(tmp_path):
   with pytest.raises(UserError, match=r"config.yml' differs from the config its checkpoint of step "
                                       r"4 was saved with \(seed: 0 -> 7\): it was edited after; "
                                       r"put the saved values back \(checkpoints/4/config/metadata"):
-    rundir.check_run(run, str(tmp_path))
+    identity.check_run(run, str(tmp_path))
   with pytest.raises(UserError, match=r"holds a different run \(seed: 7 -> 3"):  # neither's run
-    rundir.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", "seed=3"]), str(tmp_path))
+    identity.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", "seed=3"]), str(tmp_path))
 
 
 def test_a_config_in_output_dir_is_trained_from_only_as_that_runs_own(tmp_path):
@@ -353,7 +354,7 @@ def test_a_config_in_output_dir_is_trained_from_only_as_that_runs_own(tmp_path):
   assert (out / "config.yml").read_text() == mine
   config.save(config.load(BASE, TINY + [f"output_dir={out}"]), out / "config.yml")
   (out / "metrics.jsonl").write_text("")  # a run's own: resumed as before
-  config.check_source(str(out / "config.yml"), [], config.load(out / "config.yml"))
+  identity.check_source(str(out / "config.yml"), [], config.load(out / "config.yml"))
 
 
 def test_a_moved_runs_config_is_not_trained_at_its_old_path(tmp_path):
@@ -370,7 +371,7 @@ def test_a_moved_runs_config_is_not_trained_at_its_old_path(tmp_path):
     train.run(str(moved / "config.yml"), [], log=None)
   assert not old.exists()
   for out in (moved, tmp_path / "new"):  # the run resumed there, or a start elsewhere
-    config.check_source(str(moved / "config.yml"), [f"output_dir={out}"], config.load(
+    identity.check_source(str(moved / "config.yml"), [f"output_dir={out}"], config.load(
         moved / "config.yml", [f"output_dir={out}"]))
 
 
@@ -390,7 +391,7 @@ def test_one_shot_keys_act_only_when_given_for_this_start(tmp_path):
   again = config.load(run / "config.yml", ["model.num_layers=3"])
   assert (again.overwrite, again.data.allow_changed) == (False, False)
   with pytest.raises(UserError, match=r"holds a different run \(model.num_layers: 2 -> 3\)"):
-    rundir.check_run(again, str(run))
+    identity.check_run(again, str(run))
   assert config.load(run / "config.yml", ["overwrite=true"]).overwrite  # given now: it acts
   (tmp_path / "mine.yml").write_text(f"base: {BASE}\noverwrite: true\n")  # not a run's file
   assert config.load(tmp_path / "mine.yml").overwrite
@@ -403,8 +404,8 @@ def test_someone_elses_config_yml_is_no_run_to_resume(tmp_path):
   cfg = lambda *o: config.load(BASE, TINY + [f"output_dir={tmp_path}", *o])
   with pytest.raises(UserError, match=r"holds a config.yml that is no nanotext run's \(no model:, "
                                       r"train:, data: sections\): choose another output_dir"):
-    rundir.check_run(cfg(), str(tmp_path))
-  assert rundir.check_run(cfg("overwrite=true"), str(tmp_path)) is True
+    identity.check_run(cfg(), str(tmp_path))
+  assert identity.check_run(cfg("overwrite=true"), str(tmp_path)) is True
 
 
 def test_a_step_linked_in_from_elsewhere_is_refused(tmp_path):
@@ -417,13 +418,13 @@ def test_a_step_linked_in_from_elsewhere_is_refused(tmp_path):
   (tmp_path / "run" / "checkpoints" / "4").symlink_to(tmp_path / "other" / "4")
   with pytest.raises(UserError, match=r"checkpoints/4' is a symbolic link, which the run cannot "
                                       r"rotate away .*cp -rL"):
-    rundir.check_run(cfg, str(tmp_path / "run"))
+    identity.check_run(cfg, str(tmp_path / "run"))
 
 
 def test_check_run_tells_a_resume_from_another_run(tmp_path):
   old = config.load(BASE, TINY + [f"output_dir={tmp_path}"])
   config.save(old, tmp_path / "config.yml")
-  same = lambda *o: rundir.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", *o]),
+  same = lambda *o: identity.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", *o]),
                                      str(tmp_path))
   assert same() is False and same("mesh.fsdp=4", "mesh.tensor=2", "train.steps=9") is False
   # What the memory plan advises where a resumed step no longer fits: the same step, in parts.
@@ -457,7 +458,7 @@ def test_check_run_tells_a_resume_from_another_run(tmp_path):
 def test_a_runs_files_without_its_config_yml_are_not_continued_blind(tmp_path):
   """A metrics.jsonl (or checkpoint steps) in a folder without config.yml was appended to (or
   resumed) as this run's; an empty metrics.jsonl is what a start killed early leaves."""
-  check = lambda *o: rundir.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", *o]),
+  check = lambda *o: identity.check_run(config.load(BASE, TINY + [f"output_dir={tmp_path}", *o]),
                                       str(tmp_path))
   (tmp_path / "metrics.jsonl").write_text("")
   assert check() is False
@@ -583,20 +584,20 @@ def test_a_changed_load_params_from_is_another_run(tmp_path):
   cfg = lambda *o: config.load(BASE, TINY + [f"output_dir={out}", *o])
   out.mkdir()
   config.save(cfg(f"checkpoint.load_params_from={tmp_path / 'a'}"), out / "config.yml")
-  assert rundir.check_run(cfg(f"checkpoint.load_params_from={tmp_path / 'b'}"), str(out)) is False
+  assert identity.check_run(cfg(f"checkpoint.load_params_from={tmp_path / 'b'}"), str(out)) is False
   (out / "checkpoints" / "2").mkdir(parents=True)
   with pytest.raises(UserError, match=r"holds a different run \(checkpoint.load_params_from: "
                                       r".*/a -> .*/b\); .*pass overwrite=true to replace it; or "
                                       r"give the checkpoint.load_params_from it started from"):
-    rundir.check_run(cfg(f"checkpoint.load_params_from={tmp_path / 'b'}"), str(out))
-  assert rundir.check_run(cfg(f"checkpoint.load_params_from={tmp_path / 'b'}",
+    identity.check_run(cfg(f"checkpoint.load_params_from={tmp_path / 'b'}"), str(out))
+  assert identity.check_run(cfg(f"checkpoint.load_params_from={tmp_path / 'b'}",
                               "overwrite=true"), str(out)) is True  # a fresh start from b
   for same in (f"checkpoint.load_params_from={tmp_path / 'a'}",
                f"checkpoint.load_params_from={tmp_path / 'x' / '..' / 'a'}", "seed=0"):
-    assert rundir.check_run(cfg(same), str(out)) is False
+    assert identity.check_run(cfg(same), str(out)) is False
   config.save(cfg("checkpoint.load_params_from=rel/a"), out / "config.yml")
   for same in ("checkpoint.load_params_from=rel/a", "seed=0"):  # as given, from any folder
-    assert rundir.check_run(cfg(same), str(out)) is False
+    assert identity.check_run(cfg(same), str(out)) is False
 
 
 def test_overwrite_refuses_a_source_it_would_set_aside(tmp_path):
@@ -613,6 +614,6 @@ def test_overwrite_refuses_a_source_it_would_set_aside(tmp_path):
     with pytest.raises(UserError, match=r"load_params_from='.*' lies in the run in output_dir, "
                                         r"which overwrite=true sets aside before the parameters "
                                         r"are read: to start from its weights, train into "):
-      rundir.check_run(cfg(src), str(tmp_path))
-  assert rundir.check_run(cfg(tmp_path / "params_only"), str(tmp_path)) is True
+      identity.check_run(cfg(src), str(tmp_path))
+  assert identity.check_run(cfg(tmp_path / "params_only"), str(tmp_path)) is True
   assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.yml", "params_only"]

@@ -8,7 +8,7 @@ import jax
 
 from nanotext.errors import UserError
 from nanotext.trees import int_keys, stack_blocks, unstack_blocks
-from nanotext import rundir
+from nanotext import identity, rundir
 
 
 def load_run(run: str, step: int = -1):
@@ -17,7 +17,7 @@ def load_run(run: str, step: int = -1):
   from nanotext import config
   rundir.check_run_dir(run, "--run")
   cfg = config.load(os.path.join(run, "config.yml"))
-  rundir.check_unedited(run, cfg.to_dict())
+  identity.check_unedited(run, cfg.to_dict())
   step, _, params = model_params(run, cfg, step, "--run", "--step")
   return cfg, step, jax.device_get(params)
 
