@@ -122,7 +122,7 @@ def make_reference(run, state: dict, *, dtype="bfloat16", fp8_head=True, ns_dtyp
   import record_torch
   m = run.cfg.model
   rows = m.embed_rows if m.embed_rows > 0 else m.vocab_size
-  model = record_torch.RecordGPT(rows, m.d_model, m.norm_eps, num_layers=m.num_layers,
+  model = record_torch.RecordGPT(rows, m.d_model, num_layers=m.num_layers,
                                  dtype=getattr(torch, dtype), fp8_head=fp8_head)
   record_torch.load_state(model, state)
   model.to(device)

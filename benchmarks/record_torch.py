@@ -186,12 +186,13 @@ class RecordGPT(torch.nn.Module):
   """The record's GPT (12 layers, 128-wide heads, 3 value tables, U-net skips) at any width.
 
   `vocab`: the embedding tables' rows (the head has them rounded up to a multiple of 128);
-  `eps`: F.rms_norm's epsilon on the activations; `dtype`: the activations (bfloat16 also makes
+  `eps`: F.rms_norm's epsilon on the activations (None: the record's own call, torch's default:
+  finfo(float32).eps on float32 and, since January 2025, bf16 activations); `dtype`: the activations (bfloat16 also makes
   the embedding tables bf16, as the record); `fp8_head`: the head in FP8 while training.
   Parameters start at zero: the weights come from a state dict (`load_state`).
   """
 
-  def __init__(self, vocab, d, eps, *, num_layers=12, dtype=torch.float32, fp8_head=False):
+  def __init__(self, vocab, d, eps=None, *, num_layers=12, dtype=torch.float32, fp8_head=False):
     super().__init__()
     assert d % HEAD_DIM == 0 and num_layers == len(PATTERN)
     P = lambda *shape: torch.nn.Parameter(torch.zeros(*shape))

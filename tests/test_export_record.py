@@ -46,7 +46,7 @@ def test_exported_logits_match_the_records_module(record_run, tmp_path):
   export_torch(record_run, out, log=lambda s: None)
   cfg, _, params = load_run(record_run)
   m = cfg.model
-  ref = RecordGPT(m.vocab_size, m.d_model, m.norm_eps, num_layers=m.num_layers)
+  ref = RecordGPT(m.vocab_size, m.d_model, num_layers=m.num_layers)  # eps: the record's (None)
   ref.load_state_dict({k: v.float() for k, v in load_file(out).items()}, strict=True)
   rng = np.random.default_rng(0)
   tokens = rng.integers(1, m.vocab_size, 512)

@@ -7,7 +7,9 @@ changes move speedrun/record by a few 1e-4 over 20 steps (the FP8 head's e5m2 ro
 amplify them). Last re-recorded on an AVX2-only AMD EPYC after the FP8 head's weight gradient was
 summed inside its GEMMs (rounding only: record moved 4.0e-4, speedrun 5.3e-5, base 0), on top of
 the runtime attention windows, the fused head loss, the record's float32 rotary frequencies and
-the FP8 head's row-sum gradient scale.
+the FP8 head's row-sum gradient scale. speedrun and record re-recorded on an Intel Xeon (family 6
+model 167) when model.norm_eps became the record's 2^-23 (was 2^-7): record's losses moved up to
+9.5e-3 (val 5.4205 -> 5.4302), speedrun's 7.2e-4; base as it was.
 
 Across machines the curves agree only to rounding: XLA's CPU code follows the processor (vector
 width, FMA), and 20 steps of training amplify float32 rounding, more so under bf16 and the FP8

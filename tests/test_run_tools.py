@@ -170,8 +170,9 @@ def test_export_torch_takes_only_what_the_record_computes(tiny_run):
     torch_export.check_expressible(config.load(os.path.join(tiny_run[0], "config.yml")))
   record = os.path.join(os.path.dirname(BASE), "speedrun_record.yml")
   torch_export.check_expressible(config.load(record))
-  # The record's norms take bfloat16's epsilon: another one is another function.
-  with pytest.raises(UserError, match="model.norm_eps=1e-05 is not supported .*0.0078125"):
+  # The record's norms take float32's epsilon (torch's eps=None): another one is another function.
+  with pytest.raises(UserError,
+                     match=r"model.norm_eps=1e-05 is not supported .*1\.1920928955078125e-07"):
     torch_export.check_expressible(config.load(record, ["model.norm_eps=1e-5"]))
 
 
