@@ -123,7 +123,11 @@ def test_the_records_layers_train_the_same_through_it(monkeypatch):
       "model.num_layers=4", "model.d_model=128", "model.num_heads=2", "model.head_dim=64",
       "model.mlp_dim=256", "model.vocab_size=256", "model.align=0", "model.embed_rows=256",
       "train.seq_len=128", "train.batch_size=2", "model.fp8_head=false",
-      "model.zero_init_head=false", "model.zero_init_proj=false", "attention.impl=xla"],
+      "model.zero_init_head=false", "model.zero_init_proj=false", "attention.impl=xla",
+      # The tolerances below were measured at this epsilon; the record's 2^-23 divides the same
+      # bf16 rounding by smaller norms (v_lambdas' gradient 6.9e-3 apart in norm). The kernel
+      # takes eps as an argument: the float32 test above holds its math at eps 1e-6.
+      "model.norm_eps=0.0078125"],
       devices=jax.devices()[:1])
   model = run.create_model(0)
   graphdef, params = nnx.split(model, nnx.Param)
