@@ -129,10 +129,27 @@ def maybe_initialize(dist_cfg, log=print) -> bool:
     raise UserError(f"cannot join the distributed run at {where}: {first}{hint}") from None
   finally:
     watchdog.cancel()
+  errors.BEFORE_REFUSAL.append(leave_together)
   log(f"process {jax.process_index()}/{jax.process_count()} on host {socket.gethostname()} "
       f"with {jax.local_device_count()} local devices ({jax.device_count()} in all)")
   check_device_counts(jax.devices())
   return True
+
+
+def leave_together(timeout_s: float = 10.0) -> None:
+  """Before a refusal's exit in a joined run: wait (bounded) until every process reaches one,
+  process 0 a moment longer. Process 0 hosts the coordination service: gone first, it aborted
+  a process still on its way to the same refusal (SIGABRT in XLA's coordination agent)."""
+  import time
+
+  import jax
+  from jax._src import distributed as jax_distributed
+  try:
+    jax_distributed.global_state.client.wait_at_barrier("nanotext_refusal", int(timeout_s * 1e3))
+  except Exception:  # pylint: disable=broad-except  # a process that refused alone: exit now
+    return
+  if jax.process_index() == 0:
+    time.sleep(1.0)
 
 
 def check_device_counts(devices) -> None:

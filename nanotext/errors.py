@@ -26,6 +26,8 @@ class ResourceError(RuntimeError):
 
 
 # errnos that say the machine ran out of something, not that the input was wrong
+# Called before a UserError's exit (distributed.leave_together, once a process joined a run).
+BEFORE_REFUSAL: list = []
 _RESOURCE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM}
 
 
@@ -112,6 +114,8 @@ def run_cli(main, argv=None) -> None:
       raise
     signals.exiting()  # only Python's shutdown (atexit callbacks) is left
   except UserError as e:
+    for hook in BEFORE_REFUSAL:
+      hook()
     fail(str(e))
   except ResourceError as e:
     fail(str(e), 1)
