@@ -158,22 +158,18 @@ def windows_differ(attn_cfg, model_cfg, cfg=None) -> bool:
 
 def run_windows(cfg) -> list:
   """Every per-layer windows tuple, as the kernels see them, of the run's train steps, its
-  evaluations and the model's own (`model_windows`: sampling's)."""
+  evaluations and sampling (rows up to model.max_seq_len)."""
+  a, m = cfg.attention, cfg.model
   evals = eval_plan(cfg, eval_points(cfg.train), False)
-  return stages(cfg, 0, cfg.train.steps, step_windows) + [w for w, _ in evals] + \
-      [model_windows(cfg.attention, cfg.model, cfg.train.seq_len)]
+  sampled = effective_windows(layer_windows(a, m.num_layers, a.window),
+                              m.max_seq_len or cfg.train.seq_len)
+  return stages(cfg, 0, cfg.train.steps, step_windows) + [w for w, _ in evals] + [sampled]
 
 
 def applied_window(cfg) -> int:
-  """The longest window, as the kernels see it, that any program of the run applies: of its
-  train steps, its evaluations and sampling (rows up to model.max_seq_len); 0 where every
-  window covers its rows (plain causal attention throughout)."""
-  a, m = cfg.attention, cfg.model
-  final = layer_windows(a, m.num_layers, a.window)
-  evals = eval_plan(cfg, eval_points(cfg.train), False)
-  return long_of([long_of(w) for w in stages(cfg, 0, cfg.train.steps, step_windows)]
-                 + [long_of(w) for w, _ in evals]
-                 + [long_of(effective_windows(final, m.max_seq_len or cfg.train.seq_len))])
+  """The longest window, as the kernels see it, that any program of the run applies
+  (`run_windows`); 0 where every window covers its rows (plain causal attention throughout)."""
+  return long_of([long_of(w) for w in run_windows(cfg)])
 
 
 def stage_runs(cfg, start: int, stop: int, key=step_stage) -> list:
