@@ -25,9 +25,9 @@ class ResourceError(RuntimeError):
   """A missing resource (disk space, a file-size limit, memory): not bad input, exit status 1."""
 
 
-# errnos that say the machine ran out of something, not that the input was wrong
 # Called before a UserError's exit (distributed.leave_together, once a process joined a run).
 BEFORE_REFUSAL: list = []
+# errnos that say the machine ran out of something, not that the input was wrong
 _RESOURCE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM}
 
 

@@ -335,8 +335,8 @@ def main(args) -> None:
   try:
     path, overrides = parse_args(args)
     run(path, overrides, log=_log_line, started=_STARTED)
-  except UserError as e:
-    fail(str(e))
+  except UserError:
+    raise  # run_cli says it, after a joined run's processes meet (errors.BEFORE_REFUSAL)
   except (NonFiniteError, ResourceError) as e:  # a failed checkpoint write is a ResourceError
     # Not bad input (status 2) but a failed run: one line, status 1, checkpoints left intact.
     fail(str(e), 1)

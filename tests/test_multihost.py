@@ -169,6 +169,24 @@ def test_processes_with_different_device_counts_refuse_in_one_line(tmp_path):
 
 
 @pytest.mark.fast
+def test_trains_refusal_meets_the_other_processes_first(monkeypatch):
+  """train's CLI said its refusals itself, so the hook that holds process 0 (the coordinator)
+  until the others reach theirs never ran: a process still starting its backend aborted."""
+  from nanotext import errors, train
+  met = []
+  monkeypatch.setattr(errors, "BEFORE_REFUSAL", [lambda: met.append(True)])
+
+  def fail(message, status=2):  # the real one ends the process (os._exit)
+    raise SystemExit((status, message))
+  for module in (errors, train):
+    monkeypatch.setattr(module, "fail", fail)
+  with pytest.raises(SystemExit) as e:
+    errors.run_cli(train.main, ["no_such_config.yml"])
+  assert e.value.code[0] == 2 and "no_such_config.yml" in e.value.code[1]
+  assert met == [True]
+
+
+@pytest.mark.fast
 def test_device_counts_are_compared_per_process():
   """From the global device list each process holds (no collective, which unequal counts
   break)."""
