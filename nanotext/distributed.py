@@ -8,6 +8,7 @@ keys left at their defaults (launchers find env vars easier to set per process t
 """
 
 import dataclasses
+import errno
 import os
 import socket
 import threading
@@ -109,6 +110,8 @@ def maybe_initialize(dist_cfg, log=print) -> bool:
   if jax.distributed.is_initialized():
     check_device_counts(jax.devices())
     return True  # an in-process caller (a notebook, a test) already joined
+  if p.process_id == 0 and p.coordinator_address:
+    check_coordinator_port(p.coordinator_address)
   watchdog = threading.Timer(p.init_timeout, errors.fail, (not_joined(p),))
   watchdog.daemon = True
   watchdog.start()
@@ -134,6 +137,41 @@ def maybe_initialize(dist_cfg, log=print) -> bool:
       f"with {jax.local_device_count()} local devices ({jax.device_count()} in all)")
   check_device_counts(jax.devices())
   return True
+
+
+def check_coordinator_port(address: str) -> None:
+  """Refuse, on process 0, a coordinator port another program holds on this host: the
+  coordination service it hosts failed to bind ('Failed to add port to server') and XLA took the
+  process down with a segmentation fault (exit 139). Binds where jax would, then lets go."""
+  given = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "")  # jax's override of where
+  bind = given or "[::]:" + address.rpartition(":")[2]  # jax's default: every interface
+  host, _, port = bind.rpartition(":")
+  if not port.isdigit():
+    return  # jax says what it makes of it
+  host, port = host.strip("[]"), int(port)
+  key = (f"JAX_COORDINATOR_BIND_ADDRESS={given!r}" if given else
+         f"distributed.coordinator_address={address!r}")
+  tries = [(socket.AF_INET6 if ":" in host else socket.AF_INET, host)]
+  if host == "::":  # gRPC falls back to IPv4 alone on a host without IPv6
+    tries.append((socket.AF_INET, "0.0.0.0"))
+  for family, where in tries:
+    try:
+      with socket.socket(family, socket.SOCK_STREAM) as s:
+        # as gRPC does: a port whose last connections linger in TIME_WAIT is free to listen on
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # dual-stack, as gRPC's: IPv4's listeners count too
+          s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind((where, port))
+        s.listen(1)
+      return
+    except OSError as e:
+      if e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+        continue
+      in_use = e.errno == errno.EADDRINUSE
+      what = "is in use on this host" if in_use else f"cannot be opened here ({e.strerror})"
+      raise UserError(f"port {port} {what}: process 0 hosts the run's coordinator there "
+                      f"({key}); give every process another port"
+                      + (", or stop the program that holds it" if in_use else "")) from None
 
 
 def leave_together(timeout_s: float = 10.0) -> None:

@@ -24,7 +24,10 @@ TIMEOUT_S = PROCESS_TIMEOUT_S  # both processes, start to finish; about 35 s whe
 RTOL = 1e-5
 
 
-PORT_TAKEN = "Failed to start RPC server"  # process 0's line when its coordinator cannot bind
+# Process 0's line when another program took its port after free_port(); jax's, where it came
+# between process 0's check and jax's own bind (a refusal, or XLA's line and a segmentation fault).
+PORT_TAKEN = ("is in use on this host", "Failed to start RPC server",
+              "Failed to add port to server")
 
 
 def free_port() -> int:
@@ -61,7 +64,7 @@ def launch_two(overrides, timeout=TIMEOUT_S, tries=3, per_process=([], []), expe
   try:
     for p in procs:
       outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-      if tries > 1 and p is procs[0] and PORT_TAKEN in outputs[0]:
+      if tries > 1 and p is procs[0] and any(t in outputs[0] for t in PORT_TAKEN):
         procs[1].kill()
         procs[1].communicate()
         return launch_two(overrides, timeout, tries - 1, per_process, expect, cwds, poke,
@@ -293,6 +296,38 @@ def test_cli_reports_a_bad_distributed_key():
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
   assert r.stderr.strip().splitlines()[-1].startswith(
       "nanotext: error: distributed.num_processes and distributed.process_id need")
+
+
+@pytest.mark.fast
+def test_process_0_refuses_a_coordinator_port_in_use(monkeypatch):
+  """Another program listening on the coordinator's port: process 0's coordination service
+  failed to bind ('Failed to add port to server') and XLA crashed it with a segmentation fault
+  (exit 139). Refused before joining, checked where jax binds (every interface); process 1,
+  which hosts nothing, goes on to join."""
+  def initialize(**kwargs):
+    raise AssertionError(f"joined as process {kwargs['process_id']}")
+  monkeypatch.setattr(jax.distributed, "initialize", initialize)
+  def keys(pid):
+    return config.load(BASE, [f"distributed.coordinator_address=127.0.0.1:{port}",
+                              "distributed.num_processes=2",
+                              f"distributed.process_id={pid}"]).distributed
+  with socket.socket() as held:  # on 127.0.0.1 alone: jax's [::] still collides with it
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    port = held.getsockname()[1]
+    with pytest.raises(UserError) as e:
+      distributed.maybe_initialize(keys(0))
+    assert str(e.value) == (
+        f"port {port} is in use on this host: process 0 hosts the run's coordinator there "
+        f"(distributed.coordinator_address='127.0.0.1:{port}'); give every process another "
+        "port, or stop the program that holds it")
+    with pytest.raises(AssertionError, match="joined as process 1"):
+      distributed.maybe_initialize(keys(1))
+    monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", f"127.0.0.1:{port}")  # jax's override
+    with pytest.raises(UserError, match=f"JAX_COORDINATOR_BIND_ADDRESS='127.0.0.1:{port}'"):
+      distributed.maybe_initialize(keys(0))
+  with pytest.raises(AssertionError, match="joined as process 0"):  # let go: free again
+    distributed.maybe_initialize(keys(0))
 
 
 @pytest.mark.parametrize("process_id", [0, 1])
