@@ -254,6 +254,34 @@ def check_same_config(cfg_dict: dict) -> None:
                     "distributed.process_id differs)")
 
 
+def same_data(data_cfg) -> list:
+  """This process's training data fingerprint (nanotext.data.fingerprint), after refusing, on
+  every process, processes whose training or validation files differ: data.train_files spelt
+  the same (a relative path, a folder local to each host) named other tokens on each, and the run
+  trained on their mix silently, its config.yml naming process 0's files alone."""
+  import zlib
+
+  import jax
+  import numpy as np
+  from nanotext.data.fingerprint import fingerprint
+  train = fingerprint(data_cfg)
+  if jax.process_count() == 1:
+    return train
+  prints = {"train": train, "val": fingerprint(data_cfg, "val")}
+  every = _every_process(  # [processes, splits]
+      np.array([zlib.crc32(repr(p).encode()) for p in prints.values()], np.uint32))
+  for j, split in enumerate(prints):
+    other = next((p for p in range(len(every)) if every[p, j] != every[0, j]), None)
+    if other is not None:
+      # the keys that name the files: data.dir holds the built-in corpus's prepared shards
+      key = f"data.{split}_files" if data_cfg.source == "bin" else "data.dir"
+      raise UserError(f"process {other} reads other {key} than process 0 "
+                      f"({data_cfg[key.removeprefix('data.')]!r} here): every host must see "
+                      "the same files; give every process a path to the same shards (on a file "
+                      "system they share, or the same copy on each host)")
+  return train
+
+
 def check_shared_file(path: str, what: str) -> None:
   """Refuse, on every process, a run whose processes do not see process 0's file `path` as it
   wrote it: `what` (output_dir) spelt the same on every host but a folder local to each failed

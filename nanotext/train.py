@@ -127,7 +127,6 @@ def _run(cfg, log, clock):
   """run() from its config on: devices, wiring, session, first state, loop, report."""
   import jax
   from nanotext import checkpoint, distributed, memory_plan, sharding, wiring
-  from nanotext.data.fingerprint import fingerprint
   from nanotext.session import Session
   from nanotext.watch import Preemption
   clock.lap("config")
@@ -156,7 +155,7 @@ def _run(cfg, log, clock):
   clock.lap("config")
   check_sample(cfg, log)
   train_iter, val_local = run_.train_iter(), run_.val_batches()
-  data_fingerprint = fingerprint(cfg.data)
+  data_fingerprint = distributed.same_data(cfg.data)  # processes on other files refused
   clock.lap("data")
   # Signals: before the first step they stop the run at once (output_dir put back); from then
   # on they only set a flag, and the loop saves and stops (the final save included).

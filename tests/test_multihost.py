@@ -218,6 +218,63 @@ def test_an_output_dir_not_shared_by_the_processes_is_refused(tmp_path):
   assert [os.listdir(h) for h in hosts] == [[], []]
 
 
+def write_data(folder, seeds=(0, 1)) -> list:
+  """train.bin and val.bin of random tokens (each from its seed) in `folder`; the overrides
+  that read them as spelt from inside it."""
+  from nanotext.data import binfile
+  folder.mkdir(parents=True, exist_ok=True)
+  for seed, split in zip(seeds, ("train", "val")):
+    binfile.write_shard(str(folder / f"{split}.bin"),
+                        np.random.default_rng(seed).integers(0, 512, 20000, dtype=np.uint16))
+  return ["data.source=bin", "data.train_files=data/train.bin", "data.val_files=data/val.bin",
+          "data.tokenizer=none"]
+
+
+@pytest.mark.fast
+def test_processes_reading_other_data_files_are_refused(tmp_path, monkeypatch):
+  """data.train_files spelt the same on two hosts named other tokens on each: the run trained
+  on their mix, exit 0, its config.yml naming process 0's files alone. The fingerprints of both
+  splits are gathered as the configs are; files elsewhere with the same contents pass."""
+  from nanotext.data import fingerprint
+  def data(name, seeds):
+    keys = write_data(tmp_path / name / "data", seeds)
+    return config.load(BASE, TINY + [k.replace("=data/", f"={tmp_path / name}/data/")
+                                     for k in keys]).data
+  def gathered(here, peer):  # same_data on `here` with process 1 reading `peer`'s files
+    codes = []
+    monkeypatch.setattr(distributed, "_every_process", lambda c: codes.append(c) or c[None])
+    distributed.same_data(peer)
+    monkeypatch.setattr(distributed, "_every_process", lambda c: np.stack([c, codes[0]]))
+    return distributed.same_data(here)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  h0 = data("h0", (0, 1))
+  assert gathered(h0, data("h1", (0, 1))) == fingerprint.fingerprint(h0)
+  for split, peer in (("val", data("h2", (0, 2))), ("train", data("h3", (2, 1)))):
+    with pytest.raises(UserError) as e:
+      gathered(h0, peer)
+    assert str(e.value) == (
+        f"process 1 reads other data.{split}_files than process 0 "
+        f"('{tmp_path}/h0/data/{split}.bin' here): every host must see the same files; give "
+        "every process a path to the same shards (on a file system they share, or the same "
+        "copy on each host)")
+
+
+def test_processes_reading_other_data_refuse_in_one_line(tmp_path):
+  """The same relative data paths in two working directories (two hosts' local copies) that
+  differ: both processes refuse once they read them, nothing written."""
+  hosts = [tmp_path / "host0", tmp_path / "host1"]
+  keys = [write_data(h / "data", seeds) for h, seeds in zip(hosts, ((0, 1), (2, 1)))][0]
+  out = tmp_path / "run"
+  outputs = launch_two(TINY + keys + [f"output_dir={out}"], cwds=hosts, expect=2)
+  for host, text in zip(hosts, outputs):
+    assert text.strip().splitlines()[-1] == (
+        f"nanotext: error: process 1 reads other data.train_files than process 0 "
+        f"('{host}/data/train.bin' here): every host must see the same files; give every "
+        "process a path to the same shards (on a file system they share, or the same copy on "
+        "each host)"), text
+  assert not out.exists()
+
+
 def test_sigterm_to_one_process_stops_both_at_the_next_step(tmp_path):
   """Processes agreed on a stop only on logging steps: at train.log_every=500 a SIGTERM after
   step 1 trained on to step 500 (81 s at log_every=300 in the report), past a cloud's grace

@@ -19,17 +19,19 @@ def _cheap_hash(path: str, size: int, chunk: int = 1 << 16) -> str:
   return f"{crc:08x}"
 
 
-def fingerprint(data_cfg) -> list:
-  """[[name, size, hash]] of the training files its source names ([] for one without files)."""
+def fingerprint(data_cfg, split: str = "train") -> list:
+  """[[name, size, hash]] of the files of `split` ('train' or 'val') its source names ([] for one
+  without files)."""
   files = registry.get(data_cfg.source).files
-  paths = files(data_cfg, "train") if files else []
+  paths = files(data_cfg, split) if files else []
   out = []
   for path, name in zip(paths, _names(paths)):
     try:
       size = os.path.getsize(path)
       out.append([name, size, _cheap_hash(path, size)])
     except OSError as e:
-      raise UserError(f"cannot read training shard '{path}': {e.strerror}") from None
+      raise UserError(f"cannot read {'training' if split == 'train' else 'validation'} shard "
+                      f"'{path}': {e.strerror}") from None
   return out
 
 
