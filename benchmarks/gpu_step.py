@@ -78,7 +78,7 @@ def measure(path, overrides, *, steps=10, repeats=3, warmup=2, schedule=False, t
                             if trace_steps else ([], None, {}))
   tokens = cfg.train.batch_size * cfg.train.seq_len
   flops = metrics.flops_per_token(cfg.model, final[1], final[0]) * tokens
-  peak = cfg.metrics.peak_flops * jax.device_count()
+  peak = metrics.peak_flops(cfg.metrics, jax.devices()) * jax.device_count()
   return {"config": " ".join([path, *overrides]), "backend": jax.default_backend(),
           "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
           "jax": jax.__version__, "params": run.num_params, "attention": run.impl,

@@ -29,7 +29,11 @@ RETIRED = {"train.debug_nan_step": -1}
 # Keys that are actions of one start, not settings of the run: a saved config.yml holds their
 # defaults, and a run folder's config.yml (an older one saved them) is read without them, so a
 # start from that file (a resume, docs/convert.md's start from its weights) does not act unasked.
-ONE_SHOT = ("overwrite", "data.allow_changed")
+# The distributed launch keys are one start's too (process 0's, saved, had a later resume of
+# `train RUN/config.yml` wait distributed.init_timeout for a coordinator long gone).
+LAUNCH = ("distributed.coordinator_address", "distributed.num_processes",
+          "distributed.process_id", "distributed.local_device_count")
+ONE_SHOT = ("overwrite", "data.allow_changed") + LAUNCH
 MAX_BASE_DEPTH = 32  # a chain of base: files deeper than this is refused
 
 
@@ -243,16 +247,17 @@ def misaligned_dims(model_cfg) -> list:
   return [f"{k}={v}" for k, v in dims.items() if v % a]
 
 
-def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
+def finalize(cfg, *, mesh_sizes: dict, data_dir: str,
              tokenizer_vocab: int | None = None) -> sections.Section:
   """Fill in every derived value (the only place that computes them); returns the typed,
   frozen config (a new object: `cfg` is not changed).
 
   Values that depend on the devices come from the caller (`nanotext.wiring.finalize`), so this
   module imports nothing above it: `mesh_sizes` {mesh.* key: size} with -1 resolved,
-  `peak_flops` per device, `data_dir` the default for data.dir, `tokenizer_vocab` the
-  tokenizer's vocabulary size (None: unknown) for model.embed_rows=-1. model.remat=auto and the
-  -1 loss chunks are the memory plan's, which the caller sets with `with_values`.
+  `data_dir` the default for data.dir, `tokenizer_vocab` the tokenizer's vocabulary size (None:
+  unknown) for model.embed_rows=-1. model.remat=auto and the -1 loss chunks are the memory
+  plan's, which the caller sets with `with_values`. metrics.peak_flops=0 stays 0: its default is
+  the devices' of each start (metrics.peak_flops), not saved for a resume on others.
   """
   cfg = ml_collections.ConfigDict(cfg.to_dict())
   m = cfg.model
@@ -270,7 +275,6 @@ def finalize(cfg, *, mesh_sizes: dict, peak_flops: float, data_dir: str,
   cfg.data.dir = cfg.data.dir or data_dir
   for k in ("dir", "train_files", "val_files"):  # saved whole: evaluate read (or prepared) them
     cfg.data[k] = cfg.data[k] and os.path.abspath(os.path.expanduser(cfg.data[k]))  # in its cwd
-  cfg.metrics.peak_flops = cfg.metrics.peak_flops or peak_flops
   bad = misaligned_dims(m)
   if bad and m.strict_align:
     raise UserError(f"matmul dims not multiples of model.align={m.align}: {', '.join(bad)} "

@@ -37,6 +37,12 @@ def default_peak_flops(devices) -> float:
   return 100e12
 
 
+def peak_flops(metrics_cfg, devices) -> float:
+  """Per-device peak FLOP/s for MFU on `devices` (the run's): metrics.peak_flops, or where it
+  is 0 the default for them, found at each start (a resume on other devices has its own)."""
+  return metrics_cfg.peak_flops or default_peak_flops(devices)
+
+
 def flops_per_token(model_cfg, seq_len: int, window=0) -> float:
   """Training FLOPs per token: 6 * matmul params plus causal attention (forward + backward).
 

@@ -277,7 +277,8 @@ class Monitor:
     self.run, self.writer, self.log, self.counter = run, writer, log, counter
     self.tokens_per_step = t_cfg.batch_size * t_cfg.seq_len
     self._flops = {}  # (per-layer windows, row length) -> FLOPs per step (schedules change them)
-    self.peak = cfg.metrics.peak_flops * run.mesh.devices.size  # the run's devices, not all
+    devices = list(run.mesh.devices.flat)  # the run's devices, not all
+    self.peak = metrics.peak_flops(cfg.metrics, devices) * len(devices)
     # (step, when it was read) of the rows in the rate's window: steps are read in bursts
     # (a pause of the host lets the device run ahead), so a rate over one step could be 3x high
     # (the third: seconds paused for evals and saves by then, which the rates leave out)

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.experimental import multihost_utils
 
-from nanotext import (checkpoint, config, device_memory, memory_plan, metrics, optim, params_from,
+from nanotext import (checkpoint, config, device_memory, memory_plan, optim, params_from,
                       rundir, sharding, watch, window_schedule)
 from nanotext.errors import UserError
 from nanotext.model import attention, count_params, draws, GPT, gpt, loss
@@ -256,10 +256,10 @@ def mesh_sizes(cfg, devices) -> dict:
 
 
 def _finalize(cfg, devices, sizes: dict):
-  """config.finalize with the values that need devices: mesh `sizes`, peak FLOP/s, data
-  folder, the tokenizer's vocabulary."""
-  return config.finalize(cfg, mesh_sizes=sizes, peak_flops=metrics.default_peak_flops(devices),
-                         data_dir=default_dir(), tokenizer_vocab=tokenizer_vocab(cfg.data))
+  """config.finalize with the values that need devices: mesh `sizes`, data folder, the
+  tokenizer's vocabulary."""
+  return config.finalize(cfg, mesh_sizes=sizes, data_dir=default_dir(),
+                         tokenizer_vocab=tokenizer_vocab(cfg.data))
 
 
 def check_mesh(cfg, devices) -> None:

@@ -47,7 +47,7 @@ def planned(overrides, capacity):
   cfg = wiring.load(SPEEDRUN, list(overrides) + SYNTH)
   sizes = mesh_sizes()
   planner = memory_plan.Planner("gpu", sizes, capacity, "test")
-  cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=1.0, data_dir="", tokenizer_vocab=None)
+  cfg = config.finalize(cfg, mesh_sizes=sizes, data_dir="", tokenizer_vocab=None)
   return config.with_values(cfg, planner(cfg)), planner.plan
 
 
@@ -60,7 +60,7 @@ SMALL = ["model.num_layers=2", "model.d_model=128", "model.num_heads=2", "model.
 @pytest.mark.fast
 def test_auto_takes_the_fewest_passes_that_fit_and_says_so():
   cfg = wiring.load(SPEEDRUN, SMALL + SYNTH)
-  cfg = config.finalize(cfg, mesh_sizes=mesh_sizes(), peak_flops=1.0, data_dir="",
+  cfg = config.finalize(cfg, mesh_sizes=mesh_sizes(), data_dir="",
                         tokenizer_vocab=None)
   model = memory.model_of(cfg, "gpu", mesh_sizes())
   whole, two, four = (model.eval(0, a).total for a in (1, 2, 4))
@@ -82,7 +82,7 @@ def test_a_saved_number_that_no_longer_divides_the_rows_is_chosen_again():
   3 ('kept from the run's config.yml') and evaluate then refused its config.yml."""
   cfg = wiring.load(SPEEDRUN, SMALL + SYNTH + ["train.batch_size=6"])
   sizes = mesh_sizes()
-  cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=1.0, data_dir="", tokenizer_vocab=None)
+  cfg = config.finalize(cfg, mesh_sizes=sizes, data_dir="", tokenizer_vocab=None)
   plan = lambda prefer: memory_plan.Planner("gpu", sizes, 64 * 2**30, "test", prefer=prefer)(cfg)
   assert plan({"train.eval_accum": 3})["train.eval_accum"] == 3  # 6 rows: kept
   assert plan({"train.eval_accum": 4})["train.eval_accum"] == 1  # no divisor: chosen again
@@ -93,7 +93,7 @@ def test_a_fixed_number_is_kept_and_refused_advice_names_passes():
   cfg, plan = planned(SMALL + ["train.eval_accum=4"], 64 * 2**30)
   assert cfg.train.eval_accum == 4 and ", eval_accum=4 (" in plan.line()
   cfg = wiring.load(SPEEDRUN, SMALL + SYNTH + ["train.eval_accum=1"])
-  cfg = config.finalize(cfg, mesh_sizes=mesh_sizes(), peak_flops=1.0, data_dir="",
+  cfg = config.finalize(cfg, mesh_sizes=mesh_sizes(), data_dir="",
                         tokenizer_vocab=None)
   model = memory.model_of(cfg, "gpu", mesh_sizes())
   _, plan = planned(SMALL + ["train.eval_accum=1"], model.eval(0, 1).total / 1.5)

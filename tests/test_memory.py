@@ -28,7 +28,7 @@ def planned(path, overrides, capacity, *, backend="cpu", devices=1, prefer=None)
   cfg = wiring.load(path, list(overrides) + SYNTH)
   sizes = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, devices)))
   planner = memory_plan.Planner(backend, sizes, capacity, "test", prefer=prefer)
-  cfg = config.finalize(cfg, mesh_sizes=sizes, peak_flops=1.0, data_dir="", tokenizer_vocab=None)
+  cfg = config.finalize(cfg, mesh_sizes=sizes, data_dir="", tokenizer_vocab=None)
   return config.with_values(cfg, planner(cfg)), planner.plan
 
 
@@ -223,7 +223,7 @@ def test_a_gpu_train_step_holds_one_head_slices_output_at_its_loss(monkeypatch):
   monkeypatch.setattr(head_loss, "DEFAULT_SLICE_BYTES", 2**16)  # several slices at tiny dims
   sizes = mesh_sizes(fsdp=1)
   cfg = config.finalize(wiring.load(SPEEDRUN, SMALL_SPEEDRUN + SYNTH), mesh_sizes=sizes,
-                        peak_flops=1.0, data_dir="", tokenizer_vocab=None)
+                        data_dir="", tokenizer_vocab=None)
   m = {b: memory.Model(cfg, b, sizes) for b in ("gpu", "tpu", "cpu")}
   rows, length, vocab = m["gpu"].rows, cfg.train.seq_len, cfg.model.vocab_size
   k = head_loss.slices(rows, length, vocab, "gpu")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, run_cli
-from nanotext import checkpoint, config, distributed, wiring
+from nanotext import checkpoint, config, config_file, distributed, wiring
 from nanotext.errors import UserError
 from nanotext.train import run
 
@@ -132,6 +132,10 @@ def test_two_processes_match_one(tmp_path, mesh):
   if mesh:
     return
   assert config.load(os.path.join(multi, "config.yml")).mesh.fsdp == 8
+  # No launch value of one process, no peak of these devices: `train RUN/config.yml` resumes.
+  saved = config_file.read(os.path.join(multi, "config.yml"))
+  assert (saved["distributed"]["coordinator_address"], saved["distributed"]["process_id"],
+          saved["metrics"]["peak_flops"]) == ("", -1, 0)
   # Both processes wrote one checkpoint together (each its own shards, process 0 the metadata):
   # it must restore into one process's 8-device shardings (the resume path) whole, holding the
   # single-process run's parameters.

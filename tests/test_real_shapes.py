@@ -62,7 +62,7 @@ def head_model(d, vocab, *overrides):
                              "model.embed_rows=64", "model.value_embeds=0", "model.num_heads=1",
                              f"model.head_dim={d}", f"model.mlp_dim={d}", "model.align=0",
                              *overrides])
-  cfg = config.finalize(cfg, mesh_sizes={}, peak_flops=1.0, data_dir="")
+  cfg = config.finalize(cfg, mesh_sizes={}, data_dir="")
   return GPT(cfg.model, cfg.attention, rngs=nnx.Rngs(0))
 
 
