@@ -39,6 +39,21 @@ def alive(holder: dict) -> bool:
   return started is None or _start_time(pid) in (None, started)
 
 
+def _read(path: str) -> tuple:
+  """(text, inode) of a lock file: the inode alone may be reused at once by a new lock."""
+  with open(path, encoding="utf-8", errors="replace") as f:
+    return f.read(4096), os.fstat(f.fileno()).st_ino
+
+
+def _holder(text: str):
+  """The lock's holder record, None where the text is not one."""
+  try:
+    holder = json.loads(text)
+  except ValueError:
+    return None
+  return holder if isinstance(holder, dict) else None
+
+
 class Lock:
   """Exclusive use of output_dir for the life of a run (process 0 of a multi-process run)."""
 
@@ -85,33 +100,47 @@ class Lock:
       raise UserError(f"'{self.path}' is a directory, not a nanotext lock: move it out of "
                       "output_dir")
     try:
-      with open(self.path, encoding="utf-8", errors="replace") as f:
-        text = f.read(4096)
+      text, ino = _read(self.path)
       age = time.time() - os.path.getmtime(self.path)
     except FileNotFoundError:
       return  # released meanwhile: try again
     except OSError as e:
       raise os_error(e, f"cannot read the lock '{self.path}'") from None
-    try:
-      holder = json.loads(text)
-    except ValueError:
-      holder = None
-    holder = holder if isinstance(holder, dict) else None
+    holder = _holder(text)
     if holder is None and age < 10:  # being written this instant by another run
       holder = {"host": "?", "pid": "?", "since": "just now"}
     if holder is not None and alive(holder):
-      raise UserError(f"output_dir '{self.out}' is in use by another run (pid {holder.get('pid')}"
-                      f" on {holder.get('host')}, since {holder.get('since')}); wait for it to "
-                      f"end or choose another output_dir (if that run is gone, delete "
-                      f"'{self.path}')")
-    # A killed run's lock: move it out of the way; of two runs racing here only one rename wins.
+      raise self._in_use(holder)
+    # A killed run's lock: move it out of the way. Another start may have taken it over since it
+    # was read (its own fresh lock now lies at the path): only the file judged stale goes.
+    moved = f"{self.path}.stale-{os.getpid()}"
     try:
-      os.rename(self.path, f"{self.path}.stale-{os.getpid()}")
-      os.remove(f"{self.path}.stale-{os.getpid()}")
+      os.rename(self.path, moved)
     except FileNotFoundError:
-      pass
+      return
     except OSError as e:
       raise os_error(e, f"cannot take over the stale lock '{self.path}'") from None
+    try:
+      taken = _read(moved)
+    except OSError:
+      taken = None
+    if taken != (text, ino):  # the winner's lock: put it back (never over a newer one)
+      try:
+        os.link(moved, self.path)
+      except OSError:
+        pass
+    try:
+      os.remove(moved)
+    except OSError:
+      pass
+    if taken != (text, ino):
+      raise self._in_use(_holder(taken[0]) if taken else None)
+
+  def _in_use(self, holder) -> UserError:
+    holder = holder or {}
+    return UserError(f"output_dir '{self.out}' is in use by another run (pid {holder.get('pid')}"
+                     f" on {holder.get('host')}, since {holder.get('since')}); wait for it to end "
+                     f"or choose another output_dir (if that run is gone, delete '{self.path}')")
 
   def release(self) -> None:
     if not self.held:

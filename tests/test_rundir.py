@@ -54,6 +54,27 @@ def test_stale_locks_are_taken_over_by_pid_and_host(tmp_path, holder, stale):
       held.acquire()
 
 
+def test_of_two_starts_taking_over_a_stale_lock_one_wins(tmp_path, monkeypatch):
+  (tmp_path / lock.LOCK).write_text(json.dumps({"pid": dead_pid(), "host": socket.gethostname()}))
+  first, second = lock.Lock(str(tmp_path)), lock.Lock(str(tmp_path))
+  judged, real_alive = [], lock.alive
+
+  def first_takes_over_meanwhile(holder):  # `second` judged the old lock stale; then `first` ran
+    stale = real_alive(holder)
+    if not judged:
+      judged.append(holder)
+      first.acquire()
+    return stale
+
+  monkeypatch.setattr(lock, "alive", first_takes_over_meanwhile)
+  with pytest.raises(UserError, match=r"in use by another run \(pid \d+ on "):
+    second.acquire()  # it moved `first`'s fresh lock away and wrote its own
+  assert first.held and not second.held
+  assert sorted(os.listdir(tmp_path)) == [lock.LOCK]
+  first.release()
+  assert not os.listdir(tmp_path)
+
+
 def a_step_of_a_run(d) -> str:
   """A step folder of a run in `d` (its rotation deletes what lies inside)."""
   (d / "checkpoints" / "14").mkdir(parents=True)
