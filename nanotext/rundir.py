@@ -221,6 +221,26 @@ def vanished(step_dir: str, files: frozenset) -> bool:
       not os.path.lexists(os.path.join(step_dir, f)) for f in files)
 
 
+def folder_id(path: str):
+  """(device, inode) of a folder, None where there is none: set_aside moves checkpoints/ away and
+  the new run makes another, so a changed id says the run read was replaced meanwhile."""
+  try:
+    st = os.stat(path)
+  except OSError:
+    return None
+  return st.st_dev, st.st_ino
+
+
+def set_aside_since(out: str, checkpoints_id) -> bool:
+  """Whether the run whose checkpoints/ folder had `checkpoints_id` (folder_id) when a read began
+  was moved aside since, by an overwrite=true start (its new run may have committed already)."""
+  return checkpoints_id is not None and \
+      folder_id(os.path.join(out, "checkpoints")) != checkpoints_id
+
+
+SET_ASIDE = "set aside with the run while it was read, by an overwrite=true start replacing it"
+
+
 def set_aside(out: str) -> str:
   """Move the previous run's files into output_dir/.overwritten (deleted at `commit`)."""
   aside = os.path.join(out, ASIDE)

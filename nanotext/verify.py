@@ -6,7 +6,8 @@ one step of a params-only folder, `convert params-only`). Each step is read onto
 device whatever mesh wrote it. Nothing is moved or deleted. A run may be training into DIR
 meanwhile. Exit status: 0 when every step is intact, 1 when one is
 damaged or config.yml was edited in a model key after the newest step (the read tools refuse it),
-2 for a directory that is not a run, 130 on Ctrl-C.
+2 for a directory that is not a run, 130 on Ctrl-C. Steps removed (or the run set aside by an
+overwrite=true start) while they are read are gone, not damaged.
 """
 
 import os
@@ -19,11 +20,12 @@ from nanotext.errors import UserError
 USAGE = "usage: python -m nanotext.verify OUTPUT_DIR"
 
 
-def check_step(manager, step: int, keep: int = 0) -> tuple:
+def check_step(manager, step: int, keep: int = 0, folder=None) -> tuple:
   """(status, detail) of one step: intact, unverified (written before checksums), damaged, or
   gone: removed while it was read (the step or a file seen in it vanished), or, beside a run
   training into the folder with checkpoint.keep=`keep`, older than the newest `keep` steps on
-  disk, which that run is removing."""
+  disk, which that run is removing; or set aside with the whole run by an overwrite=true start
+  (checkpoints/ is no longer `folder`, its rundir.folder_id when the read began)."""
   from nanotext import checkpoint
   where = checkpoint.step_dir(manager, step)
   files = rundir.step_files(where)
@@ -34,6 +36,8 @@ def check_step(manager, step: int, keep: int = 0) -> tuple:
     checkpoint.check_config_item(where)
   except checkpoint.Damaged as e:
     out = os.path.dirname(str(manager.directory))
+    if rundir.set_aside_since(out, folder) and rundir.vanished(where, files):
+      return "gone", rundir.SET_ASIDE
     if rundir.rotated_out(out, step, keep) or rundir.vanished(where, files):
       return "gone", "removed while it was read (the run in progress keeps checkpoint.keep)"
     return "damaged", str(e)
@@ -66,7 +70,7 @@ def report(out: str, log=print) -> int:
     missing = "does not exist" if not os.path.lexists(out) else \
         "is not a directory" if not os.path.isdir(out) else "holds no checkpoints/ directory"
     raise UserError(f"'{out}' {missing} (give a nanotext run directory){rundir.aside_note(out)}")
-  live = rundir.running(out)
+  live, folder = rundir.running(out), rundir.folder_id(root)
   manager = checkpoint.reader(out)
   steps = sorted(manager.all_steps(), reverse=True)
   said = f"{len(steps)} checkpoint(s) in {root}, newest first:" if steps else \
@@ -74,7 +78,7 @@ def report(out: str, log=print) -> int:
   log(said + (f" (a run is training into it: {live})" if live else ""))
   damaged, keep = 0, rundir.live_keep(out)
   for step in steps:
-    status, detail = check_step(manager, step, keep)
+    status, detail = check_step(manager, step, keep, folder)
     damaged += status == "damaged"
     log(f"  step {step:>7d}  {status:<10s}  {detail}")
   try:
@@ -104,6 +108,9 @@ def report(out: str, log=print) -> int:
   if damaged:
     log(f"{damaged} damaged step(s): a resume never restores them; it uses the newest intact step")
   edited = config_edited(out) if steps else ""
+  if steps and rundir.set_aside_since(out, folder):  # checkpoints/ goes first, config.yml after:
+    edited = ""  # one missing or another run's is no edit
+    log(f"config.yml: {rundir.SET_ASIDE}; not checked")
   if edited:
     log(edited)
   return 1 if damaged or edited else 0

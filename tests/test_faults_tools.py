@@ -18,7 +18,7 @@ from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, forward, saved_run
 from test_cli_errors import snapshot
 from test_faults import ARGS, array_files, assert_one_error_line, copy_of, make_reference
 from test_faults_startup import immutable, train_cli
-from nanotext import checkpoint, config, config_file, generate, verify
+from nanotext import checkpoint, config, config_file, generate, rundir, verify
 from nanotext.errors import UserError
 
 reference = pytest.fixture(scope="module", name="reference")(make_reference)
@@ -190,6 +190,27 @@ def test_verify_calls_a_step_removed_while_read_gone_not_damaged(reference, tmp_
   shutil.copytree(os.path.join(out, "checkpoints", "6"), os.path.join(out, "checkpoints", "8"))
   assert verify.check_step(manager, 6, keep=1)[0] == "gone"
   assert verify.check_step(manager, 6)[0] == "damaged"
+
+
+def test_verify_of_a_run_an_overwrite_sets_aside_while_read_exits_0(reference, tmp_path,
+                                                                      monkeypatch):
+  """`train overwrite=true` moved the run into .overwritten/ while verify read it: its steps were
+  said gone as if the run kept checkpoint.keep, and config.yml, gone with them, was 'edited'
+  ('config file ... does not exist', exit 1)."""
+  out = copy_of(reference, tmp_path)
+  read = checkpoint.read_on_one_device
+
+  def set_aside_meanwhile(m, step, part=""):
+    if not os.path.isdir(os.path.join(out, rundir.ASIDE)):
+      rundir.set_aside(out)
+      os.makedirs(os.path.join(out, "checkpoints"))  # the new run's
+    return read(m, step, part)
+  monkeypatch.setattr(checkpoint, "read_on_one_device", set_aside_meanwhile)
+  lines = []
+  assert verify.report(out, lines.append) == 0, lines
+  assert [line.split()[2] for line in lines[1:4]] == ["gone"] * 3
+  assert all("overwrite=true" in line and "keep" not in line for line in lines[1:4]), lines
+  assert lines[-1].startswith("config.yml: set aside with the run") and len(lines) == 5
 
 
 @pytest.mark.slow
