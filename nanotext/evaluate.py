@@ -70,6 +70,11 @@ def load_config(out: str, overrides, checked: bool = True):
   """The run's config with `overrides` (output_dir: the run's folder, wherever it was trained),
   `checked` as train checks it (wiring, which imports jax), else only read and typed; a
   config.yml edited after the newest checkpoint is refused (identity.check_unedited)."""
+  from nanotext import rundir
+  return rundir.run_config(out, "output_dir", lambda: _load_config(out, overrides, checked))
+
+
+def _load_config(out: str, overrides, checked: bool):
   from nanotext import config, config_file, identity
   # distributed.* as the schema has them: a run of 2 processes saved its coordinator, count and
   # index, and evaluate waited init_timeout to join a coordinator long gone (the environment's

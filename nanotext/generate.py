@@ -305,9 +305,9 @@ def parse(argv) -> tuple:
 
 def precheck(argv) -> None:
   """The arguments and the run's config for them (file, keys, types), checked before jax loads."""
-  from nanotext import config
-  _, _, num, path, overrides = parse(argv)
-  check_seeds(config.load(path, overrides), num)
+  from nanotext import config, rundir
+  out, _, num, path, overrides = parse(argv)
+  check_seeds(rundir.run_config(out, "output_dir", lambda: config.load(path, overrides)), num)
 
 
 def past_rows(cfg, ids) -> str:
@@ -328,10 +328,11 @@ def check_seeds(cfg, num: int) -> None:
 
 
 def main(argv) -> None:
-  from nanotext import identity, wiring
+  from nanotext import identity, rundir, wiring
   from nanotext.data.tokenizer import get_tokenizer
   out, step, num, cfg_path, overrides = parse(argv)
-  cfg = wiring.load(cfg_path, overrides)  # checked as train checks it
+  # checked as train checks it
+  cfg = rundir.run_config(out, "output_dir", lambda: wiring.load(cfg_path, overrides))
   identity.check_unedited(out, cfg.to_dict())
   check_seeds(cfg, num)
   if cfg.data.tokenizer == "none":  # no data.* argument here: the run's file names it

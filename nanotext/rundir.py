@@ -57,11 +57,23 @@ def check_run_dir(path: str, what: str, holds: str = "config.yml",
   if not os.path.isdir(path):
     raise UserError(f"{what} '{path}' does not exist")
   if not os.path.isfile(os.path.join(path, holds)):
+    if holds == "config.yml" and (note := aside_note(path)):  # moved, with the run
+      raise UserError(f"{what} '{path}' holds no config.yml{note}")
     saved = [s for s in steps_on_disk(path) if holds == "config.yml" and step_config(path, s)]
     back = saved and os.path.join(path, "checkpoints", str(saved[-1]), "config", "metadata")
     raise UserError(f"{what} '{path}' holds no {holds}" + (
         f", which its checkpoint of step {saved[-1]} was saved with: put it back (cp '{back}' "
         f"'{os.path.join(path, holds)}': JSON is YAML)" if saved else f": is it {kind}?"))
+
+
+def run_config(out: str, what: str, load):
+  """load(), which reads the config.yml of the run in `out`; where that fails as config.yml
+  vanished meanwhile (an overwrite=true start set the run aside), check_run_dir's line instead."""
+  try:
+    return load()
+  except UserError:
+    check_run_dir(out, what)
+    raise
 
 
 def run_holding(path: str) -> str:
@@ -152,14 +164,18 @@ def step_config(out: str, step: int) -> dict:
 
 
 def aside_note(out: str) -> str:
-  """What a read tool says of a run moved aside by an overwrite that never got to its first
-  checkpoint (killed): it is whole, and the next start in output_dir puts it back. '' if none."""
+  """What a read tool says of a run moved aside by an overwrite: one in progress (it holds the
+  lock) deletes it at its first checkpoint; one that never got there (killed) left it whole, and
+  the next start in output_dir puts it back. '' if none."""
   aside = os.path.join(out, ASIDE)
   if not os.path.isdir(aside) or os.path.lexists(os.path.join(aside, COMMITTED)):
     return ""
-  return (f"; the run it held is set aside whole in '{os.path.join(out, ASIDE)}' by an "
-          "overwrite=true start that ended before its first checkpoint: the next train start "
-          "there puts it back")
+  live = running(out)
+  if live:
+    return (f"; an overwrite=true run ({live}) is replacing the run it held, set aside in "
+            f"'{aside}' until the new run's first checkpoint, which deletes it")
+  return (f"; the run it held is set aside whole in '{aside}' by an overwrite=true start that "
+          "ended before its first checkpoint: the next train start there puts it back")
 
 
 def steps_on_disk(out: str) -> list:

@@ -559,6 +559,35 @@ def test_read_tools_say_where_a_run_set_aside_by_a_killed_overwrite_is(tmp_path)
   assert rundir.aside_note(str(tmp_path)) == ""
 
 
+def test_read_tools_say_an_overwrite_in_progress_replaces_the_run(tmp_path, monkeypatch):
+  """While an overwrite=true run is alive (before its first checkpoint) the read tools said the
+  run set aside would be put back by the next start: the live run deletes it instead. evaluate,
+  whose config.yml went aside between its checks, said 'config file ... does not exist'."""
+  from nanotext import evaluate
+  fake_run(tmp_path, "old", steps=(4,))
+  rundir.set_aside(str(tmp_path))
+  (tmp_path / "checkpoints").mkdir()  # the new run's, no step yet
+  with lock.Lock(str(tmp_path)):  # held by a live run
+    note = (f"; an overwrite=true run (pid {os.getpid()} on {socket.gethostname()}) is replacing "
+            f"the run it held, set aside in '{tmp_path / rundir.ASIDE}' until the new run's "
+            "first checkpoint, which deletes it")
+    assert rundir.aside_note(str(tmp_path)) == note
+    with pytest.raises(UserError, match="holds no checkpoints .*" + re.escape(note)):
+      checkpoint.latest_params(str(tmp_path))
+    with pytest.raises(UserError, match="holds no config.yml" + re.escape(note)):
+      evaluate.parse([f"output_dir={tmp_path}"])
+    rundir.roll_back(str(tmp_path))  # the run is back; the overwrite sets it aside mid-read
+    load = config.load
+
+    def set_aside_first(*args, **kwargs):
+      rundir.set_aside(str(tmp_path))
+      return load(*args, **kwargs)
+    monkeypatch.setattr(config, "load", set_aside_first)
+    with pytest.raises(UserError, match="holds no config.yml" + re.escape(note)):
+      evaluate.load_config(str(tmp_path), [], checked=False)
+  assert "the next train start there puts it back" in rundir.aside_note(str(tmp_path))
+
+
 def params_only_folder(d, *, trained_into: bool = False) -> str:
   """The files of a `convert params-only` output (contents not read by these checks)."""
   (d / "params").mkdir(parents=True)

@@ -16,7 +16,7 @@ def load_run(run: str, step: int = -1):
   params-only folder (what `params-only` writes: one step), in the model's own tree."""
   from nanotext import config
   rundir.check_run_dir(run, "--run")
-  cfg = config.load(os.path.join(run, "config.yml"))
+  cfg = rundir.run_config(run, "--run", lambda: config.load(os.path.join(run, "config.yml")))
   identity.check_unedited(run, cfg.to_dict())
   step, _, params = model_params(run, cfg, step, "--run", "--step")
   return cfg, step, jax.device_get(params)
