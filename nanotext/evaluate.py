@@ -217,6 +217,12 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
     except (Damaged, UserError) as e:
       if at is None:
         raise
+      cut = os.path.isdir(path) and rundir.cut_short(out, at, str(e))  # by a killed run
+      if cut and step != "all":
+        raise UserError(f"output_dir '{out}': the checkpoint of step {at} was {cut}") from None
+      if cut:
+        log(f"step {at:>6d} | left out: it was {cut}")
+        continue
       # there, and not readable; or being removed by the run training into `out`, state/ first
       if os.path.isdir(path) and not rundir.rotated_out(out, at, rundir.live_keep(out)):
         why = str(e) if os.path.isdir(os.path.join(path, "state")) else \

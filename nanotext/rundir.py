@@ -198,11 +198,8 @@ def running(out: str) -> str:
   return f"pid {holder.get('pid')} on {holder.get('host')}"
 
 
-def live_keep(out: str) -> int:
-  """checkpoint.keep of a run training into `out` now (its config.yml); 0 with none, or where
-  that cannot be read."""
-  if not running(out):
-    return 0
+def config_keep(out: str) -> int:
+  """checkpoint.keep of the run in `out` (its config.yml); 0 where that cannot be read."""
   try:
     keep = config_file.read(os.path.join(out, "config.yml"))["checkpoint"]["keep"]
   except (UserError, KeyError, TypeError):
@@ -210,11 +207,45 @@ def live_keep(out: str) -> int:
   return keep if isinstance(keep, int) and keep > 0 else 0
 
 
+def live_keep(out: str) -> int:
+  """checkpoint.keep of a run training into `out` now (its config.yml); 0 with none, or where
+  that cannot be read."""
+  return config_keep(out) if running(out) else 0
+
+
 def rotated_out(out: str, step: int, keep: int) -> bool:
   """Whether `step` is older than the newest `keep` steps on disk: a run training into `out`
   with checkpoint.keep=`keep` (live_keep) is removing it, file by file."""
   kept = steps_on_disk(out)[-keep:] if keep else []
   return bool(keep) and len(kept) == keep and step < kept[0]
+
+
+# What every complete step holds, and how a read says a file is missing (tensorstore, orbax, os)
+STEP_SKELETON = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt",
+                 "config/metadata", "data")
+NOT_FOUND = ("NOT_FOUND", "No such file", "not found", "does not exist")
+
+
+def missing_files(step_dir: str) -> bool:
+  """Whether a step folder lacks a file every complete step holds (STEP_SKELETON)."""
+  return any(not os.path.lexists(os.path.join(step_dir, f)) for f in STEP_SKELETON)
+
+
+def cut_short(out: str, step: int, why: str) -> str:
+  """What a tool says of a step a run was deleting when it was killed (orbax removes a step in
+  place, file by file, once `checkpoint.keep` newer ones are complete): it misses files (or a
+  read of it failed, as `why`, on one missing) and that many newer steps look complete. '' for
+  any other step, and while a run holds the lock (it is deleting the step now)."""
+  keep = 0 if running(out) else config_keep(out)
+  where = os.path.join(out, "checkpoints", str(step))
+  if not keep or not (missing_files(where) or any(n in why for n in NOT_FOUND)):
+    return ""
+  newer = [s for s in steps_on_disk(out)
+           if s > step and not missing_files(os.path.join(out, "checkpoints", str(s)))]
+  if len(newer) < keep:
+    return ""
+  return (f"being deleted when the run stopped (older than its newest checkpoint.keep={keep} "
+          "steps, it misses files); the next start removes it at its first save")
 
 
 def older_steps(steps, newest: int, arg: str) -> str:

@@ -25,7 +25,8 @@ def check_step(manager, step: int, keep: int = 0, folder=None) -> tuple:
   gone: removed while it was read (the step or a file seen in it vanished), or, beside a run
   training into the folder with checkpoint.keep=`keep`, older than the newest `keep` steps on
   disk, which that run is removing; or set aside with the whole run by an overwrite=true start
-  (checkpoints/ is no longer `folder`, its rundir.folder_id when the read began)."""
+  (checkpoints/ is no longer `folder`, its rundir.folder_id when the read began); or leftover:
+  a step a killed run was deleting (rundir.cut_short)."""
   from nanotext import checkpoint
   where = checkpoint.step_dir(manager, step)
   files = rundir.step_files(where)
@@ -40,7 +41,8 @@ def check_step(manager, step: int, keep: int = 0, folder=None) -> tuple:
       return "gone", rundir.SET_ASIDE
     if rundir.rotated_out(out, step, keep) or rundir.vanished(where, files):
       return "gone", "removed while it was read (the run in progress keeps checkpoint.keep)"
-    return "damaged", str(e)
+    cut = rundir.cut_short(out, step, str(e))  # a kill inside a rotation, not damage
+    return ("leftover", cut) if cut else ("damaged", str(e))
   return _read(state, integrity)
 
 

@@ -148,16 +148,24 @@ def test_a_step_removed_while_it_is_read_is_left_out(tiny_run, tmp_path, monkeyp
 @pytest.mark.fast
 def test_a_step_a_live_run_is_removing_is_left_out_not_called_damaged(tiny_run, tmp_path):
   """A run with checkpoint.keep=2 removes its oldest step state/ first: caught between the two,
-  the step was 'incomplete or damaged' and evaluate exited 2. With no run training there, it
-  is damaged."""
+  the step was 'incomplete or damaged' and evaluate exited 2. With no run training there, the
+  run was killed inside that removal: left out as well (it was read, and called damaged), said
+  so; a step the keep does not rotate out is damaged."""
   out = str(tmp_path / "run")
   shutil.copytree(tiny_run[0], out)
   root = os.path.join(out, "checkpoints")
   for n in ("1", "3"):
     shutil.copytree(os.path.join(root, "2"), os.path.join(root, n))
   shutil.rmtree(os.path.join(root, "1", "state"))  # keep=2: steps 2 and 3 stay
+  lines = []
+  assert [r["step"] for r in evaluate.evaluate(out, "all", log=lines.append)] == [2, 3]
+  assert "step      1 | left out: it was being deleted when the run stopped" in "\n".join(lines)
+  with pytest.raises(UserError, match="step 1 was being deleted when the run stopped"):
+    evaluate.evaluate(out, 1, log=lambda line: None)
+  shutil.rmtree(os.path.join(root, "3"))  # step 1 among the newest two: damaged
   with pytest.raises(UserError, match=r"step\(s\) 1 of .* could not be read"):
     evaluate.evaluate(out, "all", log=lambda line: None)
+  shutil.copytree(os.path.join(root, "2"), os.path.join(root, "3"))
   with open(os.path.join(out, ".lock"), "w") as f:  # a run training into it: this process
     json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
   lines = []

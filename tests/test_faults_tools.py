@@ -192,6 +192,30 @@ def test_verify_calls_a_step_removed_while_read_gone_not_damaged(reference, tmp_
   assert verify.check_step(manager, 6)[0] == "damaged"
 
 
+def test_verify_calls_a_step_a_killed_run_was_deleting_a_leftover(reference, tmp_path):
+  """SIGKILL while orbax deleted a step older than the newest checkpoint.keep, file by file:
+  verify called the rest damaged, exit 1; the next start's first save removes it. A step the
+  keep does not rotate out that misses files is damaged."""
+  out = with_keep(copy_of(reference, tmp_path), 2)  # steps 2, 4, 6
+  shutil.rmtree(os.path.join(out, "checkpoints", "2", "data"))
+  lines = []
+  assert verify.report(out, lines.append) == 0, lines
+  assert lines[3].split()[1:3] == ["2", "leftover"] and "being deleted when the run stopped" in \
+      lines[3] and "the next start removes it" in lines[3]
+  with_keep(out, 3)
+  assert verify.report(out, lines.append) == 1
+  assert lines[-2].split()[1:3] == ["2", "damaged"]
+
+
+def with_keep(out, keep: int):
+  """The run at `out` as saved with checkpoint.keep=`keep` (the reference keeps every step)."""
+  cfg = config_file.read(os.path.join(out, "config.yml"))
+  cfg["checkpoint"]["keep"] = keep
+  with open(os.path.join(out, "config.yml"), "w") as f:
+    yaml.safe_dump(cfg, f)
+  return out
+
+
 def test_verify_of_a_run_an_overwrite_sets_aside_while_read_exits_0(reference, tmp_path,
                                                                       monkeypatch):
   """`train overwrite=true` moved the run into .overwritten/ while verify read it: its steps were
