@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import time
 
 from absl import logging
 import jax
@@ -22,8 +23,8 @@ from etils import epath
 from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.integrity import Damaged, checksums, require_listed, verify
 from nanotext import probes
-from nanotext.rundir import (aside_note, check_no_glob, older_steps, step_files, steps_on_disk,
-                             vanished)
+from nanotext.rundir import (aside_note, check_no_glob, older_steps, read_again, rotated_away,
+                             step_files, steps_on_disk, vanished)
 
 
 def _not_news(record) -> bool:
@@ -304,9 +305,6 @@ def abstract_with_shardings(tree, shardings):
                       tree, shardings)
 
 
-READS = 3  # latest_params' tries at a newest step that a run in progress rotates away
-
-
 def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
                   step_arg: str = "step="):
   """Parameters of a run's newest (or given) checkpoint on one local device; for sampling.
@@ -314,14 +312,15 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
 
   The newest step of a run still training may be removed (rotated out) while it is read, file
   by file: a read that fails as a file of it or the step vanishes, or once a newer step is on
-  disk, reads the step newest by then instead; a given step that vanishes is not there."""
+  disk, reads the step newest by then instead (as often as rundir.read_again says); a given
+  step that vanishes is not there."""
   if step < -1:
     raise UserError(f"{step_arg.removesuffix('=')}={step} is not a checkpoint step: give a "
                     "step >= 0, or -1 (the default) for the newest")
   if not os.path.isdir(checkpoint_dir(output_dir)):
     raise UserError(f"{what} '{output_dir}' holds no checkpoints{aside_note(output_dir)}")
-  tried = []  # the newest steps rotated away while read
-  for _ in range(READS):
+  tried, start = [], time.monotonic()  # the newest steps rotated away while read
+  while read_again(tried, start, output_dir):
     manager = reader(output_dir)  # a fresh listing each time
     at = manager.latest_step() if step < 0 else step
     if at is None:
@@ -347,9 +346,7 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
       if step >= 0 or not rotated:
         raise Damaged(f"{e}{older_steps(on_disk, at, step_arg.rstrip('=') + '=')}") from None
       tried.append(at)
-  raise UserError(f"{what} '{output_dir}': a run training into it removed each newest step "
-                  f"before it could be read (steps {', '.join(map(str, tried))}); read it with "
-                  "a larger checkpoint.keep, or once the run has ended")
+  raise rotated_away(what, output_dir, tried)
 
 
 def read_on_one_device(manager, step: int, part: str = ""):

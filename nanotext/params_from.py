@@ -3,6 +3,7 @@ params-only folder, into this model's shapes and shardings; the other model.scan
 converted, every name and shape checked, the saved checksums verified."""
 
 import os
+import time
 
 import jax
 import orbax.checkpoint as ocp
@@ -11,8 +12,8 @@ from nanotext.checkpoint import error_head
 from nanotext.errors import UserError
 from nanotext.integrity import (Damaged, name_of, record_beside, record_of_params_only,
                                 verify_named)
-from nanotext.rundir import (aside_note, check_no_glob, is_step_name, older_steps, step_files,
-                             vanished)
+from nanotext.rundir import (aside_note, check_no_glob, is_step_name, older_steps, read_again,
+                             rotated_away, step_files, vanished)
 from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
 
 
@@ -59,20 +60,22 @@ def load(path: str, abstract_params, what: str = "checkpoint.load_params_from",
   """Only the parameters of a checkpoint, into `abstract_params`' shapes and shardings,
   checked against the checksums saved with them. A step that a run still training removes
   while it is read (a file of it or the step vanishes) is no error: the newest step by then is
-  read instead. A damaged newest step is refused, naming the older steps and how to read one
-  (`step_arg`, e.g. 'step=', else the step directory)."""
-  for attempt in range(3):
+  read instead (as often as rundir.read_again allows). A damaged newest step is refused, naming
+  the older steps and how to read one (`step_arg`, e.g. 'step=', else the step directory)."""
+  tried, since = [], time.monotonic()  # the newest steps rotated away while read
+  run = path if os.path.isdir(os.path.join(path, "checkpoints")) else os.path.dirname(path)
+  while read_again(tried, since, run):
     item = None
     try:
       item, whole_state = find_item(path, what)
       files = step_files(os.path.dirname(item))
       return os.path.dirname(item), _load_params(item, whole_state, abstract_params)
     except Damaged as e:
-      if item is not None and attempt < 2 and (vanished(os.path.dirname(item), files) or
-                                               _newest(path, what) != item):  # a newer step
-        continue
-      raise Damaged(f"{e}{_older(path, what, step_arg)}") from None
-  raise AssertionError("unreachable")
+      if item is None or not (vanished(os.path.dirname(item), files) or
+                              _newest(path, what) != item):  # a newer step
+        raise Damaged(f"{e}{_older(path, what, step_arg)}") from None
+      tried.append(os.path.basename(os.path.dirname(item)))
+  raise rotated_away(what, path, tried)
 
 
 def _newest(path: str, what: str):

@@ -248,6 +248,26 @@ def cut_short(out: str, step: int, why: str) -> str:
           "steps, it misses files); the next start removes it at its first save")
 
 
+# The reads of a newest step that a run in progress rotates away as it is read (latest_params,
+# params_from.load): READS; while the run holding the lock is alive, up to LIVE_READS within
+# LIVE_S seconds (checkpoint.keep=1 with a save every step rotates each away as it is read).
+READS, LIVE_READS, LIVE_S = 3, 10, 30
+
+
+def read_again(tried: list, since: float, out: str) -> bool:
+  """Whether a tool that saw the newest steps `tried` of `out` rotated away, its first read
+  at `since` (time.monotonic()), reads the newest one again."""
+  return len(tried) < READS or (len(tried) < LIVE_READS and time.monotonic() - since < LIVE_S
+                                and bool(running(out)))
+
+
+def rotated_away(what: str, out: str, tried: list) -> UserError:
+  """The one line of a tool that gave up reading the newest step (read_again)."""
+  return UserError(f"{what} '{out}': a run training into it removed each newest step before it "
+                   f"could be read (steps {', '.join(map(str, tried))}); read it with a larger "
+                   "checkpoint.keep, or once the run has ended")
+
+
 def older_steps(steps, newest: int, arg: str) -> str:
   """'; the older step(s) [..]: read one with ARG<step>' for a damaged step `newest`, naming the
   last three of `steps` below it ('' where there is none): the tools' one advice."""

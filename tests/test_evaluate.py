@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE, TINY, one_line_error, run_cli
-from nanotext import evaluate, memory_plan, params_from, wiring
+from nanotext import evaluate, memory_plan, params_from, rundir, wiring
 from nanotext.convert import params
 from nanotext.errors import UserError
 
@@ -143,6 +143,34 @@ def test_a_step_removed_while_it_is_read_is_left_out(tiny_run, tmp_path, monkeyp
   shutil.copytree(os.path.join(out, "checkpoints", "2"), os.path.join(out, "checkpoints", "1"))
   with pytest.raises(UserError, match="step 1 was removed"):
     evaluate.evaluate(out, 1, log=lambda line: None)
+
+
+@pytest.mark.fast
+def test_beside_a_live_run_the_newest_step_is_read_again_longer(tiny_run, tmp_path, monkeypatch):
+  """checkpoint.keep=1 with a save every step: evaluate gave up (exit 2, the step 'damaged')
+  after three newest steps rotated away; while the run holding the lock is alive it reads the
+  newest again, up to rundir.LIVE_READS times, then says why it gave up in one line."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  with open(os.path.join(out, ".lock"), "w") as f:  # a run training into it: this process
+    json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+  load, newer, rotations = params_from._load_params, iter(range(3, 100)), []
+
+  def rotated_away(item, whole_state, abstract):  # a newer step saved, this one removed
+    if len(rotations) < 5:
+      where = os.path.dirname(item)
+      rotations.append(int(os.path.basename(where)))
+      shutil.copytree(where, os.path.join(out, "checkpoints", str(next(newer))))
+      shutil.rmtree(where)
+    return load(item, whole_state, abstract)
+  monkeypatch.setattr(params_from, "_load_params", rotated_away)
+  rows = evaluate.evaluate(out, log=lambda line: None)
+  assert [r["step"] for r in rows] == [7] and rotations == [2, 3, 4, 5, 6]
+  rotations.clear()
+  monkeypatch.setattr(rundir, "LIVE_READS", 4)
+  with pytest.raises(UserError, match=r"removed each newest step before it could be read "
+                                      r"\(steps 7, 8, 9, 10\)"):
+    evaluate.evaluate(out, log=lambda line: None)
 
 
 @pytest.mark.fast

@@ -2,9 +2,11 @@
 Ctrl-C: one line and the promised status, nothing written where it must not be. Issue 21, and
 generate's layer order from issue 18 item 4."""
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -118,6 +120,33 @@ def test_steps_rotated_away_faster_than_read_are_said_to_be(reference, tmp_path,
   with pytest.raises(UserError, match=r"removed each newest step before it could be read "
                                       r"\(steps 6, 10, 11\); read it with a larger "
                                       r"checkpoint.keep"):
+    checkpoint.latest_params(out)
+
+
+def test_beside_a_live_run_the_newest_step_is_read_again_longer(reference, tmp_path,
+                                                                 monkeypatch):
+  """checkpoint.keep=1 with a save every step: generate, evaluate and convert gave up (exit 2)
+  after three newest steps rotated away, though a vanishing step is never their error. While
+  the run holding the lock is alive they read again, up to LIVE_READS times."""
+  out = copy_of(reference, tmp_path)
+  with open(os.path.join(out, ".lock"), "w") as f:  # a run training into it: this process
+    json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+  read = checkpoint.read_on_one_device
+  newer, rotations = iter(range(10, 100)), []
+
+  def rotated_away(m, step, part=""):  # the first 6 reads: a newer step saved, this one going
+    if len(rotations) < 6:
+      where = checkpoint.step_dir(m, step)
+      rotations.append(step)
+      shutil.copytree(where, checkpoint.step_dir(m, next(newer)))
+      os.remove(array_files(where)[0])
+    return read(m, step, part)
+  monkeypatch.setattr(checkpoint, "read_on_one_device", rotated_away)
+  assert checkpoint.latest_params(out)[0] == 15 and rotations == [6, 10, 11, 12, 13, 14]
+  rotations.clear()
+  monkeypatch.setattr(rundir, "LIVE_READS", 4)  # rotated away each time: bounded, one line
+  with pytest.raises(UserError, match=r"removed each newest step before it could be read "
+                                      r"\(steps 15, 16, 17, 18\)"):
     checkpoint.latest_params(out)
 
 
