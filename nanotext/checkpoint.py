@@ -23,8 +23,8 @@ from etils import epath
 from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.integrity import Damaged, checksums, require_listed, verify
 from nanotext import probes
-from nanotext.rundir import (aside_note, check_no_glob, older_steps, read_again, rotated_away,
-                             step_files, steps_on_disk, vanished)
+from nanotext.rundir import (aside_note, check_no_glob, no_step_note, older_steps, read_again,
+                             rotated_away, step_files, steps_on_disk, vanished)
 
 
 def _not_news(record) -> bool:
@@ -324,8 +324,7 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
     manager = reader(output_dir)  # a fresh listing each time
     at = manager.latest_step() if step < 0 else step
     if at is None:
-      raise UserError(f"{what} '{output_dir}' holds no checkpoints (its checkpoints/ folder is "
-                      f"empty){aside_note(output_dir)}")
+      raise UserError(f"{what} '{output_dir}' holds no checkpoints{no_step_note(output_dir)}")
     if at not in manager.all_steps():
       raise UserError(f"{what} '{output_dir}' has no checkpoint for step {at}; "
                       f"it has {list(manager.all_steps())}")

@@ -146,7 +146,7 @@ def sources(out: str, step) -> list:
   have = [s for s in rundir.steps_on_disk(out)  # folders: a file named 7 is no step
           if os.path.isdir(os.path.join(checkpoint_dir(out), str(s)))]
   if not have and step in (-1, "all"):
-    raise UserError(f"output_dir '{out}' holds no checkpoints{rundir.aside_note(out)}")
+    raise UserError(f"output_dir '{out}' holds no checkpoints{rundir.no_step_note(out)}")
   if step == -1:
     return [(None, out)]
   if step != "all" and (isinstance(step, bool) or not isinstance(step, int)):

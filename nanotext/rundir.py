@@ -178,6 +178,23 @@ def aside_note(out: str) -> str:
           "ended before its first checkpoint: the next train start there puts it back")
 
 
+def no_step_note(out: str) -> str:
+  """What a read tool adds to 'holds no checkpoints' where checkpoints/ holds no step: a run
+  saving its first one, a run that has saved none yet, or an empty folder; and aside_note."""
+  try:
+    names = os.listdir(os.path.join(out, "checkpoints"))
+  except OSError:
+    names = None
+  live, why, note = running(out), "", aside_note(out)
+  if live:
+    saving = any("orbax-checkpoint-tmp" in n for n in names or ())
+    why = f" yet: the run training into it ({live}) is saving its first one" if saving else \
+        " yet" if note else f" yet: the run training into it ({live}) has saved none"
+  elif names is not None:
+    why = " (its checkpoints/ folder is empty)"
+  return why + note  # an overwrite's note names the live run itself
+
+
 def steps_on_disk(out: str) -> list:
   """The step numbers in output_dir/checkpoints now (complete or being removed), oldest first."""
   try:

@@ -588,6 +588,26 @@ def test_read_tools_say_an_overwrite_in_progress_replaces_the_run(tmp_path, monk
   assert "the next train start there puts it back" in rundir.aside_note(str(tmp_path))
 
 
+def test_read_tools_say_a_run_is_saving_its_first_checkpoint(tmp_path):
+  """generate and convert said a run saving its first checkpoint 'holds no checkpoints (its
+  checkpoints/ folder is empty)'."""
+  from nanotext import evaluate
+  (tmp_path / "checkpoints").mkdir()
+  with pytest.raises(UserError, match=r"no checkpoints \(its checkpoints/ folder is empty\)$"):
+    checkpoint.latest_params(str(tmp_path))
+  live = f"the run training into it (pid {os.getpid()} on {socket.gethostname()})"
+  with lock.Lock(str(tmp_path)):
+    with pytest.raises(UserError, match=re.escape(f"holds no checkpoints yet: {live} has saved "
+                                                  "none")):
+      checkpoint.latest_params(str(tmp_path))
+    (tmp_path / "checkpoints" / "5.orbax-checkpoint-tmp-1733").mkdir()
+    saving = f"holds no checkpoints yet: {live} is saving its first one"
+    with pytest.raises(UserError, match=re.escape(saving) + "$"):
+      checkpoint.latest_params(str(tmp_path))
+    with pytest.raises(UserError, match=re.escape(saving) + "$"):
+      evaluate.sources(str(tmp_path), -1)
+
+
 def params_only_folder(d, *, trained_into: bool = False) -> str:
   """The files of a `convert params-only` output (contents not read by these checks)."""
   (d / "params").mkdir(parents=True)
