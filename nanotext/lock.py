@@ -124,7 +124,8 @@ class Lock:
       taken = _read(moved)
     except OSError:
       taken = None
-    if taken != (text, ino):  # the winner's lock: put it back (never over a newer one)
+    lost = taken != (text, ino)
+    if lost:  # the winner's lock: put it back (never over a newer one)
       try:
         os.link(moved, self.path)
       except OSError:
@@ -133,7 +134,7 @@ class Lock:
       os.remove(moved)
     except OSError:
       pass
-    if taken != (text, ino):
+    if lost:
       raise self._in_use(_holder(taken[0]) if taken else None)
 
   def _in_use(self, holder) -> UserError:

@@ -230,14 +230,13 @@ def for_sampling(cfg, devices, *, checked=False) -> tuple:
   if not checked:
     check(cfg)
   devices = list(devices)[:1]
-  cfg = _finalize(cfg, devices, {a: 1 for a in sharding.MESH_AXES})
+  cfg = _finalize(cfg, {a: 1 for a in sharding.MESH_AXES})
   graphdef, abstract, _ = gpt.abstract_model(cfg, devices[0].platform)
   return cfg, graphdef, abstract.to_pure_dict()
 
 
 def finalize(cfg, devices, capacity=None):
-  """config.finalize with the values that need devices computed here (mesh, peak FLOP/s,
-  memory plan)."""
+  """config.finalize with the values that need devices computed here (mesh, memory plan)."""
   return finalize_plan(cfg, devices, capacity=capacity)[0]
 
 
@@ -246,7 +245,7 @@ def finalize_plan(cfg, devices, *, capacity=None, prefer=None) -> tuple:
   sizes = mesh_sizes(cfg, devices)
   limit, source = device_memory.capacity(devices) if capacity is None else (capacity, "given")
   planner = memory_plan.Planner(devices[0].platform, sizes, limit, source, prefer=prefer)
-  cfg = _finalize(cfg, devices, sizes)
+  cfg = _finalize(cfg, sizes)
   return config.with_values(cfg, planner(cfg)), planner.plan
 
 
@@ -255,8 +254,8 @@ def mesh_sizes(cfg, devices) -> dict:
   return dict(zip(sharding.MESH_AXES, sharding.mesh_shape(cfg.mesh, len(devices))))
 
 
-def _finalize(cfg, devices, sizes: dict):
-  """config.finalize with the values that need devices: mesh `sizes`, data folder, the
+def _finalize(cfg, sizes: dict):
+  """config.finalize with the values it leaves to its caller: mesh `sizes`, data folder, the
   tokenizer's vocabulary."""
   return config.finalize(cfg, mesh_sizes=sizes, data_dir=default_dir(),
                          tokenizer_vocab=tokenizer_vocab(cfg.data))
@@ -265,7 +264,7 @@ def _finalize(cfg, devices, sizes: dict):
 def check_mesh(cfg, devices) -> None:
   """NotDivisible where a dimension of cfg's model or batch does not divide the mesh it asks for
   on `devices`: `build`'s check, without a memory plan or a mesh."""
-  cfg = _finalize(cfg, devices, mesh_sizes(cfg, devices))
+  cfg = _finalize(cfg, mesh_sizes(cfg, devices))
   _, abstract, _ = gpt.abstract_model(cfg, devices[0].platform)
   check_divisible(cfg, abstract, sharding.parse_rules(cfg.mesh.rules))
 
