@@ -23,8 +23,9 @@ from etils import epath
 from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.integrity import Damaged, checksums, require_listed, verify
 from nanotext import probes
-from nanotext.rundir import (aside_note, check_no_glob, no_step_note, older_steps, read_again,
-                             rotated_away, step_files, steps_on_disk, vanished)
+from nanotext.rundir import (aside_note, check_no_glob, folder_id, gone_while_read, no_step_note,
+                             older_steps, read_again, rotated_away, step_files, steps_on_disk,
+                             vanished)
 
 
 def _not_news(record) -> bool:
@@ -320,6 +321,7 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
   if not os.path.isdir(checkpoint_dir(output_dir)):
     raise UserError(f"{what} '{output_dir}' holds no checkpoints{aside_note(output_dir)}")
   tried, start = [], time.monotonic()  # the newest steps rotated away while read
+  folder = folder_id(checkpoint_dir(output_dir))  # another one later: the run was set aside
   while read_again(tried, start, output_dir):
     manager = reader(output_dir)  # a fresh listing each time
     at = manager.latest_step() if step < 0 else step
@@ -327,7 +329,7 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
       raise UserError(f"{what} '{output_dir}' holds no checkpoints{no_step_note(output_dir)}")
     if at not in manager.all_steps():
       raise UserError(f"{what} '{output_dir}' has no checkpoint for step {at}; "
-                      f"it has {list(manager.all_steps())}")
+                      f"it has {list(manager.all_steps())}{aside_note(output_dir)}")
     where = step_dir(manager, at)
     files = step_files(where)
     try:
@@ -337,9 +339,7 @@ def latest_params(output_dir: str, step: int = -1, what: str = "output_dir",
     except Damaged as e:
       gone = vanished(where, files)
       if step >= 0 and gone:
-        raise UserError(f"{what} '{output_dir}': the checkpoint of step {at} was removed "
-                        "while it was read (a run training into it keeps checkpoint.keep "
-                        "steps)") from None
+        raise UserError(gone_while_read(what, output_dir, at, folder)) from None
       on_disk = steps_on_disk(output_dir)
       rotated = gone or max(on_disk, default=at) > at
       if step >= 0 or not rotated:

@@ -154,7 +154,8 @@ def sources(out: str, step) -> list:
   if step == "all":
     return [(s, os.path.join(checkpoint_dir(out), str(s))) for s in have]
   if step not in have:
-    raise UserError(f"output_dir '{out}' has no checkpoint for step {step}; it has {have}")
+    raise UserError(f"output_dir '{out}' has no checkpoint for step {step}; it has "
+                    f"{have}{rundir.aside_note(out)}")
   return [(step, os.path.join(checkpoint_dir(out), str(step)))]
 
 
@@ -177,6 +178,7 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   from nanotext import (distributed, memory_plan, metrics, params_from, programs, rundir, sharding,
                         trainer, wiring)
   from nanotext.data.pipeline import tokenizer_problem, val_bytes_per_token
+  from nanotext.checkpoint import checkpoint_dir
   from nanotext.integrity import Damaged
   from nanotext.model.kernels.dispatch import takes_runtime_window
   from nanotext.window_schedule import eval_plan, eval_windows
@@ -184,6 +186,7 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
   for override in overrides:  # as the command line refuses them (else: 'config.yml edited')
     check_override(parse_override(override)[0])
   cfg = load_config(out, overrides)
+  folder = rundir.folder_id(checkpoint_dir(out))  # another one later: the run was set aside
   todo = sources(out, step)  # a run without checkpoints refused before its data and model
   distributed.maybe_initialize(cfg.distributed)  # before the first backend use
   cfg = fit_mesh(cfg, out, overrides, jax.devices(), log)
@@ -233,9 +236,9 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
         damaged.append(at)
         continue
       if step != "all":
-        raise UserError(f"output_dir '{out}': the checkpoint of step {at} was removed while it "
-                        "was read (a run training into it keeps checkpoint.keep steps)") from None
-      log(f"step {at:>6d} | removed while it was read (a run still training); left out")
+        raise UserError(rundir.gone_while_read("output_dir", out, at, folder)) from None
+      log(f"step {at:>6d} | " + (f"{rundir.SET_ASIDE}; left out" if rundir.set_aside_since(
+          out, folder) else "removed while it was read (a run still training); left out"))
       continue
     at = step_of(source)
     if execs is None:  # every eval program the steps need, compiled together once

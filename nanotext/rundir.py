@@ -325,6 +325,15 @@ def set_aside_since(out: str, checkpoints_id) -> bool:
 SET_ASIDE = "set aside with the run while it was read, by an overwrite=true start replacing it"
 
 
+def gone_while_read(what: str, out: str, step: int, folder) -> str:
+  """The line of a tool whose step asked for by number vanished while it was read: set aside
+  with the run (checkpoints/ is no longer `folder`, its folder_id before the read), or removed
+  by the run training into `out`."""
+  why = SET_ASIDE + aside_note(out) if set_aside_since(out, folder) else \
+      "removed while it was read (a run training into it keeps checkpoint.keep steps)"
+  return f"{what} '{out}': the checkpoint of step {step} was {why}"
+
+
 def set_aside(out: str) -> str:
   """Move the previous run's files into output_dir/.overwritten (deleted at `commit`)."""
   aside = os.path.join(out, ASIDE)

@@ -146,6 +146,32 @@ def test_a_step_removed_while_it_is_read_is_left_out(tiny_run, tmp_path, monkeyp
 
 
 @pytest.mark.fast
+def test_a_step_of_a_run_set_aside_while_it_is_read_says_so(tiny_run, tmp_path, monkeypatch):
+  """step=N of a run an overwrite=true start set aside while it was read: 'removed while it was
+  read (a run training into it keeps checkpoint.keep steps)'; now where it went, exit 2 as for
+  the newest step. step=all leaves it out, saying why."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  load = params_from._load_params
+
+  def set_aside_meanwhile(item, whole_state, abstract):
+    if not os.path.isdir(os.path.join(out, rundir.ASIDE)):
+      rundir.set_aside(out)
+      os.makedirs(os.path.join(out, "checkpoints"))  # the new run's
+    return load(item, whole_state, abstract)
+  monkeypatch.setattr(params_from, "_load_params", set_aside_meanwhile)
+  with pytest.raises(UserError) as e:
+    evaluate.evaluate(out, 2, log=lambda line: None)
+  assert "step 2 was set aside with the run while it was read, by an overwrite=true" in \
+      str(e.value) and "keep" not in str(e.value)
+  shutil.rmtree(out)
+  shutil.copytree(tiny_run[0], out)
+  lines = []
+  assert evaluate.evaluate(out, "all", log=lines.append) == []
+  assert lines[-1].startswith("step      2 | set aside with the run while it was read"), lines
+
+
+@pytest.mark.fast
 def test_beside_a_live_run_the_newest_step_is_read_again_longer(tiny_run, tmp_path, monkeypatch):
   """checkpoint.keep=1 with a save every step: evaluate gave up (exit 2, the step 'damaged')
   after three newest steps rotated away; while the run holding the lock is alive it reads the

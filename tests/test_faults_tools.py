@@ -266,6 +266,31 @@ def test_verify_of_a_run_an_overwrite_sets_aside_while_read_exits_0(reference, t
   assert lines[-1].startswith("config.yml: set aside with the run") and len(lines) == 5
 
 
+def test_a_step_asked_for_of_a_run_set_aside_while_read_says_so(reference, tmp_path,
+                                                                 monkeypatch):
+  """generate (and convert) step=N of a run an overwrite=true start set aside while it was read
+  said the step was removed as the run in progress keeps checkpoint.keep; and, set aside before
+  the listing, only that the step is missing. Exit 2 as for the newest step."""
+  out = copy_of(reference, tmp_path)
+  read = checkpoint.read_on_one_device
+  with open(os.path.join(out, ".lock"), "w") as f:  # the overwrite=true run: this process
+    json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+
+  def set_aside_meanwhile(m, step, part=""):
+    if not os.path.isdir(os.path.join(out, rundir.ASIDE)):
+      rundir.set_aside(out)
+      os.makedirs(os.path.join(out, "checkpoints"))  # the new run's
+    return read(m, step, part)
+  monkeypatch.setattr(checkpoint, "read_on_one_device", set_aside_meanwhile)
+  with pytest.raises(UserError) as e:
+    checkpoint.latest_params(out, 4)
+  assert "step 4 was set aside with the run while it was read, by an overwrite=true" in \
+      str(e.value) and "keep" not in str(e.value)
+  assert f"set aside in '{os.path.join(out, rundir.ASIDE)}'" in str(e.value)
+  with pytest.raises(UserError, match=r"no checkpoint for step 4; it has \[\]; an overwrite=true"):
+    checkpoint.latest_params(out, 4)
+
+
 @pytest.mark.slow
 def test_verify_beside_a_run_that_is_training_raises_no_false_alarm(tmp_path):
   out = tmp_path / "run"
