@@ -248,12 +248,13 @@ def missing_files(step_dir: str) -> bool:
   return any(not os.path.lexists(os.path.join(step_dir, f)) for f in STEP_SKELETON)
 
 
-def cut_short(out: str, step: int, why: str) -> str:
+def cut_short(out: str, step: int, why: str, held: bool = False) -> str:
   """What a tool says of a step a run was deleting when it was killed (orbax removes a step in
   place, file by file, once `checkpoint.keep` newer ones are complete): it misses files (or a
   read of it failed, as `why`, on one missing) and that many newer steps look complete. '' for
-  any other step, and while a run holds the lock (it is deleting the step now)."""
-  keep = 0 if running(out) else config_keep(out)
+  any other step, and while a run holds the lock (it is deleting the step now) unless `held`:
+  this process holds it, before a save of its own (Session.remove_leftovers)."""
+  keep = 0 if running(out) and not held else config_keep(out)
   where = os.path.join(out, "checkpoints", str(step))
   if not keep or not (missing_files(where) or any(n in why for n in NOT_FOUND)):
     return ""
@@ -262,7 +263,7 @@ def cut_short(out: str, step: int, why: str) -> str:
   if len(newer) < keep:
     return ""
   return (f"being deleted when the run stopped (older than its newest checkpoint.keep={keep} "
-          "steps, it misses files); the next start removes it at its first save")
+          "steps, it misses files); the next start removes it")
 
 
 # The reads of a newest step that a run in progress rotates away as it is read (latest_params,

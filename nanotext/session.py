@@ -72,6 +72,23 @@ class Session:
                "output_dir or delete this one)")
     if self.main:  # every write the run will make, tried before it compiles
       probes.run_outputs(self.cfg, self.out, checkpoint_bytes)
+    if self.main and not self.replacing:
+      self.remove_leftovers()
+
+  def remove_leftovers(self) -> None:
+    """Remove the steps a killed run was deleting (rundir.cut_short; never a complete step):
+    orbax's rotation at the first save removed them, so a resume that never saves (its run
+    already at train.steps) left them for good."""
+    root = os.path.join(self.out, "checkpoints")
+    for step in rundir.steps_on_disk(self.out):
+      where = os.path.join(root, str(step))
+      if os.path.islink(where) or not os.path.isdir(where) or \
+          not rundir.cut_short(self.out, step, "", held=True):
+        continue
+      shutil.rmtree(where, ignore_errors=True)  # what stays is still a leftover: the next start
+      if not os.path.lexists(where):
+        self.log(f"removed the checkpoint of step {step}: a run killed while deleting it (older "
+                 "than its newest checkpoint.keep steps) left it half-deleted")
 
   def confirmed(self, step: int) -> None:
     """A step of the new run is complete on disk: a replaced run is deleted for good."""

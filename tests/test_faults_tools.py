@@ -18,7 +18,8 @@ import yaml
 
 from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY, forward, saved_run
 from test_cli_errors import snapshot
-from test_faults import ARGS, array_files, assert_one_error_line, copy_of, make_reference
+from test_faults import (ARGS, array_files, assert_one_error_line, copy_of, make_reference,
+                         quiet_run)
 from test_faults_startup import immutable, train_cli
 from nanotext import checkpoint, config, config_file, generate, rundir, verify
 from nanotext.errors import UserError
@@ -223,7 +224,7 @@ def test_verify_calls_a_step_removed_while_read_gone_not_damaged(reference, tmp_
 
 def test_verify_calls_a_step_a_killed_run_was_deleting_a_leftover(reference, tmp_path):
   """SIGKILL while orbax deleted a step older than the newest checkpoint.keep, file by file:
-  verify called the rest damaged, exit 1; the next start's first save removes it. A step the
+  verify called the rest damaged, exit 1; the next start removes it. A step the
   keep does not rotate out that misses files is damaged."""
   out = with_keep(copy_of(reference, tmp_path), 2)  # steps 2, 4, 6
   shutil.rmtree(os.path.join(out, "checkpoints", "2", "data"))
@@ -234,6 +235,26 @@ def test_verify_calls_a_step_a_killed_run_was_deleting_a_leftover(reference, tmp
   with_keep(out, 3)
   assert verify.report(out, lines.append) == 1
   assert lines[-2].split()[1:3] == ["2", "damaged"]
+
+
+def test_a_resume_that_never_saves_removes_a_step_a_killed_run_was_deleting(reference,
+                                                                              tmp_path):
+  """The leftover of a kill inside a rotation went only at the next start's first save: a resume
+  already at train.steps (it ends at once, saving nothing) left it for good. The start removes
+  it, holding the lock; the complete steps, and a step missing files the keep does not rotate
+  out (damaged, for verify to name), stay as they were."""
+  out = with_keep(copy_of(reference, tmp_path), 3)  # steps 2, 4, 6
+  shutil.rmtree(os.path.join(out, "checkpoints", "2", "data"))
+  before = snapshot(os.path.join(out, "checkpoints"))
+  quiet_run(out, "checkpoint.keep=3")
+  assert snapshot(os.path.join(out, "checkpoints")) == before
+  with_keep(out, 2)
+  _, lines = quiet_run(out, "checkpoint.keep=2")
+  assert rundir.steps_on_disk(out) == [4, 6]
+  assert snapshot(os.path.join(out, "checkpoints")) == \
+      {k: v for k, v in before.items() if not k.startswith("2" + os.sep)}
+  assert any(line.startswith("removed the checkpoint of step 2: a run killed while deleting it")
+             for line in lines), lines
 
 
 def with_keep(out, keep: int):
