@@ -1,7 +1,8 @@
 """One run at a time per output_dir: `output_dir/.lock` names the pid and host of the run that
 holds it; a second run is refused, a lock left by a killed run (its pid gone, or reused by a
-younger process) is taken over."""
+younger process) is taken over. Starts take it one at a time, under an flock of GUARD."""
 
+import contextlib
 import datetime
 import json
 import os
@@ -10,7 +11,17 @@ import time
 
 from nanotext.errors import UserError, os_error
 
+try:
+  import fcntl
+except ImportError:  # no flock (Windows): the takeover's rename-and-check alone
+  fcntl = None
+
 LOCK = ".lock"
+# flock'ed by a start while it judges and takes the lock, removed by it after: two starts taking
+# over a dead run's lock, and a third creating its own meanwhile, ended with two holders. The
+# kernel drops an flock when its holder dies (SIGKILL too), so a killed start never blocks one.
+GUARD = ".lock.guard"
+GUARD_S = 10  # how long a start waits for another's judge-and-take (a few file operations)
 
 
 def _start_time(pid: int):
@@ -72,6 +83,10 @@ class Lock:
       os.makedirs(self.out, exist_ok=True)
     except OSError as e:
       raise UserError(f"cannot create output_dir '{self.out}': {e.strerror}") from None
+    with self._guarded():
+      self._acquire()
+
+  def _acquire(self) -> None:
     me = {"pid": os.getpid(), "host": socket.gethostname(), "start_time": _start_time(os.getpid()),
           "since": datetime.datetime.now().isoformat(timespec="seconds")}
     for _ in range(3):
@@ -94,6 +109,52 @@ class Lock:
       self.held = True
       return
     raise UserError(f"output_dir '{self.out}' is being locked by another run right now")
+
+  @contextlib.contextmanager
+  def _guarded(self):
+    """The block under an exclusive flock of output_dir/GUARD (without fcntl, or on a file system
+    without flock, the block alone); the file is removed while still held."""
+    path = os.path.join(self.out, GUARD)
+    fd = self._guard(path) if fcntl else None
+    try:
+      yield
+    finally:
+      if fd is not None:
+        with contextlib.suppress(OSError):  # a start waiting on this file then opens a new one
+          os.remove(path)
+        os.close(fd)
+
+  def _guard(self, path: str):
+    """A descriptor of GUARD holding its flock, None where the file system has none."""
+    deadline = time.monotonic() + GUARD_S
+    while True:
+      try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+      except IsADirectoryError:
+        raise UserError(f"'{path}' is a directory, not a nanotext lock: move it out of "
+                        "output_dir") from None
+      except OSError as e:
+        raise os_error(e, f"cannot write to output_dir '{self.out}'") from None
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:  # another start is judging the lock now
+        os.close(fd)
+        if time.monotonic() >= deadline:
+          raise UserError(f"output_dir '{self.out}' is being locked by another run right now "
+                          f"(it holds '{path}')") from None
+        time.sleep(0.05)
+        continue
+      except OSError:  # ENOLCK, EOPNOTSUPP: no flock on this file system
+        os.close(fd)
+        with contextlib.suppress(OSError):
+          os.remove(path)
+        return None
+      try:  # the file its holder removed (on the way out) is no guard: open the one there now
+        if os.path.samestat(os.fstat(fd), os.stat(path)):
+          return fd
+      except FileNotFoundError:
+        pass
+      os.close(fd)
 
   def _take_over_if_stale(self) -> None:
     if os.path.isdir(self.path) and not os.path.islink(self.path):

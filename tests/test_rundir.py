@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import BASE, TINY
+from conftest import BASE, REPO, TINY
 from nanotext import (checkpoint, config, identity, lock, rundir, sharding, window_schedule,
                       wiring)
 from nanotext.data import binfile, fingerprint, pipeline
@@ -55,6 +55,8 @@ def test_stale_locks_are_taken_over_by_pid_and_host(tmp_path, holder, stale):
 
 
 def test_of_two_starts_taking_over_a_stale_lock_one_wins(tmp_path, monkeypatch):
+  """Without flock (lock.GUARD), as on Windows: the takeover's rename-and-check alone."""
+  monkeypatch.setattr(lock, "fcntl", None)
   (tmp_path / lock.LOCK).write_text(json.dumps({"pid": dead_pid(), "host": socket.gethostname()}))
   first, second = lock.Lock(str(tmp_path)), lock.Lock(str(tmp_path))
   judged, real_alive = [], lock.alive
@@ -72,6 +74,58 @@ def test_of_two_starts_taking_over_a_stale_lock_one_wins(tmp_path, monkeypatch):
   assert first.held and not second.held
   assert sorted(os.listdir(tmp_path)) == [lock.LOCK]
   first.release()
+  assert not os.listdir(tmp_path)
+
+
+def test_of_three_starts_at_a_stale_lock_one_holds_it(tmp_path, monkeypatch):
+  """`second` judged a dead run's lock stale, `first` took it over meanwhile, `second` moved
+  `first`'s fresh lock away and, while it put it back, `third` wrote its own: `first` and
+  `third` both held it. Each start now judges and takes under an flock: the others are refused."""
+  (tmp_path / lock.LOCK).write_text(json.dumps({"pid": dead_pid(), "host": socket.gethostname()}))
+  first, second, third = (lock.Lock(str(tmp_path)) for _ in range(3))
+  tried, done, refused, real_alive, real_read = set(), set(), [], lock.alive, lock._read
+  monkeypatch.setattr(lock, "GUARD_S", 0, raising=False)  # a busy guard: refused at once
+
+  def attempt(start) -> None:
+    tried.add(start)
+    try:
+      start.acquire()
+    except UserError as e:
+      refused.append(str(e))
+    done.add(start)
+
+  def first_takes_over_meanwhile(holder):  # `second` judged the old lock stale
+    if first not in tried:
+      attempt(first)
+    return real_alive(holder)
+
+  def third_starts_meanwhile(path):  # `second` reads back what it moved: the path is free
+    if ".stale-" in path and first in done and third not in tried:
+      attempt(third)
+    return real_read(path)
+
+  monkeypatch.setattr(lock, "alive", first_takes_over_meanwhile)
+  monkeypatch.setattr(lock, "_read", third_starts_meanwhile)
+  attempt(second)
+  assert [s.held for s in (first, second, third)] == [False, True, False], refused
+  assert len(refused) == 2 and all("is being locked by another run right now" in r
+                                    for r in refused)
+  assert sorted(os.listdir(tmp_path)) == [lock.LOCK]  # the guard removed by its holder
+  second.release()
+  assert not os.listdir(tmp_path)
+
+
+def test_a_start_killed_holding_the_guard_never_blocks_the_next(tmp_path, monkeypatch):
+  """SIGKILL inside the judge-and-take: the kernel drops its flock, the next start takes the
+  lock at once (and removes the guard file left behind)."""
+  code = ("import os, signal, sys; from nanotext import lock; "
+          "held = lock.Lock(sys.argv[1])._guarded(); held.__enter__(); "
+          "os.kill(os.getpid(), signal.SIGKILL)")
+  proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, timeout=60)
+  assert proc.returncode == -9 and (tmp_path / lock.GUARD).exists()
+  monkeypatch.setattr(lock, "GUARD_S", 0)
+  with lock.Lock(str(tmp_path)) as held:
+    assert held.held and sorted(os.listdir(tmp_path)) == [lock.LOCK]
   assert not os.listdir(tmp_path)
 
 
