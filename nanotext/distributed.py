@@ -230,26 +230,43 @@ def _every_process(codes):
   return np.asarray(multihost_utils.process_allgather(codes))
 
 
+def _real_path(path: str) -> str:
+  """`path` resolved (absolute, links followed); as spelt where the OS cannot resolve it (a NUL
+  byte, a lone surrogate: refused later, by the run's own checks)."""
+  try:
+    return os.path.realpath(path)
+  except ValueError:
+    return path
+
+
 def check_same_config(cfg_dict: dict) -> None:
   """Refuse, on every process, a run whose processes were given different configs (distributed.*
   aside): another train.steps hung both in a collective past SIGTERM, another model crashed
-  them in gloo, another seed trained silently."""
+  them in gloo, another seed trained silently. output_dir agrees where spelt alike or where it
+  resolves to one folder (a relative path from a cwd, an absolute one, one through a link)."""
   import zlib
 
   import numpy as np
   from nanotext.config import flatten
   flat = flatten(cfg_dict)
   keys = sorted(k for k in flat if not k.startswith("distributed."))
-  every = _every_process(  # [processes, keys]
-      np.array([zlib.crc32(f"{k}={flat[k]!r}".encode()) for k in keys], np.uint32))
+  codes = [zlib.crc32(f"{k}={flat[k]!r}".encode()) for k in keys]
+  real = _real_path(flat.get("output_dir", ""))
+  every = _every_process(  # [processes, keys + output_dir's real path]
+      np.array(codes + [zlib.crc32(repr(real).encode())], np.uint32))
   if every is None:
     return
-  differ = np.nonzero((every != every[0]).any(axis=0))[0]
+  same = every == every[0]
+  if "output_dir" in flat:  # the same spelling passes: where it names a folder local to each
+    same[:, keys.index("output_dir")] |= same[:, -1]  # host, check_shared_file says so
+  differ = np.nonzero(~same[:, :-1].all(axis=0))[0]
   if differ.size:
     key = keys[differ[0]]
-    other = next(p for p in range(len(every)) if every[p, differ[0]] != every[0, differ[0]])
+    other = next(p for p in range(len(every)) if not same[p, differ[0]])
     more = f" and {differ.size - 1} more key(s)" if differ.size > 1 else ""
-    raise UserError(f"process {other} was given another {key} than process 0 ({flat[key]!r} "
+    here = f"{flat[key]!r}" + (f", the folder {real!r}" if key == "output_dir" and
+                               real != flat[key] else "")
+    raise UserError(f"process {other} was given another {key} than process 0 ({here} "
                     f"here{more}): give every process the same config and overrides (only "
                     "distributed.process_id differs)")
 

@@ -206,6 +206,29 @@ def test_device_counts_are_compared_per_process():
     distributed.check_device_counts([Device(p) for p in (0, 0, 1, 2, 3, 4)])
 
 
+@pytest.mark.fast
+def test_one_output_dir_spelt_otherwise_on_each_process_is_one_run(tmp_path, monkeypatch):
+  """Process 0 given runs/a from its cwd, process 1 the same folder absolute or through a link:
+  both refused, 'another output_dir'. The real paths are compared too; another folder is not."""
+  def gathered(here, peer):  # check_same_config on `here` with process 1 given `peer`
+    codes = []
+    monkeypatch.setattr(distributed, "_every_process", lambda c: codes.append(c) or c[None])
+    distributed.check_same_config(config.load(BASE, TINY + [f"output_dir={peer}"]).to_dict())
+    monkeypatch.setattr(distributed, "_every_process", lambda c: np.stack([c, codes[0]]))
+    distributed.check_same_config(config.load(BASE, TINY + [f"output_dir={here}"]).to_dict())
+  (tmp_path / "runs" / "a").mkdir(parents=True)
+  os.symlink(tmp_path / "runs", tmp_path / "link")
+  monkeypatch.chdir(tmp_path)
+  for peer in (tmp_path / "runs" / "a", tmp_path / "link" / "a", "./runs/a/", "runs/a"):
+    gathered("runs/a", peer)
+  with pytest.raises(UserError) as e:
+    gathered("runs/a", tmp_path / "runs" / "b")
+  assert str(e.value) == (
+      f"process 1 was given another output_dir than process 0 ('runs/a', the folder "
+      f"'{os.path.realpath(tmp_path)}/runs/a' here): give every process the same config and "
+      "overrides (only distributed.process_id differs)")
+
+
 def test_an_output_dir_not_shared_by_the_processes_is_refused(tmp_path):
   """One spelling, two folders (here: a relative path from two working directories; on two
   hosts: a local path): the first save failed with a traceback on one process and hung or
