@@ -107,11 +107,13 @@ def select(progs: list, spec: str) -> list:
 
 
 def check_programs(cfg, spec: str) -> None:
-  """`select`'s check of --programs before jax loads: until jax resolves the attention kernel,
-  a name counts if the run has it with static windows or with the windows a runtime input
-  (run_compile checks it again against the target's kernel, before the plan and the build)."""
+  """`select`'s check of --programs before jax loads, against attention.impl's programs; with
+  auto, until jax resolves the kernel, a name of either kind counts (static windows or runtime
+  ones; run_compile checks it again against the target's kernel, before the plan and the build)."""
   program_words(spec)
   static, runtime = (program_list(cfg, r) for r in (False, True))
+  if cfg.attention.impl != "auto":  # a kernel named is every target's: its programs alone count
+    static = runtime = runtime if cfg.attention.impl in ws.RUNTIME_WINDOW_IMPLS else static
   try:
     select(static, spec)
   except UserError as e:

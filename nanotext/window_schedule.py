@@ -11,6 +11,13 @@ import dataclasses
 
 from nanotext.errors import UserError
 
+# Kernels whose window may be a traced int32 (masks built from it; blocked sizes its strips by a
+# static bound; flash_gpu's block tables come from it). Splash builds block-sparsity tables from a
+# static mask, cuDNN takes a static local_window_size and flash has no window: one program per
+# window stage for them. Here, not in kernels/dispatch (jax), so that compile's check of
+# --programs before jax loads knows the programs of a kernel named.
+RUNTIME_WINDOW_IMPLS = ("xla", "blocked", "cpu", "einsum", "flash_gpu")
+
 
 def check_config(t) -> None:
   """train.seq_len_start / seq_len_step: every warmup length must divide train.seq_len."""

@@ -88,6 +88,26 @@ def test_bad_program_lists_are_refused(spec, why):
     nt_compile.check_programs(cfg, spec)
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("impl, spec, why", [
+    ("blocked", "train@128", r"train@128; choose from all, first, last, train, eval$"),
+    ("xla", "eval,train@causal+896", r"train@causal\+896; choose from all, first, last, train, "),
+    ("splash", "train", r"^--programs names unknown program\(s\) train; choose from all, first, "
+                        r"last, train@128, .*train@causal\+896, eval$")],
+    ids=["blocked", "xla", "splash"])
+def test_the_precheck_takes_only_the_programs_of_the_kernel_named(impl, spec, why):
+  """attention.impl=blocked (windows at run time: one `train` program) took train@128, a name of
+  the static-window kernels, and splash took `train`, until jax loaded and the target's kernel
+  was resolved. A kernel named is every target's: its names alone pass; auto takes either."""
+  from nanotext import config
+  cfg = config.load(SPEEDRUN, REACHES + [f"attention.impl={impl}"])
+  with pytest.raises(UserError, match=why):
+    nt_compile.check_programs(cfg, spec)
+  nt_compile.check_programs(cfg, "train@128" if impl == "splash" else "train,eval")
+  auto = config.load(SPEEDRUN, REACHES)
+  nt_compile.check_programs(auto, spec)
+
+
 def test_a_program_of_the_other_kernel_family_is_refused_before_the_build():
   """train@128 names a static-window program; attention.impl=blocked takes the windows at run
   time (one `train` program). The precheck cannot tell the kernel before jax loads, so it took

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nanotext import window_schedule
+from nanotext.window_schedule import RUNTIME_WINDOW_IMPLS  # which kernels: see there
 from nanotext.errors import UserError
 from nanotext.model.kernels import cudnn, flash, flash_gpu, splash
 from nanotext.model.kernels.blocked import blocked_attention
@@ -15,11 +16,6 @@ from nanotext.model.kernels.per_device import platform
 from nanotext.model.kernels.xla import xla_attention
 
 IMPLS = ("auto", "xla", "cudnn", "splash", "flash", "flash_gpu", "blocked", "cpu", "einsum")
-# Kernels whose window may be a traced int32 (masks built from it; blocked sizes its strips by a
-# static bound; flash_gpu's block tables come from it). Splash builds block-sparsity tables from a
-# static mask, cuDNN takes a static local_window_size and flash has no window: one program per
-# window stage for them.
-RUNTIME_WINDOW_IMPLS = ("xla", "blocked", "cpu", "einsum", "flash_gpu")
 # What each kernel holds, for the memory plan (nanotext/memory.py): dense ones score every [T, T]
 # query-key pair; flash-style ones keep only their output and log-sum-exp for the backward pass
 # (blocked, in neither, holds one chunk of query-key blocks at a time).
