@@ -4,8 +4,8 @@ A resume verifies only the step it restores (and the newer ones it has to skip);
 every step of `DIR/checkpoints`, so damage to an older step is found before it is needed (or the
 one step of a params-only folder, `convert params-only`). Each step is read onto one local
 device whatever mesh wrote it. Nothing is moved or deleted. A run may be training into DIR
-meanwhile. Exit status: 0 when every step is intact, 1 when one is
-damaged or config.yml was edited in a model key after the newest step (the read tools refuse it),
+meanwhile. Exit status: 0 when every step is intact, 1 when one is damaged or config.yml is
+missing or was edited in a model key after the newest step (the read tools refuse it),
 2 for a directory that is not a run, 130 on Ctrl-C. Steps removed (or the run set aside by an
 overwrite=true start) while they are read are gone, not damaged.
 """
@@ -121,10 +121,13 @@ def report(out: str, log=print) -> int:
 def config_edited(out: str) -> str:
   """One line where config.yml cannot be read or was edited, in a key of the model, after the
   newest step (or a params-only folder's weights) was saved: every read tool refuses the folder
-  then, though each checksum matches. '' where it is the saved config."""
+  then, though each checksum matches. '' where it is the saved config. A missing one is named
+  as those tools name it, with the cp that puts the saved one back."""
   from nanotext import config
   try:
-    identity.check_unedited(out, config.load(os.path.join(out, "config.yml")).to_dict())
+    cfg = rundir.run_config(out, "output_dir",
+                            lambda: config.load(os.path.join(out, "config.yml")))
+    identity.check_unedited(out, cfg.to_dict())
   except UserError as e:
     return f"config.yml: {e}"
   return ""

@@ -78,6 +78,24 @@ def test_verify_reads_the_saved_config_a_resume_restores(tiny_run, tmp_path, dam
                             wiring.prepare(BASE, ARGS + [f"output_dir={out}"]).abstract_state())
 
 
+def test_verify_of_checkpoints_copied_without_config_yml_names_the_cp(tiny_run, tmp_path):
+  """checkpoints/ copied alone: verify said only that config.yml 'does not exist', where
+  generate, evaluate and convert name the cp that puts the step's saved config back."""
+  out = str(tmp_path / "copy")
+  shutil.copytree(os.path.join(tiny_run[0], "checkpoints"), os.path.join(out, "checkpoints"))
+  lines = []
+  assert verify.report(out, lines.append) == 1
+  saved, path = os.path.join(out, "checkpoints", "2", "config", "metadata"), \
+      os.path.join(out, "config.yml")
+  assert lines[1].split()[:3] == ["step", "2", "intact"]
+  assert lines[-1] == (f"config.yml: output_dir '{out}' holds no config.yml, which its checkpoint "
+                       f"of step 2 was saved with: put it back (cp '{saved}' '{path}': JSON is "
+                       "YAML)"), lines
+  shutil.copyfile(saved, path)  # as the line says
+  lines.clear()
+  assert verify.report(out, lines.append) == 0, lines
+
+
 @pytest.mark.parametrize("edit", [{"num_layers": 3}, {"mlp_dim": 512}, {"vocab_size": 640},
                                   {"num_heads": 4, "head_dim": 16}, {"logit_softcap": 5.0}])
 def test_a_config_yml_edited_after_training_is_refused_by_every_read_tool(tiny_run, tmp_path,
