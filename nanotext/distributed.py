@@ -239,33 +239,41 @@ def _real_path(path: str) -> str:
     return path
 
 
+# keys naming files or folders: one place spelt otherwise per process (relative from a cwd,
+# absolute, through a link) is one place
+PATH_KEYS = ("output_dir", "checkpoint.load_params_from", "profile.dir", "train.compile_cache_dir",
+             "data.dir", "data.train_files", "data.val_files")
+
+
 def check_same_config(cfg_dict: dict) -> None:
   """Refuse, on every process, a run whose processes were given different configs (distributed.*
   aside): another train.steps hung both in a collective past SIGTERM, another model crashed
-  them in gloo, another seed trained silently. output_dir agrees where spelt alike or where it
-  resolves to one folder (a relative path from a cwd, an absolute one, one through a link)."""
+  them in gloo, another seed trained silently. A path (PATH_KEYS) agrees where spelt alike or
+  where it resolves to one place."""
   import zlib
 
   import numpy as np
   from nanotext.config import flatten
   flat = flatten(cfg_dict)
   keys = sorted(k for k in flat if not k.startswith("distributed."))
+  paths = [k for k in PATH_KEYS if k in flat]  # one list on every process: one gather's shape
+  real = {k: _real_path(flat[k]) if flat[k] else "" for k in paths}
   codes = [zlib.crc32(f"{k}={flat[k]!r}".encode()) for k in keys]
-  real = _real_path(flat.get("output_dir", ""))
-  every = _every_process(  # [processes, keys + output_dir's real path]
-      np.array(codes + [zlib.crc32(repr(real).encode())], np.uint32))
+  every = _every_process(  # [processes, keys + the paths' real paths]
+      np.array(codes + [zlib.crc32(repr(real[k]).encode()) for k in paths], np.uint32))
   if every is None:
     return
   same = every == every[0]
-  if "output_dir" in flat:  # the same spelling passes: where it names a folder local to each
-    same[:, keys.index("output_dir")] |= same[:, -1]  # host, check_shared_file says so
-  differ = np.nonzero(~same[:, :-1].all(axis=0))[0]
+  for i, k in enumerate(paths):  # the same spelling passes: where output_dir names a folder
+    same[:, keys.index(k)] |= same[:, len(keys) + i]  # local to each host, check_shared_file
+    # says so
+  differ = np.nonzero(~same[:, :len(keys)].all(axis=0))[0]
   if differ.size:
     key = keys[differ[0]]
     other = next(p for p in range(len(every)) if not same[p, differ[0]])
     more = f" and {differ.size - 1} more key(s)" if differ.size > 1 else ""
-    here = f"{flat[key]!r}" + (f", the folder {real!r}" if key == "output_dir" and
-                               real != flat[key] else "")
+    here = f"{flat[key]!r}" + (f", resolved {real[key]!r}" if real.get(key, flat[key]) !=
+                               flat[key] else "")
     raise UserError(f"process {other} was given another {key} than process 0 ({here} "
                     f"here{more}): give every process the same config and overrides (only "
                     "distributed.process_id differs)")

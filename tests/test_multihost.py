@@ -209,24 +209,30 @@ def test_device_counts_are_compared_per_process():
 @pytest.mark.fast
 def test_one_output_dir_spelt_otherwise_on_each_process_is_one_run(tmp_path, monkeypatch):
   """Process 0 given runs/a from its cwd, process 1 the same folder absolute or through a link:
-  both refused, 'another output_dir'. The real paths are compared too; another folder is not."""
-  def gathered(here, peer):  # check_same_config on `here` with process 1 given `peer`
+  both refused, 'another output_dir'. The real paths are compared too; another folder is not.
+  So for every key naming a path (shards, a checkpoint to start from, caches)."""
+  def gathered(here, peer, key="output_dir"):  # check_same_config, process 1 given `peer`
     codes = []
     monkeypatch.setattr(distributed, "_every_process", lambda c: codes.append(c) or c[None])
-    distributed.check_same_config(config.load(BASE, TINY + [f"output_dir={peer}"]).to_dict())
+    distributed.check_same_config(config.load(BASE, TINY + [f"{key}={peer}"]).to_dict())
     monkeypatch.setattr(distributed, "_every_process", lambda c: np.stack([c, codes[0]]))
-    distributed.check_same_config(config.load(BASE, TINY + [f"output_dir={here}"]).to_dict())
+    distributed.check_same_config(config.load(BASE, TINY + [f"{key}={here}"]).to_dict())
   (tmp_path / "runs" / "a").mkdir(parents=True)
   os.symlink(tmp_path / "runs", tmp_path / "link")
   monkeypatch.chdir(tmp_path)
   for peer in (tmp_path / "runs" / "a", tmp_path / "link" / "a", "./runs/a/", "runs/a"):
     gathered("runs/a", peer)
+  for key in ("data.train_files", "checkpoint.load_params_from", "train.compile_cache_dir"):
+    gathered("runs/a/*.bin", tmp_path / "link" / "a" / "*.bin", key)
   with pytest.raises(UserError) as e:
     gathered("runs/a", tmp_path / "runs" / "b")
   assert str(e.value) == (
-      f"process 1 was given another output_dir than process 0 ('runs/a', the folder "
+      f"process 1 was given another output_dir than process 0 ('runs/a', resolved "
       f"'{os.path.realpath(tmp_path)}/runs/a' here): give every process the same config and "
       "overrides (only distributed.process_id differs)")
+  with pytest.raises(UserError, match="another data.val_files than process 0"):
+    gathered("runs/a/*.bin", "runs/b/*.bin", "data.val_files")
+  gathered("", "", "data.dir")  # unset on both: one value, whatever each cwd
 
 
 def test_an_output_dir_not_shared_by_the_processes_is_refused(tmp_path):
