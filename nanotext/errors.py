@@ -81,12 +81,20 @@ def terminal_gone(e: OSError) -> bool:
     return False
 
 
+def reader_gone(e: OSError) -> bool:
+  """Whether `e`, from a write to stdout, says nothing reads it any more: a pipe's or a socket's
+  reader left (EPIPE; ECONNRESET where a socket's reader left lines unread: a journal
+  restarted), or its terminal hung up."""
+  return e.errno in (errno.EPIPE, errno.ECONNRESET) or terminal_gone(e)
+
+
 def stdout_widowed() -> bool:
-  """Whether stdout is a pipe whose reader has exited (`| head` that has read its lines)."""
+  """Whether stdout is a pipe or socket whose reader has exited (`| head` that has read its
+  lines; a socket's reader shut it down, which sets POLLHUP, not POLLERR)."""
   try:
     poller = select.poll()
     poller.register(sys.stdout.fileno(), select.POLLOUT)
-    return any(events & select.POLLERR for _, events in poller.poll(0))
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
   except (OSError, ValueError, AttributeError):  # no file descriptor behind sys.stdout
     return False
 
@@ -100,10 +108,10 @@ def drop_stdout() -> None:
 
 def run_cli(main, argv=None) -> None:
   """Call `main(argv)`: UserError is one line and exit status 2, ResourceError one line and 1,
-  a closed stdout pipe nothing and 141 (128 + SIGPIPE), Ctrl-C one line and 130 (the tools run
-  under it only read, or write through a staging folder that a kill leaves unused, so stopping
-  anywhere loses nothing). Any other error ends the process too, at once, whatever threads are
-  still running (explain)."""
+  a closed stdout pipe or socket nothing and 141 (128 + SIGPIPE), Ctrl-C one line and 130 (the
+  tools run under it only read, or write through a staging folder that a kill leaves unused, so
+  stopping anywhere loses nothing). Any other error ends the process too, at once, whatever
+  threads are still running (explain)."""
   quiet_background_errors()
   drop_storage_error_logs()
   try:
@@ -123,7 +131,7 @@ def run_cli(main, argv=None) -> None:
     fail("interrupted", 130)
   except signals.Terminated:
     fail("stopped by SIGTERM", 143)
-  except BrokenPipeError as e:
+  except (BrokenPipeError, ConnectionResetError) as e:
     if not stdout_widowed():
       fail(*explain(e))
     drop_stdout()  # its reader chose to stop reading: quiet, as a tool that SIGPIPE ends

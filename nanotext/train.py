@@ -12,8 +12,7 @@ import time
 from absl import flags
 
 from nanotext import cli, signals
-from nanotext.errors import (ResourceError, UserError, drop_stdout, fail, stdout_widowed,
-                             terminal_gone)
+from nanotext.errors import ResourceError, UserError, drop_stdout, fail, reader_gone
 from nanotext.generate import encode_prompt, past_rows, sample_text
 from nanotext.xla_flags import maybe_set_cpu_flags
 
@@ -378,11 +377,12 @@ def _log_line(line: str) -> None:
 
 def _print(line: str) -> None:
   """`line` on stdout. Once stdout's reader has gone (`| tee` closed with its terminal, the run
-  under nohup, a terminal hung up) the run goes on: metrics.jsonl has its log."""
+  under nohup, a terminal hung up, a journal's socket whose reader restarted) the run goes on:
+  metrics.jsonl has its log."""
   try:
     print(line, flush=True)
   except OSError as e:
-    if not (isinstance(e, BrokenPipeError) and stdout_widowed()) and not terminal_gone(e):
+    if not reader_gone(e):
       raise
     drop_stdout()
     try:

@@ -2,8 +2,10 @@
 threads are still running, and a signal before the first step stops it even while its main
 thread is inside a long call that does not return to Python."""
 
+import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -60,16 +62,63 @@ def widowed_pipe():
   return write
 
 
-def test_a_closed_stdout_ends_a_tool_quietly():
+def widowed_socket():
+  """A stream socket whose reader shut it down after reading all it was sent (a journal that
+  restarted): POLLHUP, not a pipe's POLLERR, and writes fail with EPIPE."""
+  ours, theirs = socket.socketpair()
+  theirs.shutdown(socket.SHUT_RDWR)
+  theirs.close()
+  return ours.detach()
+
+
+@pytest.mark.parametrize("widowed", [widowed_pipe, widowed_socket])
+def test_a_closed_stdout_ends_a_tool_quietly(widowed):
   """`tool | head`: once head has read its lines, the tool stops with 141 (as a tool that
   SIGPIPE ends) and prints nothing, no traceback."""
-  write = widowed_pipe()
+  write = widowed()
   try:
     proc = subprocess.run([sys.executable, "-c", TOOL, "pipe"], cwd=REPO, stdout=write,
                           stderr=subprocess.PIPE, text=True, timeout=60)
   finally:
     os.close(write)
   assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
+class Unread(io.StringIO):
+  """A stdout on file descriptor `fd` whose next write fails with `error` (its reader gone)."""
+
+  def __init__(self, fd: int, error: OSError):
+    super().__init__()
+    self.fd, self.error = fd, error
+
+  def fileno(self):
+    return self.fd
+
+  def write(self, text):
+    if self.error:
+      error, self.error = self.error, None
+      raise error
+    return super().write(text)
+
+
+@pytest.mark.parametrize("error", [BrokenPipeError(32, "Broken pipe"),
+                                   ConnectionResetError(104, "Connection reset by peer")])
+def test_training_goes_on_when_its_stdout_socket_has_no_reader(monkeypatch, error):
+  """`train` under systemd, stdout a journal's socket, the journal restarted: EPIPE (it had read
+  all), ECONNRESET (it left lines unread); the run died unsaved with 'unexpected
+  BrokenPipeError' where a pipe's reader leaving lets it go on."""
+  from nanotext import train
+  fd = widowed_socket()
+  stderr = io.StringIO()
+  monkeypatch.setattr(sys, "stdout", Unread(fd, error))
+  monkeypatch.setattr(sys, "stderr", stderr)
+  try:
+    train._print("step 1")
+    train._print("step 2")
+    assert os.path.samestat(os.fstat(fd), os.stat(os.devnull))  # the rest goes nowhere
+  finally:
+    os.close(fd)
+  assert stderr.getvalue().count("stdout was closed; training goes on") == 1, stderr.getvalue()
 
 
 def test_help_into_a_closed_stdout_is_quiet():
