@@ -149,7 +149,8 @@ def explain(e: Exception) -> tuple:
     return backend_error(e), 2
   if limit_error(e):
     return limit_error(e), 1
-  out_of_space = write_error(e, f"cannot write '{getattr(e, 'filename', None) or 'a file'}'")
+  name = getattr(e, "filename", None) or ("standard output" if stdout_failed(e) else "a file")
+  out_of_space = write_error(e, f"cannot write '{name}'")
   if isinstance(out_of_space, ResourceError):  # a disk full or a size limit, in any writer
     return str(out_of_space), 1
   head = (str(e).splitlines() or [""])[0][:300]
@@ -157,6 +158,28 @@ def explain(e: Exception) -> tuple:
     return f"XLA failed while running a program: {head}", 1
   traceback.print_exc()
   return f"unexpected {type(e).__name__}: {head} (a bug: the traceback above says where)", 1
+
+
+def stdout_failed(e: BaseException) -> bool:
+  """Whether `e`, an OSError naming no file, is stdout's: stdout is a file on a full disk
+  (ENOSPC) or at the file-size limit (EFBIG), or what it still holds fails to flush with the
+  same errno (a quota's EDQUOT, EIO: the bytes of a failed print stay buffered, unless
+  PYTHONUNBUFFERED)."""
+  if not isinstance(e, OSError) or e.errno is None:
+    return False
+  try:
+    fd, limit = sys.stdout.fileno(), resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if stat.S_ISREG(os.fstat(fd).st_mode) and (
+        e.errno == errno.ENOSPC and os.fstatvfs(fd).f_bavail == 0 or
+        e.errno == errno.EFBIG and limit != resource.RLIM_INFINITY
+        and os.fstat(fd).st_size >= limit):
+      return True
+    sys.stdout.flush()
+  except OSError as again:
+    return again.errno == e.errno
+  except (AttributeError, ValueError):  # no stdout (fd 1 closed: None), or a closed one
+    pass
+  return False
 
 
 def backend_error(e: BaseException) -> str:

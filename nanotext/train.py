@@ -376,17 +376,17 @@ def _log_line(line: str) -> None:
 
 
 def _print(line: str) -> None:
-  """`line` on stdout. Once stdout's reader has gone (`| tee` closed with its terminal, the run
-  under nohup, a terminal hung up, a journal's socket whose reader restarted) the run goes on:
-  metrics.jsonl has its log."""
+  """`line` on stdout. Once stdout cannot take it the run goes on, metrics.jsonl has its log:
+  its reader gone (`| tee` closed with its terminal, the run under nohup, a terminal hung up, a
+  journal's socket whose reader restarted), or its file's disk full or failing (`> log`)."""
   try:
     print(line, flush=True)
   except OSError as e:
-    if not reader_gone(e):
-      raise
+    why = ("stdout was closed" if reader_gone(e) else
+           f"cannot write standard output ({e.strerror or type(e).__name__})")
     drop_stdout()
     try:
-      print("nanotext: stdout was closed; training goes on, its log in the run's metrics.jsonl",
+      print(f"nanotext: {why}; training goes on, its log in the run's metrics.jsonl",
             file=sys.stderr, flush=True)
     except OSError:
       pass

@@ -121,6 +121,23 @@ def test_training_goes_on_when_its_stdout_socket_has_no_reader(monkeypatch, erro
   assert stderr.getvalue().count("stdout was closed; training goes on") == 1, stderr.getvalue()
 
 
+def test_training_goes_on_when_its_stdout_file_cannot_be_written(monkeypatch):
+  """`train ... > log` with the log's disk full (output_dir on another with room): the run died
+  at its next line, unsaved, its log in metrics.jsonl all the same; it goes on, saying once on
+  stderr that standard output cannot be written, and why."""
+  from nanotext import train
+  stderr = io.StringIO()
+  with open("/dev/full", "w") as full:  # every write: ENOSPC
+    monkeypatch.setattr(sys, "stdout", full)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    train._print("step 1")
+    train._print("step 2")
+    assert os.path.samestat(os.fstat(full.fileno()), os.stat(os.devnull))
+  assert stderr.getvalue().splitlines() == [
+      "nanotext: cannot write standard output (No space left on device); training goes on, "
+      "its log in the run's metrics.jsonl"]
+
+
 def test_help_into_a_closed_stdout_is_quiet():
   """`compile --help | true`: the help was printed before the tools' pipe handling and came out
   as a BrokenPipeError traceback, exit 1."""

@@ -2,8 +2,10 @@
 writer (orbax checkpoints, safetensors, JSON, TensorBoard, plots, the tokenizer file) is one
 `nanotext: error:` line and exit 1, with nothing half-written left where the output goes."""
 
+import io
 import json
 import os
+import resource
 import subprocess
 import sys
 
@@ -209,6 +211,45 @@ def test_a_full_disk_is_one_line_and_the_file_as_it_was(tmp_path):
   with pytest.raises(errors.ResourceError, match="metrics.jsonl.*No space left"):
     w.write(1, {"loss": 1.0})
   w.close()
+
+
+@pytest.mark.fast
+def test_a_full_disk_under_stdout_names_standard_output(monkeypatch):
+  """`verify DIR > log` on a full disk said "cannot write 'a file'": the failed print is
+  stdout's, which now says so; an unnamed write elsewhere still says 'a file'."""
+  full = open("/dev/full", "w")
+  monkeypatch.setattr(sys, "stdout", full)
+  full.write("a report line\n")  # buffered: the failed flush leaves it there
+  with pytest.raises(OSError) as e:
+    full.flush()
+  line, status = errors.explain(e.value)
+  assert status == 1 and line.startswith(
+      "cannot write 'standard output': No space left on device; free some space"), line
+  null = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(null, full.fileno())  # the stuck bytes go
+  os.close(null)
+  assert errors.explain(OSError(28, "No space left on device"))[0].startswith(
+      "cannot write 'a file'")
+  full.close()
+
+
+@pytest.mark.fast
+def test_stdout_at_the_file_size_limit_unbuffered_names_standard_output(monkeypatch, tmp_path):
+  """PYTHONUNBUFFERED (as in many containers): a failed print leaves nothing to flush again,
+  and `> log` past `ulimit -f` still said 'a file'."""
+  log = open(tmp_path / "log", "wb", buffering=0)
+  monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(log, write_through=True))
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+  try:
+    with pytest.raises(OSError) as e:
+      for _ in range(3):  # the first fills the file to the limit, the next fails
+        print("x" * 1000, flush=True)
+    line, status = errors.explain(e.value)
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    log.close()
+  assert status == 1 and line.startswith("cannot write 'standard output': File too large"), line
 
 
 def test_library_errors_that_name_an_errno():
