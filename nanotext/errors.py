@@ -66,11 +66,20 @@ def fail(message: str, status: int = 2) -> None:
   Callers leave nothing open that needs Python's shutdown (files closed, saves waited for).
   """
   print(f"nanotext: error: {message}", file=sys.stderr, flush=True)
-  try:
-    sys.stdout.flush()
-  except OSError:  # stdout's pipe closed or its disk full: the line above is what matters
-    pass
+  flush(sys.stdout)
   os._exit(status)
+
+
+def flush(*streams) -> None:
+  """Flush each of `streams` that can be: one that is None (Python's sys.stdout or sys.stderr
+  where that descriptor was closed: `>&-`) or cannot be written (a pipe with no reader, a full
+  disk) must not end the caller, whose next line or step is what matters."""
+  for stream in streams:
+    try:
+      if stream is not None:
+        stream.flush()
+    except (OSError, ValueError):  # ValueError: a stream already closed
+      pass
 
 
 def terminal_gone(e: OSError) -> bool:

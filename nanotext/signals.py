@@ -187,10 +187,8 @@ def _quiet_handlers() -> None:
 
 
 def _end(signum: int, message: str) -> None:
-  try:
-    sys.stdout.flush()
-  except (OSError, ValueError):
-    pass
+  from nanotext import errors  # it imports this module
+  errors.flush(sys.stdout)
   say(1, message.format(signal.Signals(signum).name))
   os._exit(0)
 

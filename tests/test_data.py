@@ -452,6 +452,16 @@ def test_the_data_position_resumes_under_another_worker_count(arange_bins):
     one.set_state({"batches": 10**20})  # grain's endless stream ended: a StopIteration
 
 
+def test_workers_start_with_a_standard_stream_closed(monkeypatch):
+  """`train ... data.workers=1 >&-` (or `2>&-`): Python's sys.stdout (sys.stderr) is None, and
+  the run died at its first batch, flushing it before it starts the resource tracker."""
+  before = [os.fstat(fd) for fd in (1, 2)]
+  monkeypatch.setattr(sys, "stdout", None)
+  monkeypatch.setattr(sys, "stderr", None)
+  pipeline._start_quiet_tracker()
+  assert all(map(os.path.samestat, before, [os.fstat(fd) for fd in (1, 2)]))  # put back
+
+
 def test_worker_processes_end_with_the_training_process(arange_bins, tmp_path):
   """A run's exits (os._exit after an error or a signal, a kill) skip grain's cleanup: its
   workers lived on with the caller's pipes open, so `train ... | tail` never returned."""

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import BASE, PROCESS_TIMEOUT_S, REPO, TINY
-from nanotext import signals
+from nanotext import errors, signals
 
 # A tool whose main leaves a non-daemon thread running (as orbax, grain or a metrics writer
 # can), then fails as argv[1] says. Python's shutdown would join that thread for ever.
@@ -136,6 +136,29 @@ def test_training_goes_on_when_its_stdout_file_cannot_be_written(monkeypatch):
   assert stderr.getvalue().splitlines() == [
       "nanotext: cannot write standard output (No space left on device); training goes on, "
       "its log in the run's metrics.jsonl"]
+
+
+def raise_exit(status):
+  raise SystemExit(status)
+
+
+@pytest.mark.parametrize("ending", ["refusal", "signal"])
+def test_an_end_with_stdout_closed_keeps_its_line_and_status(monkeypatch, capfd, ending):
+  """`verify /nonexistent >&-` (Python's sys.stdout is None): the refusal's line came out, then
+  AttributeError: 'NoneType' object has no attribute 'flush', exit 1 for 2; a signal after a
+  run's work (signals._end) killed the watching thread instead, the signal unheeded."""
+  monkeypatch.setattr(sys, "stdout", None)
+  monkeypatch.setattr(os, "_exit", raise_exit)  # the process stays: the test's own
+  with pytest.raises(SystemExit) as e:
+    if ending == "refusal":
+      errors.fail("bad input")
+    else:
+      signals._end(signal.SIGTERM, "received {}: saved")
+  out, err = capfd.readouterr()
+  if ending == "refusal":
+    assert e.value.code == 2 and err == "nanotext: error: bad input\n", err
+  else:
+    assert e.value.code == 0 and out == "received SIGTERM: saved\n", out
 
 
 def test_help_into_a_closed_stdout_is_quiet():
