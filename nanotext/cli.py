@@ -40,6 +40,7 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
   that is missing or malformed, an unknown key, a value of the wrong type. `at_once`: the line
   a signal stops the process with, at once, until the tool takes the signals (signals.at_once:
   for a start that writes nothing)."""
+  errors.open_standard_streams()  # before the signal pipe below takes a closed stdout's fd
   argv = list(sys.argv if argv is None else argv)
   describe = describe or (lambda args: help_text(usage, doc))
   # A file-size limit (ulimit -f) is then EFBIG from the write, said in one line, not a kill

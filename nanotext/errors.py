@@ -70,6 +70,22 @@ def fail(message: str, status: int = 2) -> None:
   os._exit(status)
 
 
+def open_standard_streams() -> None:
+  """File descriptors 0, 1 and 2 open, on /dev/null where closed (`>&- 2>&- <&-`, a daemon's
+  start), as daemons do, and sys.stdout and sys.stderr streams on them. Else the next pipe or
+  file opened takes a free one (the signal pipe, metrics.jsonl at 2), and a line meant for
+  stderr is written into it. First thing at a tool's start, before anything opens a file."""
+  try:
+    while (fd := os.open(os.devnull, os.O_RDWR)) <= 2:
+      pass
+    os.close(fd)
+  except OSError:  # no /dev/null (a bare chroot): as started
+    return
+  for name, fd in (("stdout", 1), ("stderr", 2)):
+    if getattr(sys, name) is None:  # closed when Python started: the lines go nowhere
+      setattr(sys, name, open(fd, "w", buffering=1, encoding="utf-8", closefd=False))
+
+
 def flush(*streams) -> None:
   """Flush each of `streams` that can be: one that is None (Python's sys.stdout or sys.stderr
   where that descriptor was closed: `>&-`) or cannot be written (a pipe with no reader, a full

@@ -161,6 +161,35 @@ def test_an_end_with_stdout_closed_keeps_its_line_and_status(monkeypatch, capfd,
     assert e.value.code == 0 and out == "received SIGTERM: saved\n", out
 
 
+# A tool started with its standard streams closed (`>&- 2>&- <&-`, a daemon): it opens argv[1],
+# writes to fd 2 as the signal lines do, and to stderr, then says which fd the file had.
+CLOSED = """
+import sys
+from nanotext import cli, signals
+def main(args):
+  with open(sys.argv[1], "w") as f:
+    signals.say(2, "a signal's line")
+    print("an error line", file=sys.stderr, flush=True)
+    f.write(f"fd {f.fileno()}")
+cli.run(main, "usage: tool", argv=["tool"])
+"""
+
+
+@pytest.mark.parametrize("closed", [">&- 2>&- <&-", "2>&-"])
+def test_a_tool_started_with_its_standard_streams_closed_writes_none_into_its_files(tmp_path,
+                                                                                    closed):
+  """All three closed: the signal pipe took fds 0 and 1 and the run's metrics.jsonl fd 2, where
+  SIGHUP's line (signals.say(2, ...)) and watch's stop line were written: a row that is not
+  JSON. stderr alone closed: its error lines went to stdout (print's file=None)."""
+  marker = tmp_path / "file"
+  proc = subprocess.run(["bash", "-c", f'exec "$0" -c "$1" "$2" {closed}', sys.executable,
+                         CLOSED, str(marker)], cwd=REPO, capture_output=True, text=True,
+                        timeout=60)
+  assert proc.returncode == 0 and proc.stdout == "", proc.stdout
+  fd = marker.read_text()
+  assert fd.startswith("fd ") and int(fd[3:]) > 2, fd
+
+
 def test_help_into_a_closed_stdout_is_quiet():
   """`compile --help | true`: the help was printed before the tools' pipe handling and came out
   as a BrokenPipeError traceback, exit 1."""
