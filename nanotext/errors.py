@@ -74,16 +74,26 @@ def open_standard_streams() -> None:
   """File descriptors 0, 1 and 2 open, on /dev/null where closed (`>&- 2>&- <&-`, a daemon's
   start), as daemons do, and sys.stdout and sys.stderr streams on them. Else the next pipe or
   file opened takes a free one (the signal pipe, metrics.jsonl at 2), and a line meant for
-  stderr is written into it. First thing at a tool's start, before anything opens a file."""
+  stderr is written into it. First thing at a tool's start, before anything opens a file.
+  Text their encoding lacks is written as \\xNN (backslashreplace)."""
   try:
     while (fd := os.open(os.devnull, os.O_RDWR)) <= 2:
       pass
     os.close(fd)
   except OSError:  # no /dev/null (a bare chroot): as started
-    return
+    pass
   for name, fd in (("stdout", 1), ("stderr", 2)):
-    if getattr(sys, name) is None:  # closed when Python started: the lines go nowhere
-      setattr(sys, name, open(fd, "w", buffering=1, encoding="utf-8", closefd=False))
+    stream = getattr(sys, name)
+    try:
+      if stream is None:  # closed when Python started: the lines go nowhere
+        setattr(sys, name, open(fd, "w", buffering=1, encoding="utf-8",
+                                errors="backslashreplace", closefd=False))
+      elif getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+        # PYTHONIOENCODING=ascii, a Latin-1 locale: a non-ASCII output_dir or prompt in a line
+        # raised UnicodeEncodeError, a traceback where the run had worked
+        stream.reconfigure(errors="backslashreplace")
+    except (OSError, ValueError):  # fd 1 or 2 still closed, or the stream unusable: as it was
+      pass
 
 
 def flush(*streams) -> None:

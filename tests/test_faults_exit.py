@@ -190,6 +190,19 @@ def test_a_tool_started_with_its_standard_streams_closed_writes_none_into_its_fi
   assert fd.startswith("fd ") and int(fd[3:]) > 2, fd
 
 
+def test_text_the_standard_streams_cannot_encode_is_escaped(monkeypatch):
+  """PYTHONIOENCODING=ascii and a run in runs/ü: the resume's first line raised
+  UnicodeEncodeError, a traceback and exit 1 (generate: with a non-ASCII prompt)."""
+  streams = {name: io.TextIOWrapper(io.BytesIO(), encoding="ascii") for name in ("out", "err")}
+  monkeypatch.setattr(sys, "stdout", streams["out"])
+  monkeypatch.setattr(sys, "stderr", streams["err"])
+  errors.open_standard_streams()
+  print("resumed runs/ü", flush=True)
+  print("nanotext: error: runs/ü", file=sys.stderr, flush=True)
+  assert streams["out"].buffer.getvalue() == b"resumed runs/\\xfc\n"
+  assert streams["err"].buffer.getvalue() == b"nanotext: error: runs/\\xfc\n"
+
+
 def test_help_into_a_closed_stdout_is_quiet():
   """`compile --help | true`: the help was printed before the tools' pipe handling and came out
   as a BrokenPipeError traceback, exit 1."""
