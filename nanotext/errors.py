@@ -66,7 +66,7 @@ def fail(message: str, status: int = 2) -> None:
   Callers leave nothing open that needs Python's shutdown (files closed, saves waited for).
   """
   print(f"nanotext: error: {message}", file=sys.stderr, flush=True)
-  flush(sys.stdout)
+  signals.flush(sys.stdout)
   os._exit(status)
 
 
@@ -93,18 +93,6 @@ def open_standard_streams() -> None:
         # raised UnicodeEncodeError, a traceback where the run had worked
         stream.reconfigure(errors="backslashreplace")
     except (OSError, ValueError):  # fd 1 or 2 still closed, or the stream unusable: as it was
-      pass
-
-
-def flush(*streams) -> None:
-  """Flush each of `streams` that can be: one that is None (Python's sys.stdout or sys.stderr
-  where that descriptor was closed: `>&-`) or cannot be written (a pipe with no reader, a full
-  disk) must not end the caller, whose next line or step is what matters."""
-  for stream in streams:
-    try:
-      if stream is not None:
-        stream.flush()
-    except (OSError, ValueError):  # ValueError: a stream already closed
       pass
 
 

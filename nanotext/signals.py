@@ -180,6 +180,18 @@ def _restore(previous: dict, got: list) -> None:
     previous[got[0]](got[0], None)
 
 
+def flush(*streams) -> None:
+  """Flush each of `streams` that can be: one that is None (Python's sys.stdout or sys.stderr
+  where that descriptor was closed: `>&-`) or cannot be written (a pipe with no reader, a full
+  disk) must not end the caller, whose next line or step is what matters."""
+  for stream in streams:
+    try:
+      if stream is not None:
+        stream.flush()
+    except (OSError, ValueError):  # ValueError: a stream already closed
+      pass
+
+
 def _quiet_handlers() -> None:
   """Python's handlers do nothing: the watching thread acts (the wakeup pipe still hears)."""
   for signum in SIGNALS:
@@ -187,8 +199,7 @@ def _quiet_handlers() -> None:
 
 
 def _end(signum: int, message: str) -> None:
-  from nanotext import errors  # it imports this module
-  errors.flush(sys.stdout)
+  flush(sys.stdout)
   say(1, message.format(signal.Signals(signum).name))
   os._exit(0)
 

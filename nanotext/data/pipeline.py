@@ -13,7 +13,7 @@ from absl import flags
 
 from nanotext.data import registry
 from nanotext.errors import UserError
-from nanotext import config, errors
+from nanotext import config, signals
 from nanotext.data.tokenizer import NAMES, bytes_per_token, get_tokenizer, known_vocab_size
 
 DEFAULT_VOCAB = 8192
@@ -164,7 +164,7 @@ def _start_quiet_tracker() -> None:
   run's os._exit it frees the workers' shared memory itself, and said so in warnings on
   the terminal below the run's one line."""
   from multiprocessing import resource_tracker
-  errors.flush(sys.stdout, sys.stderr)  # None where closed (`>&-`)
+  signals.flush(sys.stdout, sys.stderr)  # None where closed (`>&-`)
   devnull = os.open(os.devnull, os.O_WRONLY)
   saved = [os.dup(1), os.dup(2)]
   try:
