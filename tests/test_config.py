@@ -570,6 +570,17 @@ def test_values_that_trained_nonsense_or_crashed_are_refused(override, message):
     wiring.load(BASE, override.split())
 
 
+# Ints that reach a jitted computation or an int32 array: past 32 bits, attention.window=3e9
+# trained, saved, then the end-of-run sample and every `generate` died of an OverflowError.
+@pytest.mark.parametrize("key", [
+    "attention.window", "attention.window_start", "attention.window_block", "model.embed_rows",
+    "model.value_embeds", "train.seq_len_start", "train.seq_len_step", "train.eval_seq_len",
+    "train.loss_chunk", "train.eval_loss_chunk", "train.eval_accum", "data.eot_id",
+    "sample.top_k"])
+def test_an_int_a_jitted_step_takes_must_fit_in_32_bits(key):
+  assert f"{key}={2**31} does not fit in 32 bits" in error(f"{key}={2**31}")
+
+
 def test_a_head_lr_the_records_head_lr_replaces_is_refused(tmp_path):
   """optim.head_lr on speedrun.yml (head_lr_record 0.22) was replaced by 0.22 / sqrt(d) unsaid;
   the finalized config, as config.yml saves it for a resume, still loads."""
