@@ -56,6 +56,14 @@ def check_config(o, d_model: int) -> None:
   for key in ("beta1", "beta2"):  # Adam's bias correction divides by 1 - beta**step
     if not 0 <= o[key] < 1:
       raise UserError(f"optim.{key}={o[key]} must be in [0, 1)")
+    if np.float32(o[key]) == 1:  # the step runs in float32: 1 - beta**step is 0 there
+      raise UserError(f"optim.{key}={o[key]} is 1.0 in float32, where Adam divides by "
+                      f"1 - {key}**step: give at most {float(np.nextafter(np.float32(1), 0))}")
+  tiny = float(np.finfo(np.float32).tiny)  # below it float32 (flushing subnormals) holds 0
+  for key in ("eps", "head_eps"):  # Adam divides by sqrt(v) + eps: 0/0 where a gradient is 0
+    if (o[key] or key == "eps") and o[key] < tiny:
+      raise UserError(f"optim.{key}={o[key]} is 0 in float32, where Adam divides by sqrt(v) + "
+                      f"{key} (NaN params where a gradient is 0): give at least {tiny:.3g}")
 
 
 def _default_head_lr() -> float:

@@ -550,6 +550,12 @@ def test_a_retired_key_set_in_a_file_is_refused_as_on_the_command_line(tmp_path)
     ("model.rope_base=0", "must be positive"),  # a ZeroDivisionError in rope
     ("optim.beta1=7", "optim.beta1=7.0 must be in [0, 1)"),  # trained, exit 0
     ("optim.beta2=1", "optim.beta2=1.0 must be in [0, 1)"),
+    # NaN params at step 1: AdamW's 0/0 on a parameter whose gradient is 0
+    ("optim.eps=0", "optim.eps=0.0 must be positive"),
+    ("optim.eps=1e-50", "optim.eps=1e-50 is 0 in float32"),
+    ("optim.name=muon optim.head_eps=1e-50", "optim.head_eps=1e-50 is 0 in float32"),
+    ("optim.beta1=0.99999999", "optim.beta1=0.99999999 is 1.0 in float32"),  # [0, 1) in float64
+    ("optim.beta2=0.99999999", "optim.beta2=0.99999999 is 1.0 in float32"),
     ("optim.final_lr_frac=50", "must be in [0, 1]"),
     ("optim.muon_momentum=1.5", "must be in [0, 1]"),
     ("optim.muon_ns_steps=0", "must be positive"),
