@@ -10,6 +10,7 @@ are made from base.yml, so a new key is added there alone).
 
 import dataclasses
 import difflib
+import operator
 import os
 import re
 from pathlib import Path
@@ -183,8 +184,10 @@ def key_rules() -> dict:
   return config_file.rules(str(SCHEMA_PATH))
 
 
-_BOUND = re.compile(r">(?P<equal>=?)(?P<low>-?\d+)")
+_BOUND = re.compile(r"(?P<op>[<>]=?)(?P<bound>-?\d+)")
 _BOUND_WORDS = {(">", 0): "must be positive", (">=", 0): "must not be negative"}
+_OPS = {">=": (operator.ge, "at least"), ">": (operator.gt, "more than"),
+        "<=": (operator.le, "at most"), "<": (operator.lt, "less than")}
 
 
 def check_rule(key: str, value, rule: str) -> None:
@@ -200,10 +203,10 @@ def check_rule(key: str, value, rule: str) -> None:
   bound = _BOUND.fullmatch(rule)
   if not bound:
     raise ValueError(f"{SCHEMA_PATH}: unknown rule '{rule}' of {key}")
-  low, op = int(bound["low"]), ">" + bound["equal"]
-  if value < low or value == low and op == ">":
-    words = f"must be {'at least' if op == '>=' else 'more than'} {low}"
-    raise UserError(f"{key}={value} {_BOUND_WORDS.get((op, low), words)}")
+  limit, (holds, words) = int(bound["bound"]), _OPS[bound["op"]]
+  if not holds(value, limit):
+    words = _BOUND_WORDS.get((bound["op"], limit), f"must be {words} {limit}")
+    raise UserError(f"{key}={value} {words}")
 
 
 def validate(cfg) -> None:

@@ -566,6 +566,12 @@ def test_a_retired_key_set_in_a_file_is_refused_as_on_the_command_line(tmp_path)
     ("train.seq_len_step=-8", "train.seq_len_step=-8 must not be negative"),
     ("metrics.peak_flops=-5", "metrics.peak_flops=-5.0 must not be negative"),
     ("model.vocab_size=1", "model.vocab_size=1 must be more than 1"),  # a loss of 0 "learned"
+    # a TypeError traceback: XLA takes it (plus a grace) as a C++ int
+    ("distributed.init_timeout=3000000000", "distributed.init_timeout=3000000000 must be at "
+                                            "most 86400"),
+    # 65 s and 4 GB making CPU devices before anything was refused
+    ("distributed.local_device_count=30000", "distributed.local_device_count=30000 must be at "
+                                             "most 4096"),
     # an ablation under muon: two identical runs
     ("optim.name=muon optim.weight_decay=0.1", "optim.weight_decay=0.1 is read only by "
                                                "optim.name=adamw"),
