@@ -572,6 +572,8 @@ def test_a_retired_key_set_in_a_file_is_refused_as_on_the_command_line(tmp_path)
     # 65 s and 4 GB making CPU devices before anything was refused
     ("distributed.local_device_count=30000", "distributed.local_device_count=30000 must be at "
                                              "most 4096"),
+    # hundreds of grain worker processes: a machine's load at 120, down (checked at load only)
+    ("data.workers=100000", "data.workers=100000 must be at most 256"),
     # an ablation under muon: two identical runs
     ("optim.name=muon optim.weight_decay=0.1", "optim.weight_decay=0.1 is read only by "
                                                "optim.name=adamw"),
