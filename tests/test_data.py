@@ -591,20 +591,28 @@ def test_prepare_keeps_a_folder_of_other_shards(tmp_path):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("key,source,other", [
-    ("train_files", "bin", "shakespeare"), ("val_files", "bin", "shakespeare"),
-    ("tfds_name", "tfds", "shakespeare"), ("tfds_dir", "tfds", "shakespeare"),
-    ("dir", "shakespeare", "bin"), ("dir", "shakespeare", "tfds")])
-def test_a_data_key_the_source_does_not_read_is_refused(key, source, other):
+@pytest.mark.parametrize("key,value,source,other", [
+    ("train_files", "/some/*.bin", "bin", "shakespeare"),
+    ("val_files", "/some/*.bin", "bin", "shakespeare"),
+    ("tfds_name", "mine", "tfds", "shakespeare"), ("tfds_dir", "/some", "tfds", "shakespeare"),
+    ("tfds_field", "text", "tfds", "bin"), ("tfds_train_split", "mine", "tfds", "bin"),
+    ("tfds_val_split", "mine", "tfds", "shakespeare"),
+    ("val_tokens", "10", "shakespeare, bin or tfds", "synthetic"),
+    ("dir", "/some", "shakespeare", "bin"), ("dir", "/some", "shakespeare", "tfds")])
+def test_a_data_key_the_source_does_not_read_is_refused(key, value, source, other):
   """evaluate data.val_files=mine/*.bin on a shakespeare run printed the run's own figures;
-  train with globs matching nothing trained on Shakespeare, exit 0; data.dir under bin or tfds
-  was ignored. A config's own keys are its source's business (speedrun.yml's FineWeb globs under
-  data.source=synthetic)."""
+  train with globs matching nothing trained on Shakespeare, exit 0; data.dir under bin or tfds,
+  the tfds field and splits under another source and val_tokens under synthetic data were
+  ignored. A config's own keys are its source's business (speedrun.yml's FineWeb globs under
+  data.source=synthetic); a key given its default is not set."""
   with pytest.raises(UserError, match=f"data.{key} is read only by data.source={source} .*"
                                       f"add data.source={source}"):
-    pipeline.check_overrides(data_cfg(source=other), [f"data.{key}=/some/*.bin"])
-  pipeline.check_overrides(data_cfg(source=other), [f"data.{key}="])  # cleared
-  pipeline.check_overrides(data_cfg(source=source), [f"data.{key}=/some/*.bin"])
+    pipeline.check_overrides(data_cfg(source=other), [f"data.{key}={value}"])
+  default = data_cfg()[key]
+  pipeline.check_overrides(data_cfg(source=other), [f"data.{key}={default}"])  # not set
+  if default == "":
+    pipeline.check_overrides(data_cfg(source=other), [f"data.{key}= "])  # cleared
+  pipeline.check_overrides(data_cfg(source=source.split(",")[0]), [f"data.{key}={value}"])
 
 
 @pytest.mark.fast

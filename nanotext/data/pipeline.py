@@ -13,7 +13,7 @@ from absl import flags
 
 from nanotext.data import registry
 from nanotext.errors import UserError
-from nanotext import config, signals
+from nanotext import config, config_file, signals
 from nanotext.data.tokenizer import NAMES, bytes_per_token, get_tokenizer, known_vocab_size
 
 DEFAULT_VOCAB = 8192
@@ -32,21 +32,32 @@ def check_config(d) -> None:
   registry.get(d.source).check(d)
 
 
-# Data keys one source reads: given on the command line under another, they were ignored
+# Data keys some sources read: given on the command line under another, they were ignored
 # (evaluate on `val_files` of a shakespeare run printed the run's own figures; train with a
-# train_files glob matching nothing, exit 0). A config's own (speedrun.yml's FineWeb globs under
-# data.source=synthetic or shakespeare) are left to the source it names.
-ONLY_READ_BY = {"train_files": "bin", "val_files": "bin", "tfds_name": "tfds", "tfds_dir": "tfds",
-                "dir": "shakespeare"}  # where its shards are prepared (registry, prepare)
+# train_files glob matching nothing, exit 0; synthetic data has no validation tokens to cap).
+# A config's own (speedrun.yml's FineWeb globs under data.source=synthetic or shakespeare) are
+# left to the source it names.
+ONLY_READ_BY = {"train_files": ("bin",), "val_files": ("bin",), "tfds_name": ("tfds",),
+                "tfds_dir": ("tfds",), "tfds_field": ("tfds",), "tfds_train_split": ("tfds",),
+                "tfds_val_split": ("tfds",), "val_tokens": ("shakespeare", "bin", "tfds"),
+                "dir": ("shakespeare",)}  # where its shards are prepared (registry, prepare)
 
 
 def check_overrides(d, overrides) -> None:
-  """Refuse a `key=value` override of a data key the run's source does not read."""
+  """Refuse a `key=value` override of a data key the run's source does not read; one that
+  gives the key its default (`data.tfds_train_split=train`, `data.val_tokens=0`) is not set."""
+  defaults = config_file.read(config.SCHEMA_PATH)["data"]
   for key, value in map(config.parse_override, overrides):
-    source = ONLY_READ_BY.get(key.removeprefix("data.")) if key.startswith("data.") else None
-    if source and value.strip() and d.source != source:
-      raise UserError(f"{key} is read only by data.source={source} (this run's is "
-                      f"data.source={d.source}): add data.source={source}, or leave {key} out")
+    leaf = key.removeprefix("data.")
+    sources = ONLY_READ_BY.get(leaf, ()) if key.startswith("data.") else ()
+    if not sources or d.source in sources:
+      continue
+    default = defaults[leaf]
+    given = value.strip() if isinstance(default, str) else config_file.coerce(key, value, default)
+    if given != default:
+      names = ", ".join(sources[:-1]) + " or " * (len(sources) > 1) + sources[-1]
+      raise UserError(f"{key} is read only by data.source={names} (this run's is "
+                      f"data.source={d.source}): add data.source={names}, or leave {key} out")
 
 
 def open_source(data_cfg, split: str, *, seq_len: int, seed: int = 0,
