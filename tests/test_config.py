@@ -243,6 +243,16 @@ def test_a_value_for_a_whole_section_names_its_keys(tmp_path):
   assert "'train' is a section" in error("train=3")
 
 
+def test_a_section_whose_keys_are_all_commented_out_is_empty(tmp_path):
+  """`train:` then only comments (YAML's null) was refused as "'train' is a section, not a key"."""
+  path = write(tmp_path / "c.yml", f"base: {BASE}\ntrain:\n  # steps: 5\nseed: 3\n")
+  cfg = load(path=path)
+  assert cfg.seed == 3 and cfg.train.steps == load().train.steps
+  path = write(tmp_path / "d.yml", f"base: {BASE}\nseed:\n")  # a key left empty still is not
+  with pytest.raises(UserError, match="seed"):
+    load(path=path)
+
+
 def test_bad_choice():
   msg = error("attention.impl=foo")
   assert "attention.impl" in msg and "'foo'" in msg and "xla" in msg
