@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli
-from nanotext import trainer, wiring, window_schedule
+from nanotext import config, trainer, wiring, window_schedule
 
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yml")))
 # Toy dims only: dtypes, optimizer, FP8 head, loss reduction and schedules stay each config's.
@@ -40,6 +40,18 @@ def overrides(path):
 
 def test_every_shipped_config_is_covered():
   assert {os.path.basename(p)[:-4] for p in CONFIGS} == set(FIT)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p)[:-4])
+def test_a_shipped_config_warns_of_no_misaligned_dims(path):
+  """modded_nanogpt_jax.yml's vocab_size=50304 under base.yml's model.align=256 warned about
+  itself on every start; a shipped config's shapes are multiples of its own align."""
+  cfg = config.finalize(wiring.load(path), mesh_sizes={"data": 1, "fsdp": 1, "tensor": 1},
+                        data_dir="unused")
+  lines = []
+  wiring.warn_misaligned(cfg, lines.append)
+  assert lines == []
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p)[:-4])
