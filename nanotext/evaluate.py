@@ -99,7 +99,26 @@ def _load_config(out: str, overrides, checked: bool):
     cfg = config.load(*args)
   # its overrides change no key of the model (check_override): the model is config.yml's
   identity.check_unedited(out, cfg.to_dict())
+  if cfg.attention.doc_mask:
+    check_doc_mask_eot(cfg, config.load(args[0], [*own, *auto, f"output_dir={out}"]), overrides)
   return cfg
+
+
+def check_doc_mask_eot(cfg, own, overrides) -> None:
+  """Refuse overrides that change the end-of-text id of a run trained with attention.doc_mask
+  (`own`: its config without them): the id chooses the document mask the model computes, so
+  the loss was another model's, reported as the run's."""
+  from nanotext.data.tokenizer import resolve_eot_id
+  keys = [k for k in ("data.eot_id", "data.tokenizer")
+          if any(o.strip().startswith(k + "=") for o in overrides)]
+  if not keys:  # the run's own id (resolving it may load a tokenizer: only when overridden)
+    return
+  ran, now = resolve_eot_id(own.data), resolve_eot_id(cfg.data)
+  if now != ran:
+    raise UserError(f"{keys[0]} changes the model the checkpoint was trained as: its "
+                    f"attention.doc_mask starts documents at end-of-text id {ran}, the "
+                    f"overrides give {now}; evaluate reads the run's own (leave {keys[0]} out, "
+                    f"or set data.eot_id={ran})")
 
 
 def precheck(argv) -> None:

@@ -393,6 +393,23 @@ def test_many_eval_batches_on_8_cpu_devices_do_not_deadlock(tiny_run):
 
 
 @pytest.mark.fast
+def test_another_eot_id_on_a_doc_mask_run_is_refused(tiny_run, tmp_path):
+  """data.eot_id=1817 on a run trained with attention.doc_mask=true printed another loss as the
+  run's (the id chooses the document mask the model computes); the run's own id still passes."""
+  from conftest import saved_run
+  out = str(tmp_path / "doc")
+  saved_run(BASE, TINY + ["attention.doc_mask=true"], out)
+  evaluate.precheck([f"output_dir={out}", "data.eot_id=0"])
+  said = (r"^data.eot_id changes the model the checkpoint was trained as: .* end-of-text id 0, "
+          r"the overrides give 7; .*\(leave data.eot_id out, or set data.eot_id=0\)$")
+  with pytest.raises(UserError, match=said):
+    evaluate.precheck([f"output_dir={out}", "data.eot_id=7"])
+  with pytest.raises(UserError, match=said):
+    evaluate.evaluate(out, overrides=["data.eot_id=7"], log=pytest.fail)
+  evaluate.precheck([f"output_dir={tiny_run[0]}", "data.eot_id=7"])  # no doc mask: other data
+
+
+@pytest.mark.fast
 def test_refusals_advise_only_keys_evaluate_takes(tiny_run, tmp_path):
   """evaluate takes no model.* key, yet a mesh that does not divide the model said to change
   model.num_heads (or d_model), and model.scan_layers=true over blocks that differ to turn
