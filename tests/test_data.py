@@ -332,12 +332,33 @@ def test_val_tokens_cap_and_too_little_data(arange_bins):
   arange_bins.val_tokens = 100  # 99 // 8 = 12 windows: one batch of 8.
   assert len(make_val_batches(arange_bins, seq_len=8, batch_size=8, num_batches=10)) == 1
   # The cap holds the data back: raising it is the way (data.val_tokens cannot add data at 0).
-  with pytest.raises(UserError, match=r": raise data.val_tokens=100 or lower train.batch_size"):
+  with pytest.raises(UserError, match=r": raise data.val_tokens=100, or lower train.batch_size"):
     make_val_batches(arange_bins, seq_len=8, batch_size=16, num_batches=10)
   arange_bins.val_tokens = 0
-  with pytest.raises(UserError, match=r": add validation data \(data.val_files, or "
-                                      r"data.tfds_val_split\) or lower train.batch_size"):
+  with pytest.raises(UserError, match=r": add validation shards to data.val_files, or lower "
+                                      r"train.batch_size or train.seq_len$"):
     make_val_batches(arange_bins, seq_len=8, batch_size=4096, num_batches=10)
+
+
+def test_too_little_unshuffled_validation_data_says_what_there_is(prepared, tmp_path):
+  """data.shuffle=false counted whole batches per shard ('holds 0 sequences', Shakespeare's
+  holds 274), and advised data.val_files, which data.source=shakespeare refuses."""
+  cfg = data_cfg(source="shakespeare", dir=prepared["dir"], shuffle=False)
+  for shuffle in (False, True):
+    cfg.update(shuffle=shuffle)
+    with pytest.raises(UserError, match=r"^validation data holds 274 sequences of 257 tokens, "
+                       r"fewer than one global batch of 300 \(train.batch_size\): lower "
+                       r"train.batch_size or train.seq_len$"):
+      make_val_batches(cfg, seq_len=256, batch_size=300, num_batches=1)
+  # Enough sequences, but no shard with a whole batch of them: data.shuffle=true reads them
+  for k in range(2):
+    binfile.write_shard(tmp_path / f"val_{k}.bin", np.arange(100))
+  cfg = data_cfg(source="bin", val_files=str(tmp_path / "val_*.bin"), shuffle=False)
+  with pytest.raises(UserError, match=r"holds 6 sequences of 33 tokens, but no shard holds one "
+                     r"whole global batch of 4 .*: set data.shuffle=true or lower"):
+    make_val_batches(cfg, seq_len=32, batch_size=4, num_batches=1)
+  cfg.update(shuffle=True)
+  assert len(make_val_batches(cfg, seq_len=32, batch_size=4, num_batches=1)) == 1
 
 
 def test_bad_data_config(tmp_path):

@@ -219,16 +219,39 @@ def make_val_batches(data_cfg, *, seq_len: int, batch_size: int, num_batches: in
   global_batch = batch_size * process_count
   # Every process gets the same number of batches, so eval collectives line up.
   n = min(num_batches, len(source) // global_batch)
-  if n == 0:  # data.val_tokens caps what there is: raising it adds data only where it is set
-    more = f"raise data.val_tokens={data_cfg.val_tokens}" if data_cfg.val_tokens else \
-        "add validation data (data.val_files, or data.tfds_val_split)"
-    raise UserError(
-        f"validation data holds {len(source)} sequence{'s' * (len(source) != 1)} of "
-        f"{seq_len + 1} tokens, fewer than "
-        f"one global batch of {global_batch} (train.batch_size): {more} or lower "
-        f"train.batch_size or {length_key}")
+  if n == 0:
+    raise UserError(_too_little_val(data_cfg, source, seq_len, global_batch, length_key,
+                                    vocab_size))
   ds = grain.MapDataset.source(source)[:n * global_batch][process_index::process_count]
   return list(ds.batch(batch_size, drop_remainder=True).map(_split_batch))
+
+
+# Where a source's validation data can grow (shakespeare's corpus is what it is; synthetic's
+# never runs short): advice of a key the source refuses (data.val_files under shakespeare) sent
+# the user round in a circle
+MORE_VAL = {"bin": "add validation shards to data.val_files",
+            "tfds": "choose a larger data.tfds_val_split"}
+
+
+def _too_little_val(data_cfg, source, seq_len: int, global_batch: int, length_key: str,
+                    vocab_size: int) -> str:
+  """Why validation `source` holds no whole global batch: the sequences there are (under
+  data.shuffle=false those of whole batches per shard only, so counted again ungrouped), and
+  the keys of this source that give more."""
+  total = len(source)
+  if not data_cfg.shuffle:
+    total = len(open_source(data_cfg, "val", seq_len=seq_len, vocab_size=vocab_size))
+  held = f"validation data holds {total} sequence{'s' * (total != 1)} of {seq_len + 1} tokens"
+  lower = f"lower train.batch_size or {length_key}"
+  if total >= global_batch:  # enough, split over shards each short of a whole batch
+    return (f"{held}, but no shard holds one whole global batch of {global_batch} "
+            f"(train.batch_size), which data.shuffle=false reads from each shard: set "
+            f"data.shuffle=true or {lower}")
+  # data.val_tokens caps what there is: raising it adds data only where it is set
+  more = f"raise data.val_tokens={data_cfg.val_tokens}" if data_cfg.val_tokens else \
+      MORE_VAL.get(data_cfg.source, "")
+  return (f"{held}, fewer than one global batch of {global_batch} (train.batch_size): "
+          f"{more + ', or ' if more else ''}{lower}")
 
 
 def tokenizer_problem(data_cfg) -> str:
