@@ -83,6 +83,13 @@ class Profiler:
     p = cfg.profile
     self.first = p.start_step if p.steps > 0 and p.start_step >= 0 else None
     self.last = None if self.first is None else p.start_step + p.steps - 1
+    # one of the two set alone traced nothing and said nothing (a start past the end says so)
+    if p.steps > 0 and p.start_step < 0:
+      log(f"profile.steps={p.steps} with profile.start_step={p.start_step} (off): no profile is "
+          "written; set profile.start_step (0 = from the first step)")
+    elif p.steps <= 0 and p.start_step >= 0:
+      log(f"profile.start_step={p.start_step} with profile.steps={p.steps} (off): no profile is "
+          "written; set profile.steps to the number of steps to trace")
     if self.first is not None and self.last < start_step:  # resumed past it: traced, or not
       log(f"profile.start_step={p.start_step} with profile.steps={p.steps} lies before the "
           f"step this run resumes from ({start_step}, counted from 0): no profile is written")

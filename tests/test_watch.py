@@ -359,8 +359,8 @@ def test_profiler_traces_its_steps(monkeypatch):
 
 
 def test_a_profile_past_the_runs_end_says_which_steps_it_holds(monkeypatch):
-  """A 4-step run with profile.steps=10 said 'steps 2..11'; a start past the last step wrote
-  nothing and said nothing."""
+  """A 4-step run with profile.steps=10 said 'steps 2..11'; a start past the last step, or one
+  of start_step and steps set alone, wrote nothing and said nothing."""
   monkeypatch.setattr(jax.profiler, "start_trace", lambda d: None)
   monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
   cfg = prepared(*LATE, "train.steps=4", "profile.start_step=1", "profile.steps=10",
@@ -378,6 +378,17 @@ def test_a_profile_past_the_runs_end_says_which_steps_it_holds(monkeypatch):
                  lines.append)
   assert lines == ["profile.start_step=4 is past the run's last step (train.steps=4, counted "
                    "from 0): no profile is written"]
+  # one of the two keys set alone traced nothing, without the line a late start gets
+  for half, line in (("profile.steps=2", "profile.steps=2 with profile.start_step=-1 (off): no "
+                      "profile is written; set profile.start_step (0 = from the first step)"),
+                     ("profile.start_step=1", "profile.start_step=1 with profile.steps=0 (off): "
+                      "no profile is written; set profile.steps to the number of steps to trace")):
+    lines.clear()
+    assert watch.Profiler(prepared(*LATE, half).cfg, lines.append).first is None
+    assert lines == [line]
+  lines.clear()
+  watch.Profiler(prepared(*LATE).cfg, lines.append)  # both off: nothing to say
+  assert lines == []
   # a run resumed past the window wrote none and said nothing; resumed inside it, the window's
   # rest is traced (it started only at start_step, never reached)
   lines.clear()
