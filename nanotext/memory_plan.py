@@ -325,6 +325,12 @@ def changes(cfg, model, program: str, est, capacity: int) -> list:
       "attention scores", "activations", "recompute and attention", "activations and logits"):
     impl = "splash" if model.backend == "tpu" else "blocked"
     change(f"attention.impl={impl}", attention={"impl": impl})
+  # A learned position table of model.max_seq_len rows can outweigh the rest of the model (a
+  # 2e9-row table was advised a smaller num_layers or d_model): rows the steps read are enough
+  longest = max(t.seq_len, t.eval_seq_len)
+  if dominant in ("parameters", "optimizer state", "gradients") and m.positions == "learned" \
+      and m.max_seq_len > longest:
+    change(f"model.max_seq_len={longest}", model={"max_seq_len": longest})
   folded = sharding.fsdp_for_data(sizes)
   if dominant in ("parameters", "optimizer state", "gradients") and folded:
     out.append((sharding.FSDP_FOR_DATA, cfg, folded))

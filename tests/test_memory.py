@@ -316,6 +316,17 @@ def test_absurd_sizes_are_refused_before_any_model_is_built(monkeypatch):
 
 
 @pytest.mark.fast
+def test_a_huge_position_table_is_advised_a_shorter_max_seq_len():
+  """model.max_seq_len=2000000000 (a learned table of 2e9 rows, nearly all of the parameters)
+  was advised only a smaller model.num_layers or d_model."""
+  _, plan = planned(BASE, TINY + ["model.max_seq_len=2000000000"], 8 * GIB)
+  assert "; try model.max_seq_len=32 (~" in plan.train_problem
+  _, plan = planned(BASE, TINY + ["model.max_seq_len=2000000000", "model.positions=rope"],
+                    8 * GIB)  # no table: nothing of its length to advise (it fits)
+  assert not plan.train_problem
+
+
+@pytest.mark.fast
 def test_dense_attention_under_remat_counts_its_recomputed_scores_once():
   """A rematted block's dense scores and probabilities are recomputed once in its backward,
   their gradients beside them (Model.attention_bytes); the plan doubled them as well, so
