@@ -22,6 +22,8 @@ def check_run(cfg, out: str) -> bool:
   past train.steps (replaced under overwrite=true); True when the previous run is to be replaced
   (set aside, then deleted), which checkpoint.load_params_from must then not lie in."""
   replacing, src = _check_run(cfg, out), cfg.checkpoint.load_params_from
+  if replacing and src:  # before the previous run is set aside (and put back) for nothing
+    check_folder(src, "checkpoint.load_params_from")
   real, ckpts = os.path.realpath(src), os.path.join(os.path.realpath(out), "checkpoints")
   if replacing and src and (real in (ckpts, os.path.dirname(ckpts)) or
                             real.startswith(ckpts + os.sep)):
@@ -30,6 +32,16 @@ def check_run(cfg, out: str) -> bool:
                     "weights, train into another output_dir (or copy them out first: python -m "
                     f"nanotext.convert params-only --run={out} --out=DIR)")
   return replacing
+
+
+def check_folder(path: str, what: str) -> None:
+  """Refuse a checkpoint path that names no folder (`what`: the argument that gave it): the
+  cheap part of params_from.find_item, without jax."""
+  from nanotext.rundir import check_no_glob
+  check_no_glob(os.path.abspath(path), what)
+  if not os.path.isdir(path):
+    raise UserError(f"{what}='{path}' " + ("is not a directory" if os.path.lexists(path) else
+                                           "does not exist"))
 
 
 def _source_change(old: dict, cfg, done: list) -> list:

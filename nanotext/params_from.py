@@ -10,9 +10,10 @@ import orbax.checkpoint as ocp
 
 from nanotext.checkpoint import error_head
 from nanotext.errors import UserError
+from nanotext.identity import check_folder
 from nanotext.integrity import (Damaged, name_of, record_beside, record_of_params_only,
                                 verify_named)
-from nanotext.rundir import (aside_note, check_no_glob, is_step_name, older_steps, read_again,
+from nanotext.rundir import (aside_note, is_step_name, older_steps, read_again,
                              rotated_away, step_files, vanished)
 from nanotext.trees import fill, flatten, is_stacked, stack_blocks, unstack_blocks
 
@@ -23,10 +24,7 @@ def find_item(path: str, what: str = "checkpoint.load_params_from") -> tuple:
   step dir (the newest step where there are several) or a params-only folder (convert); `what`
   names the argument in errors. A newest step without its state/ folder is Damaged: reading
   an older one instead would answer for another step than the one asked for."""
-  check_no_glob(os.path.abspath(path), what)
-  if not os.path.isdir(path):
-    raise UserError(f"{what}='{path}' " + ("is not a directory" if os.path.lexists(path) else
-                                           "does not exist"))
+  check_folder(path, what)
   if os.path.isdir(os.path.join(path, "state")):
     return os.path.join(os.path.abspath(path), "state"), True
   root = os.path.join(path, "checkpoints")

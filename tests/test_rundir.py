@@ -714,6 +714,7 @@ def test_a_changed_load_params_from_is_another_run(tmp_path):
                                       r".*/a -> .*/b\); .*pass overwrite=true to replace it; or "
                                       r"give the checkpoint.load_params_from it started from"):
     identity.check_run(cfg(f"checkpoint.load_params_from={tmp_path / 'b'}"), str(out))
+  (tmp_path / "b").mkdir()  # read before the overwrite sets the old run aside
   assert identity.check_run(cfg(f"checkpoint.load_params_from={tmp_path / 'b'}",
                               "overwrite=true"), str(out)) is True  # a fresh start from b
   for same in (f"checkpoint.load_params_from={tmp_path / 'a'}",

@@ -82,6 +82,19 @@ def test_a_replaced_run_comes_back_when_the_new_one_never_checkpoints(tmp_path):
   assert lines == [f"restored the previous run in {tmp_path}"]
 
 
+def test_a_missing_params_source_is_refused_before_the_replaced_run_moves(tmp_path):
+  """overwrite=true with checkpoint.load_params_from=/nonexistent set the previous run aside,
+  put it back ('restored the previous run') and only then refused the path."""
+  before = old_run(tmp_path, "seed=1")
+  for src in (tmp_path.parent / "nonexistent", tmp_path / "metrics.jsonl"):
+    s, lines = session(tmp_path, "overwrite=true", f"checkpoint.load_params_from={src}")
+    with pytest.raises(UserError, match=r"^checkpoint.load_params_from='.*' (does not exist|is "
+                                        r"not a directory)$"):
+      with s.open(Preemption(on_early_stop=s.stop_early), 0):
+        pytest.fail("the session opened")
+    assert lines == [] and snapshot(tmp_path) == before
+
+
 def test_a_replaced_run_is_deleted_once_a_step_of_the_new_one_is_confirmed(tmp_path):
   old_run(tmp_path, "seed=1")
   s, lines = session(tmp_path, "overwrite=true")
