@@ -222,7 +222,11 @@ def report(run_, cfg, result, log) -> None:
     reached = result.val_loss <= target
     log(f"target val_loss <= {target}: {'reached' if reached else 'not reached'} "
         f"(final val_loss {result.val_loss:.4f})")
-  if known_vocab_size(cfg.data.tokenizer) is None or not cfg.sample.max_new_tokens:
+  if not cfg.sample.max_new_tokens:
+    return
+  if known_vocab_size(cfg.data.tokenizer) is None:  # skipped without a word, as no other reason
+    log("no sample: data.tokenizer=none has no text to decode ids into (set data.tokenizer to "
+        "the data's, or sample.max_new_tokens=0 for no sample)")
     return
   try:
     tokenizer = get_tokenizer(cfg.data.tokenizer)

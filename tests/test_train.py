@@ -334,6 +334,20 @@ def test_no_sample_where_the_tokenizer_cannot_load_is_a_log_line(monkeypatch):
   assert lines == ["no sample: the 'gpt2' tokenizer needs tiktoken"]
 
 
+@pytest.mark.fast
+def test_no_sample_without_a_tokenizer_is_a_log_line():
+  """data.tokenizer=none skipped the closing sample without the line other reasons give;
+  sample.max_new_tokens=0 asks for none, and gets no line."""
+  from nanotext import train
+  lines = []
+  train.report(None, config.load(BASE, TINY), None, lines.append)
+  assert lines == ["no sample: data.tokenizer=none has no text to decode ids into (set "
+                   "data.tokenizer to the data's, or sample.max_new_tokens=0 for no sample)"]
+  lines.clear()
+  train.report(None, config.load(BASE, TINY + ["sample.max_new_tokens=0"]), None, lines.append)
+  assert lines == []
+
+
 def test_target_val_loss_is_reported(corpus_run):
   _, result, lines = corpus_run
   assert f"target val_loss <= 8.0: reached (final val_loss {result.val_loss:.4f})" in lines
