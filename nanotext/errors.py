@@ -316,3 +316,20 @@ def drop_storage_error_logs() -> None:
     def filter(self, record):
       return not (record.levelno >= pylogging.ERROR and "orbax" in record.pathname)
   pylogging.getLogger("absl").addFilter(DropErrors())
+
+
+def print_log(line: str) -> None:
+  """A run's log `line` on stdout. Once stdout cannot take it the run goes on, metrics.jsonl has
+  its log: its reader gone (`| tee` closed with its terminal, the run under nohup, a terminal hung
+  up, a journal's socket whose reader restarted), or its file's disk full or failing (`> log`)."""
+  try:
+    print(line, flush=True)
+  except OSError as e:
+    why = ("stdout was closed" if reader_gone(e) else
+           f"cannot write standard output ({e.strerror or type(e).__name__})")
+    drop_stdout()
+    try:
+      print(f"nanotext: {why}; training goes on, its log in the run's metrics.jsonl",
+            file=sys.stderr, flush=True)
+    except OSError:
+      pass

@@ -6,13 +6,12 @@ flags: `--config=CONFIG --set=train.steps=50 --set=model.num_layers=2`.
 
 import contextlib
 import os
-import sys
 import time
 
 from absl import flags
 
 from nanotext import cli, signals
-from nanotext.errors import ResourceError, UserError, drop_stdout, fail, reader_gone
+from nanotext.errors import ResourceError, UserError, fail, print_log
 from nanotext.generate import encode_prompt, past_rows, sample_text
 from nanotext.xla_flags import maybe_set_cpu_flags
 
@@ -222,11 +221,10 @@ def report(run_, cfg, result, log) -> None:
     reached = result.val_loss <= target
     log(f"target val_loss <= {target}: {'reached' if reached else 'not reached'} "
         f"(final val_loss {result.val_loss:.4f})")
-  if not cfg.sample.max_new_tokens:
-    return
-  if known_vocab_size(cfg.data.tokenizer) is None:  # skipped without a word, as no other reason
-    log("no sample: data.tokenizer=none has no text to decode ids into (set data.tokenizer to "
-        "the data's, or sample.max_new_tokens=0 for no sample)")
+  if known_vocab_size(cfg.data.tokenizer) is None or not cfg.sample.max_new_tokens:
+    if cfg.sample.max_new_tokens:  # said, as every other reason a sample is skipped
+      log("no sample: data.tokenizer=none has no text to decode ids into (set data.tokenizer to "
+          "the data's, or sample.max_new_tokens=0 for no sample)")
     return
   try:
     tokenizer = get_tokenizer(cfg.data.tokenizer)
@@ -332,7 +330,7 @@ def main(args) -> None:
   """The CLI: `args` are the positional arguments (absl has taken the flags)."""
   cpu_flags = maybe_set_cpu_flags()  # before JAX starts a backend, which reads XLA_FLAGS once
   if cpu_flags:
-    _print(f"XLA_FLAGS={cpu_flags} (CPU defaults; set XLA_FLAGS to choose your own)")
+    print_log(f"XLA_FLAGS={cpu_flags} (CPU defaults; set XLA_FLAGS to choose your own)")
   from nanotext.watch import NonFiniteError
   try:
     path, overrides = parse_args(args)
@@ -376,24 +374,7 @@ def _is_main() -> bool:
 def _log_line(line: str) -> None:
   """A line of the run's log, printed by process 0."""
   if _is_main():
-    _print(line)
-
-
-def _print(line: str) -> None:
-  """`line` on stdout. Once stdout cannot take it the run goes on, metrics.jsonl has its log:
-  its reader gone (`| tee` closed with its terminal, the run under nohup, a terminal hung up, a
-  journal's socket whose reader restarted), or its file's disk full or failing (`> log`)."""
-  try:
-    print(line, flush=True)
-  except OSError as e:
-    why = ("stdout was closed" if reader_gone(e) else
-           f"cannot write standard output ({e.strerror or type(e).__name__})")
-    drop_stdout()
-    try:
-      print(f"nanotext: {why}; training goes on, its log in the run's metrics.jsonl",
-            file=sys.stderr, flush=True)
-    except OSError:
-      pass
+    print_log(line)
 
 
 if __name__ == "__main__":

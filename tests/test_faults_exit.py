@@ -107,14 +107,13 @@ def test_training_goes_on_when_its_stdout_socket_has_no_reader(monkeypatch, erro
   """`train` under systemd, stdout a journal's socket, the journal restarted: EPIPE (it had read
   all), ECONNRESET (it left lines unread); the run died unsaved with 'unexpected
   BrokenPipeError' where a pipe's reader leaving lets it go on."""
-  from nanotext import train
   fd = widowed_socket()
   stderr = io.StringIO()
   monkeypatch.setattr(sys, "stdout", Unread(fd, error))
   monkeypatch.setattr(sys, "stderr", stderr)
   try:
-    train._print("step 1")
-    train._print("step 2")
+    errors.print_log("step 1")
+    errors.print_log("step 2")
     assert os.path.samestat(os.fstat(fd), os.stat(os.devnull))  # the rest goes nowhere
   finally:
     os.close(fd)
@@ -125,13 +124,12 @@ def test_training_goes_on_when_its_stdout_file_cannot_be_written(monkeypatch):
   """`train ... > log` with the log's disk full (output_dir on another with room): the run died
   at its next line, unsaved, its log in metrics.jsonl all the same; it goes on, saying once on
   stderr that standard output cannot be written, and why."""
-  from nanotext import train
   stderr = io.StringIO()
   with open("/dev/full", "w") as full:  # every write: ENOSPC
     monkeypatch.setattr(sys, "stdout", full)
     monkeypatch.setattr(sys, "stderr", stderr)
-    train._print("step 1")
-    train._print("step 2")
+    errors.print_log("step 1")
+    errors.print_log("step 2")
     assert os.path.samestat(os.fstat(full.fileno()), os.stat(os.devnull))
   assert stderr.getvalue().splitlines() == [
       "nanotext: cannot write standard output (No space left on device); training goes on, "
