@@ -28,12 +28,14 @@ GLOB_CHARS = "*?["
 
 
 def check_no_glob(path: str, what: str) -> None:
-  """UserError when `path` holds a character orbax would read as a glob pattern."""
-  bad = sorted({c for c in path if c in GLOB_CHARS})
-  if bad:
+  """UserError when `path` holds a character orbax reads as a glob, or '\\' (tensorstore: '/')."""
+  if bad := sorted({c for c in path if c in GLOB_CHARS}):
     raise UserError(f"{what} '{path}' contains {' and '.join(repr(c) for c in bad)}: checkpoints "
                     "use the path as a glob pattern and could not be read back; choose (or "
                     "symlink) a path without * ? [")
+  if "\\" in path:  # its arrays went to a stray folder beside the run, which said it finished
+    raise UserError(f"{what} '{path}' contains a backslash, which tensorstore reads as '/': "
+                    "checkpoint arrays would go astray, never read back; choose a path without it")
 
 
 def kernel_fs(path: str) -> str:
@@ -225,8 +227,7 @@ def config_keep(out: str) -> int:
 
 
 def live_keep(out: str) -> int:
-  """checkpoint.keep of a run training into `out` now (its config.yml); 0 with none, or where
-  that cannot be read."""
+  """checkpoint.keep of a run training into `out` now (config_keep); 0 with none."""
   return config_keep(out) if running(out) else 0
 
 

@@ -67,6 +67,28 @@ def test_glob_characters_in_the_readers_paths_are_refused(reference, tmp_path):
 
 
 @pytest.mark.fast
+def test_a_backslash_in_output_dir_is_refused_before_anything(tmp_path):
+  """Tensorstore reads '\\' as '/': 'c\\x' trained, said it finished, and wrote its arrays into
+  a stray 'c/x' beside the run, so every step was unreadable. Refused in one line instead."""
+  assert_one_error_line(train_cli(tmp_path / "c\\x"), 2, "output_dir", "backslash")
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.fast
+def test_a_backslash_in_the_readers_and_converts_paths_is_refused(tmp_path):
+  from nanotext.convert import hf, params
+  bad = str(tmp_path / "a\\b")
+  with pytest.raises(UserError, match="backslash"):
+    checkpoint.make_manager(bad, keep=1)
+  with pytest.raises(UserError, match="checkpoint.load_params_from .*backslash"):
+    params_from.find_item(bad)
+  for convert in (params.params_only, hf.read_hf):  # both write orbax checkpoints into --out
+    with pytest.raises(UserError, match="--out .*backslash"):
+      convert(str(tmp_path), bad)
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.fast
 def test_a_data_dir_with_glob_characters_is_a_folder_not_a_pattern(tmp_path):
   from nanotext.data import binfile, prepare
   folder = tmp_path / "data[1]"
