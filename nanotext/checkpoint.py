@@ -133,6 +133,7 @@ def reader(output_dir: str) -> Manager:
   check_no_glob(checkpoint_dir(output_dir), "the checkpoint folder")
   # Never saving, it never removes anything either (orbax rotates steps inside save).
   options = ocp.CheckpointManagerOptions(create=False, lightweight_initialize=True)
+  steps_on_disk(output_dir)  # a checkpoints/ folder this user may not list: one line naming it
   return Manager(checkpoint_dir(output_dir), options=options, item_handlers=_handlers())
 
 
@@ -197,6 +198,7 @@ def restore_step(manager, step: int, abstract_state):
   where = step_dir(manager, step)
   items = dict(state=ocp.args.StandardRestore(abstract_state), data=ProcessJsonRestore(),
                config=ocp.args.JsonRestore())
+  probes.readable(where)  # orbax takes a file this user may not read for a damaged one
   require_listed(where)
   if os.path.isdir(os.path.join(where, "integrity")):
     items["integrity"] = ocp.args.JsonRestore()
@@ -353,6 +355,7 @@ def read_on_one_device(manager, step: int, part: str = ""):
   record or None), whatever mesh or process count wrote it. Damaged if it cannot be read."""
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   where = step_dir(manager, step)
+  probes.readable(where)  # an unreadable state/ folder looked missing, an array file damaged
   if os.path.isdir(where) and not os.path.isdir(os.path.join(where, "state")):
     raise Damaged(f"the checkpoint of step {step} in '{where}' holds no state/ folder (an "
                   "incomplete or damaged step: read an older one)")

@@ -41,6 +41,19 @@ def os_error(e: OSError, what: str) -> Exception:
   return UserError(f"{what}: {reason}")
 
 
+class Unreadable(UserError):
+  """A file or folder this user may not read (another user's run written with umask 077): a
+  read that fails there is no damage (a resume, verify and evaluate pass it on, never skip)."""
+
+
+def unreadable(e: OSError) -> Unreadable:
+  """The one line for `e`, a read refused by permissions (EACCES, EPERM)."""
+  code = errno.errorcode.get(e.errno, "EACCES")
+  return Unreadable(f"cannot read '{e.filename}': {e.strerror or 'Permission denied'} ({code}): "
+                    "this user may not read it (it is not damaged); its owner can allow reading "
+                    "(chmod -R a+rX), or read it as that user")
+
+
 # How libraries that are not Python name the errno of a failed write: tensorstore (orbax),
 # Rust's std::io (safetensors, tokenizers), and an OSError's text.
 _OS_CODE = re.compile(r"os_error_code='?(\d+)|\(os error (\d+)\)|\[Errno (\d+)\]")

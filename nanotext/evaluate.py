@@ -12,7 +12,7 @@ import os
 import re
 
 # jax is imported inside the functions: a Ctrl-C while it loads is one line (errors.run_cli).
-from nanotext.errors import UserError
+from nanotext.errors import Unreadable, UserError
 
 USAGE = "usage: python -m nanotext.evaluate output_dir=DIR [step=N|all] [key=value ...]"
 
@@ -237,7 +237,7 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
       source, params = params_from.load(path, abstract, what="output_dir",
                                          step_arg="step=")
     except (Damaged, UserError) as e:
-      if at is None:
+      if at is None or isinstance(e, Unreadable):  # another user's files: no step to leave out
         raise
       cut = os.path.isdir(path) and rundir.cut_short(out, at, str(e))  # by a killed run
       if cut and step != "all":

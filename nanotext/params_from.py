@@ -9,7 +9,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from nanotext.checkpoint import error_head
-from nanotext.errors import UserError
+from nanotext import probes
+from nanotext.errors import UserError, unreadable
 from nanotext.identity import check_folder
 from nanotext.integrity import (Damaged, name_of, record_beside, record_of_params_only,
                                 verify_named)
@@ -40,6 +41,8 @@ def find_item(path: str, what: str = "checkpoint.load_params_from") -> tuple:
     names = os.listdir(root)
   except (FileNotFoundError, NotADirectoryError):  # a step a run in progress just removed
     raise Damaged(f"'{path}' was removed while it was read") from None
+  except PermissionError as e:  # another user's folder, no damage
+    raise unreadable(e) from None
   steps = [int(n) for n in names if is_step_name(n) and os.path.isdir(os.path.join(root, n))]
   if not steps and aside_note(path):  # evaluate said 'give a run directory' of a run set aside
     raise UserError(f"{what}='{path}' holds no checkpoints{aside_note(path)}")
@@ -49,6 +52,7 @@ def find_item(path: str, what: str = "checkpoint.load_params_from") -> tuple:
                     "folder)")
   step_dir = os.path.join(os.path.abspath(root), str(max(steps)))
   if not os.path.isdir(os.path.join(step_dir, "state")):
+    probes.readable(step_dir)  # there, but this user may not look inside
     raise Damaged(f"the checkpoint '{step_dir}' holds no state/ folder (incomplete or damaged)")
   return os.path.join(step_dir, "state"), True
 
@@ -66,6 +70,7 @@ def load(path: str, abstract_params, what: str = "checkpoint.load_params_from",
     item = None
     try:
       item, whole_state = find_item(path, what)
+      probes.readable(os.path.dirname(item))  # tensorstore calls an unreadable file damaged
       files = step_files(os.path.dirname(item))
       return os.path.dirname(item), _load_params(item, whole_state, abstract_params)
     except Damaged as e:

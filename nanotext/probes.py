@@ -1,6 +1,7 @@
 """Writes tried before the expensive work: a run or a tool that cannot write where it must says
 so in one line before it compiles, trains or converts, not minutes later (or never: orbax waits
-300 s on a step directory it could not create).
+300 s on a step directory it could not create). And a read tried before a checkpoint's
+(`readable`): a file this user may not read is named as such, not taken for damage.
 
 A probe writes a few bytes into a new file and deletes it; folders it had to create are removed
 again. Errors are `errors.os_error`: exit 2 for a path that cannot be written (permissions, an
@@ -13,7 +14,7 @@ import shutil
 import stat
 import tempfile
 
-from nanotext.errors import ResourceError, UserError, os_error
+from nanotext.errors import ResourceError, UserError, os_error, unreadable
 
 
 def writable_dir(path: str, what: str) -> None:
@@ -43,6 +44,21 @@ def writable_dir(path: str, what: str) -> None:
         os.rmdir(d)
       except OSError:
         pass
+
+
+def readable(path: str) -> None:
+  """Raise errors.Unreadable naming the first folder or file under `path` that this user may not
+  read: orbax and tensorstore report one as a missing state/ folder or a failed array read.
+  Names that vanish meanwhile (a run rotating its steps out) are left to the read itself."""
+  def refuse(e: OSError):
+    if e.errno in (errno.EACCES, errno.EPERM):
+      raise unreadable(e) from None
+  for folder, _, files in os.walk(path, onerror=refuse):
+    for name in files:
+      try:  # O_NONBLOCK: a FIFO left in a step opens at once, where a read would wait
+        os.close(os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NONBLOCK))
+      except OSError as e:
+        refuse(e)
 
 
 def _links_through_proc(path: str) -> bool:

@@ -14,7 +14,7 @@ import shutil
 import time
 
 from nanotext import config_file, lock
-from nanotext.errors import UserError
+from nanotext.errors import UserError, unreadable
 
 ASIDE = ".overwritten"  # the previous run while an overwrite is not yet committed
 COMMITTED = "COMMITTED"  # written into ASIDE once the new run has a checkpoint: delete ASIDE
@@ -22,8 +22,7 @@ DAMAGED = "damaged"
 RUN_FILES = ("checkpoints", "tb", "metrics.jsonl", "config.yml")
 # Longer names make orbax's temporary step names fail deep inside a save; refuse them up front.
 MAX_PATH = 3000
-# Orbax globs inside a checkpoint's own path (merging per-process OCDBT files, reading array
-# metadata), so a path with these characters saves steps that can never be read back.
+# Orbax globs inside a checkpoint's own path (merging OCDBT files, reading array metadata)
 GLOB_CHARS = "*?["
 
 
@@ -155,8 +154,7 @@ def params_only_config(out: str) -> tuple:
 
 
 def step_config(out: str, step: int) -> dict:
-  """The config a step was saved with (its orbax JSON item), {} where it cannot be read (the
-  restore then judges the step)."""
+  """The config a step was saved with (its orbax JSON item); {} where it cannot be read."""
   try:
     with open(os.path.join(out, "checkpoints", str(step), "config", "metadata"), "rb") as f:
       saved = json.loads(f.read())
@@ -203,6 +201,8 @@ def steps_on_disk(out: str) -> list:
     return sorted(int(n) for n in os.listdir(os.path.join(out, "checkpoints")) if is_step_name(n))
   except (FileNotFoundError, NotADirectoryError):
     return []
+  except PermissionError as e:  # another user's run: named, never taken for one without steps
+    raise unreadable(e) from None
 
 
 def running(out: str) -> str:

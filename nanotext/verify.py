@@ -6,8 +6,9 @@ one step of a params-only folder, `convert params-only`). Each step is read onto
 device whatever mesh wrote it. Nothing is moved or deleted. A run may be training into DIR
 meanwhile. Exit status: 0 when every step is intact, 1 when one is damaged or config.yml is
 missing or was edited in a model key after the newest step (the read tools refuse it),
-2 for a directory that is not a run, 130 on Ctrl-C. Steps removed (or the run set aside by an
-overwrite=true start) while they are read are gone, not damaged.
+2 for a directory that is not a run or holds a file this user may not read, 130 on Ctrl-C.
+Steps removed (or the run set aside by an overwrite=true start) while they are read are gone,
+not damaged.
 """
 
 import os

@@ -14,6 +14,7 @@ import pytest
 from conftest import BASE, TINY, one_line_error, run_cli
 from nanotext import evaluate, memory_plan, params_from, rundir, wiring
 from nanotext.convert import params
+from nanotext import errors
 from nanotext.errors import UserError
 
 
@@ -226,6 +227,22 @@ def test_a_step_a_live_run_is_removing_is_left_out_not_called_damaged(tiny_run, 
   rows = evaluate.evaluate(out, "all", log=lines.append)
   assert [r["step"] for r in rows] == [2, 3]
   assert any(line.split()[:3] == ["step", "1", "|"] and "removed" in line for line in lines)
+
+
+@pytest.mark.fast
+def test_a_step_this_user_may_not_read_is_named_not_left_out_as_damaged(tiny_run, tmp_path,
+                                                                       monkeypatch):
+  """step=all left a step of another user's run (umask 077) out as 'holds no state/ folder
+  (incomplete or damaged)'; it is one line naming the folder and EACCES instead."""
+  from test_run_tools import deny
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  step = os.path.join(out, "checkpoints", "2")
+  deny(monkeypatch, step)
+  lines = []
+  with pytest.raises(errors.Unreadable, match=rf"'{re.escape(step)}': Permission denied"):
+    evaluate.evaluate(out, "all", log=lines.append)
+  assert not any("left out" in line for line in lines), lines
 
 
 @pytest.mark.fast

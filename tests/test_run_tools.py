@@ -2,6 +2,7 @@
 convert (params-only, the HF mapping, the CLI's argument handling) and the parameter trees. The
 fast tier's end-to-end file (tests/test_faults_tools.py: the same tools under damage and races)."""
 
+import errno
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from nanotext import checkpoint, config, integrity, loop, programs, plot, trees,
 from nanotext.convert import __main__ as convert_cli
 from nanotext.convert import common, hf, hf_tokenizer, params, torch_export
 from nanotext import fileio, params_from, train
+from nanotext import errors
 from nanotext.errors import ResourceError, UserError
 
 pytestmark = pytest.mark.fast
@@ -94,6 +96,47 @@ def test_verify_of_checkpoints_copied_without_config_yml_names_the_cp(tiny_run, 
   shutil.copyfile(saved, path)  # as the line says
   lines.clear()
   assert verify.report(out, lines.append) == 0, lines
+
+
+def deny(monkeypatch, path: str) -> None:
+  """Reads of `path` (listing a folder, opening a file) refused with EACCES, as for a user who
+  may not read another's run written with umask 077: permission bits do not stop root (CI)."""
+  def refusing(real):
+    def call(p, *args, **kwargs):
+      if isinstance(p, (str, os.PathLike)) and os.path.abspath(p) == path:
+        raise PermissionError(errno.EACCES, "Permission denied", os.fspath(p))
+      return real(p, *args, **kwargs)
+    return call
+  for name in ("listdir", "scandir", "open"):
+    monkeypatch.setattr(os, name, refusing(getattr(os, name)))
+
+
+@pytest.mark.parametrize("denied", ["checkpoints", "step", "array file"])
+def test_checkpoints_this_user_may_not_read_are_named_never_called_damaged(tiny_run, tmp_path,
+                                                                         monkeypatch, denied):
+  """A run another user wrote with umask 077: verify and evaluate printed 'unexpected
+  PermissionError (a bug)' for checkpoints/, and called an unreadable step damaged ('holds no
+  state/ folder', 'error while reading array index'). Now one line names the path and EACCES."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  step = os.path.join(out, "checkpoints", "2")
+  files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step, "state")) for f in fs
+           if os.path.basename(d) == "d"]
+  path = {"checkpoints": os.path.dirname(step), "step": step, "array file": files[0]}[denied]
+  manager = checkpoint.reader(out)
+  abstract = wiring.prepare(BASE, ARGS + [f"output_dir={out}"]).abstract_state()
+  deny(monkeypatch, path)
+  named = rf"cannot read '{re.escape(path)}': Permission denied \(EACCES\)"
+  with pytest.raises(UserError, match=named) as e:
+    verify.report(out, lambda line: None)
+  assert isinstance(e.value, errors.Unreadable)  # not integrity.Damaged: nothing is set aside
+  reads = [lambda: checkpoint.latest_params(out),  # generate, convert
+           lambda: params_from.load(out, abstract["params"])]  # evaluate, load_params_from
+  if denied != "checkpoints":  # a resume lists checkpoints/ first (the reader above)
+    reads.append(lambda: checkpoint.restore_step(manager, 2, abstract))
+  for read in reads:
+    with pytest.raises(errors.Unreadable, match=named):
+      read()
 
 
 @pytest.mark.parametrize("edit", [{"num_layers": 3}, {"mlp_dim": 512}, {"vocab_size": 640},
