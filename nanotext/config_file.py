@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from nanotext.errors import UserError
+from nanotext.errors import CWD_DELETED, UserError, cwd_deleted
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -151,7 +151,8 @@ def read(path) -> dict:
   anything else."""
   path = Path(path)
   if not path.exists():
-    raise UserError(f"config file '{path}' does not exist")
+    raise UserError(f"config file '{path}' does not exist" + (
+        f": {CWD_DELETED}" if not path.is_absolute() and cwd_deleted() else ""))
   if not path.is_file():
     raise UserError(f"config path '{path}' is not a file")
   try:

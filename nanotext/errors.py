@@ -31,10 +31,28 @@ BEFORE_REFUSAL: list = []
 _RESOURCE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM}
 
 
+CWD_DELETED = ("the working directory was deleted, so a relative path given cannot be "
+               "resolved: cd to a folder that exists (or give absolute paths) and run again")
+
+
+def cwd_deleted(e: BaseException | None = None) -> bool:
+  """Whether the working directory was deleted (relative paths cannot be resolved); given `e`,
+  whether `e` is os.getcwd() failing so (a FileNotFoundError naming no file)."""
+  if e is not None and not (isinstance(e, FileNotFoundError) and not e.filename):
+    return False
+  try:
+    os.getcwd()
+  except FileNotFoundError:
+    return True
+  return False
+
+
 def os_error(e: OSError, what: str) -> Exception:
   """The one-line error for an OSError met while doing `what` ("cannot write 'X'"): a
   ResourceError for a full disk or a size limit, else a UserError (permissions, a file where a
   folder belongs, a read-only or kernel file system: the path given is the thing to change)."""
+  if cwd_deleted(e):
+    return UserError(f"{what}: {CWD_DELETED}")
   reason = e.strerror or type(e).__name__
   if e.errno in _RESOURCE_ERRNOS:
     return ResourceError(f"{what}: {reason}; free some space (or raise the limit) and run again")
@@ -185,6 +203,8 @@ def explain(e: Exception) -> tuple:
     return backend_error(e), 2
   if limit_error(e):
     return limit_error(e), 1
+  if cwd_deleted(e):  # os.path.abspath of a relative path
+    return CWD_DELETED, 2
   name = getattr(e, "filename", None) or ("standard output" if stdout_failed(e) else "a file")
   out_of_space = write_error(e, f"cannot write '{name}'")
   if isinstance(out_of_space, ResourceError):  # a disk full or a size limit, in any writer

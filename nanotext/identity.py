@@ -22,11 +22,11 @@ def check_run(cfg, out: str) -> bool:
   past train.steps (replaced under overwrite=true); True when the previous run is to be replaced
   (set aside, then deleted), which checkpoint.load_params_from must then not lie in."""
   replacing, src = _check_run(cfg, out), cfg.checkpoint.load_params_from
-  if replacing and src:  # before the previous run is set aside (and put back) for nothing
-    check_folder(src, "checkpoint.load_params_from")
+  if not (replacing and src):  # '' (none given) resolves against the cwd, which may be gone
+    return replacing
+  check_folder(src, "checkpoint.load_params_from")  # before the run is set aside for nothing
   real, ckpts = os.path.realpath(src), os.path.join(os.path.realpath(out), "checkpoints")
-  if replacing and src and (real in (ckpts, os.path.dirname(ckpts)) or
-                            real.startswith(ckpts + os.sep)):
+  if real in (ckpts, os.path.dirname(ckpts)) or real.startswith(ckpts + os.sep):
     raise UserError(f"checkpoint.load_params_from='{src}' lies in the run in output_dir, which "
                     "overwrite=true sets aside before the parameters are read: to start from its "
                     "weights, train into another output_dir (or copy them out first: python -m "

@@ -121,6 +121,22 @@ def test_a_thread_refused_under_the_limit_is_one_line(monkeypatch):
   assert errors.limit_error(MemoryError()) == ""
 
 
+@pytest.mark.parametrize("args", [
+    ["nanotext.train", BASE, *TINY, "output_dir=run"],
+    ["nanotext.train", os.path.relpath(BASE, REPO), *TINY, "output_dir=/nonexistent/run"],
+    ["nanotext.verify", "run"],
+    ["nanotext.convert", "params-only", "--run=run", "--out=p"]],
+    ids=["train-output_dir", "train-config", "verify", "convert"])
+def test_a_relative_path_from_a_deleted_working_directory_is_one_line(tmp_path, args):
+  """A shell left in a folder since deleted: a relative path raised 'unexpected
+  FileNotFoundError (a bug)' from os.path.abspath, or a config file 'did not exist'."""
+  gone = tmp_path / "gone"
+  env = {"PYTHONPATH": os.pathsep.join([REPO] + os.environ.get("PYTHONPATH", "").split(os.pathsep))}
+  proc = cli_run(args, env=env, shell=f"mkdir '{gone}' && cd '{gone}' && rmdir '{gone}'")
+  assert_one_error_line(proc, 2, "the working directory was deleted")
+  assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.skipif(any(cli.present(p) or cli.device_nodes(p) for p in cli.ACCELERATORS),
                     reason="this machine has an accelerator: jax chooses among its plugins")
 def test_no_accelerator_starts_the_cpu_without_plugin_noise():

@@ -483,6 +483,22 @@ def test_someone_elses_config_yml_is_no_run_to_resume(tmp_path):
   assert identity.check_run(cfg("overwrite=true"), str(tmp_path)) is True
 
 
+def test_a_run_checks_its_output_dir_from_a_deleted_working_directory(tmp_path, monkeypatch):
+  """Every path absolute, the shell's folder deleted: check_run resolved the empty
+  checkpoint.load_params_from (none given) against the cwd, 'unexpected FileNotFoundError'."""
+  run, gone = tmp_path / "run", tmp_path / "gone"
+  cfg = lambda *o: config.load(BASE, TINY + [f"output_dir={run}", *o])
+  (run / "checkpoints" / "4").mkdir(parents=True)
+  config.save(cfg("seed=7"), run / "config.yml")
+  fresh, overwrite = cfg(), cfg("overwrite=true")
+  gone.mkdir()
+  monkeypatch.chdir(gone)
+  gone.rmdir()
+  with pytest.raises(UserError, match="holds a different run"):
+    identity.check_run(fresh, str(run))
+  assert identity.check_run(overwrite, str(run)) is True
+
+
 def test_a_step_linked_in_from_elsewhere_is_refused(tmp_path):
   """A step folder that is a symbolic link (another run's, to resume from): the run resumed,
   then died at the first rotation ("Cannot call rmtree on a symbolic link"), every time."""
