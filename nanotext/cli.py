@@ -22,6 +22,8 @@ HELP = ("-h", "-?", "-help", "--help", "--helpshort", "--helpfull")
 # compiler): a tiny train run peaked at 2.1 GiB on 2 cores (VmPeak), jax's CPU backend alone at
 # 1.4 GiB. Below this floor no tool that starts jax can run.
 MIN_ADDRESS_SPACE, PER_CORE = 1.5 * 2**30, 256 * 2**20
+# The values jax reads as true and false in a boolean variable (jax._src.config.bool_env).
+JAX_TRUE, JAX_FALSE = ("y", "yes", "t", "true", "on", "1"), ("n", "no", "f", "false", "off", "0")
 
 
 # at_once's line for a tool that only reads (verify, evaluate, generate): a signal ends it where
@@ -30,7 +32,7 @@ READ_ONLY_STOP = "stopped by {}; this tool only reads, nothing was changed"
 
 
 def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = False,
-        precheck=None, at_once: str = "") -> None:
+        precheck=None, at_once: str = "", aot: bool = False) -> None:
   """Run `main(args)` as this process's program; never returns.
 
   `doc` follows the usage line in --help; `describe(args)`, when given, returns the whole help
@@ -39,7 +41,8 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
   before anything imports jax (a second or more), refuses bad arguments early: a config file
   that is missing or malformed, an unknown key, a value of the wrong type. `at_once`: the line
   a signal stops the process with, at once, until the tool takes the signals (signals.at_once:
-  for a start that writes nothing)."""
+  for a start that writes nothing). `aot`: the tool compiles its programs ahead of time
+  (jit(...).lower().compile()), which jax refuses under JAX_DISABLE_JIT."""
   errors.open_standard_streams()  # before the signal pipe below takes a closed stdout's fd
   argv = list(sys.argv if argv is None else argv)
   describe = describe or (lambda args: help_text(usage, doc))
@@ -56,15 +59,17 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
     if precheck:
       precheck(args)
     if jax:
-      check_environment()
+      check_environment(aot=aot)
     main(args)
   app.run(lambda args: errors.run_cli(checked_main, args[1:]), argv=argv,
           flags_parser=lambda a: parse(a, usage, describe))
 
 
-def check_environment(environ=os.environ) -> None:
+def check_environment(environ=os.environ, aot: bool = False) -> None:
   """Refuse, in one line, what would make XLA abort the process rather than raise: a flag in
-  XLA_FLAGS it does not know, an address-space limit below what jax needs to start."""
+  XLA_FLAGS it does not know, an address-space limit below what jax needs to start; and what
+  would fail jax later: JAX_DISABLE_JIT that it cannot read, or set for a tool that compiles
+  ahead of time (`aot`: train, evaluate)."""
   malformed = xla_flags.malformed(environ)
   if malformed:
     raise errors.UserError(f"XLA_FLAGS: {malformed} (XLA would abort on it); correct or remove it")
@@ -81,6 +86,14 @@ def check_environment(environ=os.environ) -> None:
         f"the address-space limit (ulimit -v {soft // 1024}) is {soft / 2**30:.1f} GiB, below "
         f"the {need / 2**30:.1f} GiB jax and XLA reserve on {cores} core(s) before any work; "
         "raise it (ulimit -v unlimited) and run again")
+  no_jit = environ.get("JAX_DISABLE_JIT")
+  if no_jit is not None and no_jit.lower() not in JAX_TRUE + JAX_FALSE:  # jax's import raises
+    raise errors.UserError(f"JAX_DISABLE_JIT={no_jit!r} is not a value jax reads: set it to 0 "
+                           "or 1, or unset it")
+  if aot and no_jit is not None and no_jit.lower() in JAX_TRUE:  # failed at the first step
+    raise errors.UserError(f"JAX_DISABLE_JIT={no_jit}: this tool compiles its programs ahead of "
+                           "time, which jax cannot do with jit disabled; unset JAX_DISABLE_JIT "
+                           "(or set it to 0)")
   platforms = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
   if platforms:  # a backend asked for by name: its failure is our one line (errors.py)
     logging.getLogger("jax._src.xla_bridge").addFilter(_drop_plugin_errors)

@@ -289,4 +289,5 @@ def is_main() -> bool:
 
 if __name__ == "__main__":
   from nanotext import cli
-  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck, at_once=cli.READ_ONLY_STOP)
+  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck, aot=True,
+          at_once=cli.READ_ONLY_STOP)

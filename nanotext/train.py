@@ -380,5 +380,5 @@ def _log_line(line: str) -> None:
 if __name__ == "__main__":
   define_flags()
   # Until the run takes the signals (watch.Preemption) it has only read: a signal stops it.
-  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck,
+  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck, aot=True,
           at_once="stopped by {} before the first step: nothing to save, nothing written")

@@ -121,6 +121,35 @@ def test_a_thread_refused_under_the_limit_is_one_line(monkeypatch):
   assert errors.limit_error(MemoryError()) == ""
 
 
+@pytest.mark.parametrize("name", ["train", "evaluate"])
+def test_jax_disable_jit_is_refused_by_the_tools_that_compile_ahead_of_time(tmp_path, name):
+  """JAX_DISABLE_JIT=1 (a debugging switch left set): train compiled, then died at its first
+  step with 'Disable jit is not supported in the AOT path' (a bug, exit 1), leaving a fresh
+  output_dir that a later start with another config took for another run."""
+  out = tmp_path / "run"
+  args = tool(name, out) if name == "train" else ["nanotext.evaluate", f"output_dir={out}"]
+  if name == "evaluate":  # a run with a step, so evaluate's own checks pass before jax's
+    (out / "checkpoints" / "2").mkdir(parents=True)
+    shutil.copy(BASE, out / "config.yml")
+  before = files(tmp_path)
+  proc = cli_run(args, env={"JAX_DISABLE_JIT": "1"})
+  assert_one_error_line(proc, 2, "JAX_DISABLE_JIT=1", "unset JAX_DISABLE_JIT")
+  assert files(tmp_path) == before
+
+
+def test_jax_disable_jit_is_read_as_jax_reads_it():
+  """The tools that only read and run jitted code eagerly (verify, convert, generate) go on;
+  a value jax cannot read made its import raise in every tool."""
+  for value in ("1", "True", "on"):
+    cli.check_environment({"JAX_DISABLE_JIT": value})
+    with pytest.raises(errors.UserError, match=f"JAX_DISABLE_JIT={value}: this tool compiles"):
+      cli.check_environment({"JAX_DISABLE_JIT": value}, aot=True)
+  cli.check_environment({"JAX_DISABLE_JIT": "0"}, aot=True)
+  for value in ("", "maybe"):
+    with pytest.raises(errors.UserError, match=f"JAX_DISABLE_JIT='{value}' is not a value jax"):
+      cli.check_environment({"JAX_DISABLE_JIT": value})
+
+
 @pytest.mark.parametrize("args", [
     ["nanotext.train", BASE, *TINY, "output_dir=run"],
     ["nanotext.train", os.path.relpath(BASE, REPO), *TINY, "output_dir=/nonexistent/run"],
