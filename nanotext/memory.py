@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nanotext import config, optim, sharding, window_schedule
@@ -142,8 +143,8 @@ class Model:
     # buffers at its peak, in the compiler's buffer assignment).
     self.head_accumulates = backend == "tpu" and \
         sharding.shard_count(("embed",), rules, mesh_sizes) > 1
-    self.params = abstract.to_pure_dict()
-    specs = sharding.param_specs(abstract).to_pure_dict()
+    self.params = nnx.to_pure_dict(abstract)
+    specs = nnx.to_pure_dict(sharding.param_specs(abstract))
     shards = jax.tree.map(lambda s: sharding.shard_count(tuple(s), rules, mesh_sizes), specs,
                           is_leaf=lambda x: isinstance(x, P))
     per_device = lambda tree, counts: sum(nbytes(x) / n for x, n in
@@ -183,8 +184,7 @@ class Model:
     return head + max(map(total, blocks.values()), default=0.0)
 
   def activation_bytes(self, aval) -> float:
-    """Per device: activations are traced at one device's rows; tensor-parallel dims split; on
-    a TPU as laid out (tpu_bytes)."""
+    """Per device (traced at one device's rows): tensor-parallel dims split; a TPU's laid out."""
     shape = list(aval.shape)
     for size, n in self.split.items():
       if n > 1 and size in shape[1:] and size % n == 0:

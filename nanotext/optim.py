@@ -74,7 +74,7 @@ def group_labels(state):
   """Tree of optimizer groups (each parameter's `role`, set where it is made) of an nnx State."""
   labels = jax.tree.map(lambda v: v.get_metadata()["role"], state,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return labels.to_pure_dict() if hasattr(labels, "to_pure_dict") else labels
+  return nnx.to_pure_dict(labels) if isinstance(labels, nnx.State) else labels
 
 
 def schedule_values(optim_cfg, total_steps: int) -> tuple:

@@ -314,8 +314,8 @@ def param_dims(abstract_state, keys_by_axis: dict, alternates: dict | None = Non
   the key in `alternates` ({axis: (key, size)}, e.g. token tables shorter than the head) when
   that is; else the parameter's path and axis.
   """
-  specs = param_specs(abstract_state).to_pure_dict()
-  shapes = abstract_state.to_pure_dict()
+  specs = nnx.to_pure_dict(param_specs(abstract_state))
+  shapes = nnx.to_pure_dict(abstract_state)
   name = lambda path: ".".join(str(getattr(k, "key", k)) for k in path)
   out = []
   for (path, spec), x in zip(jax.tree_util.tree_flatten_with_path(

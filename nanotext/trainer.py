@@ -63,7 +63,7 @@ def make_train_step(run: Run, windows=None, seq_len: int = 0, runtime: bool = Fa
       # The logged norm is of the mean loss's gradient, whichever loss_reduction steps, and
       # optim.grad_clip bounds that norm: row_sum's gradient is the row length times it.
       grad_scale = T // cut if row_sum else 1
-      grad_norm = optax.global_norm(grads) / grad_scale
+      grad_norm = optax.tree.norm(grads) / grad_scale
       tx = run.tx_at(schedule, grad_scale)
       updates, opt_state = tx.update(grads, state["opt_state"], params)
       new_params = optax.apply_updates(params, updates)

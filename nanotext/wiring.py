@@ -75,7 +75,7 @@ class Run:
     which jit places without compiling; a one-device array it slices with a program per shape
     (jit__multi_slice). A larger model is drawn in its shardings."""
     def init_params(seed):
-      return nnx.state(self.create_model(seed)).to_pure_dict()
+      return nnx.to_pure_dict(nnx.state(self.create_model(seed)))
 
     def init(seed):
       return self.state_from(init_params(seed))
@@ -121,7 +121,7 @@ class Run:
   def abstract_state(self):
     """ShapeDtypeStructs of the train state carrying its target shardings (for restore)."""
     shapes = jax.eval_shape(lambda: self.state_from(
-        nnx.state(self.create_model()).to_pure_dict()))
+        nnx.to_pure_dict(nnx.state(self.create_model()))))
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, self.state_shardings)
 
@@ -232,7 +232,7 @@ def for_sampling(cfg, devices, *, checked=False) -> tuple:
   devices = list(devices)[:1]
   cfg = _finalize(cfg, {a: 1 for a in sharding.MESH_AXES})
   graphdef, abstract, _ = gpt.abstract_model(cfg, devices[0].platform)
-  return cfg, graphdef, abstract.to_pure_dict()
+  return cfg, graphdef, nnx.to_pure_dict(abstract)
 
 
 def finalize(cfg, devices, capacity=None):
@@ -281,11 +281,11 @@ def build(cfg, mesh) -> Run:
   eot_id = doc_mask_eot(cfg) if cfg.attention.doc_mask else None
   graphdef, abstract, impl = gpt.abstract_model(cfg, backend)
   check_divisible(cfg, abstract, rules)
-  specs = sharding.param_specs(abstract).to_pure_dict()
+  specs = nnx.to_pure_dict(sharding.param_specs(abstract))
   labels = optim.group_labels(abstract)
   tx = optim.make_optimizer(cfg.optim, labels, cfg.train.steps)
   param_sh = sharding.shardings_of(specs, mesh, rules)
-  abstract_params = abstract.to_pure_dict()
+  abstract_params = nnx.to_pure_dict(abstract)
   opt_shapes = jax.eval_shape(tx.init, abstract_params)
   replicated = NamedSharding(mesh, P())
   opt_sh = sharding.like_params(opt_shapes, param_sh, abstract_params, replicated)

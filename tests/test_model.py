@@ -166,8 +166,8 @@ def test_shared_lookup_is_one_float32_scatter():
   ids = jax.random.randint(jax.random.key(0), (2, 64), 0, 50)
   tables = [jax.random.normal(jax.random.key(i), (50, 8)) for i in range(3)]
   def ours(tables):
-    embeds = [SimpleNamespace(embedding=SimpleNamespace(value=t), dtype=jnp.float32)
-              for t in tables]
+    embeds = [SimpleNamespace(embedding=SimpleNamespace(get_value=lambda t=t: t),
+                              dtype=jnp.float32) for t in tables]
     return sum(((x * (i + 1)) ** 2).sum() for i, x in enumerate(lookup(embeds, ids)))
   def plain(tables):
     return sum(((jnp.take(t, ids, axis=0) * (i + 1)) ** 2).sum() for i, t in enumerate(tables))

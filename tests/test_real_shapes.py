@@ -214,9 +214,9 @@ def test_embedding_gradients_at_full_rows():
   g = [jax.random.normal(jax.random.key(i), (1, ROW, D), jnp.float32).astype(jnp.bfloat16)
        for i in range(4)]
 
-  def ours(values):  # layers.lookup reads .embedding.value and .dtype of each Embed
-    tables = [SimpleNamespace(embedding=SimpleNamespace(value=v), dtype=jnp.bfloat16)
-              for v in values]
+  def ours(values):  # layers.lookup reads .embedding.get_value() and .dtype of each Embed
+    tables = [SimpleNamespace(embedding=SimpleNamespace(get_value=lambda v=v: v),
+                              dtype=jnp.bfloat16) for v in values]
     return lookup(tables, ids)
   _, vjp = jax.vjp(ours, values)
   got = vjp(tuple(g))[0]

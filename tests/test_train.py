@@ -280,6 +280,23 @@ def test_startup_warnings_go_to_the_runs_log(tmp_path, caplog):
   assert "not multiples" not in caplog.text and "both match" not in caplog.text
 
 
+def test_nanotexts_own_calls_raise_no_deprecation_warning(tmp_path):
+  """PYTHONWARNINGS=error: train, evaluate and generate died on a DeprecationWarning raised in
+  nanotext's own calls (flax's State.to_pure_dict() and Variable.value, optax.global_norm)."""
+  import warnings
+  from nanotext import checkpoint, evaluate, generate, wiring
+  out = str(tmp_path / "run")
+  args = TINY + ["train.steps=2", f"output_dir={out}"]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", DeprecationWarning)
+    run(BASE, args, log=lambda line: None)  # the memory plan, init, train and eval steps
+    evaluate.evaluate(out, log=lambda line: None)
+    _, params = checkpoint.latest_params(out)
+    tokens = generate.sample(wiring.prepare(BASE, args).graphdef, params, [5, 17], seed=0,
+                             max_len=32, max_new_tokens=2, temperature=0.0, top_k=0)
+  assert len(tokens) == 2
+
+
 def test_steps_past_the_training_data_say_the_epochs(tmp_path):
   """16 rows read of 9 sequences: each read again, said in one start-up line (was no word)."""
   from nanotext.data import binfile

@@ -59,7 +59,7 @@ def read_params(path: str, step: int, what: str, step_arg: str):
 def load_params(path: str):
   """(step, params) of a params-only folder, on one local device, checked against the checksums
   written with it (a folder written before they existed is read unchecked), in the model's key
-  types (layers keyed 0, 1, 2, ... as nnx.state(model).to_pure_dict() has them)."""
+  types (layers keyed 0, 1, 2, ... as nnx.to_pure_dict(nnx.state(model)) has them)."""
   import orbax.checkpoint as ocp
   from nanotext.checkpoint import error_head
   from nanotext.integrity import record_of_params_only, verify

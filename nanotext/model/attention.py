@@ -104,7 +104,7 @@ class CausalSelfAttention(nnx.Module):
     shape = (B, T, self.num_heads, self.head_dim)
     qkv = None  # q, k, v side by side [B, T, 3 * H * K], where one matmul makes them
     if self.fused_qkv:
-      qkv = matmul(x_BTD.astype(self.dtype), self.qkv.value.astype(self.dtype).T)
+      qkv = matmul(x_BTD.astype(self.dtype), self.qkv.get_value().astype(self.dtype).T)
     elif self.merged_qkv:
       qkv = self.qkv(x_BTD)
     freq = rope_frequencies(self.head_dim, *self.rope) if self.rope is not None else None
@@ -116,7 +116,7 @@ class CausalSelfAttention(nnx.Module):
         qk_rope.applies(T, self.head_dim) and (kv is None or at_start(kv.pos))
     if fused and self.impl == "flash_gpu" and opted_in("flash_gpu_qkv") and \
         self.scale_param is None and self.v_residual is None and kv is None:
-      lambdas = None if self.v_lambdas is None else self.v_lambdas.value
+      lambdas = None if self.v_lambdas is None else self.v_lambdas.get_value()
       with jax.named_scope("attention_kernel"):
         out_BTHK = qkv_attention(qkv.reshape(B, T, 3, *shape[2:]), freq, self.qk_eps, lambdas,
                                  ve_BTHK, scale=self.scale, window=window,
@@ -151,10 +151,10 @@ class CausalSelfAttention(nnx.Module):
     q, k, v = (sharding.constrain(a.reshape(shape), QKV_AXES) for a in (q, k, v))
     if self.v_residual is not None:
       v1_BTHK = v if v1_BTHK is None else v1_BTHK
-      lam = self.v_residual.value.astype(v.dtype)[0]
+      lam = self.v_residual.get_value().astype(v.dtype)[0]
       v = (1 - lam) * v + lam * v1_BTHK
     if self.v_lambdas is not None:
-      lam = self.v_lambdas.value
+      lam = self.v_lambdas.get_value()
       # Layers without a value embedding still scale v by lambdas[0], as the record does.
       v = scaled_sum((lam[0],), (v,)) if ve_BTHK is None else \
           scaled_sum((lam[0], lam[1]), (v, ve_BTHK))
@@ -165,7 +165,7 @@ class CausalSelfAttention(nnx.Module):
         q, k = apply_rope(q, freq, offset), apply_rope(k, freq, offset)
     scale = self.scale
     if self.scale_param is not None:
-      q, scale = q * self.scale_param.value.astype(q.dtype)[0], 1.0
+      q, scale = q * self.scale_param.get_value().astype(q.dtype)[0], 1.0
     return q, k, v, v1_BTHK, scale
 
   def _out(self, out_BTHK):

@@ -124,8 +124,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD):
     x = x_BTD.astype(self.fc.dtype)
-    if self.fusable and relu2_kernels.applies(x, self.fc.kernel.value.shape[1]):
-      w = lambda lin: lin.kernel.value.astype(lin.dtype)
+    if self.fusable and relu2_kernels.applies(x, self.fc.kernel.get_value().shape[1]):
+      w = lambda lin: lin.kernel.get_value().astype(lin.dtype)
       return relu2_mlp(x, w(self.fc), w(self.proj))
     h_BTF = sharding.constrain(self.fc(x_BTD), ("batch", "act_length", "act_mlp"))
     h_BTF = jax.nn.gelu(h_BTF) if self.act == "gelu" else jnp.square(jax.nn.relu(h_BTF))
@@ -153,7 +153,7 @@ class Block(nnx.Module):
     `runtime_window`: a traced window under the static bound `window` (see GPT.hidden); `kv`:
     this layer's key-value cache when sampling (see GPT.extend), returned written."""
     if self.lambdas is not None:
-      lam = self.lambdas.value
+      lam = self.lambdas.get_value()
       x_BTD = scaled_sum((lam[0], lam[1]), (x_BTD, x0_BTD))
     if self.attn is not None:
       with jax.named_scope("attention"):
@@ -245,7 +245,7 @@ class GPT(nnx.Module):
     """The blocks' input [B, T, D] for tokens at positions pos, pos + 1, ..."""
     x_BTD, *ve = lookup((self.embed, *self.value_embeds), tokens_BT)
     if self.pos is not None:
-      T, table = tokens_BT.shape[1], self.pos.value
+      T, table = tokens_BT.shape[1], self.pos.get_value()
       table = table[:T] if isinstance(pos, int) else jax.lax.dynamic_slice_in_dim(table, pos, T)
       x_BTD = x_BTD + table.astype(x_BTD.dtype)[None]
     if self.ln_embed is not None:
@@ -266,7 +266,8 @@ class GPT(nnx.Module):
     skips, v1, written = [], None, []
     for i, block in enumerate(self.blocks):
       if i >= L - n_skip:  # decoder half: the mirrored encoder output (a stack: last in, first out)
-        x_BTD = scaled_sum((1.0, self.skip_weights.value[i - (L - n_skip)]), (x_BTD, skips.pop()))
+        skip = self.skip_weights.get_value()[i - (L - n_skip)]
+        x_BTD = scaled_sum((1.0, skip), (x_BTD, skips.pop()))
       with jax.named_scope(f"block_{i}"):
         j = self.ve_layers[i]
         live = None if runtime_windows is None else runtime_windows[i]
@@ -286,9 +287,9 @@ class GPT(nnx.Module):
     gradient scale; `train=False`: the head in the model dtype, not FP8."""
     B, T, D = x_BTD.shape
     if self.head is None:
-      w_DV, dtype = self.embed.embedding.value.T, self.embed.dtype
+      w_DV, dtype = self.embed.embedding.get_value().T, self.embed.dtype
     else:
-      w_DV, dtype = self.head.kernel.value, self.head.dtype
+      w_DV, dtype = self.head.kernel.get_value(), self.head.dtype
     fp8 = fp8_head_scales(D, loss_denominator or B * T) if self.fp8_head and train else None
     return head_loss_sum(x_BTD if fp8 else x_BTD.astype(dtype), w_DV, targets_BT,
                          softcap=self.softcap, fp8=fp8, fp8_scale=np.sqrt(D))
@@ -308,7 +309,7 @@ class GPT(nnx.Module):
       # tests/test_record_training.py).
       r = float(np.sqrt(D))
       x_s, w_s, grad_s = fp8_head_scales(D, loss_denominator or B * T)
-      z_NV = fp8_matmul(x_BTD.reshape(B * T, D), self.head.kernel.value * r, x_s, w_s * r,
+      z_NV = fp8_matmul(x_BTD.reshape(B * T, D), self.head.kernel.get_value() * r, x_s, w_s * r,
                         grad_s / r)
       logits_BTV = (z_NV.astype(jnp.float32) / r).reshape(B, T, -1)
     else:

@@ -102,9 +102,9 @@ class Linear(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, x):
-    y = matmul(x.astype(self.dtype), self.kernel.value.astype(self.dtype))
+    y = matmul(x.astype(self.dtype), self.kernel.get_value().astype(self.dtype))
     if self.bias is not None:
-      y = y + self.bias.value.astype(self.dtype)
+      y = y + self.bias.get_value().astype(self.dtype)
     return y
 
 
@@ -124,11 +124,11 @@ class StackedLinear(nnx.Module):
     # One [in, n * out] matmul whose output splits along its last axis: an [n, ..., out] result
     # put the stack axis outermost, and a GPU transposed each layer's output to get there (and
     # its gradient back), about 4 ms of a record step.
-    n, d_in, d_out = self.kernel.value.shape
-    w = self.kernel.value.astype(self.dtype).transpose(1, 0, 2).reshape(d_in, n * d_out)
+    n, d_in, d_out = self.kernel.get_value().shape
+    w = self.kernel.get_value().astype(self.dtype).transpose(1, 0, 2).reshape(d_in, n * d_out)
     y = matmul(x.astype(self.dtype), w)
     if self.bias is not None:
-      y = y + self.bias.value.astype(self.dtype).reshape(n * d_out)
+      y = y + self.bias.get_value().astype(self.dtype).reshape(n * d_out)
     return y
 
 
@@ -148,7 +148,7 @@ class Norm(nnx.Module):
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
     y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-    return (y * self.scale.value + self.bias.value).astype(x.dtype)
+    return (y * self.scale.get_value() + self.bias.get_value()).astype(x.dtype)
 
 
 def scaled_sum(weights, terms):
@@ -177,7 +177,7 @@ class Embed(nnx.Module):
     return lookup((self,), tokens_BT)[0]
 
   def attend(self, x_BTD):
-    return matmul(x_BTD.astype(self.dtype), self.embedding.value.astype(self.dtype).T)
+    return matmul(x_BTD.astype(self.dtype), self.embedding.get_value().astype(self.dtype).T)
 
 
 def lookup(embeds, tokens_BT) -> tuple:
@@ -188,7 +188,7 @@ def lookup(embeds, tokens_BT) -> tuple:
   per table, and not in a bf16 table's own dtype, where the frequent tokens' sums of tens of
   thousands of rows lose 5-8% at a 49,152-token row), rounding once to each table's dtype.
   """
-  tables = tuple(e.embedding.value for e in embeds)
+  tables = tuple(e.embedding.get_value() for e in embeds)
   rows = _shared_lookup(tables, tokens_BT)
   return tuple(sharding.constrain(x.astype(e.dtype), ("batch", "act_length", "act_embed"))
                for x, e in zip(rows, embeds))
