@@ -221,7 +221,11 @@ def parse(runs, out, title) -> tuple:
     raise UserError(f"--out=FILE.png is required; {USAGE}")
   if os.path.isdir(out):
     raise UserError(f"--out '{out}' is a directory; give a file path such as curves.png")
-  parent = os.path.dirname(os.path.abspath(out))
+  parent = above = os.path.dirname(os.path.abspath(out))
+  while not os.path.lexists(above):
+    above = os.path.dirname(above)
+  if os.path.isfile(above):  # afile/x.png: the folder is there, as a file
+    raise UserError(f"--out '{out}': '{above}' is a file, not a folder")
   if not os.path.isdir(parent):
     raise UserError(f"--out '{out}': folder '{parent}' does not exist")
   return runs, out, title

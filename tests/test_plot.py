@@ -61,6 +61,18 @@ def test_refusals(tmp_path):
   assert not (tmp_path / "x.png").exists()
 
 
+def test_an_out_under_a_file_names_the_file(tmp_path):
+  """--out=afile/x.png where afile is a regular file said "folder '.../afile' does not exist"."""
+  from nanotext import plot
+  from nanotext.errors import UserError
+  (tmp_path / "afile").write_text("")
+  for out in ("afile/x.png", "afile/sub/x.png"):
+    with pytest.raises(UserError, match=f"'{tmp_path / 'afile'}' is a file, not a folder$"):
+      plot.parse([str(tmp_path)], str(tmp_path / out), "")
+  with pytest.raises(UserError, match=f"folder '{tmp_path / 'no'}' does not exist$"):
+    plot.parse([str(tmp_path)], str(tmp_path / "no" / "x.png"), "")
+
+
 def test_without_matplotlib(tmp_path):
   # A matplotlib that cannot be imported, first on the path.
   shadow = tmp_path / "shadow" / "matplotlib"
