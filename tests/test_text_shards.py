@@ -209,7 +209,7 @@ def test_force_never_replaces_a_training_run(tmp_path, mark):
   (tmp_path / "experiments" / "a").mkdir(parents=True)
   os.rename(run, tmp_path / "experiments" / "a" / "run")
   with pytest.raises(UserError, match=f"holds the training run '.*/experiments/a/run' "
-                                      f"\(it holds {mark}\)"):
+                                      rf"\(it holds {mark}\)"):
     outputs.check_out(str(tmp_path / "experiments"), force=True)
 
 
