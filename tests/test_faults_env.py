@@ -160,7 +160,9 @@ def test_a_relative_path_from_a_deleted_working_directory_is_one_line(tmp_path, 
   """A shell left in a folder since deleted: a relative path raised 'unexpected
   FileNotFoundError (a bug)' from os.path.abspath, or a config file 'did not exist'."""
   gone = tmp_path / "gone"
-  env = {"PYTHONPATH": os.pathsep.join([REPO] + os.environ.get("PYTHONPATH", "").split(os.pathsep))}
+  # absolute: Python itself cannot start (a fatal error in getpath) with a relative entry there
+  paths = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  env = {"PYTHONPATH": os.pathsep.join([REPO] + paths)}
   proc = cli_run(args, env=env, shell=f"mkdir '{gone}' && cd '{gone}' && rmdir '{gone}'")
   assert_one_error_line(proc, 2, "the working directory was deleted")
   assert os.listdir(tmp_path) == []
