@@ -91,15 +91,10 @@ class Lock:
           "since": datetime.datetime.now().isoformat(timespec="seconds")}
     for _ in range(3):
       try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        fd = self._open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
       except FileExistsError:
         self._take_over_if_stale()
         continue
-      except IsADirectoryError:
-        raise UserError(f"'{self.path}' is a directory, not a nanotext lock: move it out of "
-                        "output_dir") from None
-      except OSError as e:
-        raise os_error(e, f"cannot write to output_dir '{self.out}'") from None
       try:
         with os.fdopen(fd, "w") as f:
           f.write(json.dumps(me))
@@ -109,6 +104,18 @@ class Lock:
       self.held = True
       return
     raise UserError(f"output_dir '{self.out}' is being locked by another run right now")
+
+  def _open(self, path: str, flags: int) -> int:
+    """os.open of a lock file in output_dir; FileExistsError passes, other failures are one line."""
+    try:
+      return os.open(path, flags, 0o644)
+    except FileExistsError:
+      raise
+    except IsADirectoryError:
+      raise UserError(f"'{path}' is a directory, not a nanotext lock: move it out of "
+                      "output_dir") from None
+    except OSError as e:
+      raise os_error(e, f"cannot write to output_dir '{self.out}'") from None
 
   @contextlib.contextmanager
   def _guarded(self):
@@ -128,13 +135,7 @@ class Lock:
     """A descriptor of GUARD holding its flock, None where the file system has none."""
     deadline = time.monotonic() + GUARD_S
     while True:
-      try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
-      except IsADirectoryError:
-        raise UserError(f"'{path}' is a directory, not a nanotext lock: move it out of "
-                        "output_dir") from None
-      except OSError as e:
-        raise os_error(e, f"cannot write to output_dir '{self.out}'") from None
+      fd = self._open(path, os.O_CREAT | os.O_RDWR)
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except BlockingIOError:  # another start is judging the lock now
