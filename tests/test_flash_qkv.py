@@ -133,7 +133,6 @@ def test_is_as_close_to_float32_as_the_two_kernel_path_in_bf16_at_the_records_he
     assert rel(x, y) <= 0.5 * rel(y, t), (x.shape, rel(x, y), rel(y, t))
 
 
-@pytest.mark.fast  # the fast tier's check of this kernel's values (float32, against XLA's path)
 def test_under_a_mesh_runs_per_device():
   """Batch over fsdp and heads over tensor: each device's kernels on their own heads, the mix
   and its lambdas' gradient outside them as XLA partitions it."""

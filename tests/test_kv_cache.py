@@ -98,7 +98,6 @@ def test_sampling_with_the_cache_draws_the_uncached_tokens_past_max_len():
   assert len(set(cached)) > 10  # the sampled run: not one token repeated
 
 
-@pytest.mark.fast
 def test_samples_drawn_together_are_those_drawn_one_by_one():
   """Rows of one batch (generate num_samples=N) draw each seed's own tokens, with the cache and
   past max_len without it; one row's cache bytes as `empty` allocates them."""
@@ -138,7 +137,6 @@ def test_the_cache_keeps_each_token_to_its_document(case):
   assert float(jnp.max(jnp.abs(unmasked[21:] - whole[21:]))) > 1e-2  # the masks do matter
 
 
-@pytest.mark.fast
 def test_text_after_an_end_of_text_does_not_depend_on_the_document_before_it():
   """Sampled continuations (the cache's, then past max_len the sliding context's) of two prompts
   that differ only before their end-of-text token are the same with the model's document masks;

@@ -106,7 +106,6 @@ def test_one_layer_holds_no_empty_array(path):
   assert [jax.tree_util.keystr(p) for p, x in leaves if not x.size] == []
 
 
-@pytest.mark.fast
 def test_no_attention_layer_has_no_attention_params():
   _, model = build("model.no_attention_layers=[2, 9]")  # 9 is past the last layer: ignored
   params, _ = params_and_specs(model)
