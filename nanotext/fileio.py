@@ -1,6 +1,7 @@
 """Atomic file writes: readers see the old file or the whole new one, never half of one; an
 append is whole or not there."""
 
+import errno
 import os
 import shutil
 import time
@@ -8,7 +9,8 @@ import uuid
 
 
 def atomic_write(path: str, chunks) -> None:
-  """Write the byte strings in `chunks` to `path` via a sibling temp file and os.replace."""
+  """Write the byte strings in `chunks` to `path` via a sibling temp file, fsynced (or a power
+  cut after the rename can leave it empty), and os.replace."""
   parent = os.path.dirname(os.path.abspath(path))
   os.makedirs(parent, exist_ok=True)
   # Same folder, so os.replace is a rename on one file system; a unique name, so concurrent
@@ -18,11 +20,30 @@ def atomic_write(path: str, chunks) -> None:
     with open(tmp, "xb") as f:
       for chunk in chunks:
         f.write(chunk)
+      f.flush()
+      os.fsync(f.fileno())
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+  _fsync_folder(parent)
+
+
+def _fsync_folder(path: str) -> None:
+  """fsync folder `path` so a rename in it is on disk; skipped where it cannot be opened or
+  its file system does not fsync folders."""
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError as e:
+    if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+      raise
+  finally:
+    os.close(fd)
 
 
 def append_whole(fd: int, data: bytes) -> None:

@@ -268,6 +268,28 @@ def test_an_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path):
   assert open(path, "rb").read() == b"old" and os.listdir(tmp_path) == ["f"]
 
 
+def test_an_atomic_write_fsyncs_the_file_before_the_rename(tmp_path, monkeypatch):
+  """A rename of a file not yet on disk can leave it empty after a power cut (ext4's delayed
+  allocation): the temp file is fsynced before os.replace, the folder after it."""
+  events, real_fsync, real_replace = [], os.fsync, os.replace
+
+  def fsync(fd):
+    events.append(("fsync", os.fstat(fd).st_ino))
+    real_fsync(fd)
+
+  def replace(*args):
+    events.append(("replace",))
+    real_replace(*args)
+  monkeypatch.setattr(os, "fsync", fsync)
+  monkeypatch.setattr(os, "replace", replace)
+  path = str(tmp_path / "f")
+  fileio.atomic_write(path, [b"new"])
+  assert open(path, "rb").read() == b"new"
+  file, folder = ("fsync", os.stat(path).st_ino), ("fsync", os.stat(tmp_path).st_ino)
+  assert file in events and events.index(file) < events.index(("replace",))
+  assert folder in events and events.index(folder) > events.index(("replace",))
+
+
 def test_a_failed_conversion_outlasts_a_writer_still_finishing_in_it(tmp_path):
   """A failed orbax save returns while tensorstore still writes its other files (CI once found
   a '.out.tmp-*' left): staged_dir waits for them and leaves the folder of --out empty."""
