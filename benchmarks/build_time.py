@@ -47,7 +47,7 @@ def times(path: str, target: str, overrides=()) -> dict:
   out["model"] = time.perf_counter() - t
   run = wiring.prepare(path, [*overrides, *SYNTHETIC], devices=jax.devices()[:1])
   t = time.perf_counter()
-  jax.jit(lambda s: nnx.state(run.create_model(s)).to_pure_dict()).trace(jnp.int32(0))
+  jax.jit(lambda s: nnx.to_pure_dict(nnx.state(run.create_model(s)))).trace(jnp.int32(0))
   out["init trace"] = time.perf_counter() - t
   t = time.perf_counter()
   wiring.finalize_plan(cfg, topology.devices(topology.parse(target)))

@@ -112,5 +112,5 @@ def make_train_step(hp: Hparams, tx: optax.GradientTransformation):
   def step(params, opt_state, inputs_BT, targets_BT):
     loss, grads = jax.value_and_grad(loss_fn)(params, inputs_BT, targets_BT, hp)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
   return jax.jit(step, donate_argnums=(0, 1))

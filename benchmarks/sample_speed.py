@@ -83,7 +83,7 @@ def main(argv):
   bench_cli.at_least(1, tokens=FLAGS.tokens, prompt=FLAGS.prompt, repeats=FLAGS.repeats,
                      samples=FLAGS.samples)
   run = wiring.prepare(argv[1], argv[2:])
-  params = nnx.state(run.create_model(run.cfg.seed)).to_pure_dict()
+  params = nnx.to_pure_dict(nnx.state(run.create_model(run.cfg.seed)))
   max_len = run.cfg.model.max_seq_len
   prompt = [1 + i % 200 for i in range(FLAGS.prompt)]
   rows = {}

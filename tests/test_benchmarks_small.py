@@ -34,6 +34,7 @@ SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.h
          "train.steps=10", "optim.warmup_steps=2", "optim.weight_decay=0.1"]
 
 
+@pytest.mark.filterwarnings("error::DeprecationWarning")  # the library's replacements
 def test_reference_step_is_the_same_math_as_nanotext():
   r = overhead.measure(BASE, SMALL, rounds=2, steps=2, warmup=1)
   assert r["loss_rel_diff"] <= overhead.LOSS_RTOL
@@ -177,6 +178,7 @@ def test_suite_compile_time_counts_the_programs_of_each_test(tmp_path):
   assert lines[-1].startswith("| jit_plus_one | 2 | ") and lines[-1].endswith(" | 1 |")
 
 
+@pytest.mark.filterwarnings("error::DeprecationWarning")  # the library's replacements
 def test_build_time_times_each_phase_and_tabulates():
   got = build_time.times(BASE, "v6e-8", SMALL)
   assert set(got) == {"model", "init trace", "plan"} and all(t > 0 for t in got.values())
@@ -343,7 +345,7 @@ def test_sample_speed_says_which_way_its_ratios_go():
   tiny = ["model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
           "model.vocab_size=512", "model.align=0", "train.seq_len=32"]
   proc = _bench("sample_speed", BASE, *tiny, "--tokens=2", "--repeats=1", "--modes=cache",
-                "--samples=2")
+                "--samples=2", env={"PYTHONWARNINGS": "error::DeprecationWarning"})
   assert proc.returncode == 0, proc.stderr
   assert "| tokens/s after | time / cache's |" in proc.stdout
   assert "| tokens/s after | speed-up over one by one |" in proc.stdout
