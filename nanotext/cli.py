@@ -42,7 +42,8 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
   that is missing or malformed, an unknown key, a value of the wrong type. `at_once`: the line
   a signal stops the process with, at once, until the tool takes the signals (signals.at_once:
   for a start that writes nothing). `aot`: the tool compiles its programs ahead of time
-  (jit(...).lower().compile()), which jax refuses under JAX_DISABLE_JIT."""
+  (jit(...).lower().compile()), which jax refuses under JAX_DISABLE_JIT. --only_check_args (absl's)
+  runs `precheck` alone and exits 0: nothing is written."""
   errors.open_standard_streams()  # before the signal pipe below takes a closed stdout's fd
   argv = list(sys.argv if argv is None else argv)
   describe = describe or (lambda args: help_text(usage, doc))
@@ -61,8 +62,14 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
     if jax:
       check_environment(aot=aot)
     main(args)
+
+  def parse_and_check(a):
+    args = parse(a, usage, describe)
+    if precheck and flags.FLAGS["only_check_args"].value:  # absl exits 0 next, main unrun
+      errors.run_cli(precheck, args[1:])
+    return args
   app.run(lambda args: errors.run_cli(checked_main, args[1:]), argv=argv,
-          flags_parser=lambda a: parse(a, usage, describe))
+          flags_parser=parse_and_check)
 
 
 def check_environment(environ=os.environ, aot: bool = False) -> None:

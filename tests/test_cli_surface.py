@@ -128,6 +128,20 @@ def test_a_bad_config_is_refused_before_jax_loads(tool, tmp_path):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("override,status", [("model.d_model=-1", 2), ("nokey=1", 2),
+                                             ("model.d_model=64", 0)])
+def test_only_check_args_checks_the_config_and_writes_nothing(override, status, tmp_path):
+  """absl's --only_check_args exited 0 before nanotext saw the config: a bad key passed."""
+  out = tmp_path / "out"
+  proc = run_cli("nanotext.train", os.path.join(REPO, "configs", "base.yml"), override,
+                 f"output_dir={out}", "--only_check_args", timeout=120)
+  if status:
+    one_line_error(proc, override.split("=")[0])
+  assert proc.returncode == status and not proc.stdout, (proc.stdout, proc.stderr)
+  assert not os.listdir(tmp_path)
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("flag,want", [("--passes=-1", "--passes=-1 must be 0"),
                                        ("--min_headroom=1", "--min_headroom=1.0 must be in"),
                                        ("--json=FOLDER", "cannot write --json"),
