@@ -257,7 +257,8 @@ def mesh_sizes(cfg, devices) -> dict:
 def _finalize(cfg, sizes: dict):
   """config.finalize with the values it leaves to its caller: mesh `sizes`, data folder, the
   tokenizer's vocabulary."""
-  return config.finalize(cfg, mesh_sizes=sizes, data_dir=default_dir(),
+  needed = cfg.data.source == "shakespeare" and not cfg.data.dir  # the one source that reads it
+  return config.finalize(cfg, mesh_sizes=sizes, data_dir=default_dir(needed=needed),
                          tokenizer_vocab=tokenizer_vocab(cfg.data))
 
 

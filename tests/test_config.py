@@ -304,6 +304,17 @@ def test_finalize_fills_derived_values():
 
 
 @pytest.mark.fast
+
+def test_finalize_with_an_empty_home(monkeypatch):
+  """HOME="": the embedded corpus's default folder would be /.cache/nanotext/shakespeare, so a
+  run that needs it is refused; data.dir given, or a source that reads no folder, starts."""
+  monkeypatch.setenv("HOME", "")
+  monkeypatch.delenv("NANOTEXT_CACHE", raising=False)
+  with pytest.raises(UserError, match="HOME is empty.*data.dir"):
+    finalize("data.source=shakespeare")
+  assert finalize("data.source=shakespeare", "data.dir=/d").data.dir == "/d"
+  assert finalize("data.source=synthetic").data.dir == ""
+
 def test_shard_globs_are_saved_whole(monkeypatch, tmp_path):
   """A relative data.val_files was saved as given: evaluate from another folder read that
   folder's shards (6.73 for the run's 5.46), without a word; a relative data.dir had evaluate

@@ -586,6 +586,20 @@ def test_a_cache_folder_it_cannot_make_names_nanotext_cache(tmp_path, monkeypatc
     prepare.prepare_shakespeare()
 
 
+def test_an_empty_home_is_no_default_folder(monkeypatch):
+  """HOME="" (set, empty): ~ expanded to '', and the shards went to /.cache/nanotext in the
+  filesystem root. Now one line naming what to set; NANOTEXT_CACHE still chooses."""
+  monkeypatch.setenv("HOME", "")
+  monkeypatch.delenv("NANOTEXT_CACHE", raising=False)
+  with pytest.raises(UserError, match="HOME is empty.*set HOME, NANOTEXT_CACHE or data.dir"):
+    prepare.default_dir()
+  with pytest.raises(UserError, match="HOME is empty.*or --out$"):
+    prepare_shakespeare(None, "--out")
+  assert prepare.default_dir(needed=False) == ""
+  monkeypatch.setenv("NANOTEXT_CACHE", "/cache")
+  assert prepare.default_dir() == "/cache/shakespeare"
+
+
 def test_bin_needs_train_or_val_files():
   """data.source=bin with neither glob names data.train_files; val_files alone passes the check
   (evaluate reads it; training refuses an empty train_files where it opens them)."""

@@ -24,9 +24,17 @@ META_FILE = "meta.json"
 FORMAT = 1  # Bump when the shard layout changes, so stale caches are rebuilt.
 
 
-def default_dir() -> str:
-  """$NANOTEXT_CACHE/shakespeare, or ~/.cache/nanotext/shakespeare."""
-  parent = os.environ.get("NANOTEXT_CACHE") or os.path.join("~", ".cache", "nanotext")
+def default_dir(what: str = "data.dir", needed: bool = True) -> str:
+  """$NANOTEXT_CACHE/shakespeare, or ~/.cache/nanotext/shakespeare. HOME set but empty is no
+  home (~ would be the root: /.cache/...): a UserError naming `what`, or "" where not `needed`."""
+  parent = os.environ.get("NANOTEXT_CACHE")
+  if not parent and os.environ.get("HOME") == "":
+    if not needed:
+      return ""
+    raise UserError("HOME is empty, so the prepared data has no default folder "
+                    f"(~/.cache/nanotext would be /.cache/nanotext): set HOME, NANOTEXT_CACHE "
+                    f"or {what}")
+  parent = parent or os.path.join("~", ".cache", "nanotext")
   return os.path.join(os.path.expanduser(parent), "shakespeare")
 
 
@@ -96,7 +104,7 @@ def prepare_shakespeare(out_dir: str | None = None, what: str = "data.dir") -> d
   """
   if not out_dir and os.environ.get("NANOTEXT_CACHE"):  # the folder the errors name chose it
     what = f"{what} (or NANOTEXT_CACHE={os.environ['NANOTEXT_CACHE']}, which chose it)"
-  out_dir = os.path.abspath(os.path.expanduser(out_dir or default_dir()))
+  out_dir = os.path.abspath(os.path.expanduser(out_dir or default_dir(what)))
   digest = _tokenizer_digest()
   meta = _cached(out_dir, digest)
   if meta is not None:
