@@ -161,8 +161,10 @@ def wait(manager: Manager) -> None:
     manager.check_for_errors()
   except Exception as e:  # whatever the writer raised, the run must not go on silently
     why = write_error(e, f"cannot write a checkpoint in '{manager.directory}'")  # the errno
-    raise CheckpointError(f"writing a checkpoint failed: {why or error_head(e)}; the earlier "
-                          "steps are intact") from e
+    earlier = [s for s in manager.all_steps() if s != manager.requested]  # complete ones
+    kept = (f"step {max(earlier)}, saved before, is intact" if earlier else
+            "no step was saved before it")
+    raise CheckpointError(f"writing a checkpoint failed: {why or error_head(e)}; {kept}") from e
   step = manager.requested
   if step is None:
     return

@@ -160,6 +160,32 @@ def test_a_save_into_a_folder_that_became_unwritable_fails_at_once(tmp_path):
   assert issubclass(checkpoint.CheckpointError, ResourceError)  # exit status 1
 
 
+@pytest.mark.fast
+def test_a_failed_save_names_the_step_kept_before_it(tmp_path):
+  """`ulimit -n` too low for orbax's writers: the first save failed and the line said 'the
+  earlier steps are intact' of none. It names the newest step saved before, or says there is
+  none."""
+  import errno
+  import jax.numpy as jnp
+
+  def emfile():
+    raise OSError(errno.EMFILE, "Too many open files")
+
+  state = {"w": jnp.ones(4)}
+  for saved_before, kept in ((0, "no step was saved before it"),
+                             (2, "step 2, saved before, is intact")):
+    manager = checkpoint.make_manager(str(tmp_path / str(saved_before)), keep=3)
+    for step in range(1, saved_before + 1):
+      checkpoint.save(manager, step, state, {}, {})
+    checkpoint.wait(manager)
+    checkpoint.save(manager, saved_before + 1, state, {}, {})
+    manager.check_for_errors = emfile  # the async write's error, as orbax raises it
+    with pytest.raises(checkpoint.CheckpointError, match=f"Too many open files; {kept}$"):
+      checkpoint.wait(manager)
+    del manager.check_for_errors
+    manager.close()
+
+
 @pytest.mark.parametrize("victim", ["metrics.jsonl", "config.yml"])
 def test_an_immutable_run_file_is_refused_before_training(reference, tmp_path, victim):
   out = copy_of(reference, tmp_path)
