@@ -286,6 +286,11 @@ class Monitor:
     self._flops = {}  # (per-layer windows, row length) -> FLOPs per step (schedules change them)
     devices = list(run.mesh.devices.flat)  # the run's devices, not all
     self.peak = metrics.peak_flops(cfg.metrics, devices) * len(devices)
+    own = metrics.default_peak_flops(devices)
+    if start_step and cfg.metrics.peak_flops not in (0, own):  # an older nanotext saved its own
+      log(f"mfu is against metrics.peak_flops={cfg.metrics.peak_flops:.4g} per device, as the "
+          f"run's config.yml holds it (set by hand, or saved by an older nanotext); these "
+          f"devices' own is {own:.4g}: metrics.peak_flops=0 takes it")
     # (step, when it was read) of the rows in the rate's window: steps are read in bursts
     # (a pause of the host lets the device run ahead), so a rate over one step could be 3x high
     # (the third: seconds paused for evals and saves by then, which the rates leave out)

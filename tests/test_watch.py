@@ -212,6 +212,20 @@ def test_monitor_rates_span_steps_not_one_burst(monkeypatch):
   assert all("mfu >100% |" in l for l in lines if l.startswith("step "))
 
 
+def test_a_resume_says_when_its_mfu_is_against_a_saved_peak():
+  """A config.yml an older nanotext wrote saved its devices' peak (125e9 here): resumed on other
+  devices the MFU was against it unsaid (4x low). A resume says which peak it uses; a fresh run
+  and a peak that is these devices' own say nothing."""
+  own = metrics.CPU_PEAK_FLOPS / 8
+  said = lambda lines: [l for l in lines if l.startswith("mfu is against")]
+  _, _, lines = monitor("metrics.peak_flops=125e9", start_step=4)
+  assert len(said(lines)) == 1 and "metrics.peak_flops=1.25e+11" in lines[0]
+  assert f"own is {own:.4g}: metrics.peak_flops=0 takes it" in lines[0]
+  for overrides, start in ((["metrics.peak_flops=125e9"], 0), ([], 4),
+                           ([f"metrics.peak_flops={own}"], 4)):
+    assert not said(monitor(*overrides, start_step=start)[2])
+
+
 def test_monitor_rates_leave_out_evals_and_saves(monkeypatch):
   """A checkpoint save or an eval between two rows is not training: tokens/s left it in (a row
   after a save read ~10x low at log_every=1); the ETA, the loop's own pace, keeps it."""
