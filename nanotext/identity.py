@@ -93,9 +93,11 @@ def _check_run(cfg, out: str) -> bool:
     if not cfg.overwrite:
       same = "; or give the checkpoint.load_params_from it started from (or none) to resume " \
           "it" if any(d.startswith("checkpoint.load") for d in diff) else ""
+      # a recipe's default changed since the run began: its own config.yml resumes it as it was
+      as_saved = "" if saved else f", resume it as it began with `nanotext.train {path}`,"
       raise UserError(f"output_dir '{cfg.output_dir}' holds a different run ({diff[0]}"
                       f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}{saved}); choose "
-                      f"another output_dir or pass overwrite=true to replace it{same}")
+                      f"another output_dir{as_saved} or pass overwrite=true to replace it{same}")
     return True
   if done and max(done) > cfg.train.steps:
     if cfg.overwrite:  # it cannot be continued: replaced, as asked

@@ -525,6 +525,10 @@ def test_check_run_tells_a_resume_from_another_run(tmp_path):
       is False
   with pytest.raises(UserError, match=r"holds a different run \(train.eval_seq_len: 32 -> 16\)"):
     same("train.eval_seq_len=16")
+  # A recipe's default changed since the run began: its own config.yml resumes it, not overwrite
+  with pytest.raises(UserError, match=re.escape(f"resume it as it began with `nanotext.train "
+                                                f"{tmp_path / 'config.yml'}`, or pass overwrite")):
+    same("train.eval_seq_len=16")
   # the key changed first, what follows it (max_seq_len: 0 = seq_len) after; values as YAML's
   with pytest.raises(UserError, match=r"run \(train.seq_len: 32 -> 16 and 2 more\)"):
     same("train.seq_len=16")
