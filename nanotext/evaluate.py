@@ -94,7 +94,7 @@ def _load_config(out: str, overrides, checked: bool):
       cfg = config.load(*args)
       check_scan(cfg.model, cfg.attention, "evaluate keeps them as the run trained them: leave "
                  "model.scan_layers as the run has it")
-    cfg = wiring.load(*args)
+    cfg = wiring.load(*args, fresh=False)
   else:
     cfg = config.load(*args)
   # its overrides change no key of the model (check_override): the model is config.yml's

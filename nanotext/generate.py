@@ -331,8 +331,8 @@ def main(argv) -> None:
   from nanotext import identity, rundir, wiring
   from nanotext.data.tokenizer import get_tokenizer
   out, step, num, cfg_path, overrides = parse(argv)
-  # checked as train checks it
-  cfg = rundir.run_config(out, "output_dir", lambda: wiring.load(cfg_path, overrides))
+  # checked as train checks a resume (fresh=False: a fresh start's own rules are no saved run's)
+  cfg = rundir.run_config(out, "output_dir", lambda: wiring.load(cfg_path, overrides, False))
   identity.check_unedited(out, cfg.to_dict())
   check_seeds(cfg, num)
   if cfg.data.tokenizer == "none":  # no data.* argument here: the run's file names it

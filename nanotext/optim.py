@@ -37,15 +37,16 @@ CHOICES = {"name": ("adamw", "muon"), "muon_layout": ("distributed", "replicated
            "muon_ns_coeffs": ("jordan", "polar_express"), "muon_scale": ("fan_out", "rows")}
 
 
-def check_config(o, d_model: int) -> None:
-  """The optim section: optimizer and Muon choices, schedule fractions, one head lr."""
+def check_config(o, d_model: int, fresh=True) -> None:
+  """The optim section: optimizer and Muon choices, schedule fractions, one head lr; `fresh`:
+  no weight decay under muon (a saved run that set it trained without it, and resumes so)."""
   config.check_choices("optim", o, CHOICES)
   derived = o.head_lr_record / d_model ** 0.5  # what config.finalize sets head_lr to
   if o.head_lr_record and o.head_lr not in (derived, _default_head_lr()):
     raise UserError(f"optim.head_lr={o.head_lr} would be replaced by optim.head_lr_record="
                     f"{o.head_lr_record} / sqrt(model.d_model) = {derived:.6g}: set "
                     "optim.head_lr_record=0 to train with your head_lr")
-  if o.name == "muon" and o.weight_decay:  # an ablation of it trained two identical runs
+  if fresh and o.name == "muon" and o.weight_decay:  # an ablation of it trained two identical runs
     raise UserError(f"optim.weight_decay={o.weight_decay} is read only by optim.name=adamw (the "
                     "muon recipe, the record's, has no weight decay): leave it 0 under muon")
   if not 0 < o.muon_layer_decay <= 1:

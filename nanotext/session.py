@@ -25,8 +25,9 @@ class Session:
   changes output_dir; every process checks it.
   """
 
-  def __init__(self, cfg, log=print):
+  def __init__(self, cfg, log=print, fresh_rules=lambda: None):
     self.cfg, self.log = cfg, log
+    self.fresh_rules = fresh_rules  # raises where a new run may not start so (a resume may)
     self.out = rundir.check_output_dir_path(cfg.output_dir)  # read only: refusing changes nothing
     self.main = jax.process_index() == 0
     self.lock = Lock(self.out)
@@ -57,7 +58,10 @@ class Session:
       self.lock.acquire()
       rundir.recover(self.out, self.log)
       self.start = StartUp(self.out)  # after the repairs, which stay made
-    self.replacing = identity.check_run(self.cfg, self.out)
+    replacing = identity.check_run(self.cfg, self.out)
+    if replacing or not rundir.has_checkpoint(self.out):  # a fresh start, nothing set aside yet
+      self.fresh_rules()
+    self.replacing = replacing
     path = os.path.join(self.out, "config.yml")
     if not self.replacing and os.path.isfile(path):  # a newer nanotext's key: refused as the
       config.check_known(config.flatten(config_file.read(path)), path)  # read tools refuse it,

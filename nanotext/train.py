@@ -115,7 +115,7 @@ def run(path: str, overrides, log=print, started: float | None = None):
   log = log or (lambda line: None)
   clock = StartupClock(started)
   clock.lap("imports")
-  cfg = wiring.load(path, overrides)
+  cfg = wiring.load(path, overrides, fresh=False)  # a fresh start's own rules: Session's
   identity.check_source(path, overrides, cfg)
   with compile_cache(cfg.train.compile_cache_dir):  # before this process's first compilation
     return _run(cfg, log, clock)
@@ -147,9 +147,9 @@ def _run(cfg, log, clock):
     run_ = wiring.from_config(cfg, prefer={}, checked=True, log=lambda line: None)  # said
     run_.log = log
   run_.memory.require("train", "eval")  # every run validates at its end
-  cfg = run_.cfg
+  loaded, cfg = cfg, run_.cfg
   # Everything up to `session.open` is only read: a mistake found there changes nothing.
-  session = Session(cfg, log)
+  session = Session(cfg, log, fresh_rules=lambda: wiring.check(loaded))
   clock.lap("config")
   check_sample(cfg, log)
   train_iter, val_local = run_.train_iter(), run_.val_batches()

@@ -131,19 +131,20 @@ def new_state(step, params, opt_state) -> dict:
   return {"step": step, "params": params, "opt_state": opt_state}
 
 
-def load(path, overrides=()):
-  """config.load, then every section checked by the module that owns it."""
-  cfg = check(config.load(path, overrides))
+def load(path, overrides=(), fresh=True):
+  """config.load, then every section checked by the module that owns it (`fresh`: check's)."""
+  cfg = check(config.load(path, overrides), fresh)
   pipeline.check_overrides(cfg.data, overrides)
   return cfg
 
 
-def check(cfg):
-  """Each module checks its own section: choices and the rules between its keys."""
-  gpt.check_config(cfg.model, cfg.attention, cfg)
+def check(cfg, fresh=True):
+  """Each module checks its own section: choices and the rules between its keys; `fresh`: also
+  those of a fresh start only, which a saved run made before them still reads and resumes past."""
+  gpt.check_config(cfg.model, cfg.attention, cfg, fresh)
   attention.check_config(cfg.attention)
   loss.check_config(cfg.train)
-  optim.check_config(cfg.optim, cfg.model.d_model)
+  optim.check_config(cfg.optim, cfg.model.d_model, fresh)
   pipeline.check_config(cfg.data)
   watch.check_config(cfg.train)
   window_schedule.check_config(cfg.train)
@@ -228,7 +229,7 @@ def for_sampling(cfg, devices, *, checked=False) -> tuple:
   optimizer or memory plan (sampling holds the parameters only, so a model trained on many
   devices still samples on one)."""
   if not checked:
-    check(cfg)
+    check(cfg, fresh=False)  # a saved run's model
   devices = list(devices)[:1]
   cfg = _finalize(cfg, {a: 1 for a in sharding.MESH_AXES})
   graphdef, abstract, _ = gpt.abstract_model(cfg, devices[0].platform)

@@ -193,6 +193,28 @@ def test_a_key_this_nanotext_does_not_know_stops_a_resume(tmp_path, overrides):
     assert s.replacing
 
 
+def test_the_rules_of_a_fresh_start_are_checked_where_the_run_starts_afresh(tmp_path):
+  """train checks a fresh start's own rules (wiring.check's) here, once it is known whether the
+  run resumes (a run saved before a rule resumes past it) or replaces output_dir (refused before
+  anything is set aside)."""
+  def opened(out, *overrides):
+    def refuse():
+      raise UserError("fresh")
+    cfg = config.load(BASE, TINY + [f"output_dir={out}", *overrides])
+    s = Session(cfg, lambda line: None, fresh_rules=refuse)
+    with s.open(Preemption(on_early_stop=s.stop_early), 0):
+      pass
+  before = old_run(tmp_path)
+  opened(tmp_path, "train.steps=8")  # resumes
+  opened(tmp_path, "train.steps=8", "overwrite=true")  # the same run: resumes
+  with pytest.raises(UserError, match="^fresh$"):  # replaces it
+    opened(tmp_path, "seed=1", "overwrite=true")
+  assert snapshot(tmp_path) == before and not (tmp_path / lock.LOCK).exists()
+  with pytest.raises(UserError, match="^fresh$"):
+    opened(tmp_path / "new")
+  assert not (tmp_path / "new").exists()
+
+
 def test_a_run_holding_the_lock_is_left_alone(tmp_path):
   """Another run's output_dir: refused, and nothing of it put back or removed."""
   before = old_run(tmp_path)

@@ -156,6 +156,33 @@ def test_resume_continues_from_the_latest_checkpoint(tmp_path):
   assert steps == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("rule", [
+    ["model.zero_init_head=true"],  # with the tied table: it only draws a fresh head's values
+    ["optim.name=muon", "optim.weight_decay=0.1"],  # muon never read it: identical losses
+])
+def test_a_run_saved_before_a_fresh_start_rule_still_reads_and_resumes(tmp_path, monkeypatch,
+                                                                       rule):
+  """A rule of a fresh start only, added after a run was saved, locked it out: evaluate, generate,
+  convert and a resume exited 2 naming the rule, and no override got past it (a model key is
+  the run's own). A new run is still refused."""
+  from nanotext import evaluate, generate, wiring
+  from nanotext.convert import common
+  out = str(tmp_path / "run")
+  args = TINY + rule + ["data.source=synthetic", "data.tokenizer=shakespeare",
+                        "model.vocab_size=8192", "train.eval_every=0", "sample.max_new_tokens=0"]
+  with monkeypatch.context() as m:  # the run as nanotext saved it before the rule
+    m.setattr(wiring, "check", lambda cfg, *args, **kwargs: cfg)
+    quiet_run(BASE, args + ["train.steps=2", f"output_dir={out}"])
+  assert [r["step"] for r in evaluate.evaluate(out, log=lambda line: None)] == [2]
+  generate.main([f"output_dir={out}", "max_new_tokens=1"])
+  assert common.load_run(out)[1] == 2  # convert's reader
+  _, lines = quiet_run(os.path.join(out, "config.yml"), ["train.steps=3", f"output_dir={out}"])
+  assert any("resumed from the checkpoint of step 2" in l for l in lines), lines
+  with pytest.raises(UserError, match=re.escape(rule[-1])):
+    run(BASE, args + ["train.steps=2", f"output_dir={tmp_path / 'new'}"], log=None)
+  assert not os.path.exists(tmp_path / "new")
+
+
 @pytest.mark.fast
 def test_a_resume_on_a_mesh_the_model_does_not_divide_advises_the_mesh(tiny_run, tmp_path):
   """A resume can change only the mesh, yet the line said 'change model.num_heads or the mesh'

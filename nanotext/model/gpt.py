@@ -25,9 +25,10 @@ CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
            "rope_freqs": ("linspace", "arange")}
 
 
-def check_config(m, attn_cfg=None, cfg=None) -> None:
+def check_config(m, attn_cfg=None, cfg=None, fresh=True) -> None:
   """The model section's choices and the rules between its switches (UserError naming keys);
-  with `attn_cfg`, also that model.scan_layers gets identical blocks (at `cfg`'s rows)."""
+  with `attn_cfg`, also that model.scan_layers gets identical blocks (at `cfg`'s rows); `fresh`:
+  also those of the parameters a fresh start draws."""
   config.check_choices("model", m, CHOICES)
   if attn_cfg is not None:
     check_scan(m, attn_cfg, cfg=cfg)
@@ -53,7 +54,8 @@ def check_config(m, attn_cfg=None, cfg=None) -> None:
   if m.fused_qkv and (m.merged_qkv or m.bias):
     raise UserError("model.fused_qkv=true is one [3*heads*head_dim, d_model] matrix without bias: "
                     "set model.merged_qkv=false and model.bias=false")
-  for key in ("fp8_head", "zero_init_head"):  # a tied table is the embedding too
+  # a tied table is the embedding too (zero_init_head only draws a fresh start's parameters)
+  for key in ("fp8_head", "zero_init_head") if fresh else ("fp8_head",):
     if m[key] and m.tie_embeddings:
       raise UserError(f"model.{key}=true needs an untied head (model.tie_embeddings=false)")
 
