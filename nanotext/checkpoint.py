@@ -22,7 +22,7 @@ from etils import epath
 
 from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.integrity import Damaged, checksums, require_listed, verify
-from nanotext import probes
+from nanotext import probes, trees
 from nanotext.rundir import (aside_note, check_no_glob, folder_id, gone_while_read, no_step_note,
                              older_steps, read_again, rotated_away, step_files, steps_on_disk,
                              vanished)
@@ -207,12 +207,29 @@ def restore_step(manager, step: int, abstract_state):
   try:
     out = manager.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # orbax raises a bare Exception for a truncated array file
-    raise Damaged(f"checkpoint '{where}' does not match this model or is damaged "
+    raise Damaged(other_optimizer(manager, step, abstract_state, where) or
+                  f"checkpoint '{where}' does not match this model or is damaged "
                   f"({type(e).__name__}: {error_head(e)})") from None
   require_whole_data(out.data, where)
   integrity = out["integrity"] if "integrity" in items else None
   verify(out.state, integrity, where)
   return out.state, out.data, out.config, integrity
+
+
+def other_optimizer(manager, step: int, abstract_state, where: str) -> str:
+  """Why a step that did not restore failed, where its metadata tells: the model's parameters
+  with an optimizer state laid out otherwise ('' where not, or unknown)."""
+  try:
+    meta = manager.item_metadata(step)["state"]
+    same = [trees.shapes(meta[k]) == trees.shapes(abstract_state[k]) for k in ("params",
+                                                                           "opt_state")]
+  except Exception:  # no metadata to read: the caller's reason stands
+    return ""
+  return "" if same != [True, False] else (
+      f"checkpoint '{where}' holds this model's parameters with an optimizer state laid out "
+      "for another optimizer (optim.* or nanotext changed since the run began): start a new run "
+      f"from its parameters (a fresh optimizer, from step 0) with checkpoint.load_params_from="
+      f"{where}")
 
 
 def saved_position(state):

@@ -15,6 +15,14 @@ def path_name(path) -> str:
   return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+def shapes(tree) -> dict:
+  """{name: shape} of a tree's leaves, named alike for a saved tree's metadata (dicts, string
+  keys) and a live one (namedtuples' fields, int keys)."""
+  name = lambda k: str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+  return {tuple(map(name, p)): tuple(x.shape)
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def flatten(params) -> dict:
   """Parameter tree -> {dotted name: array}."""
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]

@@ -600,3 +600,20 @@ def test_a_step_whose_integrity_record_is_emptied_is_damaged(tiny_run, tmp_path)
   with pytest.raises(integrity.Damaged, match="integrity record lists no checksums"):
     integrity.verify_named({"a": np.zeros(2)}, {"checksums": {}}, step)
   integrity.verify_named({"a": np.zeros(2)}, None, step)
+
+
+def test_a_step_of_another_optimizers_layout_says_so_not_damaged(tiny_run):
+  """A run saved before nanotext changed its optimizer state's layout (135dfa7 moved a tied
+  table to the head's group) was 'does not match this model or is damaged' while verify called
+  every step intact; its parameters fit: the line says so and how to go on from them."""
+  out = tiny_run[0]
+  step = os.path.join(out, "checkpoints", "2")
+  restore = lambda *o: checkpoint.restore_step(checkpoint.reader(out), 2, wiring.prepare(
+      BASE, ARGS + [f"output_dir={out}", *o]).abstract_state())
+  with pytest.raises(integrity.Damaged, match=re.escape(
+      f"'{step}' holds this model's parameters with an optimizer state laid out for another "
+      f"optimizer") + ".*" + re.escape(f"checkpoint.load_params_from={step}")):
+    restore("optim.name=muon")
+  with pytest.raises(integrity.Damaged, match="does not match this model or is damaged"):
+    restore("model.d_model=128")  # another model: its parameters do not fit either
+  assert restore()[0]["params"]  # the run's own optimizer: it restores
