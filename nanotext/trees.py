@@ -11,16 +11,14 @@ from nanotext.errors import UserError
 
 
 def path_name(path) -> str:
-  """'blocks.0.attn.q.kernel' for a pytree key path (dict keys may be ints or strings)."""
-  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+  """'blocks.0.attn.q.kernel' for a pytree key path (dict keys may be ints or strings; a
+  namedtuple's field is its name, as a saved tree's metadata keys it)."""
+  return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def shapes(tree) -> dict:
-  """{name: shape} of a tree's leaves, named alike for a saved tree's metadata (dicts, string
-  keys) and a live one (namedtuples' fields, int keys)."""
-  name = lambda k: str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-  return {tuple(map(name, p)): tuple(x.shape)
-          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  """{path_name: shape} of a tree's leaves: a saved tree's metadata and the live tree alike."""
+  return {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def flatten(params) -> dict:
