@@ -22,7 +22,7 @@ from etils import epath
 
 from nanotext.errors import ResourceError, UserError, write_error
 from nanotext.integrity import Damaged, checksums, require_listed, verify
-from nanotext import probes, trees
+from nanotext import probes, revisions, trees
 from nanotext.rundir import (aside_note, check_no_glob, folder_id, gone_while_read, no_step_note,
                              older_steps, read_again, rotated_away, step_files, steps_on_disk,
                              vanished)
@@ -145,7 +145,8 @@ def save(manager: Manager, step: int, state, data_state: dict, config_dict: dict
   except (UserError, ResourceError) as e:
     raise CheckpointError(f"cannot save the checkpoint of step {step}: {e}") from None
   fp = manager.fingerprint
-  integrity = {"checksums": checksums(state), "data": None if fp is None else list(fp)}
+  integrity = {"checksums": checksums(state), "data": None if fp is None else list(fp),
+               "revision": revisions.CURRENT}
   manager.save(step, force=True, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
       data=ProcessJsonSave(data_state),

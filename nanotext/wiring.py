@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.experimental import multihost_utils
 
 from nanotext import (checkpoint, config, device_memory, memory_plan, optim, params_from,
-                      rundir, sharding, watch, window_schedule)
+                      revisions, rundir, sharding, watch, window_schedule)
 from nanotext.errors import UserError
 from nanotext.model import attention, count_params, draws, GPT, gpt, loss
 from nanotext.model.kernels import splash
@@ -343,6 +343,8 @@ def initial_state(run: Run, manager, log=print) -> Start:
     was = (rundir.step_config(cfg.output_dir, step).get("train") or {}).get("steps")
     if isinstance(was, int) and was != cfg.train.steps:  # the schedules change: say so
       log(window_schedule.steps_change_line(cfg, was, step))
+    if note := revisions.resume_note(integrity, cfg, step):  # its arithmetic changed since
+      log(note)
     if cfg.checkpoint.load_params_from:
       log("checkpoint.load_params_from is not read again: the run it started resumes from its "
           "own checkpoint")

@@ -1,0 +1,57 @@
+"""Changes to what a training step computes from the same config: each checkpoint records the
+revision that wrote it, and a resume says which later changes touch its config (its steps from
+there on are not the ones the older code would have taken)."""
+
+from typing import Callable, NamedTuple
+
+
+class Change(NamedTuple):
+  revision: int
+  commit: str  # where the change landed, for `git show`
+  applies: Callable  # config -> bool: whether a run of that config computes otherwise now
+  what: str
+
+
+def _adam_low_precision(cfg) -> bool:
+  m = cfg.model
+  return cfg.optim.name == "adamw" and (m.param_dtype != "float32" or
+                                        m.embed_dtype not in ("", "float32"))
+
+
+# Append a Change whenever a step of an existing config computes other numbers than before (a
+# golden curve re-recorded is the usual sign); a change that makes a saved run refuse to restore
+# says so at the restore instead. Revision 0 is every checkpoint saved before this record began.
+CHANGES = (
+    Change(1, "356920f", lambda c: c.optim.name == "muon" and c.model.fused_qkv
+           and c.optim.muon_scale == "fan_out",
+           "Muon scales the fused QKV matrix's update by its real fan-out/fan-in"),
+    Change(2, "8065c25", lambda c: c.optim.grad_clip > 0 and c.train.loss_reduction == "row_sum",
+           "optim.grad_clip bounds the mean loss's gradient norm under row_sum too"),
+    Change(3, "a818eac", _adam_low_precision,
+           "AdamW computes in float32 over parameters stored in bfloat16"),
+)
+CURRENT = CHANGES[-1].revision
+
+
+def saved_revision(integrity) -> int:
+  """The revision a step was saved at: 0 where it has none (saved before revisions were kept)."""
+  value = (integrity or {}).get("revision", 0)
+  return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def resume_note(integrity, cfg, step: int) -> str:
+  """One line naming the changes since step `step` was saved that touch `cfg` ('' if none)."""
+  saved = saved_revision(integrity)
+  if saved > CURRENT:
+    return (f"note: the checkpoint of step {step} was saved by a newer nanotext (arithmetic "
+            f"revision {saved}; this one knows {CURRENT}): its steps from here may compute "
+            "otherwise than that code's")
+  since = [c for c in CHANGES if c.revision > saved and c.applies(cfg)]
+  if not since:
+    return ""
+  when = (f"at revision {saved} of nanotext's arithmetic (now {CURRENT})" if saved else
+          "before nanotext recorded its arithmetic's revision (runs saved before 2026-12-06 "
+          "precede every change below)")
+  changes = "; ".join(f"{c.what} ({c.commit})" for c in since)
+  return (f"note: the checkpoint of step {step} was saved {when}; since then, for this config: "
+          f"{changes}. The steps from here compute as the current code does")

@@ -1,0 +1,68 @@
+"""Arithmetic revisions: each checkpoint records the one that wrote it, and a resume names the
+changes since then that touch its config."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import BASE, TINY
+from nanotext import config, revisions
+from nanotext.train import run
+
+FUSED_MUON = ["optim.name=muon", "model.fused_qkv=true", "model.bias=false",
+              "optim.muon_scale=fan_out"]
+
+
+def cfg_of(*overrides):
+  return config.load(BASE, [*TINY, *overrides])
+
+
+@pytest.mark.fast
+def test_a_change_is_named_only_for_the_configs_it_touches():
+  old = {"checksums": {}}  # a step saved before revisions were recorded
+  note = revisions.resume_note(old, cfg_of(*FUSED_MUON), 7)
+  assert "step 7" in note and "356920f" in note and "a818eac" not in note
+  assert "a818eac" in revisions.resume_note(old, cfg_of("model.param_dtype=bfloat16"), 7)
+  assert revisions.resume_note(old, cfg_of(), 7) == ""  # adamw in float32: nothing changed
+  assert revisions.resume_note(old, cfg_of(*FUSED_MUON, "optim.muon_scale=rows"), 7) == ""
+
+
+@pytest.mark.fast
+def test_only_changes_after_the_saved_revision_are_named():
+  cfg = cfg_of(*FUSED_MUON, "train.loss_reduction=row_sum")
+  assert "356920f" in revisions.resume_note({"revision": 0}, cfg, 1)
+  after_first = revisions.resume_note({"revision": 1}, cfg, 1)
+  assert "8065c25" in after_first and "356920f" not in after_first
+  assert revisions.resume_note({"revision": revisions.CURRENT}, cfg, 1) == ""
+  newer = revisions.resume_note({"revision": revisions.CURRENT + 1}, cfg_of(), 1)
+  assert "newer nanotext" in newer
+
+
+@pytest.mark.fast
+def test_a_revision_that_is_not_a_whole_number_reads_as_unrecorded():
+  for junk in (True, "3", 2.0, None):
+    assert revisions.saved_revision({"revision": junk}) == 0
+  assert revisions.saved_revision(None) == 0
+
+
+def test_a_checkpoint_records_its_revision_and_a_resume_names_later_changes(tiny_run, tmp_path,
+                                                                             monkeypatch):
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)
+  assert saved_revision(out, 2) == revisions.CURRENT
+  later = revisions.Change(revisions.CURRENT + 1, "abc1234", lambda cfg: True, "a change")
+  monkeypatch.setattr(revisions, "CHANGES", (*revisions.CHANGES, later))
+  monkeypatch.setattr(revisions, "CURRENT", later.revision)
+  lines = []
+  run(BASE, TINY + ["train.steps=3", "train.eval_every=0", "sample.max_new_tokens=0",
+                    f"output_dir={out}"], log=lines.append)
+  notes = [l for l in lines if l.startswith("note:")]
+  assert len(notes) == 1 and "step 2" in notes[0] and "a change (abc1234)" in notes[0], lines
+  assert saved_revision(out, 3) == later.revision
+
+
+def saved_revision(out: str, step: int):
+  with open(os.path.join(out, "checkpoints", str(step), "integrity", "metadata")) as f:
+    return json.load(f)["revision"]  # orbax's JsonSave file
