@@ -290,12 +290,13 @@ def analytic_flops(run, program, *, train: bool) -> float:
 def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, log=print,
                 hlo_dir="", peak=False, passes=0):
   """Build the run for the target and compile the selected programs; (run, target, records)."""
-  from nanotext import sharding, wiring
+  from nanotext import rundir, sharding, wiring
   from nanotext.model.kernels.dispatch import config_impl
   target = topology.parse(target_name)
   devices = topology.devices(target)
-  cfg = wiring.load(path, overrides)  # --programs against the kernel the target takes, before
-  select(programs(cfg, config_impl(cfg, devices[0].platform)), which)  # the plan and the build
+  # A saved run's config.yml compiles as it resumes: a fresh start's own rules are not its.
+  cfg = wiring.load(path, overrides, not rundir.has_checkpoint(os.path.dirname(path)))
+  select(programs(cfg, config_impl(cfg, devices[0].platform)), which)  # before plan and build
   try:
     run = wiring.from_config(cfg, devices=devices, checked=True, log=log)
   except sharding.MeshSizeError as e:  # v4-8 counts TensorCores: 4 devices, not a mesh of 8
@@ -373,9 +374,8 @@ def finite(x):
 def main(args):
   """The CLI: `args` are CONFIG and its overrides (absl has taken the flags)."""
   f = flags.FLAGS
-  run, target, recs = run_compile(args[0], args[1:], f.topology, f.programs,
-                                  f.min_headroom, log=lambda s: print(s, flush=True),
-                                  hlo_dir=f.hlo_dir, peak=f.peak, passes=f.passes)
+  run, target, recs = run_compile(args[0], args[1:], f.topology, f.programs, f.min_headroom,
+                                  lambda s: print(s, flush=True), f.hlo_dir, f.peak, f.passes)
   if f.json:  # whole or not at all: a full disk is one line, no half-written file
     try:
       atomic_write(f.json, [(json.dumps(finite(rec), allow_nan=False) + "\n").encode()

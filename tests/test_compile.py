@@ -306,3 +306,25 @@ def test_a_tpu_eval_plan_counts_each_skip_twice():
   with jax.default_matmul_precision("default"):
     _, _, (rec,) = nt_compile.run_compile(SPEEDRUN, small, "v6e-8", "eval", log=lambda s: None)
   assert 0.78 <= rec["estimate_bytes_per_chip"] / rec["total_bytes_per_chip"] <= 1.15, rec
+
+
+@pytest.mark.fast
+def test_a_saved_runs_config_compiles_past_a_fresh_start_rule(tmp_path, monkeypatch):
+  """A run saved before a fresh start's own rule (muon with weight_decay, since 10ea11b) resumes,
+  so its config.yml compiles; a new config with the rule is still refused."""
+  from nanotext import config, wiring
+  run_dir = tmp_path / "run"
+  os.makedirs(run_dir / "checkpoints" / "4")
+  saved = str(run_dir / "config.yml")
+  config.save(config.load(BASE, SMALL + ["optim.name=muon", "optim.weight_decay=0.1"]), saved)
+
+  def built(*args, **kwargs):
+    raise RuntimeError("built")  # the config passed every check: stop before compiling
+
+  monkeypatch.setattr(wiring, "from_config", built)
+  monkeypatch.setattr(topology, "devices", lambda target: jax.devices())  # no libtpu needed
+  with pytest.raises(RuntimeError, match="built"):
+    nt_compile.run_compile(saved, [], "v6e-8", "eval", log=lambda s: None)
+  os.rename(run_dir / "checkpoints", run_dir / "elsewhere")  # a config file, no run beside it
+  with pytest.raises(UserError, match="weight_decay"):
+    nt_compile.run_compile(saved, [], "v6e-8", "eval", log=lambda s: None)
