@@ -91,6 +91,7 @@ def train(run: Run, state, train_iter, val_batches, *, writer, manager, start_st
     # Only a state whose every step was read back finite may reach disk.
     mon.flush()
     if manager is not None:
+      writer.sync()  # the rows up to `step` reach the disk before its checkpoint does
       active, counter.active = counter.active, False  # orbax compiles its own transfers
       with mon.paused():
         checkpoint.save(manager, step, state, {"iterator": data_state,

@@ -164,6 +164,14 @@ class Writer:
     at = [json.loads(line) for line in keep if step and _row(line) == step]
     return {k for row in at for k in row if k != "step"}
 
+  def sync(self) -> None:
+    """The rows written so far on disk: called before a checkpoint of their step is saved, so a
+    power cut cannot keep the checkpoint and lose rows before it (a resume writes none of them
+    again)."""
+    for f in (self._jsonl, self._tb):
+      if f is not None:
+        f.sync()
+
   def close(self) -> None:
     for f in (self._jsonl, self._tb):
       if f is not None:
@@ -199,6 +207,13 @@ class _Appender:
   def append(self, data: bytes) -> None:
     try:
       append_whole(self._fd, data)
+    except OSError as e:
+      raise os_error(e, f"cannot write '{self.path}'") from None
+
+  def sync(self) -> None:
+    """What was appended, on disk (fsync)."""
+    try:
+      os.fsync(self._fd)
     except OSError as e:
       raise os_error(e, f"cannot write '{self.path}'") from None
 

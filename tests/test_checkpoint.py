@@ -134,6 +134,27 @@ def test_sigterm_then_sigkill_resumes_bitwise_exactly(tmp_path, devices):
     assert path_a == path_b and np.array_equal(a, b), jax.tree_util.keystr(path_a)
 
 
+def test_the_metrics_rows_of_a_step_are_on_disk_before_its_checkpoint(tmp_path, monkeypatch):
+  """A power cut after a save must not keep the checkpoint and lose metrics rows before it: the
+  resume writes none of them again (a gap in the curve for ever)."""
+  out = str(tmp_path / "run")
+  path, fsync, synced = os.path.join(out, "metrics.jsonl"), os.fsync, []
+
+  def recording(fd):
+    if os.readlink(f"/proc/self/fd/{fd}") == path:
+      synced.append(max(row["step"] for row in train_losses_rows(out)))
+    return fsync(fd)
+
+  monkeypatch.setattr(os, "fsync", recording)
+  quiet_run(FSDP8 + ["train.steps=4", "checkpoint.every=2", f"output_dir={out}"])
+  assert steps_on_disk(out) == [2, 4] and synced == [2, 4], synced
+
+
+def train_losses_rows(out) -> list:
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
 def test_an_unfinished_save_is_ignored_and_cleaned(fsdp8_run, tmp_path):
   out = str(tmp_path / "run")
   shutil.copytree(fsdp8_run, out)

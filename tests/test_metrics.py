@@ -130,6 +130,17 @@ def read_lines(folder) -> list:
   return (folder / "metrics.jsonl").read_text().splitlines()
 
 
+def test_sync_puts_the_rows_and_events_on_disk(tmp_path, monkeypatch):
+  synced, fsync = [], os.fsync
+  monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+                      or fsync(fd))
+  w = metrics.Writer(str(tmp_path), tensorboard=True)
+  w.write(1, {"loss": 2.0})
+  w.sync()
+  [events] = glob.glob(os.path.join(tmp_path, "tb", "events.out.tfevents.*"))
+  assert sorted(synced) == sorted([str(tmp_path / "metrics.jsonl"), events])
+
+
 def test_disabled_writer_writes_nothing(tmp_path):
   """A writer on a process other than 0 creates no directory and no file."""
   out = tmp_path / "run"
