@@ -27,12 +27,12 @@ def atomic_write(path: str, chunks) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
-  _fsync_folder(parent)
+  fsync_path(parent)
 
 
-def _fsync_folder(path: str) -> None:
-  """fsync folder `path` so a rename in it is on disk; skipped where it cannot be opened or
-  its file system does not fsync folders."""
+def fsync_path(path: str) -> None:
+  """fsync the file or folder at `path` (a folder: so a rename in it is on disk); skipped where
+  it cannot be opened or its file system does not fsync folders."""
   try:
     fd = os.open(path, os.O_RDONLY)
   except OSError:
@@ -44,6 +44,17 @@ def _fsync_folder(path: str) -> None:
       raise
   finally:
     os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+  """fsync every file and folder under `path` (or the file `path`) before it is renamed into
+  place: a power cut after the rename can otherwise leave its files empty."""
+  if not os.path.isdir(path):
+    return fsync_path(path)
+  for folder, _, names in os.walk(path, topdown=False):
+    for name in names:
+      fsync_path(os.path.join(folder, name))
+    fsync_path(folder)
 
 
 def append_whole(fd: int, data: bytes) -> None:

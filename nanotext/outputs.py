@@ -212,6 +212,7 @@ def staged_dir(out: str, *, force: bool, protect=(), own=None):
     with writing(out):
       yield tmp
     _shared(tmp)
+    fileio.fsync_tree(tmp)
     # A signal between the two renames left no output: the old one aside, the new one removed.
     with signals.held("after --out was written: it is complete"), _replacing(out):
       if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
@@ -238,6 +239,7 @@ def staged_dir(out: str, *, force: bool, protect=(), own=None):
       fileio.remove_tree(tmp)  # a failed orbax save may still be writing into it
     _remove_made(made)
     raise
+  fileio.fsync_path(parent)
 
 
 @contextlib.contextmanager
@@ -260,8 +262,10 @@ def staged_file(out: str, *, force: bool, protect=(), own=None):
     with writing(out):
       yield tmp
     _shared(tmp)
+    fileio.fsync_path(tmp)
     with _replacing(out):
       os.replace(tmp, out)
+    fileio.fsync_path(parent)
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)

@@ -168,6 +168,32 @@ def cuda_mlir(fn, *args) -> str:
                              *args).mlir_module()
 
 
+def record_syncs(monkeypatch) -> list:
+  """os.fsync and os.replace calls from now on, in order: ("fsync", inode), ("replace", dst)."""
+  events, real_fsync, real_replace = [], os.fsync, os.replace
+
+  def fsync(fd):
+    events.append(("fsync", os.fstat(fd).st_ino))
+    real_fsync(fd)
+
+  def replace(src, dst, **kwargs):
+    events.append(("replace", os.fspath(dst)))
+    real_replace(src, dst, **kwargs)
+  monkeypatch.setattr(os, "fsync", fsync)
+  monkeypatch.setattr(os, "replace", replace)
+  return events
+
+
+def synced_around_rename(events, paths, out) -> None:
+  """Assert each of `paths` was fsynced before the last rename onto `out`, and its folder after
+  (or a power cut after the rename can leave `out` empty, or the rename undone)."""
+  out = os.fspath(out)
+  rename = len(events) - 1 - events[::-1].index(("replace", out))
+  for path in paths:
+    assert ("fsync", os.stat(path).st_ino) in events[:rename], path
+  assert ("fsync", os.stat(os.path.dirname(out)).st_ino) in events[rename:], out
+
+
 def one_line_error(proc, *needles):
   """Assert a CLI run failed with exit 2 and one `nanotext: error:` line holding `needles`."""
   assert proc.returncode == 2, (proc.stdout, proc.stderr)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import BASE, TINY, one_line_error, run_cli
+from conftest import BASE, TINY, one_line_error, record_syncs, run_cli, synced_around_rename
 from nanotext import checkpoint, config, integrity, loop, programs, plot, trees, verify, wiring
 from nanotext.convert import __main__ as convert_cli
 from nanotext.convert import common, hf, hf_tokenizer, params, torch_export
@@ -271,23 +271,28 @@ def test_an_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path):
 def test_an_atomic_write_fsyncs_the_file_before_the_rename(tmp_path, monkeypatch):
   """A rename of a file not yet on disk can leave it empty after a power cut (ext4's delayed
   allocation): the temp file is fsynced before os.replace, the folder after it."""
-  events, real_fsync, real_replace = [], os.fsync, os.replace
-
-  def fsync(fd):
-    events.append(("fsync", os.fstat(fd).st_ino))
-    real_fsync(fd)
-
-  def replace(*args):
-    events.append(("replace",))
-    real_replace(*args)
-  monkeypatch.setattr(os, "fsync", fsync)
-  monkeypatch.setattr(os, "replace", replace)
+  events = record_syncs(monkeypatch)
   path = str(tmp_path / "f")
   fileio.atomic_write(path, [b"new"])
   assert open(path, "rb").read() == b"new"
-  file, folder = ("fsync", os.stat(path).st_ino), ("fsync", os.stat(tmp_path).st_ino)
-  assert file in events and events.index(file) < events.index(("replace",))
-  assert folder in events and events.index(folder) > events.index(("replace",))
+  synced_around_rename(events, [path], path)
+
+
+def test_a_staged_output_is_on_disk_before_its_rename(tmp_path, monkeypatch):
+  """staged_file and staged_dir fsync what was written (every file and folder) before the
+  rename onto --out, and its folder after, as atomic_write does."""
+  from nanotext.outputs import staged_dir, staged_file
+  events = record_syncs(monkeypatch)
+  out = str(tmp_path / "model.safetensors")
+  with staged_file(out, force=False) as tmp:
+    open(tmp, "wb").write(b"weights")
+  synced_around_rename(events, [out], out)
+  out = str(tmp_path / "hf")
+  with staged_dir(out, force=False) as tmp:
+    os.makedirs(os.path.join(tmp, "sub"))
+    open(os.path.join(tmp, "sub", "a"), "wb").write(b"a")
+    open(os.path.join(tmp, "b"), "wb").write(b"b")
+  synced_around_rename(events, [out, f"{out}/sub", f"{out}/sub/a", f"{out}/b"], out)
 
 
 def test_a_failed_conversion_outlasts_a_writer_still_finishing_in_it(tmp_path):
