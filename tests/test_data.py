@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import BASE, TINY, one_line_error, run_cli
+from conftest import BASE, TINY, one_line_error, record_syncs, run_cli, synced_around_rename
 from nanotext.data import binfile, pipeline, prepare
 from nanotext.data.corpus import load_corpus
 from nanotext.data.pipeline import check_config, make_train_iter, make_val_batches
@@ -143,6 +143,17 @@ def test_train_tokenizer_small():
   assert 257 < tok.get_vocab_size() <= 300  # 256 bytes + eot + merges (few in a tiny corpus).
   assert tok.token_to_id("<|endoftext|>") == 0
   assert tok.decode(tok.encode("xyz hello!").ids) == "xyz hello!"  # Unseen bytes still round trip.
+
+
+def test_a_saved_tokenizer_is_on_disk_before_its_rename(tmp_path, monkeypatch):
+  """tokenizer.json is fsynced before the rename onto --out, its folder after, as atomic_write
+  does: a power cut after the rename could leave the shipped tokenizer empty."""
+  from nanotext.data import tokenizer
+  tok = train_tokenizer(["hello world, hello there"] * 10, vocab_size=300)
+  events = record_syncs(monkeypatch)
+  out = str(tmp_path / "tokenizer.json")
+  tokenizer.save(tok, out)
+  synced_around_rename(events, [out], out)
 
 
 def test_the_shipped_shards_are_not_read_as_gpt2_ids():

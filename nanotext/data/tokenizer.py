@@ -8,7 +8,7 @@ from absl import flags
 import numpy as np
 from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
 
-from nanotext import probes
+from nanotext import fileio, probes
 from nanotext.errors import UserError, write_error
 from nanotext.data.corpus import load_corpus
 
@@ -198,7 +198,9 @@ def save(tok, out: str) -> None:
                      f".{os.path.basename(out)}.tmp-{os.getpid()}")
   try:
     tok.save(tmp)
+    fileio.fsync_path(tmp)  # on disk before the rename, as fileio.atomic_write does
     os.replace(tmp, out)
+    fileio.fsync_path(os.path.dirname(tmp))
   except Exception as e:  # tokenizers (Rust) names the errno in its message
     err = write_error(e, f"cannot write '{out}'")
     if err is None:
