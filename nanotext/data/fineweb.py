@@ -8,6 +8,7 @@ import time
 
 from absl import flags
 
+from nanotext import fileio
 from nanotext.data import binfile
 from nanotext.errors import UserError
 
@@ -114,7 +115,9 @@ def _fetch_one(fetch, filename: str, tmp_dir: str, final: str) -> int:
       # `final` so the rename below stays atomic.
       shutil.copyfile(local, staged)
     count = _validate(staged, filename)
+    fileio.fsync_path(staged)  # on disk before the rename, as fileio.atomic_write does
     os.replace(staged, final)
+    fileio.fsync_path(os.path.dirname(final))
   except OSError as e:
     raise UserError(f"cannot download '{filename}' into '{os.path.dirname(final)}': {e}") from None
   finally:
