@@ -37,7 +37,7 @@ def bits_of(tree) -> list:
 def direct_params(run, seed):
   """The parameters of the model built drawing each parameter with jax.random."""
   model = GPT(run.cfg.model, run.cfg.attention, impl=run.impl, rngs=Keys(jax.random.key(seed)))
-  return nnx.state(model).to_pure_dict()
+  return nnx.to_pure_dict(nnx.state(model))
 
 
 @pytest.mark.fast
@@ -66,9 +66,9 @@ def test_a_model_built_from_one_draw_equals_one_drawn_parameter_by_parameter(nam
   run = wiring.prepare(path, SMALL + overrides)
   direct = jax.jit(lambda s: direct_params(run, s))
   expected = bits_of(direct(jnp.int32(3)))
-  assert bits_of(jax.jit(lambda s: nnx.state(run.create_model(s)).to_pure_dict())(
+  assert bits_of(jax.jit(lambda s: nnx.to_pure_dict(nnx.state(run.create_model(s))))(
       jnp.int32(3))) == expected
-  assert bits_of(nnx.state(run.create_model(3)).to_pure_dict()) == expected  # eager too
+  assert bits_of(nnx.to_pure_dict(nnx.state(run.create_model(3)))) == expected  # eager too
   # The train state's init program (its seed an argument, its outputs in their shardings).
   assert bits_of(run.init_state()["params"]) == bits_of(direct(jnp.int32(run.cfg.seed)))
 
@@ -77,7 +77,7 @@ def test_a_model_built_from_one_draw_equals_one_drawn_parameter_by_parameter(nam
 def test_the_init_program_draws_once():
   """The point of it: one threefry call and one erfinv in the program, not one per shape."""
   run = wiring.prepare(BASE, SMALL)
-  text = jax.jit(lambda s: nnx.state(run.create_model(s)).to_pure_dict()).lower(
+  text = jax.jit(lambda s: nnx.to_pure_dict(nnx.state(run.create_model(s)))).lower(
       jnp.int32(0)).as_text()
   assert text.count("erf_inv") == 1
   shapes = {x.shape for x in jax.tree.leaves(direct_params(run, 0)) if x.ndim == 2}
@@ -92,7 +92,7 @@ def test_large_models_and_other_generators_draw_each_parameter(monkeypatch):
     raise AssertionError("drew flat")
   monkeypatch.setattr(draws, "_flat", refuse)
   monkeypatch.setattr(draws, "MAX_FLAT", 1000)
-  assert bits_of(jax.jit(lambda s: nnx.state(run.create_model(s)).to_pure_dict())(
+  assert bits_of(jax.jit(lambda s: nnx.to_pure_dict(nnx.state(run.create_model(s))))(
       jnp.int32(0))) == expected
   monkeypatch.undo()
   monkeypatch.setattr(draws, "_flat", refuse)

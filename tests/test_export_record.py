@@ -52,7 +52,7 @@ def test_exported_logits_match_the_records_module(record_run, tmp_path):
   tokens = rng.integers(1, m.vocab_size, 512)
   tokens[[0, 100, 300, 301]] = 0  # documents, one starting on a block boundary (eot id 0)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(m, cfg.attention, rngs=nnx.Rngs(0))))
-  state.replace_by_pure_dict(params)  # by name: a restored tree's "10" sorts before "2"
+  nnx.replace_by_pure_dict(state, params)  # by name: a restored tree's "10" sorts before "2"
   seg = np.cumsum(tokens == 0)[None].astype(np.int32)
   for W in (1, 3):  # the record's window in blocks: short layers W // 2 = 0 and 1
     windows = layer_windows(cfg.attention, m.num_layers, 128 * W)

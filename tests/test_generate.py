@@ -24,7 +24,7 @@ def model_and_params(seed=1):
   The lm head is untied: with a small tied embedding greedy decoding just repeats the last token.
   """
   run = wiring.prepare(BASE, TINY + ["model.tie_embeddings=false", "model.num_layers=1"])
-  params = nnx.state(run.create_model(seed)).to_pure_dict()
+  params = nnx.to_pure_dict(nnx.state(run.create_model(seed)))
   return run.graphdef, params
 
 
@@ -294,7 +294,7 @@ def padded_model():
   (model.embed_rows, as the record pads its head), the padding ids' logits made to dominate."""
   run = wiring.prepare(BASE, TINY + ["model.tie_embeddings=false", "model.num_layers=1",
                                      "model.embed_rows=8", "sample.max_new_tokens=12"])
-  params = nnx.state(run.create_model(1)).to_pure_dict()
+  params = nnx.to_pure_dict(nnx.state(run.create_model(1)))
   kernel = np.array(params["head"]["kernel"], np.float32)
   kernel[:, :8] *= 0.01
   kernel[:, 8:] *= 10.0

@@ -10,6 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from tensorboardX.proto import event_pb2
 
 from conftest import BASE, PROCESS_TIMEOUT_S, TINY
@@ -241,7 +242,7 @@ def test_flops_per_token_matches_the_model_weights():
   cfg = wiring.finalize(config.load(BASE, TINY + ["model.tie_embeddings=false"]),
                         jax.devices()[:1])
   _, abstract, _ = gpt.abstract_model(cfg, "cpu")
-  flat = jax.tree_util.tree_leaves_with_path(abstract.to_pure_dict())
+  flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(abstract))
   matmul = sum(int(np.prod(v.shape)) for path, v in flat
                if "kernel" in jax.tree_util.keystr(path))
   assert matmul == 2 * QKVO + 2 * MLP + HEAD

@@ -203,7 +203,7 @@ def test_muon_fan_out_scale_is_each_layouts_real_fan_out_over_fan_in(layout):
   abstract = nnx.state(nnx.eval_shape(run.create_model))
   want = {"qkv": 3 * 128 / 64 if "model.fused_qkv=true" in layout else 2.0, "q": 2.0, "k": 2.0,
           "v": 2.0, "o": 1.0, "fc": 4.0, "proj": 1.0}
-  leaves = jax.tree_util.tree_flatten_with_path(abstract.to_pure_dict())[0]
+  leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))[0]
   seen = set()
   for (path, x), role in zip(leaves, jax.tree.leaves(optim.group_labels(abstract))):
     if role != "matrix":

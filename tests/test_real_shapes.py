@@ -82,10 +82,10 @@ def head_grads(d, vocab, T, *, fp8, per_row, chunk=0, dtype="bfloat16"):
   graphdef, state = nnx.split(model)
 
   def loss(x, w):
-    params = state.to_pure_dict()
+    params = nnx.to_pure_dict(state)
     params["head"]["kernel"] = w
     s = nnx.state(nnx.merge(graphdef, state))
-    s.replace_by_pure_dict(params)
+    nnx.replace_by_pure_dict(s, params)
     return cross_entropy(nnx.merge(graphdef, s), x, y, chunk, train=True, per_row=per_row)
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
 

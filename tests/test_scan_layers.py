@@ -58,7 +58,7 @@ def train_losses(run, params, steps=3):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_scanned_logits_and_losses_match_unrolled(name):
   unrolled, scanned = prepare(name, False), prepare(name, True)
-  params = jax.device_get(nnx.state(unrolled.create_model()).to_pure_dict())
+  params = jax.device_get(nnx.to_pure_dict(nnx.state(unrolled.create_model())))
   tokens = np.asarray(next(unrolled.train_iter())["inputs"])
   want = forward(unrolled.graphdef, params, tokens)
   got = forward(scanned.graphdef, stack_blocks(params), tokens)
@@ -72,7 +72,7 @@ def test_scanned_logits_and_losses_match_unrolled(name):
 
 def test_remat_applies_to_the_scanned_body():
   plain, remat = prepare("base", True), prepare("base", True, ["model.remat=full"])
-  params = jax.device_get(nnx.state(plain.create_model()).to_pure_dict())
+  params = jax.device_get(nnx.to_pure_dict(nnx.state(plain.create_model())))
   tokens = np.asarray(next(plain.train_iter())["inputs"])
   grads = {}
   for run in (plain, remat):
@@ -85,7 +85,7 @@ def test_remat_applies_to_the_scanned_body():
 
 
 def test_sharded_layout_matches_one_device():
-  params = jax.device_get(nnx.state(prepare("speedrun", True).create_model()).to_pure_dict())
+  params = jax.device_get(nnx.to_pure_dict(nnx.state(prepare("speedrun", True).create_model())))
   ref, _ = train_losses(prepare("speedrun", True), params)
   run = prepare("speedrun", True, ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"], n_devices=8)
   got, state = train_losses(run, params)
@@ -126,7 +126,7 @@ def test_windows_covering_every_row_scan_as_one():
   extra = ["attention.window=128", "attention.window_block=16", "attention.window_pattern=LS",
            "train.eval_seq_len=64", "model.max_seq_len=64"]
   unrolled, scanned = prepare("base", False, extra), prepare("base", True, extra)
-  params = jax.device_get(nnx.state(unrolled.create_model()).to_pure_dict())
+  params = jax.device_get(nnx.to_pure_dict(nnx.state(unrolled.create_model())))
   tokens = np.asarray(next(unrolled.train_iter())["inputs"])
   np.testing.assert_allclose(forward(scanned.graphdef, stack_blocks(params), tokens),
                              forward(unrolled.graphdef, params, tokens), rtol=RTOL, atol=1e-6)

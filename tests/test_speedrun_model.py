@@ -35,7 +35,7 @@ def tokens(seed=0):
 
 def params_and_specs(model):
   state = nnx.state(model, nnx.Param)
-  return state.to_pure_dict(), sharding.param_specs(state).to_pure_dict()
+  return nnx.to_pure_dict(state), nnx.to_pure_dict(sharding.param_specs(state))
 
 
 @pytest.mark.fast
@@ -270,7 +270,7 @@ def test_speedrun_record_has_the_record_shape():
   assert m.embed_rows == 50257  # the tokenizer's vocabulary; only the head is padded
   np.testing.assert_allclose(cfg.optim.head_lr, 0.22 / np.sqrt(768))
   abstract = nnx.eval_shape(run.create_model)
-  params = nnx.state(abstract, nnx.Param).to_pure_dict()
+  params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
   assert params["blocks"][0]["attn"]["qkv"]["kernel"].shape == (3, 768, 768)
   assert "attn" not in params["blocks"][7] and len(params["value_embeds"]) == 3
   assert params["embed"]["embedding"].dtype == jnp.bfloat16
