@@ -32,7 +32,7 @@ READ_ONLY_STOP = "stopped by {}; this tool only reads, nothing was changed"
 
 
 def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = False,
-        precheck=None, at_once: str = "", aot: bool = False) -> None:
+        precheck=None, at_once: str = "", aot: bool = False, check_only=None) -> None:
   """Run `main(args)` as this process's program; never returns.
 
   `doc` follows the usage line in --help; `describe(args)`, when given, returns the whole help
@@ -43,7 +43,7 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
   a signal stops the process with, at once, until the tool takes the signals (signals.at_once:
   for a start that writes nothing). `aot`: the tool compiles its programs ahead of time
   (jit(...).lower().compile()), which jax refuses under JAX_DISABLE_JIT. --only_check_args (absl's)
-  runs `precheck` alone and exits 0: nothing is written."""
+  runs `check_only(args)` (default `precheck`) alone and exits 0: nothing is written."""
   errors.open_standard_streams()  # before the signal pipe below takes a closed stdout's fd
   argv = list(sys.argv if argv is None else argv)
   describe = describe or (lambda args: help_text(usage, doc))
@@ -65,8 +65,8 @@ def run(main, usage: str, doc: str = "", argv=None, describe=None, jax: bool = F
 
   def parse_and_check(a):
     args = parse(a, usage, describe)
-    if precheck and flags.FLAGS["only_check_args"].value:  # absl exits 0 next, main unrun
-      errors.run_cli(precheck, args[1:])
+    if (check_only or precheck) and flags.FLAGS["only_check_args"].value:  # absl exits 0 next
+      errors.run_cli(check_only or precheck, args[1:])  # and main never runs
     return args
   app.run(lambda args: errors.run_cli(checked_main, args[1:]), argv=argv,
           flags_parser=parse_and_check)

@@ -61,6 +61,18 @@ def precheck(args) -> None:
   config.load(*parse_args(args))
 
 
+def check_only(args) -> None:
+  """--only_check_args: the config as a start checks it before the devices (every section's
+  rules; a fresh start's own too where output_dir holds no checkpoint); nothing written."""
+  precheck(args)  # a bad key or type: said before jax loads
+  from nanotext import identity, rundir, wiring
+  path, overrides = parse_args(args)
+  cfg = wiring.load(path, overrides, fresh=False)
+  identity.check_source(path, overrides, cfg)
+  if not rundir.has_checkpoint(cfg.output_dir):
+    wiring.check(cfg)
+
+
 @contextlib.contextmanager
 def compile_cache(path: str):
   """JAX's persistent compilation cache in `path` while the block runs ('' leaves it as it is):
@@ -380,5 +392,5 @@ def _log_line(line: str) -> None:
 if __name__ == "__main__":
   define_flags()
   # Until the run takes the signals (watch.Preemption) it has only read: a signal stops it.
-  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck, aot=True,
+  cli.run(main, USAGE, __doc__, jax=True, precheck=precheck, aot=True, check_only=check_only,
           at_once="stopped by {} before the first step: nothing to save, nothing written")

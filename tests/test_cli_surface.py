@@ -141,6 +141,16 @@ def test_only_check_args_checks_the_config_and_writes_nothing(override, status, 
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("override", ["model.norm=bogus", "model.zero_init_head=true"])
+def test_only_check_args_runs_every_sections_rules(override, tmp_path):
+  """It checked keys and types only: a value a section's rules refuse passed (a fresh start's
+  rules too: base.yml ties the head, which zero_init_head may not be)."""
+  proc = run_cli("nanotext.train", os.path.join(REPO, "configs", "base.yml"), override,
+                 f"output_dir={tmp_path / 'out'}", "--only_check_args", timeout=120)
+  one_line_error(proc, override.split("=")[0])
+  assert not proc.stdout and not os.listdir(tmp_path)
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("flag,want", [("--passes=-1", "--passes=-1 must be 0"),
                                        ("--min_headroom=1", "--min_headroom=1.0 must be in"),
