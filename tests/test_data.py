@@ -345,10 +345,12 @@ def test_val_tokens_cap_and_too_little_data(arange_bins):
   # The cap holds the data back: raising it is the way (data.val_tokens cannot add data at 0).
   with pytest.raises(UserError, match=r": raise data.val_tokens=100, or lower train.batch_size"):
     make_val_batches(arange_bins, seq_len=8, batch_size=16, num_batches=10)
-  arange_bins.val_tokens = 0
-  with pytest.raises(UserError, match=r": add validation shards to data.val_files, or lower "
-                                      r"train.batch_size or train.seq_len$"):
-    make_val_batches(arange_bins, seq_len=8, batch_size=4096, num_batches=10)
+  # At 0, or above the data's size, the cap holds nothing back: raising it adds nothing.
+  for cap in (0, 1_000_000):
+    arange_bins.val_tokens = cap
+    with pytest.raises(UserError, match=r": add validation shards to data.val_files, or lower "
+                                        r"train.batch_size or train.seq_len$"):
+      make_val_batches(arange_bins, seq_len=8, batch_size=4096, num_batches=10)
 
 
 def test_too_little_unshuffled_validation_data_says_what_there_is(prepared, tmp_path):

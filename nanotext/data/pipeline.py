@@ -247,8 +247,11 @@ def _too_little_val(data_cfg, source, seq_len: int, global_batch: int, length_ke
     return (f"{held}, but no shard holds one whole global batch of {global_batch} "
             f"(train.batch_size), which data.shuffle=false reads from each shard: set "
             f"data.shuffle=true or {lower}")
-  # data.val_tokens caps what there is: raising it adds data only where it is set
-  more = f"raise data.val_tokens={data_cfg.val_tokens}" if data_cfg.val_tokens else \
+  # Raising data.val_tokens adds data only where its cap holds some back (a cap above the data's
+  # size advised raising it, to no effect)
+  capped = data_cfg.val_tokens and total < len(registry.get(data_cfg.source).open(
+      data_cfg, "val", seq_len=seq_len, seed=0, vocab_size=vocab_size, group=0, max_tokens=0))
+  more = f"raise data.val_tokens={data_cfg.val_tokens}" if capped else \
       MORE_VAL.get(data_cfg.source, "")
   return (f"{held}, fewer than one global batch of {global_batch} (train.batch_size): "
           f"{more + ', or ' if more else ''}{lower}")
