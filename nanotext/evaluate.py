@@ -88,7 +88,7 @@ def _load_config(out: str, overrides, checked: bool):
   args = (os.path.join(out, "config.yml"), [*own, *auto, *overrides, f"output_dir={out}"])
   if checked:
     from nanotext import wiring
-    if any(o.strip().startswith("model.scan_layers=") for o in overrides):
+    if "model.scan_layers" in override_keys(overrides):
       # checked here first: wiring's line advises turning off model.* keys evaluate refuses
       from nanotext.model.gpt import check_scan
       cfg = config.load(*args)
@@ -104,13 +104,19 @@ def _load_config(out: str, overrides, checked: bool):
   return cfg
 
 
+def override_keys(overrides) -> set:
+  """The keys `overrides` set, read as config.load reads them ("data.eot_id =5" sets
+  data.eot_id: a test of the raw text let it change the id under attention.doc_mask)."""
+  from nanotext.config import parse_override
+  return {parse_override(o)[0] for o in overrides}
+
+
 def check_doc_mask_eot(cfg, own, overrides) -> None:
   """Refuse overrides that change the end-of-text id of a run trained with attention.doc_mask
   (`own`: its config without them): the id chooses the document mask the model computes, so
   the loss was another model's, reported as the run's."""
   from nanotext.data.tokenizer import resolve_eot_id
-  keys = [k for k in ("data.eot_id", "data.tokenizer")
-          if any(o.strip().startswith(k + "=") for o in overrides)]
+  keys = [k for k in ("data.eot_id", "data.tokenizer") if k in override_keys(overrides)]
   if not keys:  # the run's own id (resolving it may load a tokenizer: only when overridden)
     return
   ran, now = resolve_eot_id(own.data), resolve_eot_id(cfg.data)
@@ -139,7 +145,7 @@ def fit_mesh(cfg, out: str, overrides, devices, log):
     sharding.mesh_shape(cfg.mesh, len(devices))
     return cfg
   except UserError:
-    if any(o.strip().startswith("mesh.") for o in overrides):
+    if any(k.startswith("mesh.") for k in override_keys(overrides)):
       return cfg  # the user's own mesh: its error comes from wiring, as train's would
 
   def divides(layout) -> bool:

@@ -419,8 +419,9 @@ def test_another_eot_id_on_a_doc_mask_run_is_refused(tiny_run, tmp_path):
   evaluate.precheck([f"output_dir={out}", "data.eot_id=0"])
   said = (r"^data.eot_id changes the model the checkpoint was trained as: .* end-of-text id 0, "
           r"the overrides give 7; .*\(leave data.eot_id out, or set data.eot_id=0\)$")
-  with pytest.raises(UserError, match=said):
-    evaluate.precheck([f"output_dir={out}", "data.eot_id=7"])
+  for given in ("data.eot_id=7", "data.eot_id =7"):  # the key as config.load reads it
+    with pytest.raises(UserError, match=said):
+      evaluate.precheck([f"output_dir={out}", given])
   with pytest.raises(UserError, match=said):
     evaluate.evaluate(out, overrides=["data.eot_id=7"], log=pytest.fail)
   evaluate.precheck([f"output_dir={tiny_run[0]}", "data.eot_id=7"])  # no doc mask: other data
@@ -442,9 +443,10 @@ def test_refusals_advise_only_keys_evaluate_takes(tiny_run, tmp_path):
   from conftest import saved_run
   out = str(tmp_path / "unet")
   saved_run(BASE, TINY + ["model.unet_skips=true"], out)
-  with pytest.raises(UserError, match=r"needs identical blocks; .*model.unet_skips=true "
-                                      r"\(.*leave model.scan_layers as the run has it\)$"):
-    evaluate.evaluate(out, overrides=["model.scan_layers=true"], log=quiet)
+  for given in ("model.scan_layers=true", "model.scan_layers =true"):
+    with pytest.raises(UserError, match=r"needs identical blocks; .*model.unet_skips=true "
+                                        r"\(.*leave model.scan_layers as the run has it\)$"):
+      evaluate.evaluate(out, overrides=[given], log=quiet)
 
 
 @pytest.mark.fast
