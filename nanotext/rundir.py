@@ -180,19 +180,19 @@ def aside_note(out: str) -> str:
 
 def no_step_note(out: str) -> str:
   """What a read tool adds to 'holds no checkpoints' where checkpoints/ holds no step: a run
-  saving its first one, a run that has saved none yet, or an empty folder; and aside_note."""
+  saving its first one or none yet, an unfinished save, an empty folder; and aside_note."""
   try:
     names = os.listdir(os.path.join(out, "checkpoints"))
   except OSError:
     names = None
-  live, why, note = running(out), "", aside_note(out)
-  if live:
-    saving = any("orbax-checkpoint-tmp" in n for n in names or ())
-    why = f" yet: the run training into it ({live}) is saving its first one" if saving else \
-        " yet" if note else f" yet: the run training into it ({live}) has saved none"
-  elif names is not None:
-    why = " (its checkpoints/ folder is empty)"
-  return why + note  # an overwrite's note names the live run itself
+  live, note = running(out), aside_note(out)
+  saving = any("orbax-checkpoint-tmp" in n for n in names or ())
+  if live:  # an overwrite's note names the live run itself
+    return (f" yet: the run training into it ({live}) is saving its first one" if saving else
+            " yet" if note else f" yet: the run training into it ({live}) has saved none") + note
+  if saving:  # not 'empty', as it was called: verify names it the same
+    return " (its checkpoints/ folder holds a save that never finished)" + note
+  return " (its checkpoints/ folder is empty)" * (names == []) + note
 
 
 def steps_on_disk(out: str) -> list:

@@ -664,11 +664,24 @@ def test_read_tools_say_an_overwrite_in_progress_replaces_the_run(tmp_path, monk
 
 def test_read_tools_say_a_run_is_saving_its_first_checkpoint(tmp_path):
   """generate and convert said a run saving its first checkpoint 'holds no checkpoints (its
-  checkpoints/ folder is empty)'."""
+  checkpoints/ folder is empty)', and evaluate and convert said so of an unfinished save."""
   from nanotext import evaluate
   (tmp_path / "checkpoints").mkdir()
   with pytest.raises(UserError, match=r"no checkpoints \(its checkpoints/ folder is empty\)$"):
     checkpoint.latest_params(str(tmp_path))
+  # A save that never finished is no empty folder (evaluate and convert said it was)
+  unfinished = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1765000000"
+  unfinished.mkdir()
+  said = r"no checkpoints \(its checkpoints/ folder holds a save that never finished\)$"
+  with pytest.raises(UserError, match=said):
+    checkpoint.latest_params(str(tmp_path))
+  with pytest.raises(UserError, match=said):
+    evaluate.sources(str(tmp_path), -1)
+  unfinished.rmdir()
+  (tmp_path / "checkpoints" / "notes.txt").write_text("")  # neither: nothing said of it
+  with pytest.raises(UserError, match=r"no checkpoints$"):
+    evaluate.sources(str(tmp_path), "all")
+  (tmp_path / "checkpoints" / "notes.txt").unlink()
   live = f"the run training into it (pid {os.getpid()} on {socket.gethostname()})"
   with lock.Lock(str(tmp_path)):
     with pytest.raises(UserError, match=re.escape(f"holds no checkpoints yet: {live} has saved "
