@@ -287,10 +287,12 @@ class Monitor:
     devices = list(run.mesh.devices.flat)  # the run's devices, not all
     self.peak = metrics.peak_flops(cfg.metrics, devices) * len(devices)
     own = metrics.default_peak_flops(devices)
-    if start_step and cfg.metrics.peak_flops not in (0, own):  # an older nanotext saved its own
-      log(f"mfu is against metrics.peak_flops={cfg.metrics.peak_flops:.4g} per device, as the "
-          f"run's config.yml holds it (set by hand, or saved by an older nanotext); these "
-          f"devices' own is {own:.4g}: metrics.peak_flops=0 takes it")
+    # An older nanotext saved its own in config.yml; it may also be set by hand there or on this
+    # start's command line, which the config does not tell apart (config.yml was named for both)
+    if start_step and cfg.metrics.peak_flops not in (0, own):
+      log(f"mfu is against metrics.peak_flops={cfg.metrics.peak_flops:.4g} per device, as given "
+          f"on the command line or in the run's config.yml (set there by hand, or by an older "
+          f"nanotext); these devices' own is {own:.4g}: metrics.peak_flops=0 takes it")
     # (step, when it was read) of the rows in the rate's window: steps are read in bursts
     # (a pause of the host lets the device run ahead), so a rate over one step could be 3x high
     # (the third: seconds paused for evals and saves by then, which the rates leave out)

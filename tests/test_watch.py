@@ -221,6 +221,8 @@ def test_a_resume_says_when_its_mfu_is_against_a_saved_peak():
   _, _, lines = monitor("metrics.peak_flops=125e9", start_step=4)
   assert len(said(lines)) == 1 and "metrics.peak_flops=1.25e+11" in lines[0]
   assert f"own is {own:.4g}: metrics.peak_flops=0 takes it" in lines[0]
+  # given here on the command line, as it may be: the note said config.yml held it
+  assert "as given on the command line or in the run's config.yml" in lines[0]
   for overrides, start in ((["metrics.peak_flops=125e9"], 0), ([], 4),
                            ([f"metrics.peak_flops={own}"], 4)):
     assert not said(monitor(*overrides, start_step=start)[2])
