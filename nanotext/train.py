@@ -27,9 +27,10 @@ def define_flags() -> None:
   (to call run) and defines its own --config (a flax example's) clashed with them."""
   if not _FLAGS:
     # Multi: a second --config is refused, not silently the one used.
-    _FLAGS["config"] = flags.DEFINE_multi_string("config", [], "Config YAML (instead of the "
-                                                 "first argument).")
-    _FLAGS["set"] = flags.DEFINE_multi_string("set", [], "A key=value override; repeatable.")
+    _FLAGS["config"] = flags.DEFINE_multi_string("config", [], "")
+    # absl's help of a multi flag says to repeat it: this one is given once
+    flags.FLAGS["config"].help = "Config YAML (instead of the first argument), given once."
+    _FLAGS["set"] = flags.DEFINE_multi_string("set", [], "A key=value override")
 
 
 def _flag(name: str) -> list:
