@@ -141,6 +141,7 @@ def measure_layout(path, overrides, name, shape, *, steps, timed_steps, repeats)
     setup = wiring.prepare(path, list(overrides) + mesh_kv)
   except UserError as e:
     return {**row, "invalid": str(e)}
+  row["unused"] = sharding.unused_note(setup.mesh, setup.rules, setup.axes)  # in its mesh cell
   cfg, it = setup.cfg, setup.train_iter()
   batches = [trainer.global_batch(setup, next(it)) for _ in range(max(steps, 1))]
   try:
@@ -210,7 +211,7 @@ def measure_topology(path, overrides, slice_name, layouts, which="last", log=Non
                      on_row=None) -> list:
   """One row per layout and program, compiled for `slice_name` by nanotext.compile;
   `on_row(rows)` after each layout (full-size compiles take many minutes each)."""
-  from nanotext import compile as nt_compile, config
+  from nanotext import compile as nt_compile, config, sharding
   from nanotext.errors import UserError
   config.load(path, list(overrides))  # fail fast on keys and values before any compile
   rows = []
@@ -219,13 +220,14 @@ def measure_topology(path, overrides, slice_name, layouts, which="last", log=Non
     mesh_kv = [f"mesh.{a}={n}" for a, n in zip(("data", "fsdp", "tensor"), shape)]
     t0 = time.perf_counter()
     try:
-      _, sl, recs = nt_compile.run_compile(path, list(overrides) + mesh_kv, slice_name, which,
-                                           min_headroom=0.0, log=lambda s: None)
+      run, sl, recs = nt_compile.run_compile(path, list(overrides) + mesh_kv, slice_name, which,
+                                             min_headroom=0.0, log=lambda s: None)
     except UserError as e:  # a layout this model cannot use is a row saying why
       if "topology" in str(e) or "libtpu" in str(e):
         raise
       rows.append({**row, "invalid": str(e)})
       continue
+    row["unused"] = sharding.unused_note(run.mesh, run.rules, run.axes)
     rows += [{**row, **rec, "chip": sl.chip} for rec in recs]
     if log:
       log(f"{name}: {len(recs)} program(s) ({time.perf_counter() - t0:.1f} s)")

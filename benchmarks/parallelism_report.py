@@ -29,10 +29,11 @@ def _invalid_row(r, mesh: str, head: str) -> str:
 
 
 def _markdown(head: str, rows, row_text) -> str:
-  """A markdown table: the header, then `row_text(r, mesh)` per layout (refused ones padded)."""
+  """A markdown table: the header, then `row_text(r, mesh)` per layout (refused ones padded);
+  the mesh cell says which of its axes shard nothing (a mislabelled layout otherwise)."""
   lines = _table_head(head)
   for r in rows:
-    mesh = "×".join(map(str, r["shape"]))
+    mesh = "×".join(map(str, r["shape"])) + r.get("unused", "")
     lines.append(_invalid_row(r, mesh, head) if "invalid" in r else row_text(r, mesh))
   return "\n".join(lines)
 

@@ -305,11 +305,11 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
       raise
     raise UserError(f"{e} ({target.name} names {len(devices) * cores} TensorCores: "
                     f"{len(devices)} chips of {cores}, each chip one device)") from None
+  t, note = run.cfg.train, sharding.unused_note(run.mesh, run.rules, run.axes)
   log(f"compiling {path} for {target.name} ({len(devices)} x {devices[0].device_kind}, "
-      f"{gib(target.memory_bytes)} each: {target.memory_what}): mesh "
-      f"{sharding.describe(run.mesh)}, attention {run.impl}, {run.cfg.train.batch_size} x "
-      f"{run.cfg.train.seq_len} tokens per step, grad_accum {run.cfg.train.grad_accum}, remat "
-      f"{run.cfg.model.remat}, loss_chunk {run.cfg.train.loss_chunk}")
+      f"{gib(target.memory_bytes)} each: {target.memory_what}): mesh {sharding.describe(run.mesh)}"
+      f"{note}, attention {run.impl}, {t.batch_size} x {t.seq_len} tokens per step, grad_accum "
+      f"{t.grad_accum}, remat {run.cfg.model.remat}, loss_chunk {t.loss_chunk}")
   if run.cfg.attention.impl == "auto" and run.impl == "xla" and isinstance(target, gpus.GpuHost):
     from nanotext.model.kernels import cudnn
     why = cudnn.problem(run.cfg.model.head_dim, run.cfg.train.seq_len)

@@ -107,6 +107,12 @@ def unused_axes(mesh: Mesh, rules, model_axes=LOGICAL_AXES) -> list:
   return [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in named]
 
 
+def unused_note(mesh: Mesh, rules, model_axes=LOGICAL_AXES) -> str:
+  """' (tensor=2 shards no array ...)' per axis of unused_axes, for a line naming the mesh."""
+  return "".join(f" ({a}={mesh.shape[a]} shards no array of this model under mesh.rules: "
+                 "everything is replicated over it)" for a in unused_axes(mesh, rules, model_axes))
+
+
 def model_axes(abstract_state) -> frozenset:
   """The logical axes a model's arrays have: every activation axis, and the weight axes of its
   parameters (no `length` under rope, no `layers` without model.scan_layers)."""

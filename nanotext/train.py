@@ -333,10 +333,8 @@ def ended_here(cfg, start, path: str) -> bool:
 def sharding_summary(run_) -> str:
   """'mesh data=1 fsdp=8 tensor=1 on 8 cpu device(s)' for the start-up line."""
   from nanotext import sharding
-  idle = "".join(f" ({a}={run_.mesh.shape[a]} shards no array of this model under mesh.rules: "
-                 "everything is replicated over it)"
-                 for a in sharding.unused_axes(run_.mesh, run_.rules, run_.axes))
-  return f"mesh {sharding.describe(run_.mesh)} on {run_.mesh.size} {run_.backend} device(s)" + idle
+  return (f"mesh {sharding.describe(run_.mesh)} on {run_.mesh.size} {run_.backend} device(s)"
+          + sharding.unused_note(run_.mesh, run_.rules, run_.axes))
 
 
 def main(args) -> None:

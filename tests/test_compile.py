@@ -202,6 +202,19 @@ def test_fsdp_shards_parameters_an_eighth_of_dp():
 
 
 @pytest.mark.tpu
+def test_a_mesh_axis_that_shards_nothing_is_named_on_the_header_line():
+  """mesh.tensor=2 under rules that never name tensor: train's start-up line says every array is
+  replicated over it, compile's said only 'mesh data=1 fsdp=4 tensor=2'."""
+  lines = []
+  nt_compile.run_compile(BASE, SMALL + ["mesh.tensor=2", "mesh.fsdp=4", "mesh.rules=[[batch, "
+                                        "[data, fsdp]], [embed, fsdp]]"], "v6e-8", "eval",
+                         log=lines.append)
+  (header,) = [line for line in lines if line.startswith("compiling ")]
+  assert ("mesh data=1 fsdp=4 tensor=2 (tensor=2 shards no array of this model under mesh.rules: "
+          "everything is replicated over it), attention") in header
+
+
+@pytest.mark.tpu
 def test_a_kernel_that_repeats_is_generated_once_on_a_tpu(monkeypatch):
   """programs.TPU_OPTIONS: four layers' identical kernels make less program code than without
   the options; a libtpu that does not know an option compiles without it."""

@@ -96,6 +96,29 @@ def test_tiny_run_losses_agree_and_fsdp_shards_state():
   assert "| tp8 | 1×1×8 | invalid:" in bench.table(rows)
 
 
+NOTE = ("(tensor=2 shards no array of this model under mesh.rules: everything is replicated "
+        "over it)")
+UNUSED_TENSOR = ["mesh.rules=[[batch, [data, fsdp]], [embed, fsdp]]"]
+
+
+def test_a_layout_axis_that_shards_nothing_says_so_in_its_row():
+  """fsdp4xtp2 under rules that never name tensor: its row read as tensor parallelism while
+  every step was done twice over (train's start-up line says so, the table did not)."""
+  rows = bench.measure(BASE, TINY + ["model.num_layers=1"] + UNUSED_TENSOR,
+                       [("fsdp4xtp2", (1, 4, 2))], steps=1, timed_steps=1, repeats=1)
+  assert f"| fsdp4xtp2 | 1×4×2 {NOTE} | " in bench.table(rows)
+
+
+@pytest.mark.tpu
+def test_a_compiled_layout_axis_that_shards_nothing_says_so_in_its_row():
+  small = ["model.num_layers=1", "model.d_model=128", "model.num_heads=2", "model.head_dim=64",
+           "model.vocab_size=512", "train.batch_size=16", "train.seq_len=128"]
+  rows = bench.measure_topology(BASE, small + UNUSED_TENSOR, "v6e-8",
+                                [("fsdp4xtp2", (1, 4, 2)), ("fsdp8", (1, 8, 1))], "eval")
+  text = bench.topology_table(rows)
+  assert f"| fsdp4xtp2 | 1×4×2 {NOTE} | eval | " in text and "| fsdp8 | 1×8×1 | eval | " in text
+
+
 @pytest.mark.fast
 def test_bad_config_is_a_user_error():
   with pytest.raises(UserError, match="unknown config key"):
