@@ -113,9 +113,13 @@ def parse_override(arg: str):
 
 
 def check_known(flat: dict, source: str, schema: dict | None = None) -> None:
-  """UserError naming the first key of `flat`, read from `source`, that nanotext does not know."""
+  """UserError naming the first key of `flat`, read from `source`, that nanotext does not know;
+  a mapping under a key that takes none (`mesh.rules: {batch: data}`) is that key's wrong type."""
   schema = schema or _schema()
   for key in (k for k in flat if k not in schema and (k, flat[k]) not in RETIRED.items()):
+    for top in (k for k in schema if key.startswith(k + ".")):  # flatten() opened the mapping
+      coerce(top, {k[len(top) + 1:]: v for k, v in flat.items() if k.startswith(top + ".")},
+             schema[top])  # no kind of value takes a mapping: it says which form is needed
     raise UserError(f"{_unknown_key(key, schema)} (in '{source}')")
 
 

@@ -243,6 +243,21 @@ def test_a_value_for_a_whole_section_names_its_keys(tmp_path):
   assert "'train' is a section" in error("train=3")
 
 
+@pytest.mark.fast
+def test_a_mapping_under_a_key_that_takes_none_is_that_keys_wrong_type(tmp_path):
+  """`mesh.rules` written as a YAML mapping in a file was "unknown config key 'mesh.rules.batch';
+  did you mean 'mesh.rules'?", where the command line's `mesh.rules={batch: data}` says the key
+  expects a list: a file says so too, for any key whose value is not a section."""
+  rules = write(tmp_path / "r.yml", f"base: {BASE}\nmesh:\n  rules:\n    batch: [data, fsdp]\n"
+                "    embed: fsdp\n")
+  assert error(path=rules) == ("config key 'mesh.rules' expects a list, got {'batch': ['data', "
+                               "'fsdp'], 'embed': 'fsdp'}")
+  assert error("mesh.rules={batch: data}") == ("config key 'mesh.rules' expects a list, got "
+                                               "{'batch': 'data'}")
+  steps = write(tmp_path / "s.yml", f"base: {BASE}\ntrain:\n  steps: {{at: 5}}\n")
+  assert error(path=steps) == "config key 'train.steps' expects an integer, got {'at': 5}"
+
+
 def test_a_load_reads_the_schema_once(monkeypatch):
   """Each file of a chain read once and base.yml once more as the schema: 097cde9 read the
   schema again for each file of the chain (8 ms each, a fifth of a refusal's time)."""
