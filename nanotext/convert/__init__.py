@@ -34,8 +34,8 @@ HF's gelu_new (tanh form) is jax.nn.gelu's default (approximate=True); LayerNorm
 both sides. The speedrun mapping is in nanotext.convert.torch_export and docs/convert.md.
 """
 
-from nanotext.convert.hf import read_hf, to_hf, write_run
-from nanotext.convert.common import load_params
+from nanotext.convert.hf import merged, read_hf, to_hf
+from nanotext.convert.common import load_params, write_run
 from nanotext.convert.params import params_only
 from nanotext.convert.torch_export import export_torch
 
@@ -48,7 +48,7 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   Here rather than in `convert.hf`: building the run needs `wiring`, a layer above the format
   mapping, and only this front module (like train and generate) reaches up to it.
   """
-  from nanotext import sharding, wiring
+  from nanotext import wiring
   from nanotext.errors import UserError
   cfg, flat = read_hf(hf, out, overrides, config_path=config_path, force=force)
   try:  # a run that train, evaluate and generate would refuse
@@ -59,15 +59,23 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
         f"vocabulary of data.tokenizer '{cfg.data.tokenizer}' "
         f"({wiring.tokenizer_vocab(cfg.data)}); pass data.tokenizer=NAME, the tokenizer its "
         "ids are of") from None
+  run = built_here(cfg)
+  return write_run(run, merged(cfg, flat), hf, out, what="the Hugging Face checkpoint",
+                   given=cfg, force=force, log=log)
+
+
+def built_here(cfg):
+  """wiring's Run of `cfg` on this machine's devices; a mesh for another machine is kept in
+  config.yml as given (write_run), the step written from this machine's devices, every one on
+  fsdp (a checkpoint restores onto any mesh)."""
+  from nanotext import sharding, wiring
   try:
-    run = wiring.from_config(cfg)
-  except sharding.MeshSizeError:  # a mesh for another machine: config.yml keeps it as given,
-    # the step is written from this machine's devices (a checkpoint restores onto any mesh)
+    return wiring.from_config(cfg)
+  except sharding.MeshSizeError:
     local = cfg.copy_and_resolve_references()
-    for key, value in (a.split("=") for a in sharding.ALL_ON_FSDP):  # every device on fsdp
+    for key, value in (a.split("=") for a in sharding.ALL_ON_FSDP):
       local.mesh[key.split(".")[1]] = int(value)
-    run = wiring.from_config(local)
-  return write_run(run, flat, hf, out, given=cfg, force=force, log=log)
+    return wiring.from_config(local)
 
 
 __all__ = ["from_hf", "to_hf", "params_only", "load_params", "export_torch"]

@@ -1,5 +1,5 @@
-"""Shared pieces of the converters: reading a run, flat parameter names (their outputs are
-written whole or not at all by nanotext.outputs)."""
+"""Shared pieces of the converters: reading a run, flat parameter names, writing a run of
+imported weights (their outputs are written whole or not at all by nanotext.outputs)."""
 
 import json
 import os
@@ -7,8 +7,14 @@ import os
 import jax
 
 from nanotext.errors import UserError
-from nanotext.trees import int_keys, stack_blocks, unstack_blocks
+from nanotext.outputs import staged_dir
+from nanotext.trees import fill, int_keys, stack_blocks, unstack_blocks
 from nanotext import identity, rundir
+
+# What --force may replace where from-hf and from-torch write a run (a training run's folder,
+# once trained in, is replaced by no tool).
+RUN_OWN = ("config.yml",)
+MESH_SIZES = ("mesh.data", "mesh.fsdp", "mesh.tensor")
 
 
 def load_run(run: str, step: int = -1):
@@ -121,3 +127,31 @@ def require(cfg, wanted: dict, why: str) -> None:
     if not ok:
       want = "" if callable(value) else f" (needs {value!r})"
       raise UserError(f"{why}: {key}={have!r} is not supported{want}")
+
+
+def write_run(run, flat: dict, source: str, out: str, *, what: str, given=None,
+              force: bool = False, log=print) -> str:
+  """Write `run` (built by wiring from the config `given`) holding `flat` (the model's names, one
+  layer each; `what` names them in errors) as a step-0 run directory at `out`, which may not
+  replace the input `source`. Its config.yml keeps the mesh as given (fsdp: -1, unless
+  overridden): the sizes resolved for this machine's devices made the printed command fail on
+  any other device count."""
+  from nanotext import checkpoint, config
+  out_abs = os.path.abspath(out)
+  cfg = run.cfg
+  if given is not None:
+    cfg = config.with_values(cfg, {k: config.get(given, k) for k in MESH_SIZES})
+  params = fill(run.abstract_state()["params"], stacked(cfg, flat), what)
+  state = run.state_from_params(params)
+  data_state = {"iterator": {"batches": 0}}  # a new run's data position
+  with staged_dir(out_abs, force=force, protect=(source,), own=RUN_OWN) as tmp:
+    config.save(cfg, os.path.join(tmp, "config.yml"))
+    manager = checkpoint.make_manager(tmp, keep=cfg.checkpoint.keep)
+    try:
+      checkpoint.save(manager, 0, state, data_state, cfg.to_dict())
+      manager.wait_until_finished()
+    finally:
+      manager.close()
+  log(f"wrote {out_abs}: {run.num_params:,} parameters at step 0; train on with "
+      f"python -m nanotext.train {os.path.join(out_abs, 'config.yml')} output_dir={out_abs}")
+  return out_abs

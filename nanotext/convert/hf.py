@@ -10,20 +10,17 @@ import os
 
 import numpy as np
 
-from nanotext.convert.common import load_run, per_layer, require, stacked
+from nanotext.convert.common import RUN_OWN, load_run, per_layer, require
 from nanotext.outputs import check_out, staged_dir
 from nanotext.convert.hf_tokenizer import generation_config, special_ids, write_tokenizer
 from nanotext.errors import UserError
-from nanotext.trees import fill, flatten
+from nanotext.trees import flatten
 from nanotext.rundir import check_no_glob, check_run_dir
 
 # What --force may replace: a folder holding only what to-hf writes (a model card, notes or a
-# source checkout beside them are refused, not deleted); from-hf's run folder is a training run,
-# which no tool replaces.
+# source checkout beside them are refused, not deleted); from-hf's run folder: common.RUN_OWN.
 HF_OWN = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
           "tokenizer_config.json", "special_tokens_map.json")
-RUN_OWN = ("config.yml",)
-MESH_SIZES = ("mesh.data", "mesh.fsdp", "mesh.tensor")
 LN_EPS = 1e-5  # LayerNorm's epsilon at model.norm_eps=0 (layers.Norm); GPT-2's too
 # HF activations equal to jax.nn.gelu's default (approximate=True, the tanh form).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -226,8 +223,8 @@ def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
   """(config, flat params) of a HF GPT-2 directory, the first half of `nanotext.convert.from_hf`:
   --out checked, the HF config mapped onto nanotext keys and the tensors onto nanotext names.
 
-  The caller builds the run from the config (wiring, a layer above this module) and hands it to
-  `write_run`.
+  The caller builds the run from the config (wiring, a layer above this module) and hands it,
+  with the tensors under the model's names (`merged`), to `common.write_run`.
   """
   from nanotext import config
   check_no_glob(os.path.abspath(out), "--out")  # orbax writes its checkpoint there
@@ -267,34 +264,6 @@ def read_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
       raise UserError(f"{key}={have!r} conflicts with the Hugging Face "
                       f"checkpoint, which needs {want!r}")
   return cfg, flat
-
-
-def write_run(run, flat: dict, hf: str, out: str, *, given=None, force: bool = False,
-              log=print) -> str:
-  """Write `run` (built by wiring from `read_hf`'s config, `given`) holding `flat` as a step-0
-  run directory at `out`. Its config.yml keeps the mesh as given (fsdp: -1, unless overridden):
-  the sizes resolved for this machine's devices made the printed command fail on any other
-  device count."""
-  from nanotext import checkpoint, config
-  out_abs = os.path.abspath(out)
-  cfg = run.cfg
-  if given is not None:
-    cfg = config.with_values(cfg, {k: config.get(given, k) for k in MESH_SIZES})
-  params = fill(run.abstract_state()["params"], stacked(cfg, merged(cfg, flat)),
-                "the Hugging Face checkpoint")
-  state = run.state_from_params(params)
-  data_state = {"iterator": {"batches": 0}}  # a new run's data position
-  with staged_dir(out_abs, force=force, protect=(hf,), own=RUN_OWN) as tmp:
-    config.save(cfg, os.path.join(tmp, "config.yml"))
-    manager = checkpoint.make_manager(tmp, keep=cfg.checkpoint.keep)
-    try:
-      checkpoint.save(manager, 0, state, data_state, cfg.to_dict())
-      manager.wait_until_finished()
-    finally:
-      manager.close()
-  log(f"wrote {out_abs}: {run.num_params:,} parameters at step 0; train on with "
-      f"python -m nanotext.train {os.path.join(out_abs, 'config.yml')} output_dir={out_abs}")
-  return out_abs
 
 
 # ---------------------------------------------------------------------------------------------
