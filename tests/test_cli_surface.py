@@ -18,6 +18,7 @@ TOOLS = {
     "evaluate": ["nanotext.evaluate"],
     "convert": ["nanotext.convert"],
     "convert to-hf": ["nanotext.convert", "to-hf"],
+    "convert from-torch": ["nanotext.convert", "from-torch"],
     "verify": ["nanotext.verify"],
     "plot": ["nanotext.plot"],
     "compile": ["nanotext.compile"],
@@ -86,7 +87,7 @@ def non_utf8_args(tmp: bytes) -> dict:
           "data.text_shards": [bad + b".txt", b"--out=" + tmp + b"/o"]}
 
 
-@pytest.mark.parametrize("tool", [t for t in TOOLS if t != "convert to-hf"])
+@pytest.mark.parametrize("tool", [t for t in TOOLS if not t.startswith("convert ")])
 def test_bytes_that_are_not_utf8_are_one_line_in_every_tool(tool, tmp_path):
   """A Linux path is bytes, but config.yml, metrics.jsonl, the lock and orbax's paths are UTF-8:
   every tool refuses such an argument the same way, before it writes anything (issue 27 item 2;

@@ -1,4 +1,4 @@
-"""export-torch against a PyTorch model written from the record's `GPT`.
+"""export-torch against a PyTorch model written from the record's `GPT`; from-torch back.
 
 `record_torch.RecordGPT` (benchmarks/record_torch.py) re-derives modded-nanogpt train_gpt.py
 (587b45fb) from reading it: parameter names and shapes as its state dict, rotary with half the
@@ -7,16 +7,21 @@ logits, and its block mask (long window W blocks, short W // 2, document-causal 
 """
 
 import os
+import re
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO, TINY, extra, forward, saved_run
+from conftest import REPO, TINY, extra, forward, one_line_error, run_cli, saved_run
+from nanotext.convert import from_torch, torch_import
 from nanotext.convert.common import load_run
 from nanotext.convert.torch_export import export_torch
+from nanotext.errors import UserError
 from nanotext.model import GPT
+from nanotext.trees import flatten
 from nanotext.window_schedule import layer_windows
 
 torch = extra("torch")
@@ -63,3 +68,160 @@ def test_exported_logits_match_the_records_module(record_run, tmp_path):
     print(f"W={W}: max abs logit difference {np.abs(theirs - 15 - ours).max():.2e}")
     np.testing.assert_allclose(theirs - 15, ours, atol=2e-4)
     assert np.abs(ours).max() > 1e-3  # a head off its zero init
+
+
+# ---------------------------------------------------------------------------------------------
+# from-torch: the state dict back into a nanotext run
+
+quiet = lambda line: None
+
+
+@pytest.fixture(scope="module")
+def exported(record_run, tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("export") / "gpt.safetensors")
+  export_torch(record_run, out, log=quiet)
+  return out
+
+
+@pytest.fixture(scope="module")
+def imported(exported, tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("import") / "run")
+  from_torch(exported, out, TINY + DIMS, log=quiet)  # --config: speedrun_record.yml, the source's
+  return out
+
+
+def params_of(run: str) -> dict:
+  return {k: np.asarray(v) for k, v in flatten(load_run(run)[2]).items()}
+
+
+def same_bits(a, b) -> bool:
+  return a.dtype == b.dtype and a.shape == b.shape and \
+      np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
+
+
+def test_from_torch_gives_back_the_exported_params(record_run, imported):
+  cfg, step, _ = load_run(imported)
+  assert step == 0 and cfg.model.to_dict() == load_run(record_run)[0].model.to_dict()
+  want, got = params_of(record_run), params_of(imported)
+  assert got.keys() == want.keys()
+  assert got["embed.embedding"].dtype == ml_dtypes.bfloat16  # the record's tables, read as bf16
+  for name in want:
+    if name == "head.kernel":  # * sqrt(128) on export, / sqrt(128) back, in float32
+      assert got[name].dtype == want[name].dtype
+      np.testing.assert_array_max_ulp(got[name], want[name], maxulp=1)
+    else:
+      assert same_bits(got[name], want[name]), name
+
+
+def test_a_modded_nanogpt_checkpoint_loads_to_the_same_params(exported, imported, tmp_path):
+  """train_gpt.py saves dict(step, code, model=model.state_dict(), optimizers) of its compiled
+  model (names under _orig_mod.), its tables bf16; q, k, v go to split kernels as well."""
+  from safetensors.torch import load_file
+  state = {f"_orig_mod.{k}": v for k, v in load_file(exported).items()}
+  assert state["_orig_mod.embed.weight"].dtype == torch.bfloat16
+  pt = tmp_path / "state_step000002.pt"
+  adam = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], betas=(0.8, 0.95), fused=True)
+  buffer = torch.zeros(4)
+  muon = {"state": {}, "param_groups": [{"lr": 0.05, "params": [0, 1], "update_buffer": buffer,
+                                         "update_buffer_views": [buffer[:2], buffer[2:]]}]}
+  torch.save(dict(step=2, code="# train_gpt.py", model=state,
+                  optimizers=[adam.state_dict(), muon]), pt)
+  out = str(tmp_path / "run")
+  from_torch(str(pt), out, TINY + DIMS + ["model.merged_qkv=false"], log=quiet)
+  want, got = params_of(imported), params_of(out)
+  for i in range(12):
+    if i != 7:  # MLP-only
+      qkv = want.pop(f"blocks.{i}.attn.qkv.kernel")
+      for j, n in enumerate("qkv"):
+        assert same_bits(got.pop(f"blocks.{i}.attn.{n}.kernel"), qkv[j]), (i, n)
+  assert got.keys() == want.keys()
+  assert all(same_bits(got[k], want[k]) for k in want)
+
+
+def test_the_imported_run_evaluates_to_the_sources_loss(record_run, imported):
+  from nanotext import evaluate
+  final = ["train.eval_windows=final"]  # the source's step 3 and the import's step 0 alike
+  want = evaluate.evaluate(record_run, overrides=final, log=quiet)[0]
+  got = evaluate.evaluate(imported, overrides=final, log=quiet)[0]
+  assert (want["step"], got["step"]) == (3, 0)
+  np.testing.assert_allclose(got["val_loss"], want["val_loss"], rtol=1e-6)
+
+
+def edited(tensors: dict, edit: str) -> dict:
+  """`tensors` with one mistake a state dict of another model would carry."""
+  t = dict(tensors)
+  if edit == "missing":
+    del t["blocks.3.mlp.c_fc.weight"]
+  elif edit == "shape":
+    t["skip_weights"] = np.ones(5, np.float32)
+  elif edit == "extra":
+    t["blocks.0.attn.rotary.inv_freq"] = np.ones(32, np.float32)
+  else:  # a head of other rows
+    t["lm_head.weight"] = np.ones((640, 128), np.float32)
+  return t
+
+
+@pytest.mark.parametrize("edit,message", [
+    ("missing", "has no 'blocks.3.mlp.c_fc.weight' (512, 128)"),
+    ("shape", "'skip_weights' has shape (5,), the config's model needs (6,)"),
+    ("extra", "has 'blocks.0.attn.rotary.inv_freq', which the config's model has no place"),
+    ("head", "lm_head.weight has 640 rows, the config's model.vocab_size=512; pass "
+             "model.vocab_size=640")])
+def test_from_torch_refuses_a_state_dict_of_another_model(exported, tmp_path, edit, message):
+  from safetensors.numpy import load_file, save_file
+  src = str(tmp_path / "in.safetensors")
+  save_file(edited(load_file(exported), edit), src)
+  with pytest.raises(UserError, match=re.escape(message)):
+    from_torch(src, str(tmp_path / "out" / "run"), TINY + DIMS, log=quiet)
+  assert os.listdir(tmp_path) == ["in.safetensors"]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name,overrides,message", [
+    ("gpt.safetensors", ["model.head_dim=64", "model.num_heads=2"],
+     "from-torch needs what the speedrun record's GPT computes: model.head_dim=64"),
+    ("gpt.safetensors", ["model.mlp_dim=256"], "model.mlp_dim=256 is not supported"),
+    ("gpt.bin", [], "is neither .safetensors nor a torch.save file"),
+    ("missing.pt", [], "does not exist")])
+def test_from_torch_refuses_a_config_or_file_before_reading_it(tmp_path, name, overrides,
+                                                               message):
+  if name != "missing.pt":
+    (tmp_path / name).write_bytes(b"")  # never read
+  with pytest.raises(UserError, match=re.escape(message)):
+    from_torch(str(tmp_path / name), str(tmp_path / "run"), TINY + DIMS + overrides, log=quiet)
+  assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.fast
+def test_a_bare_torch_state_dict_reads_and_other_pickles_are_one_line(tmp_path, monkeypatch):
+  pt = str(tmp_path / "sd.pt")
+  torch.save({"_orig_mod.embed.weight": torch.ones(2, 3, dtype=torch.bfloat16) / 3,
+              "skip_weights": torch.arange(3.0)}, pt)
+  got = torch_import.read_state_dict(pt)
+  assert sorted(got) == ["embed.weight", "skip_weights"]
+  np.testing.assert_array_equal(got["embed.weight"],
+                                np.full((2, 3), 1 / 3, np.float32).astype(ml_dtypes.bfloat16))
+  torch.save([torch.ones(2)], pt)
+  with pytest.raises(UserError, match="holds no state dict"):
+    torch_import.read_state_dict(pt)
+  torch.save(torch.nn.Linear(2, 2), pt)  # the module itself, not its state_dict()
+  with pytest.raises(UserError, match=r"weights_only=True\), which takes tensors .*Linear"):
+    torch_import.read_state_dict(pt)
+  monkeypatch.setitem(sys.modules, "torch", None)  # as where PyTorch is not installed
+  with pytest.raises(UserError, match="needs PyTorch: pip install torch"):
+    torch_import.read_state_dict(pt)
+
+
+@pytest.mark.parametrize("file,overrides,env,message", [
+    ("gpt.safetensors", ["model.head_dim=64"], {}, "model.head_dim=64 is not supported"),
+    ("gpt.pt", [], {"PYTHONPATH": "FAKE"}, "needs PyTorch: pip install torch")])
+def test_cli_from_torch_refusals_are_one_line(tmp_path, file, overrides, env, message):
+  fake = tmp_path / "fake" / "torch"
+  fake.mkdir(parents=True)
+  (fake / "__init__.py").write_text("raise ImportError('No module named torch')\n")
+  (tmp_path / file).write_bytes(b"")
+  env = {k: v.replace("FAKE", str(fake.parent)) for k, v in env.items()}
+  proc = run_cli("nanotext.convert", "from-torch", f"--torch={tmp_path / file}",
+                 f"--out={tmp_path / 'run'}", *TINY, *DIMS, *overrides, env=env, timeout=120)
+  one_line_error(proc, message)
+  assert not os.path.exists(tmp_path / "run")

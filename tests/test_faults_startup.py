@@ -76,13 +76,14 @@ def test_a_backslash_in_output_dir_is_refused_before_anything(tmp_path):
 
 @pytest.mark.fast
 def test_a_backslash_in_the_readers_and_converts_paths_is_refused(tmp_path):
-  from nanotext.convert import hf, params
+  from nanotext.convert import hf, params, torch_import
   bad = str(tmp_path / "a\\b")
   with pytest.raises(UserError, match="backslash"):
     checkpoint.make_manager(bad, keep=1)
   with pytest.raises(UserError, match="checkpoint.load_params_from .*backslash"):
     params_from.find_item(bad)
-  for convert in (params.params_only, hf.read_hf):  # both write orbax checkpoints into --out
+  # each writes orbax checkpoints into --out
+  for convert in (params.params_only, hf.read_hf, torch_import.read_config):
     with pytest.raises(UserError, match="--out .*backslash"):
       convert(str(tmp_path), bad)
   assert os.listdir(tmp_path) == []

@@ -11,6 +11,10 @@
                tree only) + DIR/convert.json; `nanotext.convert.load_params(DIR)` reads it.
   export-torch --run=RUN_DIR [--step=N] --out=FILE.safetensors [--force]
                speedrun-architecture checkpoint -> modded-nanogpt `GPT` state dict (torch names).
+  from-torch   --torch=FILE --out=RUN_DIR [--config=BASE.yml] [--force] [key=value ...]
+               modded-nanogpt `GPT` state dict (export-torch's .safetensors, or a torch.save
+               .pt/.pth: its checkpoint dict or a bare state dict) -> run directory of --config
+               (default configs/speedrun_record.yml) with a step-0 checkpoint, as from-hf.
 
 --step defaults to the newest checkpoint; --run may also be a params-only folder (no --step).
 An existing non-empty --out is refused unless --force; outputs are written next to --out and
@@ -31,13 +35,15 @@ A model.scan_layers run stores blocks.* stacked ([num_layers, ...] under one nam
 export-torch unstack it into the names above, from-hf stacks them when model.scan_layers=true,
 and params-only copies the tree as it is (with the run's config).
 HF's gelu_new (tanh form) is jax.nn.gelu's default (approximate=True); LayerNorm eps is 1e-5 on
-both sides. The speedrun mapping is in nanotext.convert.torch_export and docs/convert.md.
+both sides. The speedrun mapping is in nanotext.convert.torch_export (torch_import reads it
+backwards) and docs/convert.md.
 """
 
 from nanotext.convert.hf import merged, read_hf, to_hf
 from nanotext.convert.common import load_params, write_run
 from nanotext.convert.params import params_only
 from nanotext.convert.torch_export import export_torch
+from nanotext.convert import torch_import
 
 
 
@@ -64,6 +70,21 @@ def from_hf(hf: str, out: str, overrides=(), *, config_path: str = "", force: bo
                    given=cfg, force=force, log=log)
 
 
+def from_torch(path: str, out: str, overrides=(), *, config_path: str = "",
+               force: bool = False, log=print) -> str:
+  """Convert a modded-nanogpt state dict (export-torch's safetensors or a torch.save checkpoint)
+  into a nanotext run directory of --config (default configs/speedrun_record.yml) holding a
+  step-0 checkpoint."""
+  from nanotext import wiring
+  cfg = torch_import.read_config(path, out, overrides, config_path=config_path, force=force)
+  wiring.check_vocab(cfg)  # a run that train, evaluate and generate would refuse
+  run = built_here(cfg)
+  want = torch_import.layer_shapes(cfg, run.abstract_state()["params"])
+  flat = torch_import.params_from_torch(cfg, torch_import.read_state_dict(path), want, path)
+  return write_run(run, flat, path, out, what=f"the state dict '{path}'", given=cfg,
+                   force=force, log=log)
+
+
 def built_here(cfg):
   """wiring's Run of `cfg` on this machine's devices; a mesh for another machine is kept in
   config.yml as given (write_run), the step written from this machine's devices, every one on
@@ -78,4 +99,4 @@ def built_here(cfg):
     return wiring.from_config(local)
 
 
-__all__ = ["from_hf", "to_hf", "params_only", "load_params", "export_torch"]
+__all__ = ["from_hf", "from_torch", "to_hf", "params_only", "load_params", "export_torch"]

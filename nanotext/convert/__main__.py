@@ -12,6 +12,7 @@ USAGE = ("usage: python -m nanotext.convert "
          " | to-hf --run=DIR [--step=N] --out=DIR"
          " | params-only --run=DIR [--step=N] --out=DIR [--dtype=bfloat16]"
          " | export-torch --run=DIR [--step=N] --out=FILE.safetensors"
+         " | from-torch --torch=FILE --out=DIR [--config=YML] [key=value ...]"
          " (each also takes --force)")
 # What each subcommand does, for `SUBCOMMAND --help`.
 ABOUT = {
@@ -22,18 +23,26 @@ ABOUT = {
     "params-only": "a run's train state -> DIR/params (parameters only, optionally cast).",
     "export-torch": "speedrun-architecture run -> a safetensors state dict named as "
                     "modded-nanogpt's GPT.",
+    "from-torch": "modded-nanogpt GPT state dict (.safetensors, or a torch.save .pt/.pth: its "
+                  "checkpoint dict or a bare state dict) -> nanotext run directory of --config "
+                  "(default configs/speedrun_record.yml) with a step-0 checkpoint; key=value "
+                  "arguments override its config.",
 }
 # Flags each subcommand accepts, beyond --force; the first two are required.
 ACCEPTS = {"from-hf": ("hf", "out", "config"), "to-hf": ("run", "out", "step"),
-           "params-only": ("run", "out", "step", "dtype"), "export-torch": ("run", "out", "step")}
+           "params-only": ("run", "out", "step", "dtype"), "export-torch": ("run", "out", "step"),
+           "from-torch": ("torch", "out", "config")}
 
 
 def define_flags() -> None:
   """The CLI's flags (defined only when run as a program: no clash with other tools' flags)."""
   flags.DEFINE_string("hf", None, "Hugging Face model directory (from-hf).")
+  flags.DEFINE_string("torch", None, "modded-nanogpt state dict: .safetensors, .pt or .pth "
+                      "(from-torch).")
   flags.DEFINE_string("run", None, "nanotext run directory (output_dir of a run).")
   flags.DEFINE_string("out", None, "Where to write the result.")
-  flags.DEFINE_string("config", "", "Base config for from-hf; '' = configs/base.yml.")
+  flags.DEFINE_string("config", "", "Base config: '' = configs/base.yml (from-hf), "
+                      "configs/speedrun_record.yml (from-torch).")
   flags.DEFINE_integer("step", -1, "Checkpoint step to read; -1 = the newest.")
   flags.DEFINE_string("dtype", "", "params-only: cast to float32 or bfloat16.")
   flags.DEFINE_bool("force", False, "Replace an existing, non-empty --out.")
@@ -61,7 +70,7 @@ def subcommand_help(command: str) -> str:
 
 
 def main(args) -> None:
-  """The CLI: `args` are the subcommand and from-hf's key=value overrides."""
+  """The CLI: `args` are the subcommand and from-hf's or from-torch's key=value overrides."""
   if args and args[0] == "help":
     print(describe(args[1:]))
     return
@@ -72,20 +81,22 @@ def main(args) -> None:
     raise UserError(f"unknown subcommand '{command}'; {USAGE}")
   f = flags.FLAGS
   accepts = ACCEPTS[command]
-  for name in ("hf", "run", "out", "config", "step", "dtype"):
+  for name in ("hf", "torch", "run", "out", "config", "step", "dtype"):
     if f[name].present and name not in accepts:
       raise UserError(f"{command} does not take --{name}; {USAGE}")
   for name in accepts[:2]:
     if not f[name].value:
       raise UserError(f"{command} needs --{name}; {USAGE}")
-  if positional and command != "from-hf":
+  if positional and command not in ("from-hf", "from-torch"):
     raise UserError(f"{command} takes no arguments besides flags, got {positional[0]!r}; {USAGE}")
-  hf, run, out, config = (f[name].value and os.path.expanduser(f[name].value)
-                           for name in ("hf", "run", "out", "config"))
+  hf, torch, run, out, config = (f[name].value and os.path.expanduser(f[name].value)
+                                  for name in ("hf", "torch", "run", "out", "config"))
   if command == "from-hf":
     convert.from_hf(hf, out, positional, config_path=config, force=f.force)
   elif command == "to-hf":
     convert.to_hf(run, out, step=f.step, force=f.force)
+  elif command == "from-torch":
+    convert.from_torch(torch, out, positional, config_path=config, force=f.force)
   elif command == "params-only":
     convert.params_only(run, out, step=f.step, dtype=f.dtype, force=f.force)
   else:

@@ -46,9 +46,9 @@ RECORD = {"model.head_dim": 128, "model.num_layers": 12, "model.rope_base": 1024
           "model.norm_eps": 2.0 ** -23}
 
 
-def check_expressible(cfg) -> None:
-  """Refuse (UserError, one line) a run the record's module cannot compute."""
-  why = "export-torch needs what the speedrun record's GPT computes"
+def check_expressible(cfg, tool: str = "export-torch") -> None:
+  """Refuse (UserError, one line, naming `tool`) a run the record's module cannot compute."""
+  why = f"{tool} needs what the speedrun record's GPT computes"
   require(cfg, STRUCTURE, why)
   require(cfg, RECORD, why)
   m = cfg.model

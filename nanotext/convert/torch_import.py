@@ -1,0 +1,150 @@
+"""A modded-nanogpt `GPT` state dict -> nanotext params: torch_export's mapping read backwards.
+
+The input is what export-torch writes (safetensors, read without torch) or a torch.save file:
+modded-nanogpt's checkpoint dict (its `model` entry) or a bare state dict, torch.compile's
+`_orig_mod.` prefix stripped. The config (configs/speedrun_record.yml unless given) must be one
+the record's module expresses, and the state dict must match its model tensor for tensor.
+"""
+
+import os
+import re
+
+import numpy as np
+
+from nanotext.convert.common import RUN_OWN, per_layer
+from nanotext.convert.torch_export import check_expressible
+from nanotext.errors import UserError
+from nanotext.outputs import check_out
+from nanotext.rundir import check_no_glob
+from nanotext.trees import flatten
+
+TORCH_SAVE = (".pt", ".pth")
+# (nanotext name, torch name, transposed): torch_state_dict's one-to-one tensors
+RENAMES = [(r"embed\.embedding", r"embed.weight", False),
+           (r"value_embeds\.(\d+)\.embedding", r"value_embeds.\1.weight", False),
+           (r"blocks\.(\d+)\.attn\.v_lambdas", r"blocks.\1.attn.lambdas", False),
+           (r"blocks\.(\d+)\.attn\.o\.kernel", r"blocks.\1.attn.c_proj.weight", True),
+           (r"blocks\.(\d+)\.mlp\.fc\.kernel", r"blocks.\1.mlp.c_fc.weight", True),
+           (r"blocks\.(\d+)\.mlp\.proj\.kernel", r"blocks.\1.mlp.c_proj.weight", True),
+           (r"blocks\.(\d+)\.lambdas", r"blocks.\1.lambdas", False),
+           (r"skip_weights", r"skip_weights", False)]
+
+
+def read_config(path: str, out: str, overrides=(), *, config_path: str = "",
+                force: bool = False):
+  """The config of the run from-torch writes (--config, by default the record's, with the
+  overrides), refused unless the record's module computes it; --torch and --out checked."""
+  from nanotext import config
+  check_no_glob(os.path.abspath(out), "--out")  # orbax writes its checkpoint there
+  if not os.path.isfile(path):
+    raise UserError(f"--torch '{path}' " + ("is a folder" if os.path.isdir(path) else
+                                            "does not exist") + "; give a state dict file")
+  if not path.lower().endswith((".safetensors",) + TORCH_SAVE):
+    raise UserError(f"--torch '{path}' is neither .safetensors nor a torch.save file "
+                    f"({', '.join(TORCH_SAVE)}); name it by its format")
+  if path.lower().endswith(TORCH_SAVE):
+    _torch(path)  # missing: said before the config and the model are built
+  check_out(os.path.abspath(out), force=force, protect=(path,), own=RUN_OWN)
+  base = config_path or str(config.SCHEMA_PATH.parent / "speedrun_record.yml")
+  cfg = config.load(base, list(overrides) + [f"output_dir={os.path.abspath(out)}"])
+  check_expressible(cfg, "from-torch")
+  return cfg
+
+
+def read_state_dict(path: str) -> dict:
+  """{torch name: numpy array} of a .safetensors file or a torch.save file (bfloat16 kept as
+  ml_dtypes' or widened to float32: both exact), `_orig_mod.` stripped."""
+  if path.lower().endswith(TORCH_SAVE):
+    tensors = _torch_load(path)
+  else:
+    from safetensors.numpy import load_file
+    try:
+      tensors = load_file(path)
+    except Exception as e:  # safetensors raises its own error types for damaged files
+      raise UserError(f"cannot read '{path}': {str(e).splitlines()[0][:200]}") from None
+  return {k.removeprefix("_orig_mod."): v for k, v in tensors.items()}
+
+
+def _torch(path: str):
+  """The torch module, which a torch.save file needs; without it one line naming the install."""
+  try:
+    import torch
+    return torch
+  except ImportError:
+    raise UserError(f"--torch '{path}' is a torch.save file, which needs PyTorch: pip install "
+                    "torch (or give the state dict as .safetensors)") from None
+
+
+def _torch_load(path: str) -> dict:
+  torch = _torch(path)
+  try:
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+  except Exception as e:  # a damaged file, or pickled objects beyond tensors and containers
+    why = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())  # torch's advice left out
+    why = re.split(r" (Please use|Check the documentation)", why)[0] or type(e).__name__
+    raise UserError(f"cannot read '{path}' with torch.load(weights_only=True), which takes "
+                    f"tensors and containers only (save a state dict): {why[:200]}") from None
+  if isinstance(obj, dict) and isinstance(obj.get("model"), dict):  # modded-nanogpt's checkpoint
+    obj = obj["model"]
+  if not isinstance(obj, dict) or not obj or \
+      not all(isinstance(v, torch.Tensor) for v in obj.values()):
+    raise UserError(f"'{path}' holds no state dict: save model.state_dict(), or modded-nanogpt's "
+                    "checkpoint dict with it under 'model'")
+  try:
+    return {k: (v.float() if v.dtype == torch.bfloat16 else v).detach().numpy()
+            for k, v in obj.items()}
+  except TypeError as e:  # a dtype numpy has no counterpart of (float8, ...)
+    raise UserError(f"'{path}': {e}; cast the state dict to float32 or bfloat16") from None
+
+
+def counterpart(name: str, shape: tuple, d_model: int):
+  """(torch name, its shape, torch array -> nanotext array) of one layer's nanotext parameter."""
+  if name == "head.kernel":  # the record's lm_head.weight is sqrt(d) * head.kernel^T
+    scale = np.float32(np.sqrt(d_model))
+    return "lm_head.weight", shape[::-1], lambda w: np.asarray(w, np.float32).T / scale
+  if m := re.fullmatch(r"(blocks\.\d+\.attn)\.(qkv|q|k|v)\.kernel", name):
+    theirs = f"{m[1]}.qkv_w"  # [3, H*K, D]: three [out, in] matrices
+    if m[2] == "qkv":
+      return theirs, (shape[0], shape[2], shape[1]), lambda w: np.swapaxes(w, 1, 2)
+    j = "qkv".index(m[2])
+    return theirs, (3, *shape[::-1]), lambda w: w[j].T
+  for ours, theirs, transposed in RENAMES:
+    if re.fullmatch(ours, name):
+      return (re.sub(ours, theirs, name), shape[::-1] if transposed else shape,
+              (lambda w: w.T) if transposed else np.asarray)
+  raise UserError(f"nanotext parameter '{name}' has no modded-nanogpt counterpart in this "
+                  "mapping")
+
+
+def layer_shapes(cfg, abstract) -> dict:
+  """{name: shape} of a params tree of ShapeDtypeStructs, one layer each (`per_layer` run on
+  broadcast stand-ins, which hold no memory)."""
+  stand_ins = {n: np.broadcast_to(np.int8(0), s.shape) for n, s in flatten(abstract).items()}
+  return {n: v.shape for n, v in per_layer(cfg, stand_ins).items()}
+
+
+def params_from_torch(cfg, tensors: dict, want: dict, path: str) -> dict:
+  """{nanotext name: array} of the parameters `want` names ({name: shape}, one layer each) from
+  the state dict `tensors`; a missing tensor, a shape or a name the model has no place for is
+  refused, naming the first."""
+  plan = {name: counterpart(name, tuple(shape), cfg.model.d_model)
+          for name, shape in want.items()}
+  needed = {theirs: shape for theirs, shape, _ in plan.values()}
+  what = f"the state dict '{path}'"
+  for theirs, shape in needed.items():
+    if theirs not in tensors:
+      raise UserError(f"{what} has no '{theirs}' {shape}, which the config's model needs")
+  head, vocab = tensors["lm_head.weight"].shape, cfg.model.vocab_size
+  if len(head) == 2 and head[0] != vocab:
+    raise UserError(f"{what}: lm_head.weight has {head[0]} rows, the config's model.vocab_size="
+                    f"{vocab}; pass model.vocab_size={head[0]}")
+  for theirs, shape in needed.items():
+    if tensors[theirs].shape != shape:
+      raise UserError(f"{what}: '{theirs}' has shape {tuple(tensors[theirs].shape)}, the "
+                      f"config's model needs {shape} (set its model.* keys to the checkpoint's)")
+  extra = [k for k in tensors if k not in needed]
+  if extra:
+    raise UserError(f"{what} has '{extra[0]}'{f' and {len(extra) - 1} more' if extra[1:] else ''}"
+                    ", which the config's model has no place for")
+  return {name: np.ascontiguousarray(take(tensors[theirs]))
+          for name, (theirs, _, take) in plan.items()}
