@@ -8,6 +8,7 @@ again. Errors are `errors.os_error`: exit 2 for a path that cannot be written (p
 immutable file, a read-only or kernel file system), exit 1 for a full disk or a size limit.
 """
 
+import contextlib
 import errno
 import os
 import shutil
@@ -15,6 +16,8 @@ import stat
 import tempfile
 
 from nanotext.errors import ResourceError, UserError, os_error, unreadable
+
+PROBE = ".nanotext-probe-"  # the name a probe file starts with
 
 
 def writable_dir(path: str, what: str) -> None:
@@ -29,13 +32,14 @@ def writable_dir(path: str, what: str) -> None:
       parent = os.path.dirname(parent)
     for d in reversed(made):
       os.mkdir(d)
-    fd, probe = tempfile.mkstemp(prefix=".nanotext-probe-", dir=path)
+    fd, probe = tempfile.mkstemp(prefix=PROBE, dir=path)
     try:
       os.write(fd, b"probe\n")
       os.fsync(fd)
     finally:
       os.close(fd)
-      os.remove(probe)
+      with contextlib.suppress(FileNotFoundError):  # removed as a leftover meanwhile
+        os.remove(probe)
   except OSError as e:
     raise os_error(e, f"cannot write to {what} '{path}'") from None
   finally:
@@ -44,6 +48,17 @@ def writable_dir(path: str, what: str) -> None:
         os.rmdir(d)
       except OSError:
         pass
+
+
+def remove_left(folders) -> None:
+  """Delete the probe files a process killed mid-probe left in `folders` (a run's own, under its
+  lock): nothing else removed them, and each kill there left one more."""
+  for folder in folders:
+    with contextlib.suppress(OSError):
+      for entry in os.scandir(folder):
+        if entry.name.startswith(PROBE) and entry.is_file(follow_symlinks=False):
+          with contextlib.suppress(OSError):
+            os.remove(entry.path)
 
 
 def readable(path: str) -> None:

@@ -139,6 +139,20 @@ def test_overwrite_on_the_same_run_says_it_changed_nothing(tmp_path):
                              "this same run"), lines
 
 
+def test_probe_files_a_killed_run_left_are_removed_at_the_next_start(tmp_path):
+  """A SIGKILL between a write probe's create and remove left `.nanotext-probe-*` in the run's
+  folders for good (a chaos probe: one more per such kill)."""
+  before = old_run(tmp_path)
+  os.makedirs(tmp_path / "tb")
+  left = [tmp_path / d / ".nanotext-probe-abc123" for d in ("", "checkpoints", "tb")]
+  for path in left:
+    path.write_text("probe\n")
+  s, _ = session(tmp_path, "train.steps=8")
+  with s.open(Preemption(on_early_stop=s.stop_early), 0):
+    assert not any(path.exists() for path in left)
+  assert snapshot(tmp_path) == before  # the run's own files untouched
+
+
 @pytest.mark.parametrize("overrides", [["train.steps=8"], ["overwrite=true", "seed=1"]])
 def test_an_early_signal_puts_output_dir_back_and_releases_it(tmp_path, overrides):
   """Preemption calls stop_early in its signal handler before the first step (then exits)."""
