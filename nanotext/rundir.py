@@ -38,10 +38,10 @@ def check_no_glob(path: str, what: str) -> None:
 
 
 def kernel_fs(path: str) -> str:
-  """'proc', 'sys' or 'dev' when `path` lies in that kernel file system, else ''."""
-  real = os.path.realpath(path)
-  top = real.split(os.sep)[1] if real.count(os.sep) else ""
-  return top if top in ("proc", "sys", "dev") else ""
+  """'proc', 'sys' or 'dev' when `path` lies in that kernel file system, else '' (/dev/shm is
+  memory a run may write to, tmpfs)."""
+  parts = os.path.realpath(path).split(os.sep) + ["", ""]
+  return parts[1] if parts[1] in ("proc", "sys", "dev") and parts[1:3] != ["dev", "shm"] else ""
 
 
 def is_step_name(name: str) -> bool:

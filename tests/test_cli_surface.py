@@ -155,6 +155,28 @@ def test_only_check_args_runs_every_sections_rules(override, tmp_path):
   assert not proc.stdout and not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("overrides,want", [
+    (["seed=7", "overwrite=true", "model.zero_init_head=true"], "model.zero_init_head"),
+    (["checkpoint.load_params_from=/nonexistent"], "does not exist"),
+    (["output_dir=/proc/nanotext-run"], "kernel file system"),
+])
+def test_only_check_args_checks_output_dir_as_a_start_does(overrides, want, tmp_path):
+  """It passed what a start refuses before its first step (a probe of the new checks): a fresh
+  start's rules where overwrite=true replaces a run, a missing parameter source, an output_dir
+  no run can use."""
+  from nanotext import config
+  out = tmp_path / "run"
+  base = os.path.join(REPO, "configs", "base.yml")
+  if "checkpoint.load_params_from=/nonexistent" not in overrides:  # a run there already
+    os.makedirs(out / "checkpoints" / "2")
+    config.save(config.load(base, [f"output_dir={out}"]), str(out / "config.yml"))
+  before = sorted(os.walk(tmp_path))
+  proc = run_cli("nanotext.train", base, f"output_dir={out}", *overrides, "--only_check_args",
+                 timeout=120)
+  one_line_error(proc, want)
+  assert sorted(os.walk(tmp_path)) == before
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("flag,want", [("--passes=-1", "--passes=-1 must be 0"),
                                        ("--min_headroom=1", "--min_headroom=1.0 must be in"),
