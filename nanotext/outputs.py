@@ -28,6 +28,11 @@ def _shared(path: str) -> None:
       os.chmod(os.path.join(folder, name), mode)
 
 
+def _empty_dir(path: str) -> bool:
+  """`path` is an empty folder, not a link to one (a link at --out is replaced, not its target)."""
+  return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
+
+
 def _check_target(out: str, force: bool, protect=(), own=None) -> str:
   """`out` checked; `own` (name patterns) is what the tool writes there: --force replaces only
   a folder holding nothing else, or a file of such a name (a git checkout given as --out was
@@ -70,7 +75,7 @@ def _check_target(out: str, force: bool, protect=(), own=None) -> str:
     raise UserError(f"--out '{out}' is a mount point, which the output cannot replace (it is "
                     f"renamed into place whole); give a new folder inside it, such as "
                     f"'{os.path.join(out, 'out')}'")
-  if not (os.path.isdir(out) and not os.listdir(out)):
+  if not _empty_dir(out):
     if force and own is not None and os.path.lexists(out):
       _check_own(out, own)
     if os.path.lexists(out) and not force:
@@ -215,7 +220,7 @@ def staged_dir(out: str, *, force: bool, protect=(), own=None):
     fileio.fsync_tree(tmp)
     # A signal between the two renames left no output: the old one aside, the new one removed.
     with signals.held("after --out was written: it is complete"), _replacing(out):
-      if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+      if os.path.lexists(out) and not _empty_dir(out):
         old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
         try:
           os.replace(out, os.path.join(old, name))  # aside first: rename cannot replace a folder
