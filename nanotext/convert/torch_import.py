@@ -9,6 +9,7 @@ the record's module expresses, and the state dict must match its model tensor fo
 import os
 import re
 
+import ml_dtypes
 import numpy as np
 
 from nanotext.convert.common import RUN_OWN, per_layer
@@ -62,7 +63,19 @@ def read_state_dict(path: str) -> dict:
       tensors = load_file(path)
     except Exception as e:  # safetensors raises its own error types for damaged files
       raise UserError(f"cannot read '{path}': {str(e).splitlines()[0][:200]}") from None
-  return {k.removeprefix("_orig_mod."): v for k, v in tensors.items()}
+  out = {}
+  for k, v in tensors.items():
+    name = k.removeprefix("_orig_mod.")
+    if name in out:  # one would silently win over the other
+      raise UserError(f"'{path}' holds both '{name}' and '_orig_mod.{name}'; keep one of them")
+    if v.dtype.kind != "f" and v.dtype != ml_dtypes.bfloat16:  # a cast would change its values
+      raise UserError(f"'{path}': '{k}' is {v.dtype}, not a floating-point tensor; give a "
+                      "state dict of the model's float32 or bfloat16 parameters")
+    if not np.isfinite(v).all():
+      raise UserError(f"'{path}': '{k}' holds NaN or infinite values; give a state dict of "
+                      "finite parameters (an earlier step, before the run diverged)")
+    out[name] = v
+  return out
 
 
 def _torch(path: str):
