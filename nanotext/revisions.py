@@ -36,7 +36,7 @@ CURRENT = CHANGES[-1].revision
 def saved_revision(integrity) -> int:
   """The revision a step was saved at: 0 where it has none (saved before revisions were kept)."""
   value = (integrity or {}).get("revision", 0)
-  return value if isinstance(value, int) and not isinstance(value, bool) else 0
+  return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def resume_note(integrity, cfg, step: int) -> str:

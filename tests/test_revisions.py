@@ -42,7 +42,7 @@ def test_only_changes_after_the_saved_revision_are_named():
 
 @pytest.mark.fast
 def test_a_revision_that_is_not_a_whole_number_reads_as_unrecorded():
-  for junk in (True, "3", 2.0, None):
+  for junk in (True, "3", 2.0, None, -1):
     assert revisions.saved_revision({"revision": junk}) == 0
   assert revisions.saved_revision(None) == 0
 

@@ -775,3 +775,10 @@ def test_overwrite_refuses_a_source_it_would_set_aside(tmp_path):
       identity.check_run(cfg(src), str(tmp_path))
   assert identity.check_run(cfg(tmp_path / "params_only"), str(tmp_path)) is True
   assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.yml", "params_only"]
+
+
+@pytest.mark.fast
+def test_dev_shm_is_no_kernel_file_system():
+  """output_dir=/dev/shm/x (a tmpfs a run can write to) was refused as lying in 'dev'."""
+  assert rundir.kernel_fs("/dev/shm/run") == "" and rundir.kernel_fs("/dev/shm") == ""
+  assert rundir.kernel_fs("/dev/null") == "dev" and rundir.kernel_fs("/proc/1") == "proc"
