@@ -46,6 +46,14 @@ def fsync_path(path: str) -> None:
     os.close(fd)
 
 
+def replace_synced(src: str, dst: str) -> None:
+  """os.replace(src, dst) for a file written by other means than atomic_write: its bytes on disk
+  before the rename and the rename after (a power cut leaves the old file or the whole new one)."""
+  fsync_path(src)
+  os.replace(src, dst)
+  fsync_path(os.path.dirname(os.path.abspath(dst)))
+
+
 def fsync_tree(path: str) -> None:
   """fsync every file and folder under `path` (or the file `path`) before it is renamed into
   place: a power cut after the rename can otherwise leave its files empty."""

@@ -267,10 +267,8 @@ def staged_file(out: str, *, force: bool, protect=(), own=None):
     with writing(out):
       yield tmp
     _shared(tmp)
-    fileio.fsync_path(tmp)
     with _replacing(out):
-      os.replace(tmp, out)
-    fileio.fsync_path(parent)
+      fileio.replace_synced(tmp, out)
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)

@@ -115,9 +115,7 @@ def _fetch_one(fetch, filename: str, tmp_dir: str, final: str) -> int:
       # `final` so the rename below stays atomic.
       shutil.copyfile(local, staged)
     count = _validate(staged, filename)
-    fileio.fsync_path(staged)  # on disk before the rename, as fileio.atomic_write does
-    os.replace(staged, final)
-    fileio.fsync_path(os.path.dirname(final))
+    fileio.replace_synced(staged, final)
   except OSError as e:
     raise UserError(f"cannot download '{filename}' into '{os.path.dirname(final)}': {e}") from None
   finally:

@@ -198,9 +198,7 @@ def save(tok, out: str) -> None:
                      f".{os.path.basename(out)}.tmp-{os.getpid()}")
   try:
     tok.save(tmp)
-    fileio.fsync_path(tmp)  # on disk before the rename, as fileio.atomic_write does
-    os.replace(tmp, out)
-    fileio.fsync_path(os.path.dirname(tmp))
+    fileio.replace_synced(tmp, out)
   except Exception as e:  # tokenizers (Rust) names the errno in its message
     err = write_error(e, f"cannot write '{out}'")
     if err is None:
