@@ -232,6 +232,21 @@ def test_a_state_dict_that_would_change_on_reading_is_refused(tmp_path, tensors,
     torch_import.read_state_dict(pt)
 
 
+@pytest.mark.fast
+def test_a_float8_safetensors_file_is_refused_naming_the_tensor(tmp_path):
+  """safetensors' numpy reader said "module 'numpy' has no attribute 'float8_e4m3fn'" as if the
+  file could not be read; the tensor and its dtype are named instead."""
+  from safetensors.torch import save_file
+  path = str(tmp_path / "sd.safetensors")
+  save_file({"skip_weights": torch.ones(2), "embed.weight": torch.ones(2, 2).to(
+      torch.float8_e4m3fn)}, path)
+  with pytest.raises(UserError, match=re.escape("'embed.weight' is F8_E4M3 (float8)")):
+    torch_import.read_state_dict(path)
+  (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 20)  # damaged: load_file's own line
+  with pytest.raises(UserError, match="cannot read"):
+    torch_import.read_state_dict(str(tmp_path / "bad.safetensors"))
+
+
 @pytest.mark.parametrize("file,overrides,env,message", [
     ("gpt.safetensors", ["model.head_dim=64"], {}, "model.head_dim=64 is not supported"),
     ("gpt.pt", [], {"PYTHONPATH": "FAKE"}, "needs PyTorch: pip install torch")])

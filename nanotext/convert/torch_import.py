@@ -6,6 +6,7 @@ modded-nanogpt's checkpoint dict (its `model` entry) or a bare state dict, torch
 the record's module expresses, and the state dict must match its model tensor for tensor.
 """
 
+import json
 import os
 import re
 
@@ -59,6 +60,7 @@ def read_state_dict(path: str) -> dict:
     tensors = _torch_load(path)
   else:
     from safetensors.numpy import load_file
+    _refuse_float8(path)
     try:
       tensors = load_file(path)
     except Exception as e:  # safetensors raises its own error types for damaged files
@@ -76,6 +78,20 @@ def read_state_dict(path: str) -> dict:
                       "finite parameters (an earlier step, before the run diverged)")
     out[name] = v
   return out
+
+
+def _refuse_float8(path: str):
+  """A float8 tensor (numpy has no such dtype) named, before safetensors says numpy lacks it."""
+  try:
+    with open(path, "rb") as f:
+      size = int.from_bytes(f.read(8), "little")
+      header = json.loads(f.read(size)) if size < 1 << 27 else {}  # safetensors' own bound
+    names = [k for k, v in header.items() if str(v.get("dtype", "")).startswith("F8")]
+  except (ValueError, AttributeError):
+    return  # a damaged header: load_file says so
+  if names:
+    raise UserError(f"'{path}': '{names[0]}' is {header[names[0]]['dtype']} (float8), not a "
+                    "float32 or bfloat16 tensor; cast the state dict to float32 or bfloat16")
 
 
 def _torch(path: str):
