@@ -44,7 +44,8 @@ def flatten(tree: dict, prefix: str = "") -> dict:
   out: dict = {}
   for k, v in tree.items():
     key = f"{prefix}{k}"
-    for leaf, value in (flatten(v, key + ".") if isinstance(v, dict) else {key: v}).items():
+    opened = isinstance(v, dict) and (v or not prefix)  # `{}` as a section's key's value is one
+    for leaf, value in (flatten(v, key + ".") if opened else {key: v}).items():
       if leaf in out:
         raise UserError(f"config key '{leaf}' is given twice (dotted, and nested in its "
                         "section): give it once")

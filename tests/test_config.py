@@ -258,6 +258,15 @@ def test_a_mapping_under_a_key_that_takes_none_is_that_keys_wrong_type(tmp_path)
   assert error(path=steps) == "config key 'train.steps' expects an integer, got {'at': 5}"
 
 
+@pytest.mark.fast
+def test_an_empty_mapping_under_a_key_is_its_wrong_type_and_an_empty_section_is_empty(tmp_path):
+  """`mesh: {rules: {}}` was read as no key at all: the base's rules were used, unsaid."""
+  rules = write(tmp_path / "r.yml", f"base: {BASE}\nmesh:\n  rules: {{}}\n")
+  assert error(path=rules) == "config key 'mesh.rules' expects a list, got {}"
+  empty = write(tmp_path / "e.yml", f"base: {BASE}\nmesh: {{}}\ntrain: {{}}\n")
+  assert load(path=empty).mesh.rules == load(path=BASE).mesh.rules
+
+
 def test_a_load_reads_the_schema_once(monkeypatch):
   """Each file of a chain read once and base.yml once more as the schema: 097cde9 read the
   schema again for each file of the chain (8 ms each, a fifth of a refusal's time)."""
