@@ -343,7 +343,7 @@ def initial_state(run: Run, manager, log=print) -> Start:
     was = (rundir.step_config(cfg.output_dir, step).get("train") or {}).get("steps")
     if isinstance(was, int) and was != cfg.train.steps:  # the schedules change: say so
       log(window_schedule.steps_change_line(cfg, was, step))
-    if note := revisions.resume_note(integrity, cfg, step):  # its arithmetic changed since
+    if step < cfg.train.steps and (note := revisions.resume_note(integrity, cfg, step)):
       log(note)
     if cfg.checkpoint.load_params_from:
       log("checkpoint.load_params_from is not read again: the run it started resumes from its "

@@ -61,6 +61,13 @@ def test_a_checkpoint_records_its_revision_and_a_resume_names_later_changes(tiny
   notes = [l for l in lines if l.startswith("note:")]
   assert len(notes) == 1 and "step 2" in notes[0] and "a change (abc1234)" in notes[0], lines
   assert saved_revision(out, 3) == later.revision
+  monkeypatch.setattr(revisions, "CURRENT", later.revision + 1)  # no step left: nothing to say
+  monkeypatch.setattr(revisions, "CHANGES", (*revisions.CHANGES, later._replace(
+      revision=later.revision + 1)))
+  lines.clear()
+  run(BASE, TINY + ["train.steps=3", "train.eval_every=0", "sample.max_new_tokens=0",
+                    f"output_dir={out}"], log=lines.append)
+  assert not [l for l in lines if l.startswith("note:")], lines
 
 
 def saved_revision(out: str, step: int):
