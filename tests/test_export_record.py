@@ -242,9 +242,11 @@ def test_a_float8_safetensors_file_is_refused_naming_the_tensor(tmp_path):
       torch.float8_e4m3fn)}, path)
   with pytest.raises(UserError, match=re.escape("'embed.weight' is F8_E4M3 (float8)")):
     torch_import.read_state_dict(path)
-  (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 20)  # damaged: load_file's own line
-  with pytest.raises(UserError, match="cannot read"):
-    torch_import.read_state_dict(str(tmp_path / "bad.safetensors"))
+  deep = b"[" * 200_000 + b"]" * 200_000  # past Python's recursion limit
+  for name, data in [("bad", b"\xff" * 20), ("deep", len(deep).to_bytes(8, "little") + deep)]:
+    (tmp_path / f"{name}.safetensors").write_bytes(data)  # damaged: load_file's own line
+    with pytest.raises(UserError, match="cannot read"):
+      torch_import.read_state_dict(str(tmp_path / f"{name}.safetensors"))
 
 
 @pytest.mark.parametrize("file,overrides,env,message", [
