@@ -44,7 +44,7 @@ def flatten(tree: dict, prefix: str = "") -> dict:
   out: dict = {}
   for k, v in tree.items():
     key = f"{prefix}{k}"
-    opened = isinstance(v, dict) and (v or not prefix)  # `{}` as a section's key's value is one
+    opened = isinstance(v, dict) and v  # `{}`: an empty section's value, or a key's wrong type
     for leaf, value in (flatten(v, key + ".") if opened else {key: v}).items():
       if leaf in out:
         raise UserError(f"config key '{leaf}' is given twice (dotted, and nested in its "
@@ -92,10 +92,10 @@ def file_chain(path) -> list:
       flat = flatten(tree)
     except UserError as e:
       raise UserError(f"{e} (in '{path}')") from None
-    # `train:` with its keys all commented out is YAML's null: an empty section, not a value
-    if any(v is None for v in flat.values()):  # base.yml read again only then (8 ms a file)
+    # `train:` with its keys all commented out (YAML's null), or `train: {}`: an empty section
+    if any(v in (None, {}) for v in flat.values()):  # base.yml read again only then (8 ms a file)
       section_names = {k.split(".")[0] for k in _schema() if "." in k}
-      flat = {k: v for k, v in flat.items() if not (v is None and k in section_names)}
+      flat = {k: v for k, v in flat.items() if not (v in (None, {}) and k in section_names)}
     parent = flat.pop("base", "") or ""
     if not isinstance(parent, str):
       raise UserError(f"config key 'base' in '{path}' must be a file path")

@@ -263,6 +263,10 @@ def test_an_empty_mapping_under_a_key_is_its_wrong_type_and_an_empty_section_is_
   """`mesh: {rules: {}}` was read as no key at all: the base's rules were used, unsaid."""
   rules = write(tmp_path / "r.yml", f"base: {BASE}\nmesh:\n  rules: {{}}\n")
   assert error(path=rules) == "config key 'mesh.rules' expects a list, got {}"
+  top = write(tmp_path / "t.yml", f"base: {BASE}\noutput_dir: {{}}\n")
+  assert error(path=top) == "config key 'output_dir' expects a string, got {}"
+  with pytest.raises(UserError, match="unknown config key 'foo'"):
+    load(path=write(tmp_path / "u.yml", f"base: {BASE}\nfoo: {{}}\n"))
   empty = write(tmp_path / "e.yml", f"base: {BASE}\nmesh: {{}}\ntrain: {{}}\n")
   assert load(path=empty).mesh.rules == load(path=BASE).mesh.rules
 
