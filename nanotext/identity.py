@@ -34,6 +34,18 @@ def check_run(cfg, out: str) -> bool:
   return replacing
 
 
+def as_saved(cfg, out: str):
+  """`cfg` finalized without devices as the run in `out` was (its tokenizer's vocabulary for
+  model.embed_rows=-1; mesh sizes and the memory plan's keys resume): check_run's input for
+  train --only_check_args."""
+  try:
+    rows = (config_file.read(os.path.join(out, "config.yml")).get("model") or {}).get("embed_rows")
+  except (UserError, AttributeError):  # missing or no run's: check_run says what it says then
+    rows = None
+  return config.finalize(cfg, mesh_sizes={}, data_dir="",
+                         tokenizer_vocab=rows if isinstance(rows, int) and rows > 0 else None)
+
+
 def check_folder(path: str, what: str) -> None:
   """Refuse a checkpoint path that names no folder (`what`: the argument that gave it): the
   cheap part of params_from.find_item, without jax."""

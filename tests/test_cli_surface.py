@@ -178,6 +178,24 @@ def test_only_check_args_checks_output_dir_as_a_start_does(overrides, want, tmp_
 
 
 @pytest.mark.fast
+def test_only_check_args_resumes_the_same_run_under_overwrite(tmp_path):
+  """overwrite=true on the same run resumes it: the fresh rules and parameter source were
+  checked anyway, so a run started from a folder since deleted was refused ("does not exist")
+  by the check of a command the start accepts; a changed config still replaces it."""
+  from nanotext import config, train
+  out, base = tmp_path / "run", os.path.join(REPO, "configs", "base.yml")
+  args = [base, f"output_dir={out}", f"checkpoint.load_params_from={tmp_path / 'gone'}",
+          "overwrite=true", "model.embed_rows=-1"]
+  os.makedirs(out / "checkpoints" / "2")
+  saved = config.finalize(config.load(base, args[1:]), mesh_sizes={"fsdp": 8}, data_dir="/d",
+                          tokenizer_vocab=200)  # the start's, on its devices and tokenizer
+  config.save(saved, str(out / "config.yml"))
+  train.check_only(args)
+  with pytest.raises(UserError, match="does not exist"):
+    train.check_only(args + ["seed=7"])
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("flag,want", [("--passes=-1", "--passes=-1 must be 0"),
                                        ("--min_headroom=1", "--min_headroom=1.0 must be in"),
                                        ("--json=FOLDER", "cannot write --json"),
