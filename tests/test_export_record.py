@@ -220,12 +220,15 @@ def test_a_bare_torch_state_dict_reads_and_other_pickles_are_one_line(tmp_path, 
     ({"embed.weight": torch.tensor([1.0, float("nan")])}, "'embed.weight' holds NaN or inf"),
     ({"skip_weights": torch.ones(2, dtype=torch.bfloat16) * float("inf")},
      "'skip_weights' holds NaN or inf"),
+    ({"skip_weights": torch.tensor([1.0, 1e300], dtype=torch.float64)},
+     "'skip_weights' holds values beyond float32's range"),
     ({"skip_weights": torch.ones(2), "_orig_mod.skip_weights": torch.zeros(2)},
      "holds both 'skip_weights' and '_orig_mod.skip_weights'")])
 def test_a_state_dict_that_would_change_on_reading_is_refused(tmp_path, tensors, message):
   """Complex, bool and integer tensors were cast (the imaginary part dropped, True read as 1.0),
-  NaN read in as weights (evaluate then said val_loss nan), and of a name given with and without
-  torch.compile's prefix the last kept: each refused, naming the tensor."""
+  NaN read in as weights (evaluate then said val_loss nan), as were float64 values float32
+  cannot hold (cast to inf), and of a name given with and without torch.compile's prefix the
+  last kept: each refused, naming the tensor."""
   pt = str(tmp_path / "sd.pt")
   torch.save(tensors, pt)
   with pytest.raises(UserError, match=re.escape(message)):

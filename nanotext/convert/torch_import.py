@@ -76,6 +76,9 @@ def read_state_dict(path: str) -> dict:
     if not np.isfinite(v).all():
       raise UserError(f"'{path}': '{k}' holds NaN or infinite values; give a state dict of "
                       "finite parameters (an earlier step, before the run diverged)")
+    if v.dtype.itemsize > 4 and np.abs(v).max(initial=0) > np.finfo(np.float32).max:
+      raise UserError(f"'{path}': '{k}' holds values beyond float32's range, which would be "
+                      "read as infinite; give a state dict of values float32 holds")
     out[name] = v
   return out
 
