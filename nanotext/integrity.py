@@ -68,7 +68,7 @@ def verify_named(arrays: dict, integrity, where: str) -> None:
   damaged too (a record edited or from another tree checked nothing and said intact)."""
   if integrity is None or not arrays:  # a step written before checksums existed: none to compare
     return
-  saved = integrity.get("checksums")
+  saved = integrity.get("checksums") if isinstance(integrity, dict) else None  # '[1]': edited
   if not isinstance(saved, dict) or not saved:  # emptied, or edited: it checked nothing, "intact"
     raise Damaged(f"checkpoint '{where}' is damaged: its integrity record lists no checksums")
   unlisted = [k for k in arrays if k not in saved]

@@ -585,18 +585,26 @@ def test_force_never_replaces_a_folder_of_a_run(tiny_run, tmp_path, name):
 
 
 def test_a_step_whose_integrity_record_is_emptied_is_damaged(tiny_run, tmp_path):
-  """integrity/metadata emptied ({}) or unreadable: the step read as written before checksums
-  existed, its damaged arrays resumed from silently. Only a step without the folder is so."""
+  """integrity/metadata emptied ({}), unreadable or not an object: the step read as written
+  before checksums existed, its damaged arrays resumed from silently (or a traceback). Only a
+  step without the folder is so."""
   run = str(tmp_path / "run")
   shutil.copytree(tiny_run[0], run)
   abstract = wiring.prepare(BASE, ARGS).abstract_state()["params"]
   step = os.path.join(run, "checkpoints", "2")
-  for text in ("{}", "{"):
+  for text in ("{}", "{", "[1]"):
     with open(os.path.join(step, "integrity", "metadata"), "w") as f:
       f.write(text)
     with pytest.raises(integrity.Damaged, match="integrity record lists no checksums"):
       params_from.load(step, abstract)
   assert integrity.record_beside(os.path.join(step, "state")) == {}
+  # valid JSON but not an object: a resume and verify said "'list' object has no attribute 'get'"
+  lines = []
+  assert verify.report(run, lines.append) == 1 and lines[1].split()[1:3] == ["2", "damaged"], lines
+  manager = checkpoint.reader(run)
+  with pytest.raises(integrity.Damaged, match="integrity record lists no checksums"):
+    checkpoint.restore_step(manager, 2, wiring.prepare(BASE, ARGS).abstract_state())
+  checkpoint.close(manager)
   shutil.rmtree(os.path.join(step, "integrity"))
   # the folder gone from a step saved with one (its orbax metadata lists it): damaged too, where
   # every tool read it as written before checksums ("unverified") and a resume restored it
