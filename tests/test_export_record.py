@@ -182,10 +182,14 @@ def test_from_torch_refuses_a_state_dict_of_another_model(exported, tmp_path, ed
      "from-torch needs what the speedrun record's GPT computes: model.head_dim=64"),
     ("gpt.safetensors", ["model.mlp_dim=256"], "model.mlp_dim=256 is not supported"),
     ("gpt.bin", [], "is neither .safetensors nor a torch.save file"),
-    ("missing.pt", [], "does not exist")])
+    ("missing.pt", [], "does not exist"),
+    ("pipe.safetensors", [], "is not a regular file (a pipe or device)")])
 def test_from_torch_refuses_a_config_or_file_before_reading_it(tmp_path, name, overrides,
                                                                message):
-  if name != "missing.pt":
+  """A pipe (--torch=<(cat F)) was said not to exist."""
+  if name == "pipe.safetensors":
+    os.mkfifo(tmp_path / name)  # never opened: nothing blocks
+  elif name != "missing.pt":
     (tmp_path / name).write_bytes(b"")  # never read
   with pytest.raises(UserError, match=re.escape(message)):
     from_torch(str(tmp_path / name), str(tmp_path / "run"), TINY + DIMS + overrides, log=quiet)

@@ -39,8 +39,9 @@ def read_config(path: str, out: str, overrides=(), *, config_path: str = "",
   from nanotext import config
   check_no_glob(os.path.abspath(out), "--out")  # orbax writes its checkpoint there
   if not os.path.isfile(path):
-    raise UserError(f"--torch '{path}' " + ("is a folder" if os.path.isdir(path) else
-                                            "does not exist") + "; give a state dict file")
+    what = ("is a folder" if os.path.isdir(path) else "is not a regular file (a pipe or device)"
+            if os.path.exists(path) else "does not exist")
+    raise UserError(f"--torch '{path}' {what}; give a state dict file")
   if not path.lower().endswith((".safetensors",) + TORCH_SAVE):
     raise UserError(f"--torch '{path}' is neither .safetensors nor a torch.save file "
                     f"({', '.join(TORCH_SAVE)}); name it by its format")
