@@ -211,6 +211,11 @@ def test_a_bare_torch_state_dict_reads_and_other_pickles_are_one_line(tmp_path, 
   torch.save(torch.nn.Linear(2, 2), pt)  # the module itself, not its state_dict()
   with pytest.raises(UserError, match=r"weights_only=True\), which takes tensors .*Linear"):
     torch_import.read_state_dict(pt)
+  for text in (b"hello\n", b"", b"\x80\x02"):  # torch's own words were "101" (a KeyError's)
+    with open(pt, "wb") as f:
+      f.write(text)
+    with pytest.raises(UserError, match="is not a torch.save file"):
+      torch_import.read_state_dict(pt)
   monkeypatch.setitem(sys.modules, "torch", None)  # as where PyTorch is not installed
   with pytest.raises(UserError, match="needs PyTorch: pip install torch"):
     torch_import.read_state_dict(pt)

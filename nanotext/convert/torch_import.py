@@ -114,7 +114,10 @@ def _torch_load(path: str) -> dict:
     obj = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as e:  # a damaged file, or pickled objects beyond tensors and containers
     why = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())  # torch's advice left out
-    why = re.split(r" (Please use|Check the documentation)", why)[0] or type(e).__name__
+    why = re.split(r" (Please use|Check the documentation)", why)[0]
+    if isinstance(e, (KeyError, IndexError, EOFError)) or len(why) < 8:  # pickle's internals
+      raise UserError(f"'{path}' is not a torch.save file (damaged, or another format); give a "
+                      "state dict saved with torch.save") from None
     raise UserError(f"cannot read '{path}' with torch.load(weights_only=True), which takes "
                     f"tensors and containers only (save a state dict): {why[:200]}") from None
   if isinstance(obj, dict) and isinstance(obj.get("model"), dict):  # modded-nanogpt's checkpoint
