@@ -57,7 +57,9 @@ class Session:
     if self.main:
       self.lock.acquire()
       rundir.recover(self.out, self.log)
-      probes.remove_left([self.out] + [os.path.join(self.out, d) for d in ("checkpoints", "tb")])
+      profile = self.cfg.profile.dir or os.path.join(self.out, "profile")  # as watch.py names it
+      probes.remove_left([self.out, profile] + [os.path.join(self.out, d)
+                                                for d in ("checkpoints", "tb")])
       self.start = StartUp(self.out)  # after the repairs, which stay made
     replacing = identity.check_run(self.cfg, self.out)
     if replacing or not rundir.has_checkpoint(self.out):  # a fresh start, nothing set aside yet

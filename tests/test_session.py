@@ -141,10 +141,11 @@ def test_overwrite_on_the_same_run_says_it_changed_nothing(tmp_path):
 
 def test_probe_files_a_killed_run_left_are_removed_at_the_next_start(tmp_path):
   """A SIGKILL between a write probe's create and remove left `.nanotext-probe-*` in the run's
-  folders for good (a chaos probe: one more per such kill)."""
+  folders for good (a chaos probe: one more per such kill), profile.dir's as well."""
   before = old_run(tmp_path)
   os.makedirs(tmp_path / "tb")
-  left = [tmp_path / d / ".nanotext-probe-abc123" for d in ("", "checkpoints", "tb")]
+  os.makedirs(tmp_path / "profile")
+  left = [tmp_path / d / ".nanotext-probe-abc123" for d in ("", "checkpoints", "tb", "profile")]
   for path in left:
     path.write_text("probe\n")
   s, _ = session(tmp_path, "train.steps=8")
