@@ -76,8 +76,8 @@ def _check_target(out: str, force: bool, protect=(), own=None) -> str:
                     f"renamed into place whole); give a new folder inside it, such as "
                     f"'{os.path.join(out, 'out')}'")
   if not _empty_dir(out):
-    if (force or os.path.islink(out)) and own is not None and os.path.lexists(out):
-      _check_own(out, own)  # a link --force would refuse: said before "pass --force"
+    if own is not None and os.path.lexists(out):
+      _check_own(out, own)  # what --force would refuse: said before "pass --force"
     if os.path.lexists(out) and not force:
       raise UserError(f"output '{out}' already exists; choose another path or pass --force "
                       "to replace it")
