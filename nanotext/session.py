@@ -58,8 +58,8 @@ class Session:
       self.lock.acquire()
       rundir.recover(self.out, self.log)
       profile = self.cfg.profile.dir or os.path.join(self.out, "profile")  # as watch.py names it
-      probes.remove_left([self.out, profile] + [os.path.join(self.out, d)
-                                                for d in ("checkpoints", "tb")])
+      probes.remove_left([self.out, profile, os.path.expanduser(self.cfg.train.compile_cache_dir)]
+                         + [os.path.join(self.out, d) for d in ("checkpoints", "tb")])
       self.start = StartUp(self.out)  # after the repairs, which stay made
     replacing = identity.check_run(self.cfg, self.out)
     if replacing or not rundir.has_checkpoint(self.out):  # a fresh start, nothing set aside yet

@@ -141,14 +141,18 @@ def test_overwrite_on_the_same_run_says_it_changed_nothing(tmp_path):
 
 def test_probe_files_a_killed_run_left_are_removed_at_the_next_start(tmp_path):
   """A SIGKILL between a write probe's create and remove left `.nanotext-probe-*` in the run's
-  folders for good (a chaos probe: one more per such kill), profile.dir's as well."""
+  folders for good (a chaos probe: one more per such kill), profile.dir's and
+  train.compile_cache_dir's as well."""
   before = old_run(tmp_path)
   os.makedirs(tmp_path / "tb")
   os.makedirs(tmp_path / "profile")
+  cache = tmp_path.parent / f"{tmp_path.name}-cache"  # a folder of its own, outside the run
+  cache.mkdir()
   left = [tmp_path / d / ".nanotext-probe-abc123" for d in ("", "checkpoints", "tb", "profile")]
+  left.append(cache / ".nanotext-probe-abc123")
   for path in left:
     path.write_text("probe\n")
-  s, _ = session(tmp_path, "train.steps=8")
+  s, _ = session(tmp_path, "train.steps=8", f"train.compile_cache_dir={cache}")
   with s.open(Preemption(on_early_stop=s.stop_early), 0):
     assert not any(path.exists() for path in left)
   assert snapshot(tmp_path) == before  # the run's own files untouched
