@@ -152,7 +152,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
   out.mkdir()
   (out / "keep").write_text("x")
   one_line_error(run_cli("nanotext.data.text_shards", *paths, f"--out={out}",
-                         "--tokenizer=shakespeare"), "already exists", "--force")
+                         "--tokenizer=shakespeare"), "holds 'keep', which this tool does not")
   assert os.listdir(out) == ["keep"]
 
 
