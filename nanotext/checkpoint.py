@@ -146,7 +146,7 @@ def save(manager: Manager, step: int, state, data_state: dict, config_dict: dict
     raise CheckpointError(f"cannot save the checkpoint of step {step}: {e}") from None
   fp = manager.fingerprint
   integrity = {"checksums": checksums(state), "data": None if fp is None else list(fp),
-               "revision": revisions.CURRENT}
+               **revisions.stamp()}
   manager.save(step, force=True, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
       data=ProcessJsonSave(data_state),

@@ -2,6 +2,7 @@
 revision that wrote it, and a resume says which later changes touch its config (its steps from
 there on are not the ones the older code would have taken)."""
 
+import os
 from typing import Callable, NamedTuple
 
 
@@ -33,14 +34,30 @@ CHANGES = (
 CURRENT = CHANGES[-1].revision
 
 
+def stamp() -> dict:
+  """What a checkpoint records of the code and settings that computed it."""
+  return {"revision": CURRENT, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
 def saved_revision(integrity) -> int:
   """The revision a step was saved at: 0 where it has none (saved before revisions were kept)."""
-  value = (integrity or {}).get("revision", 0)
+  value = integrity.get("revision", 0) if isinstance(integrity, dict) else 0
   return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def resume_note(integrity, cfg, step: int) -> str:
-  """One line naming the changes since step `step` was saved that touch `cfg` ('' if none)."""
+  """The lines naming what computes otherwise since step `step` was saved ('' if nothing): the
+  changes to nanotext that touch `cfg`, and XLA_FLAGS (the CPU flags nanotext sets only where
+  it is unset change the arithmetic, as may any flag)."""
+  flags = integrity.get("xla_flags") if isinstance(integrity, dict) else None
+  now = os.environ.get("XLA_FLAGS", "")
+  changed = (f"note: the checkpoint of step {step} was saved under XLA_FLAGS='{flags}', this "
+             f"process runs under '{now}': XLA may round the steps from here otherwise than "
+             "an uninterrupted run") if isinstance(flags, str) and flags != now else ""
+  return "\n".join(line for line in (_code_note(integrity, cfg, step), changed) if line)
+
+
+def _code_note(integrity, cfg, step: int) -> str:
   saved = saved_revision(integrity)
   if saved > CURRENT:
     return (f"note: the checkpoint of step {step} was saved by a newer nanotext (arithmetic "

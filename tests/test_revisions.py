@@ -41,6 +41,21 @@ def test_only_changes_after_the_saved_revision_are_named():
 
 
 @pytest.mark.fast
+def test_a_resume_under_other_xla_flags_says_its_steps_may_round_otherwise(monkeypatch):
+  """Any XLA_FLAGS left out nanotext's CPU flags: a resume under a flag that changes nothing
+  else went on in other last bits than the run that saved it, unsaid."""
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  note = revisions.resume_note({"revision": revisions.CURRENT, "xla_flags": ""}, cfg_of(), 4)
+  assert note.startswith("note: the checkpoint of step 4 was saved under XLA_FLAGS=''")
+  assert "'--xla_force_host_platform_device_count=1'" in note and "\n" not in note
+  assert revisions.resume_note(revisions.stamp(), cfg_of(), 4) == ""
+  assert revisions.resume_note({"revision": revisions.CURRENT}, cfg_of(), 4) == ""  # unrecorded
+  both = revisions.resume_note({"xla_flags": "--x"}, cfg_of("model.param_dtype=bfloat16"), 4)
+  assert [l[:40] for l in both.split("\n")] == [
+      "note: the checkpoint of step 4 was saved", "note: the checkpoint of step 4 was saved"]
+
+
+@pytest.mark.fast
 def test_a_revision_that_is_not_a_whole_number_reads_as_unrecorded():
   for junk in (True, "3", 2.0, None, -1):
     assert revisions.saved_revision({"revision": junk}) == 0
@@ -52,6 +67,7 @@ def test_a_checkpoint_records_its_revision_and_a_resume_names_later_changes(tiny
   out = str(tmp_path / "run")
   shutil.copytree(tiny_run[0], out)
   assert saved_revision(out, 2) == revisions.CURRENT
+  assert saved_integrity(out, 2)["xla_flags"] == os.environ.get("XLA_FLAGS", "")
   later = revisions.Change(revisions.CURRENT + 1, "abc1234", lambda cfg: True, "a change")
   monkeypatch.setattr(revisions, "CHANGES", (*revisions.CHANGES, later))
   monkeypatch.setattr(revisions, "CURRENT", later.revision)
@@ -70,6 +86,10 @@ def test_a_checkpoint_records_its_revision_and_a_resume_names_later_changes(tiny
   assert not [l for l in lines if l.startswith("note:")], lines
 
 
-def saved_revision(out: str, step: int):
+def saved_integrity(out: str, step: int) -> dict:
   with open(os.path.join(out, "checkpoints", str(step), "integrity", "metadata")) as f:
-    return json.load(f)["revision"]  # orbax's JsonSave file
+    return json.load(f)  # orbax's JsonSave file
+
+
+def saved_revision(out: str, step: int):
+  return saved_integrity(out, step)["revision"]
