@@ -245,6 +245,29 @@ def test_a_state_dict_that_would_change_on_reading_is_refused(tmp_path, tensors,
 
 
 @pytest.mark.fast
+def test_export_metadata_is_written_in_one_order(tmp_path):
+  """safetensors writes metadata in a per-process order: two exports of a step differed."""
+  import json
+  from safetensors import safe_open
+  from nanotext.convert.torch_export import sort_metadata
+  path = str(tmp_path / "m.safetensors")
+  meta = {"step": "3", "source": "/r\u00e9\n", "format": "pt"}
+  header = json.dumps({"__metadata__": meta, "a": {"dtype": "F32", "shape": [2], "data_offsets": [
+      0, 8]}}, separators=(",", ":"), ensure_ascii=False).encode()  # as safetensors may order it
+  header = header.ljust(-(-len(header) // 8) * 8, b" ")
+  with open(path, "wb") as f:
+    f.write(len(header).to_bytes(8, "little") + header + np.arange(2.0, dtype=np.float32).tobytes())
+  size = os.path.getsize(path)
+  sort_metadata(path)
+  with open(path, "rb") as f:
+    header = f.read(8 + int.from_bytes(f.read(8), "little"))[8:]
+  assert header.index(b'"format"') < header.index(b'"source"') < header.index(b'"step"')
+  with safe_open(path, "np") as f:
+    assert f.metadata() == meta and (f.get_tensor("a") == np.arange(2.0)).all()
+  assert os.path.getsize(path) == size
+
+
+@pytest.mark.fast
 def test_a_float8_safetensors_file_is_refused_naming_the_tensor(tmp_path):
   """safetensors' numpy reader said "module 'numpy' has no attribute 'float8_e4m3fn'" as if the
   file could not be read; the tensor and its dtype are named instead."""

@@ -23,6 +23,7 @@ record's module cannot express (its head_dim 128, 12 layers, 3 value tables, ...
 is refused, naming the first key that differs.
 """
 
+import json
 import os
 
 import numpy as np
@@ -111,5 +112,20 @@ def export_torch(run: str, out: str, *, step: int = -1, force: bool = False, log
   with staged_file(out_abs, force=force, protect=(run,), own=("*.safetensors",)) as tmp:
     save_file(tensors, tmp, metadata={"format": "pt", "source": os.path.abspath(run),
                                       "step": str(step)})
+    sort_metadata(tmp)
   log(f"wrote {out_abs} ({len(tensors)} tensors, step {step} of {run})")
   return out_abs
+
+
+def sort_metadata(path: str) -> None:
+  """Rewrite a safetensors header's metadata in sorted order: safetensors writes it in an order
+  of its own per process, so two exports of one step differed in their bytes."""
+  with open(path, "r+b") as f:
+    size = int.from_bytes(f.read(8), "little")
+    raw = f.read(size)
+    header = json.loads(raw)
+    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+    new = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(new) == len(raw.rstrip(b" ")):  # the same text reordered: the data stays in place
+      f.seek(8)
+      f.write(new.ljust(size, b" "))
