@@ -299,6 +299,7 @@ class Monitor:
     self.paused_s = 0.0
     self.reads = collections.deque([(start_step, time.perf_counter(), 0.0)])
     self.start = self.reads[0]  # for the ETA: the loop's own pace, evals and saves included
+    self.eta_from = None  # (step, time) of the first row, the ETA's start after it
     self.rate_steps = max(RATE_STEPS, t_cfg.log_every)
     self.said_peak = False
     self.unverified = []  # [(step, device metrics)] not yet read back
@@ -385,8 +386,10 @@ class Monitor:
            "compiles": self.counter.count, "skipped_steps": self.skipped}
     if cfg.attention.window_schedule:
       row["attn_window"] = window_schedule.long_window(cfg.attention, step - 1, cfg.train.steps)
-    done, elapsed = step - self.start[0], now - self.start[1]
+    since = self.eta_from or self.start  # past the first row: its step's warm-up left out
+    done, elapsed = step - since[0], now - since[1]
     row["eta_sec"] = elapsed / done * (cfg.train.steps - step) if done > 0 else 0.0
+    self.eta_from = self.eta_from or (step, now)
     self.writer.write(step, row)
     skips = f" | {self.skipped} skipped" if self.skipped else ""
     self.log(f"step {step:>6d}/{cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | "

@@ -177,6 +177,9 @@ def test_monitor_row_values(monkeypatch):
   # Rates since the start while fewer than watch.RATE_STEPS steps are read.
   assert [r["tokens_per_sec"] for r in (r1, r2, r4)] == pytest.approx(
       [tokens / 0.5, 2 * tokens / 1.5, 4 * tokens / 5.5])
+  # The ETA: the pace since the first row, whose step (compile-free, but the first run of the
+  # program) took 6x a later one in a 4,000-step tiny run
+  assert [r["eta_sec"] for r in (r1, r2, r4)] == pytest.approx([0.5 * 5, 1.0 * 4, 5.0 / 3 * 2])
   assert r1["lr"] == optim.current_lr(cfg.optim, 6, 0)
   assert r2["lr"] == optim.current_lr(cfg.optim, 6, 1) > r1["lr"]  # still warming up
   assert r4["lr"] == optim.current_lr(cfg.optim, 6, 3)
