@@ -11,6 +11,7 @@ import json
 import math
 import re
 
+from nanotext.hlo_conv import conv_flops
 from nanotext.hlo_loops import trip_count
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -318,8 +319,7 @@ def _gemm_flops(ins: Instr, operand_types) -> float:
 
 
 def _dot_flops(ins: Instr, types: dict) -> float:
-  """2 * output elements * contracted size of a dot (convolution: as a dot over its kernel's
-  input-feature and spatial dims)."""
+  """2 * output elements * contracted size of a dot (a convolution: its real multiply-adds)."""
   out = shapes(ins.type)
   if not out or not ins.operands:
     return 0.0
@@ -330,13 +330,9 @@ def _dot_flops(ins: Instr, types: dict) -> float:
     m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
     idx = [int(i) for i in m.group(1).split(",") if i] if m else []
     k = math.prod(lhs[0][1][i] for i in idx if i < len(lhs[0][1]))
-  else:  # convolution: contracted = kernel elements / output features
+  else:  # convolution: the window positions that meet input (libtpu's dots: nanotext/hlo_conv.py)
     rhs = shapes(types.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
-    m = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
-    if not rhs or not m:
-      return 0.0
-    o = m.group(1).find("o")
-    k = math.prod(rhs[0][1]) / max(1, rhs[0][1][o] if 0 <= o < len(rhs[0][1]) else 1)
+    return conv_flops(ins.attrs, lhs[0][1], rhs[0][1], out[0][1]) if rhs else 0.0
   return 2.0 * math.prod(out[0][1]) * k
 
 

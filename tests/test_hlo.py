@@ -372,3 +372,37 @@ ENTRY %main (dy: bf16[4096,768], w: bf16[3072,768], h: bf16[4096,3072]) -> bf16[
   # Operands that are no [M, K] x [K or N, ...] pair: not a GEMM to price.
   [odd] = hlo.kernels(text.replace("bf16[3072,768]", "bf16[3072,512]"))
   assert (odd.kind, odd.own) == ("custom", False)
+
+
+def test_a_dot_written_as_a_convolution_counts_its_real_multiply_adds():
+  """libtpu writes attention's batch and heads as a window over an input dilated by its size, and
+  a small projection as a window padded on both sides: only the window positions that meet real
+  input count, not every position of the kernel (batch x heads, or 64, times too many)."""
+  text = """HloModule m
+
+%fused_scores (p0: bf16[2,256,4,64], p1: bf16[2,256,4,64]) -> f32[2,4,256,256] {
+  %p0 = bf16[2,256,4,64]{3,2,1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = bf16[2,256,4,64]{3,2,1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %convolution-base-dilated.46 = f32[2,4,256,256]{2,3,1,0:T(8,128)} convolution(%p0, %p1), window={size=2x4 stride=1x3 lhs_dilate=2x4}, dim_labels=0b1f_0o1i->01bf
+}
+
+ENTRY %main (q: bf16[2,256,4,64], x: bf16[64,8,32], w: bf16[64,32,16], y: bf16[2,256,768], z: bf16[2,256,256]) -> f32[2,4,256,256] {
+  %q = bf16[2,256,4,64]{3,2,1,0:T(8,128)(2,1)} parameter(0)
+  %x = bf16[64,8,32]{2,1,0:T(8,128)(2,1)} parameter(1)
+  %w = bf16[64,32,16]{2,1,0:T(8,128)(2,1)} parameter(2)
+  %y = bf16[2,256,768]{2,1,0:T(8,128)(2,1)} parameter(3)
+  %z = bf16[2,256,256]{2,1,0:T(8,128)(2,1)} parameter(4)
+  %padded = bf16[127,8,16]{2,1,0:T(8,128)(2,1)} convolution(%x, %w), window={size=64 pad=63_63}, dim_labels=0bf_0io->0bf
+  %x1 = bf16[1,8,32]{2,1,0:T(8,128)(2,1)} slice(%x), slice={[0:1], [0:8], [0:32]}
+  %taps = bf16[64,8,16]{2,1,0:T(8,128)(2,1)} convolution(%x1, %w), window={size=64 pad=63_63}, dim_labels=0bf_0io->0bf
+  %wgrad = bf16[768,256,1]{1,0,2:T(8,128)(2,1)} convolution(%y, %z), window={size=2}, dim_labels=0fb_0io->bf0
+  %proj = bf16[2,256,256]{2,1,0:T(8,128)(2,1)} convolution(%y, %wgrad), window={size=1}, dim_labels=0bf_io0->0bf
+  ROOT %scores = f32[2,4,256,256]{2,3,1,0:T(8,128)} fusion(%q, %q), kind=kOutput, calls=%fused_scores
+}
+"""
+  flops = {k.name: k.flops for k in hlo.kernels(text)}
+  assert flops["scores"] == 2 * (2 * 4) * 256 * 256 * 64  # batch x heads x queries x keys x dim
+  assert flops["padded"] == 2 * 8 * 16 * 32 * 64 * 64  # each of 64 inputs meets each of 64 taps
+  assert flops["taps"] == 2 * 8 * 16 * 32 * 64  # its one input meets each tap once, not 64 times
+  assert flops["wgrad"] == flops["proj"] == 2 * 512 * 768 * 256  # no holes, no padding: as before
+
