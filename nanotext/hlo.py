@@ -30,6 +30,8 @@ _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "whil
          "conditional", "after-all", "add-dependency", "opt-barrier", "partition-id",
          "replica-id", "copy-done", "send-done", "recv-done", "async-done", "async-update",
          "domain", "iota"} | {c + "-done" for c in COLLECTIVES}
+# Custom calls of libtpu's own that launch no kernel: scratch space, notes on gather indices.
+_FREE_CALLS = {"AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked"}
 
 
 def shape_bytes(text: str) -> int:
@@ -195,7 +197,7 @@ def kernels(text: str, parsed=None) -> list:
       if ins.opcode == "conditional":
         walk(branches(ins)[0], times)  # one branch runs; the first stands for all
         continue
-      if ins.opcode in _FREE:
+      if ins.opcode in _FREE or custom_call_target(ins) in _FREE_CALLS:
         continue
       k = _kernel(ins, types, comps)
       k.count = times

@@ -406,3 +406,21 @@ ENTRY %main (q: bf16[2,256,4,64], x: bf16[64,8,32], w: bf16[64,32,16], y: bf16[2
   assert flops["taps"] == 2 * 8 * 16 * 32 * 64  # its one input meets each tap once, not 64 times
   assert flops["wgrad"] == flops["proj"] == 2 * 512 * 768 * 256  # no holes, no padding: as before
 
+
+def test_libtpus_own_custom_calls_are_no_kernels():
+  """A scratch buffer and a note on gather indices launch nothing: neither counted as custom
+  kernels nor a reason to price the attention FLOPs as one; a Mosaic kernel still counts."""
+  text = """HloModule m
+
+ENTRY %main (a: bf16[8,128], i: s32[2048]) -> bf16[8,128] {
+  %a = bf16[8,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %i = s32[2048]{0:T(1024)} parameter(1)
+  %custom-call.36 = f32[128]{0:T(128)S(1)} custom-call(), custom_call_target="AllocateBuffer", backend_config={"flag_configs":[]}
+  %custom-call.43 = s32[2048]{0:T(1024)} custom-call(%i), custom_call_target="AssumeGatherIndicesInBound"
+  ROOT %k = bf16[8,128]{1,0:T(8,128)(2,1)} custom-call(%a), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/jvp(block_0)/attention/attention_kernel/pallas_call"}
+}
+"""
+  assert [k.name for k in hlo.kernels(text)] == ["k"]
+  mosaic_free = text.replace('"tpu_custom_call"', '"GatherScatterIndicesBitpacked"')
+  inv = roofline.inventory(mosaic_free, PEAKS, custom_flops=1e9)
+  assert inv["custom_kernels"] == 0 and inv["estimate_parts_s"]["custom"] == 0
