@@ -250,15 +250,16 @@ def _kernel(ins: Instr, types: dict, comps: dict) -> Kernel:
     # Pallas (Triton on GPU, Mosaic on TPU) and other opaque kernels
     kind = "cudnn" if custom_call_target(ins).startswith("__cudnn") else "custom"
   elif ins.opcode == "fusion":
-    ops = {i.opcode for i in called}
-    if "scatter" in ops:
+    # Its instructions and those of a fusion libtpu nests in it (a score matmul under softmax)
+    inner = called + [j for i in called if i.opcode == "fusion"
+                      for j in comps.get(i.attr("calls"), [])]
+    typed = {i.name: i.type for i in inner}
+    dots = [i for i in inner if i.opcode in ("dot", "convolution")]
+    if "scatter" in {i.opcode for i in called}:
       kind = "scatter"
-    elif ops & {"dot", "convolution"}:
-      kind, flops = "gemm", sum(_dot_flops(i, {j.name: j.type for j in called}) for i in called
-                                if i.opcode in ("dot", "convolution"))
-      math_kind = _math([{j.name: j.type for j in called}.get(o, "")
-                         for i in called if i.opcode in ("dot", "convolution")
-                         for o in i.operands[:2]])
+    elif dots:
+      kind, flops = "gemm", sum(_dot_flops(i, typed) for i in dots)
+      math_kind = _math([typed.get(o, "") for i in dots for o in i.operands[:2]])
     else:
       kind = "fusion"
   elif ins.opcode in ("dot", "convolution"):

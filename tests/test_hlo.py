@@ -424,3 +424,30 @@ ENTRY %main (a: bf16[8,128], i: s32[2048]) -> bf16[8,128] {
   mosaic_free = text.replace('"tpu_custom_call"', '"GatherScatterIndicesBitpacked"')
   inv = roofline.inventory(mosaic_free, PEAKS, custom_flops=1e9)
   assert inv["custom_kernels"] == 0 and inv["estimate_parts_s"]["custom"] == 0
+
+
+def test_a_matmul_in_a_fusion_nested_in_another_is_a_gemm():
+  """libtpu nests attention's score matmul inside the fusion of its softmax: the outer fusion is
+  a GEMM launch with the nested matmul's FLOPs, not a fusion without any."""
+  text = """HloModule m
+
+%fused_scores (p0: bf16[2,256,4,64], p1: bf16[2,256,4,64]) -> f32[2,4,256,256] {
+  %p0 = bf16[2,256,4,64]{3,2,1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = bf16[2,256,4,64]{3,2,1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %convolution-base-dilated.46 = f32[2,4,256,256]{2,3,1,0:T(8,128)} convolution(%p0, %p1), window={size=2x4 stride=1x3 lhs_dilate=2x4}, dim_labels=0b1f_0o1i->01bf
+}
+
+%fused_softmax (q0: bf16[2,256,4,64], q1: bf16[2,256,4,64]) -> f32[2,4,256,256] {
+  %q0 = bf16[2,256,4,64]{3,2,1,0:T(8,128)(2,1)} parameter(0)
+  %q1 = bf16[2,256,4,64]{3,2,1,0:T(8,128)(2,1)} parameter(1)
+  %fusion.19 = f32[2,4,256,256]{2,3,1,0:T(8,128)} fusion(%q0, %q1), kind=kOutput, calls=%fused_scores
+  ROOT %exp.53 = f32[2,4,256,256]{2,3,1,0:T(8,128)} exponential(%fusion.19)
+}
+
+ENTRY %main (q: bf16[2,256,4,64]) -> f32[2,4,256,256] {
+  %q = bf16[2,256,4,64]{3,2,1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %softmax = f32[2,4,256,256]{2,3,1,0:T(8,128)} fusion(%q, %q), kind=kLoop, calls=%fused_softmax
+}
+"""
+  [k] = hlo.kernels(text)
+  assert (k.kind, k.math, k.flops) == ("gemm", "bf16", 2 * (2 * 4) * 256 * 256 * 64)
