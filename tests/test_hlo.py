@@ -6,7 +6,7 @@ plugin; test_gpu_compile.py checks the same on programs XLA's GPU compiler made.
 
 import pytest
 
-from nanotext import compile_report, hlo, hlo_memory, roofline
+from nanotext import compile_report, hlo, hlo_conv, hlo_memory, roofline
 
 pytestmark = pytest.mark.fast
 
@@ -405,6 +405,17 @@ ENTRY %main (q: bf16[2,256,4,64], x: bf16[64,8,32], w: bf16[64,32,16], y: bf16[2
   assert flops["padded"] == 2 * 8 * 16 * 32 * 64 * 64  # each of 64 inputs meets each of 64 taps
   assert flops["taps"] == 2 * 8 * 16 * 32 * 64  # its one input meets each tap once, not 64 times
   assert flops["wgrad"] == flops["proj"] == 2 * 512 * 768 * 256  # no holes, no padding: as before
+
+
+def test_a_convolutions_window_positions_that_meet_input_are_counted_exactly():
+  """hlo_conv's closed count against every (output, window) position tried one by one."""
+  import itertools
+  for n, size, stride, low, ld, rd in itertools.product((1, 3, 5), (1, 2, 4), (1, 2, 3),
+                                                        (0, 1, 3), (1, 2, 3), (1, 2)):
+    out = max(1, ((n - 1) * ld + 2 * low - (size - 1) * rd) // stride + 1)
+    brute = sum(1 for o in range(out) for k in range(size)
+                if (p := o * stride + k * rd - low) % ld == 0 and 0 <= p <= (n - 1) * ld)
+    assert hlo_conv._pairs(n, size, out, stride, low, ld, rd) == brute, (n, size, stride, low)
 
 
 def test_libtpus_own_custom_calls_are_no_kernels():
