@@ -237,8 +237,8 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
       "device(s)")
   abstract = run.abstract_state()["params"]
   done = lambda s: t.steps if s < 0 else s  # eval_windows=step: the windows of that step
-  execs, rows, damaged = None, [], []
-  for at, path in todo:
+  execs, rows, damaged, gone, listed = None, [], [], [], 1
+  for at, path in todo:  # grows where each step listed was removed while read: the newer ones
     try:
       source, params = params_from.load(path, abstract, what="output_dir",
                                          step_arg="step=")
@@ -264,10 +264,15 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
         raise UserError(rundir.gone_while_read("output_dir", out, at, folder)) from None
       log(f"step {at:>6d} | " + (f"{rundir.SET_ASIDE}; left out" if rundir.set_aside_since(
           out, folder) else "removed while it was read (a run still training); left out"))
+      gone.append(at)
+      if len(gone) == len(todo) and listed < rundir.READS and \
+          not rundir.set_aside_since(out, folder):
+        todo += newer_steps(out, gone)  # in place: this loop goes on with them
+        listed += 1
       continue
     at = step_of(source)
     if execs is None:  # every eval program the steps need, compiled together once
-      dones = [done(s) for s, _ in todo] if step == "all" else [done(at)]
+      dones = [done(s) for s, _ in todo if s not in gone] if step == "all" else [done(at)]
       execs = programs.compile_programs(run, "eval", eval_plan(
           cfg, dones, takes_runtime_window(run.impl)), (params, val[0]), log)
     stage = (eval_windows(cfg, done(at)), seq_len)
@@ -275,10 +280,20 @@ def evaluate(out: str, step=-1, overrides=(), log=print) -> list:
     row = metrics.val_row(float(np.mean(jax.device_get(losses))), bytes_per_token)
     rows.append({"step": at, **row, "tokens": tokens})
     log(f"step {at if at >= 0 else '?':>6} | {metrics.val_text(row)}")  # ?: no convert.json
+  if gone and len(gone) == len(todo) and not rundir.set_aside_since(out, folder):
+    raise rundir.rotated_away("output_dir", out, gone, "every step listed")  # none read
   if damaged:  # the intact steps are above; the status says not every step was read
     raise UserError(f"step(s) {', '.join(map(str, damaged))} of '{out}' could not be read "
                     f"(python -m nanotext.verify {out} says how each is damaged)")
   return rows
+
+
+def newer_steps(out: str, tried: list) -> list:
+  """sources() of step=all but the steps `tried`, which a run training into `out` removed."""
+  try:
+    return [(s, path) for s, path in sources(out, "all") if s not in tried]
+  except UserError:  # no step left
+    return []
 
 
 def main(argv) -> None:

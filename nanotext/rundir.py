@@ -280,9 +280,9 @@ def read_again(tried: list, since: float, out: str) -> bool:
                                 and bool(running(out)))
 
 
-def rotated_away(what: str, out: str, tried: list) -> UserError:
-  """The one line of a tool that gave up reading the newest step (read_again)."""
-  return UserError(f"{what} '{out}': a run training into it removed each newest step before it "
+def rotated_away(what: str, out: str, tried: list, each: str = "each newest step") -> UserError:
+  """The one line of a tool that gave up reading the newest step (read_again), or `each` step."""
+  return UserError(f"{what} '{out}': a run training into it removed {each} before it "
                    f"could be read (steps {', '.join(map(str, tried))}); read it with a larger "
                    "checkpoint.keep, or once the run has ended")
 

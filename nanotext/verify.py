@@ -6,7 +6,8 @@ one step of a params-only folder, `convert params-only`). Each step is read onto
 device whatever mesh wrote it. Nothing is moved or deleted. A run may be training into DIR
 meanwhile. Exit status: 0 when every step is intact, 1 when one is damaged or config.yml is
 missing or was edited in a model key after the newest step (the read tools refuse it),
-2 for a directory that is not a run or holds a file this user may not read, 130 on Ctrl-C.
+2 for a directory that is not a run or holds a file this user may not read, or where a run
+training into it removed every step listed (3 listings) before it was read, 130 on Ctrl-C.
 Steps removed (or the run set aside by an overwrite=true start) while they are read are gone,
 not damaged.
 """
@@ -79,11 +80,21 @@ def report(out: str, log=print) -> int:
   said = f"{len(steps)} checkpoint(s) in {root}, newest first:" if steps else \
       f"no checkpoint in {root} yet: nothing to verify{rundir.aside_note(out)}"
   log(said + (f" (a run is training into it: {live})" if live else ""))
-  damaged, keep = 0, rundir.live_keep(out)
-  for step in steps:
-    status, detail = check_step(manager, step, keep, folder)
-    damaged += status == "damaged"
-    log(f"  step {step:>7d}  {status:<10s}  {detail}")
+  damaged, keep, tried, todo = 0, rundir.live_keep(out), [], steps
+  for listing in range(rundir.READS):  # each step listed rotated away: list the newer ones
+    gone = 0
+    for step in todo:
+      status, detail = check_step(manager, step, keep, folder)
+      damaged, gone = damaged + (status == "damaged"), gone + (status == "gone")
+      log(f"  step {step:>7d}  {status:<10s}  {detail}")
+    tried += todo
+    if gone < len(todo) or not todo or listing == rundir.READS - 1 or \
+        rundir.set_aside_since(out, folder):
+      break
+    checkpoint.close(manager)
+    manager = checkpoint.reader(out)
+    todo = sorted((s for s in manager.all_steps() if s not in tried), reverse=True)
+    log(f"each step above was removed while it was read: {len(todo)} newer one(s) listed")
   try:
     names = os.listdir(root)
   except OSError:  # the run was set aside by an overwrite meanwhile
@@ -116,6 +127,9 @@ def report(out: str, log=print) -> int:
     log(f"config.yml: {rundir.SET_ASIDE}; not checked")
   if edited:
     log(edited)
+  if not (damaged or edited) and tried and gone == len(todo) and \
+      not rundir.set_aside_since(out, folder):  # all read was gone: verify checked nothing
+    raise rundir.rotated_away("output_dir", out, tried, "every step listed")
   return 1 if damaged or edited else 0
 
 

@@ -200,6 +200,32 @@ def test_beside_a_live_run_the_newest_step_is_read_again_longer(tiny_run, tmp_pa
     evaluate.evaluate(out, log=lambda line: None)
 
 
+@pytest.mark.parametrize("rotations", [1, 99])
+def test_step_all_beside_a_run_that_rotates_every_step_listed_reads_the_newer_ones(
+    tiny_run, tmp_path, monkeypatch, rotations):
+  """step=all beside a run saving faster than it reads: each step listed was removed while
+  read, no val_loss, exit 0. The steps saved meanwhile are listed and read; where those go
+  too, 3 listings in all, one line (exit 2)."""
+  out = str(tmp_path / "run")
+  shutil.copytree(tiny_run[0], out)  # step 2
+  load, newer, removed = params_from._load_params, iter(range(3, 100)), []
+
+  def rotated_away(item, whole_state, abstract):  # a newer step saved, this one removed
+    if len(removed) < rotations:
+      where = os.path.dirname(item)
+      removed.append(int(os.path.basename(where)))
+      shutil.copytree(where, os.path.join(out, "checkpoints", str(next(newer))))
+      shutil.rmtree(where)
+    return load(item, whole_state, abstract)
+  monkeypatch.setattr(params_from, "_load_params", rotated_away)
+  if rotations == 1:
+    assert [r["step"] for r in evaluate.evaluate(out, "all", log=lambda line: None)] == [3]
+    return
+  with pytest.raises(UserError, match=r"removed every step listed before it could be read "
+                                      r"\(steps 2, 3, 4\)"):
+    evaluate.evaluate(out, "all", log=lambda line: None)
+
+
 @pytest.mark.fast
 def test_a_step_a_live_run_is_removing_is_left_out_not_called_damaged(tiny_run, tmp_path):
   """A run with checkpoint.keep=2 removes its oldest step state/ first: caught between the two,

@@ -222,6 +222,36 @@ def test_verify_calls_a_step_removed_while_read_gone_not_damaged(reference, tmp_
   assert verify.check_step(manager, 6)[0] == "damaged"
 
 
+@pytest.mark.parametrize("rotations", [3, 99])
+def test_verify_beside_a_run_that_rotates_every_step_listed_reads_the_newer_ones(
+    reference, tmp_path, monkeypatch, rotations):
+  """A run saving faster than verify reads (checkpoint.keep=3, a save every 0.4 s) rotated away
+  each step listed: every line said gone, exit 0, nothing checked. The steps saved meanwhile
+  are listed and read; where those go too, 3 listings in all, one line and exit 2."""
+  out = copy_of(reference, tmp_path)  # steps 2, 4, 6
+  read, newer, removed = checkpoint.read_on_one_device, iter(range(10, 100)), []
+
+  def rotated_away(m, step, part=""):  # a newer step saved, this one removed
+    if len(removed) < rotations:
+      where = checkpoint.step_dir(m, step)
+      shutil.copytree(where, checkpoint.step_dir(m, next(newer)))
+      shutil.rmtree(where)
+      removed.append(step)
+    return read(m, step, part)
+  monkeypatch.setattr(checkpoint, "read_on_one_device", rotated_away)
+  lines = []
+  if rotations == 3:
+    assert verify.report(out, lines.append) == 0, lines
+    assert [line.split()[1:3] for line in lines if line.startswith("  step")] == [
+        ["6", "gone"], ["4", "gone"], ["2", "gone"],
+        ["12", "intact"], ["11", "intact"], ["10", "intact"]], lines
+    return
+  with pytest.raises(UserError, match=r"removed every step listed before it could be read "
+                                      r"\(steps 6, 4, 2, 12, 11, 10, 15, 14, 13\)"):
+    verify.report(out, lines.append)
+  assert [line.split()[2] for line in lines if line.startswith("  step")] == ["gone"] * 9
+
+
 def test_verify_calls_a_step_a_killed_run_was_deleting_a_leftover(reference, tmp_path):
   """SIGKILL while orbax deleted a step older than the newest checkpoint.keep, file by file:
   verify called the rest damaged, exit 1; the next start removes it. A step the
