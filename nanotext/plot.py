@@ -169,7 +169,8 @@ def plot(runs: list, out: str, title: str = "") -> None:
               color="gray")
   from matplotlib.ticker import EngFormatter
   for ax in axes[:, 1]:
-    ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 300k tokens, not 300000
+    if ax.has_data():  # an empty panel's 0..1 axis read '0, 200m, ..., 1' tokens
+      ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 300k tokens, not 300000
   for ax in axes.flat:
     ax.grid(alpha=0.3)
   handles, labels = axes[0][0].get_legend_handles_labels()

@@ -128,6 +128,22 @@ def test_the_tokens_axis_says_why_tokens_per_step_are_unknown(tmp_path):
 
 
 @pytest.mark.plots
+def test_an_empty_tokens_panel_has_no_token_counts_on_its_axis(tmp_path, monkeypatch):
+  """A run without val_bpb (data.tokenizer=none): the empty bits-per-byte-vs-tokens panel's 0..1
+  axis read '0, 200m, 400m, 600m, 800m, 1' (tokens as the filled panel above writes them)."""
+  import matplotlib.pyplot as plt
+  from nanotext import plot
+  figures = []
+  monkeypatch.setattr(plt, "close", figures.append)  # the figure, kept to read its axes
+  run = plot.read_run(fake_run(tmp_path / "run", bpb=False))
+  plot.plot([run], str(tmp_path / "x.png"))
+  top, bottom = (figures[0].axes[i].get_xticklabels() for i in (1, 3))
+  assert [t.get_text() for t in top if t.get_text().endswith("k")], "no tokens axis above"
+  assert not [t.get_text() for t in bottom if t.get_text().endswith("m")], bottom
+  plt.close(figures[0])
+
+
+@pytest.mark.plots
 def test_dollars_in_a_title_or_run_name_are_text(tmp_path):
   """matplotlib read '$...$' as math: a title or a run folder named 'cost $x^$' was a
   ValueError traceback, exit 1."""
