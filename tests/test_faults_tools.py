@@ -356,11 +356,15 @@ def test_verify_beside_a_run_that_is_training_raises_no_false_alarm(tmp_path):
         n.isdigit() for n in os.listdir(out / "checkpoints")):
       assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
       time.sleep(0.2)
-    checked = 0
-    while proc.poll() is None and checked < 5:
+    checked, tries = 0, 0
+    while proc.poll() is None and checked < 5 and tries < 20:
+      tries += 1
       result = cli("nanotext.verify", str(out))
-      assert result.returncode == 0 and "damaged" not in result.stdout, result.stdout
-      assert "a run is training into it" in result.stdout
+      assert "damaged" not in result.stdout, result.stdout
+      if result.returncode == 2:  # each step of three listings rotated away (a loaded machine)
+        assert "a run training into it removed every step listed" in result.stderr, result.stderr
+        continue
+      assert result.returncode == 0 and "a run is training into it" in result.stdout, result
       checked += 1
     assert checked >= 3
   finally:
