@@ -101,7 +101,8 @@ def estimate(run, text: str) -> dict | None:
   if gpu is None and chip is None:
     return None
   peaks = gpu.peaks if gpu else roofline.Peaks(bf16=chip.peak_flops, bandwidth=chip.hbm_bw)
-  program = max(nt_compile.programs(run.cfg, run.impl)[:-1], key=lambda p: p[2][1])[1]
+  train = [p for p in nt_compile.programs(run.cfg, run.impl) if p[2]]  # eval programs: no steps
+  program = max(train, key=lambda p: p[2][1])[1]
   return roofline.inventory(text, peaks, **dict(zip(
       ("logits_elements", "logits_bytes", "vocab"), nt_compile.logits_size(run, True))),
       custom_flops=nt_compile.attention_flops(run, program, True))

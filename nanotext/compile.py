@@ -2,7 +2,8 @@
 [--programs=all] [--json=FILE] [--hlo_dir=DIR] [--min_headroom=0.1] [--peak] [--passes=N]`.
 
 Compiles every program a run would compile (the train programs: one per attention-window stage, or
-one for all stages with a kernel that takes the windows at run time; and the eval program) for a
+one for all stages with a kernel that takes the windows at run time; and the eval programs, one per
+window stage validation runs at with train.eval_windows=step, or one for all of them) for a
 TPU slice (libtpu) or a GPU host (the jax CUDA plugin), on any machine, and prints per program the
 memory per device against what the device lets a program use, analytic and XLA FLOPs, the
 collectives, the kernel inventory (launches by kind, passes over logits-sized arrays) and a
@@ -20,11 +21,12 @@ import time
 
 from absl import flags
 
-from nanotext import gpus, hlo_memory, metrics, probes, roofline, topology, window_schedule as ws
+from nanotext import gpus, hlo_memory, metrics, probes, roofline, topology
 from nanotext.compile_report import describe, gib, verdict
 from nanotext.errors import UserError, fail, os_error
 from nanotext.fileio import atomic_write
 from nanotext.hlo import collectives
+from nanotext.program_names import check_programs, is_eval, programs, select
 
 
 def define_flags():
@@ -32,7 +34,8 @@ def define_flags():
   flags.DEFINE_string("topology", "", "What to compile for: a TPU slice (v6e-8, v5p-16) or GPUs "
                       "on one host (h100, h100-8, h200, a100-80gb, b200).")
   flags.DEFINE_string("programs", "all", "Which programs: all, or a comma list of first, last "
-                      "(train window stages), eval, or program names as printed (train@1792).")
+                      "(train window stages), eval (the final evaluation's), or program names "
+                      "as printed (train@1792, eval@1792).")
   flags.DEFINE_string("json", "", "Write one JSON record per program to this file.")
   flags.DEFINE_string("hlo_dir", "", "Write each program's optimized HLO text to DIR/NAME.hlo "
                       "and XLA's dumps (buffer assignment, memory-usage report) to DIR/NAME/.")
@@ -51,80 +54,6 @@ _OOM_RE = re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT])\) exceed
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def programs(cfg, impl: str = "") -> list:
-  """[(name, window_schedule.Program, steps)] of the run as the trainer compiles them, where
-  attention kernel `impl` serves it (see `program_list`)."""
-  from nanotext.model.kernels.dispatch import takes_runtime_window
-  return program_list(cfg, bool(impl) and takes_runtime_window(impl))
-
-
-def program_list(cfg, runtime: bool) -> list:
-  """[(name, window_schedule.Program, (first step, last step))] without jax: train programs in
-  order of first use (one per stage (per-layer windows, row length), or with `runtime` one per
-  row length), then the program of the final evaluation (steps None). Names are unique: `train`
-  (the only one), else train@ and the program's windows (Program.label), and xROWS where row
-  lengths differ."""
-  runs = ws.stage_runs(cfg, 0, cfg.train.steps)
-  train = ws.plan(list(dict.fromkeys(stage for stage, _, _ in runs)), runtime)
-  served = {}
-  for stage, first, last in runs:
-    lo, hi = served.get(train[stage], (first, last))
-    served[train[stage]] = (min(lo, first), max(hi, last))
-  lengths = {p.seq_len for p in served}
-  out = [("train" if len(served) == 1 else f"train@{program.label()}"
-          + (f"x{program.seq_len}" if len(lengths) > 1 else ""), program, steps)
-         for program, steps in served.items()]
-  evals = ws.eval_plan(cfg, ws.eval_points(cfg.train), runtime)
-  final = (ws.eval_windows(cfg, cfg.train.steps), cfg.train.eval_seq_len or cfg.train.seq_len)
-  return out + [("eval", evals[final], None)]
-
-
-def program_words(spec: str) -> list:
-  """The items of a --programs value; UserError on an empty one."""
-  words = [w.strip() for w in spec.split(",")]
-  if not all(words):
-    what = "is empty" if len(words) == 1 else "has an empty item"
-    raise UserError(f"--programs={spec!r} {what}: give all, or a comma list of first, last, eval "
-                    "or program names (train@1792)")
-  return words
-
-
-def select(progs: list, spec: str) -> list:
-  """The programs `spec` names (all | first,last,eval | names), in run order; `last` is the last
-  train stage's program alone. UserError on an empty item or an unknown name."""
-  words = program_words(spec)
-  names = [p[0] for p in progs]
-  train = [name for name in names if name != "eval"]
-  alias = {"first": train[0], "last": train[-1]} if train else {}
-  unknown = [w for w in words if w != "all" and w not in alias and w not in names]
-  if unknown:
-    raise UserError(f"--programs names unknown program(s) {', '.join(unknown)}; choose from "
-                    f"{', '.join(['all', *alias, *names])}")
-  if "all" in words:
-    return progs
-  chosen = {alias.get(w, w) for w in words}
-  return [p for p in progs if p[0] in chosen]
-
-
-def check_programs(cfg, spec: str) -> None:
-  """`select`'s check of --programs before jax loads, against attention.impl's programs; with
-  auto, until jax resolves the kernel, a name of either kind counts (static windows or runtime
-  ones; run_compile checks it again against the target's kernel, before the plan and the build)."""
-  program_words(spec)
-  static, runtime = (program_list(cfg, r) for r in (False, True))
-  if cfg.attention.impl != "auto":  # a kernel named is every target's: its programs alone count
-    static = runtime = runtime if cfg.attention.impl in ws.RUNTIME_WINDOW_IMPLS else static
-  try:
-    select(static, spec)
-  except UserError as e:
-    try:
-      select(runtime, spec)
-    except UserError:
-      other = [p[0] for p in runtime if p[0] not in {q[0] for q in static}]
-      raise UserError(f"{e}" + (f" (or, where the attention kernel takes the windows at run "
-                                f"time, {', '.join(other)})" if other else "")) from None
-
-
 def abstract_batch(run, evaluation: bool = False) -> dict:
   """ShapeDtypeStructs of one global batch (validation rows are train.eval_seq_len long),
   sharded as the data pipeline delivers it."""
@@ -132,16 +61,6 @@ def abstract_batch(run, evaluation: bool = False) -> dict:
   t = run.cfg.train
   shape = (t.batch_size, (t.eval_seq_len or t.seq_len) if evaluation else t.seq_len)
   spec = jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=run.batch_sharding)
-  return {"inputs": spec, "targets": spec}
-
-
-def eval_batch(run) -> dict:
-  """ShapeDtypeStructs of one validation batch (rows of train.eval_seq_len)."""
-  import jax
-  import jax.numpy as jnp
-  t = run.cfg.train
-  spec = jax.ShapeDtypeStruct((t.batch_size, t.eval_seq_len or t.seq_len), jnp.int32,
-                              sharding=run.batch_sharding)
   return {"inputs": spec, "targets": spec}
 
 
@@ -155,9 +74,10 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
   rec = {"name": name, "hbm_bytes_per_chip": memory_bytes, "platform": run.backend}
   if run.memory is not None:  # nanotext.memory's estimate, beside what the compiler says
     rec["estimate_bytes_per_chip"] = planned_bytes(run, name, program)
-  if name == "eval":
+  train = not is_eval(name)
+  if not train:
     jitted = trainer.make_eval_step(run, program.windows, runtime=program.runtime)
-    args = (state["params"], eval_batch(run))
+    args = (state["params"], abstract_batch(run, evaluation=True))
   else:
     jitted = trainer.make_train_step(run, program.windows, program.seq_len,
                                      runtime=program.runtime)
@@ -188,7 +108,6 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
     return rec
   # Wall seconds, and this process's CPU seconds (what the compile cost whatever else runs).
   rec["compile_s"], rec["compile_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
-  train = name != "eval"
   if hlo_dir:
     path = os.path.join(hlo_dir, f"{name}.hlo")
     try:  # (atomic_write makes the folder)
@@ -208,7 +127,7 @@ def planned_bytes(run, name: str, program) -> int:
   stage, or a shorter train.seq_len_start stage at its own row length (the plan chooses remat
   and loss chunks for the widest; a shorter stage's program is smaller)."""
   plan, t = run.memory, run.cfg.train
-  if name == "eval":
+  if is_eval(name):
     return plan.eval.total
   if not program.seq_len or program.seq_len >= t.seq_len:
     return plan.train.total
@@ -318,7 +237,7 @@ def run_compile(path, overrides, target_name, which="all", min_headroom=0.10, lo
           f"{why.splitlines()[0][:120]}); where it does, auto takes cudnn")
   log(run.memory.line())
   chosen = select(programs(run.cfg, run.impl), which)
-  run.memory.require(*{"eval" if name == "eval" else "train" for name, _, _ in chosen})
+  run.memory.require(*{"eval" if is_eval(name) else "train" for name, _, _ in chosen})
   recs = []
   for name, program, steps in chosen:
     rec = compile_program(run, name, program, target.memory_bytes, min_headroom, target.peaks,
@@ -387,7 +306,7 @@ def main(args):
     fail(line, 1)
   if not ok:
     from nanotext.memory_plan import keys_that_help
-    bad = ["eval" if r["name"] == "eval" else "train" for r in recs if not r["fits"]]
+    bad = ["eval" if is_eval(r["name"]) else "train" for r in recs if not r["fits"]]
     fail(f"{line}; try {keys_that_help(run.cfg, dict(run.mesh.shape), bad)}")
   print(line)
 

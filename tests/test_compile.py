@@ -39,10 +39,11 @@ def test_programs_follow_the_window_schedule():
   cfg = config.load(SPEEDRUN, ["train.steps=1770"])
   progs = nt_compile.programs(cfg)
   assert [p[0] for p in progs][:2] == ["train@128", "train@256"]
-  assert progs[-2][0] == "train@1792" and progs[-1][0] == "eval"
-  assert len(progs) == 15  # 14 window stages + eval, as the trainer compiles them
+  assert progs[13][0] == "train@1792" and progs[-1][0] == "eval@1792"
+  # 14 window stages, and as many evals (eval_windows=step), as the trainer compiles them
+  assert len(progs) == 28 and progs[14][0] == "eval@128"
   assert [p[0] for p in nt_compile.select(progs, "first,last,eval")] == \
-      ["train@128", "train@1792", "eval"]
+      ["train@128", "train@1792", "eval@1792"]
   with pytest.raises(UserError, match="unknown program"):
     nt_compile.select(progs, "train@999")
 
@@ -58,14 +59,15 @@ def test_each_stage_has_its_own_name_once_the_long_window_reaches_the_row():
   from nanotext import config
   progs = nt_compile.programs(config.load(SPEEDRUN, REACHES))
   names = [p[0] for p in progs]
-  assert len(set(names)) == len(names) == 12, names  # 11 window stages + eval
-  assert names[6:8] == ["train@896", "train@causal+512"] and names[-2] == "train@causal+896"
+  assert len(set(names)) == len(names) == 22, names  # 11 window stages, train and eval
+  assert names[6:8] == ["train@896", "train@causal+512"] and names[10] == "train@causal+896"
+  assert names[11] == "eval@128" and names[-1] == "eval@causal+896"
   assert progs[6][1].windows == (896, 384) and progs[7][1].windows == (0, 512)
   assert [(p[0], p[2]) for p in nt_compile.select(progs, "last")] == \
       [("train@causal+896", (1705, 1769))]
   assert [p[2] for p in nt_compile.select(progs, "train@512")] == [(394, 524)]
   assert [p[0] for p in nt_compile.select(progs, "first,last,eval")] == \
-      ["train@128", "train@causal+896", "eval"]
+      ["train@128", "train@causal+896", "eval@causal+896"]
   runtime = nt_compile.programs(config.load(SPEEDRUN, [*REACHES, "train.seq_len_start=512"]),
                                 "xla")
   assert [p[0] for p in runtime] == ["train@128..causal+384x512", "train@896..causal+896x1024",
@@ -77,8 +79,8 @@ def test_each_stage_has_its_own_name_once_the_long_window_reaches_the_row():
 @pytest.mark.parametrize("spec, why", [
     ("", "--programs='' is empty: give all, or a comma list of first, last, eval"),
     (",", "--programs=',' has an empty item"), ("eval,,last", "has an empty item"),
-    ("all,bogus", "unknown program.s. bogus; choose from all, first, last, train@128, "),
-    ("eval,train@999", "unknown program.s. train@999; choose from .*train@causal.896, eval")])
+    ("all,bogus", "unknown program.s. bogus; choose from all, first, last, eval, train@128, "),
+    ("eval,train@999", "unknown program.s. train@999; choose from .*train@causal.896, eval@128, ")])
 def test_bad_program_lists_are_refused(spec, why):
   from nanotext import config
   cfg = config.load(SPEEDRUN, REACHES)
@@ -93,7 +95,8 @@ def test_bad_program_lists_are_refused(spec, why):
     ("blocked", "train@128", r"train@128; choose from all, first, last, train, eval$"),
     ("xla", "eval,train@causal+896", r"train@causal\+896; choose from all, first, last, train, "),
     ("splash", "train", r"^--programs names unknown program\(s\) train; choose from all, first, "
-                        r"last, train@128, .*train@causal\+896, eval$")],
+                        r"last, eval, train@128, .*train@causal\+896, eval@128, .*"
+                        r"eval@causal\+896$")],
     ids=["blocked", "xla", "splash"])
 def test_the_precheck_takes_only_the_programs_of_the_kernel_named(impl, spec, why):
   """attention.impl=blocked (windows at run time: one `train` program) took train@128, a name of
@@ -127,6 +130,26 @@ def test_an_unknown_program_exits_2_before_jax_loads():
   assert proc.stderr.startswith("nanotext: error: --programs names unknown program(s) bogus; "
                                 "choose from all, first, last, train, eval")
   assert len(proc.stderr.splitlines()) == 1
+
+
+def test_each_eval_program_of_a_window_schedule_compiles_as_an_eval_step():
+  """With train.eval_windows=step validation runs at each window stage's windows, one program per
+  stage (eval@128, ...) where the kernel takes static windows; compile listed and compiled the
+  final one alone. An eval@ program compiles as the eval step: the parameters in, nothing
+  donated."""
+  from nanotext import wiring
+  small = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.head_dim=32",
+           "model.vocab_size=512", "model.align=0", "train.batch_size=8", "train.seq_len=256",
+           "train.eval_seq_len=0", "train.steps=4", "train.eval_every=2", "attention.window=256",
+           "attention.window_start=64", "attention.window_block=64", "data.source=synthetic",
+           "data.tokenizer=none", "data.eot_id=0"]
+  run = wiring.prepare(SPEEDRUN, small, devices=jax.devices()[:1])
+  progs = nt_compile.programs(run.cfg)  # static windows: the programs of splash or cudnn
+  evals = [(name, program) for name, program, _ in progs if name.startswith("eval")]
+  assert [name for name, _ in evals] == ["eval@64", "eval@128", "eval@causal+128"], progs
+  assert [p[0] for p in nt_compile.select(progs, "eval")] == ["eval@causal+128"]  # the final
+  rec = nt_compile.compile_program(run, *evals[0], 2**40)
+  assert "error" not in rec and rec["alias"] == 0, rec
 
 
 @pytest.mark.fast
