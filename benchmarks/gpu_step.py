@@ -104,7 +104,7 @@ def estimate(run, text: str) -> dict | None:
   train = [p for p in nt_compile.programs(run.cfg, run.impl) if p[2]]  # eval programs: no steps
   program = max(train, key=lambda p: p[2][1])[1]
   return roofline.inventory(text, peaks, **dict(zip(
-      ("logits_elements", "logits_bytes", "vocab"), nt_compile.logits_size(run, True))),
+      ("logits_elements", "logits_bytes", "vocab"), nt_compile.logits_size(run, program, True))),
       custom_flops=nt_compile.attention_flops(run, program, True))
 
 

@@ -114,7 +114,7 @@ def compile_program(run, name, program, memory_bytes: int, min_headroom: float =
       atomic_write(path, [compiled.as_text().encode()])
     except OSError as e:
       raise os_error(e, f"cannot write --hlo_dir file '{path}'") from None
-  rec.update(measure(compiled, peaks, *logits_size(run, train),
+  rec.update(measure(compiled, peaks, *logits_size(run, program, train),
                      attention_flops(run, program, train), peak=peak))
   rec["headroom"] = 1.0 - rec["total_bytes_per_chip"] / memory_bytes
   rec["fits"] = rec["headroom"] >= min_headroom
@@ -169,22 +169,24 @@ def measure(compiled, peaks=None, logits=0, logits_bytes=0.0, vocab=0, custom_fl
   return rec
 
 
-def logits_size(run, train: bool) -> tuple:
+def logits_size(run, program, train: bool) -> tuple:
   """(elements of the logits one head kernel works on, bytes of one device's whole bf16
-  [tokens, vocab] logits over the step's micro-batches, vocab per device) in the train or eval
-  program."""
+  [tokens, vocab] logits over the step's micro-batches, vocab per device) in train or eval
+  `program` (a sequence-length warmup stage cuts each row into train.seq_len // its rows)."""
   from nanotext import sharding
   from nanotext.model.head_loss import slices
   t, m = run.cfg.train, run.cfg.model
-  length = t.seq_len if train else (t.eval_seq_len or t.seq_len)
-  passes = t.grad_accum if train else max(1, t.eval_accum)  # micro-batches, one after another
+  length = program.seq_len or (t.seq_len if train else (t.eval_seq_len or t.seq_len))
+  cut = max(1, t.seq_len // length) if train else 1
+  # Micro-batches, one after another: a warmup stage's step runs cut times as many.
+  passes = t.grad_accum * cut if train else max(1, t.eval_accum)
   every = max(1, t.batch_size // sharding.shard_count(("batch",), run.rules, dict(run.mesh.shape)))
-  rows = max(1, every // passes)
+  rows = max(1, every * cut // passes)
   vocab = m.vocab_size // sharding.shard_count(("act_vocab",), run.rules, dict(run.mesh.shape))
   chunk = t.loss_chunk if train else t.eval_loss_chunk
   positions = chunk if 0 < chunk < length else length
   per_slice = rows * positions * vocab // slices(rows, positions, vocab, run.backend)
-  return per_slice, every * length * vocab * 2, vocab
+  return per_slice, every * cut * length * vocab * 2, vocab
 
 
 def attention_flops(run, program, train: bool) -> float:

@@ -152,6 +152,24 @@ def test_each_eval_program_of_a_window_schedule_compiles_as_an_eval_step():
   assert "error" not in rec and rec["alias"] == 0, rec
 
 
+def test_a_warmup_stages_logits_are_its_own_rows():
+  """A train.seq_len_start stage cuts each row into shorter ones, run as that many more
+  micro-batches: its head works on rows of its own length. compile sized them at train.seq_len
+  and found no kernel over the logits (`0.0 passes over the logits by 0 kernels`)."""
+  from nanotext import wiring
+  run = wiring.prepare(BASE, ["model.num_layers=1", "model.d_model=64", "model.num_heads=2",
+                              "model.head_dim=32", "model.vocab_size=512", "model.align=0",
+                              "train.batch_size=8", "train.seq_len=32", "train.seq_len_start=8",
+                              "data.source=synthetic", "data.tokenizer=none", "data.eot_id=0"],
+                       devices=jax.devices()[:1])
+  (_, short, _), (_, full, _), (_, evaluation, _) = nt_compile.programs(run.cfg, run.impl)
+  assert (short.seq_len, full.seq_len) == (8, 32)
+  whole = 8 * 32 * 512 * 2  # every token's bf16 logits, whatever the rows
+  assert nt_compile.logits_size(run, short, True) == (8 * 8 * 512, whole, 512)
+  assert nt_compile.logits_size(run, full, True) == (8 * 32 * 512, whole, 512)
+  assert nt_compile.logits_size(run, evaluation, False) == (8 * 32 * 512, whole, 512)
+
+
 @pytest.mark.fast
 def test_verdict_names_the_largest_program_or_those_that_failed():
   rec = lambda name, gib, fits: {"name": name, "total_bytes_per_chip": gib * 2**30,

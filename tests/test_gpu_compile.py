@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from conftest import BASE, REPO, SPEEDRUN, run_cli
+from conftest import BASE, REPO, SPEEDRUN, TINY, run_cli
 from nanotext import compile as nt_compile
 from nanotext import gpus, topology
 from nanotext.errors import UserError
@@ -350,3 +350,15 @@ def test_newton_schulz_writes_x_xt_as_bfloat16_on_an_h100():
   square = [dtype for dtype, dims in outputs if dims == (256, 256)]  # X X^T and A @ A
   assert sorted(square) == ["bf16"] * 5 + ["f32"] * 5, outputs
   assert all(dtype == "f32" for dtype, dims in outputs if dims == (256, 512)), outputs  # B @ X
+
+
+@pytest.mark.gpu_compile
+def test_a_warmup_stage_counts_its_passes_over_the_logits():
+  """A train.seq_len_start stage's head works on rows of its own length: compile sized its
+  logits at train.seq_len and printed '0.0 passes over the logits by 0 kernels, besides 0
+  GEMMs' for it (4.0 for the full-length stage)."""
+  r = compiled(BASE, TINY + ["model.num_layers=1", "model.dtype=bfloat16",
+                             "train.seq_len_start=8"], "first")["train"]
+  assert r["seq_len"] == 8 and "error" not in r, r
+  inv = r["kernels"]
+  assert inv["logits_passes"] > 0 and inv["logits_kernels"] > 0 and inv["logits_gemms"] > 0
