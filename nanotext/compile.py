@@ -132,7 +132,8 @@ def planned_bytes(run, name: str, program) -> int:
   if not program.seq_len or program.seq_len >= t.seq_len:
     return plan.train.total
   from nanotext import memory
-  model = memory.model_of(run.cfg, run.backend, dict(run.mesh.shape))
+  model = memory.model_of(run.cfg, run.backend, dict(run.mesh.shape),
+                          gpus.gemm_workspace(run.mesh.devices.flat[0]))
   return model.train(run.cfg.model.remat, t.loss_chunk, program.seq_len).total
 
 

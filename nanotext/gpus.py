@@ -19,6 +19,9 @@ from nanotext.roofline import Peaks
 # dot; without, it is cuBLASLt FP8 GEMMs, as the autotuned program on a real H100 was).
 COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 POOL_FRACTION = 0.75  # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION: the share it pre-allocates
+# The workspace XLA gives each cuBLAS call (its GemmConfig, after NVIDIA's advice for
+# cublasSetWorkspace): 32 MiB from Hopper (compute capability 9) on, 4 MiB on earlier GPUs.
+HOPPER_WORKSPACE, EARLIER_WORKSPACE = 32 * 2**20, 4 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +124,17 @@ def pool_fraction() -> float:
 def of_kind(device_kind: str):
   """The Gpu whose description is `device_kind`, or None."""
   return next((g for g in GPUS.values() if g.description == device_kind), None)
+
+
+def gemm_workspace(device) -> int:
+  """Bytes of the workspace XLA gives each cuBLAS call on `device` (a target's description or a
+  real GPU, which names its compute capability); 0 off a GPU."""
+  if device.platform != "gpu":
+    return 0
+  gpu = of_kind(device.device_kind)
+  major = gpu.capability[0] if gpu else \
+      int(str(getattr(device, "compute_capability", "9")).split(".")[0])
+  return HOPPER_WORKSPACE if major >= 9 else EARLIER_WORKSPACE
 
 
 def known() -> list:

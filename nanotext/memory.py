@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from nanotext import config, optim, sharding, window_schedule
 from nanotext.fusion import kept_bytes, peak_live, saved_residuals, scope
+from nanotext.gpus import HOPPER_WORKSPACE
 from nanotext.model import head_loss
 from nanotext.model.gpt import abstract_model
 from nanotext.model.kernels import blocked as ba, dispatch
@@ -115,26 +116,28 @@ def head_matmul(eqn, d_model: int, vocab: int) -> bool:
   return vocab in rhs and len(contracted) == 1 and rhs[contracted[0]] == d_model
 
 
-def model_of(cfg, backend: str, mesh_sizes: dict) -> "Model":
-  """Model(cfg, backend, mesh_sizes), kept for the next run of the same model and training
-  (tests and benchmarks build many runs that differ only in where they write)."""
+def model_of(cfg, backend: str, mesh_sizes: dict, workspace: int = HOPPER_WORKSPACE) -> "Model":
+  """Model(cfg, backend, mesh_sizes, workspace), kept for the next run of the same model and
+  training (tests and benchmarks build many runs that differ only in where they write)."""
   t = cfg.train
   shapes = (t.batch_size, t.seq_len, t.grad_accum, t.eval_seq_len, t.seq_len_start,
             t.seq_len_step, t.loss_reduction)  # what in train decides sizes
   key = (cfg.model, cfg.attention, shapes, cfg.optim, cfg.mesh.rules, backend,
-         tuple(sorted(mesh_sizes.items())))
+         tuple(sorted(mesh_sizes.items())), workspace if backend == "gpu" else 0)
   if key not in _MODELS:
     if len(_MODELS) >= 16:
       _MODELS.pop(next(iter(_MODELS)))
-    _MODELS[key] = Model(cfg, backend, mesh_sizes)
+    _MODELS[key] = Model(cfg, backend, mesh_sizes, workspace)
   return _MODELS[key]
 
 
 class Model:
-  """One config's memory terms on a backend and mesh; traces cached per (remat, chunk)."""
+  """One config's memory terms on a backend and mesh; traces cached per (remat, chunk).
+  `workspace`: the bytes XLA gives each cuBLAS call on the GPU (gpus.gemm_workspace)."""
 
-  def __init__(self, cfg, backend: str, mesh_sizes: dict):
+  def __init__(self, cfg, backend: str, mesh_sizes: dict, workspace: int = HOPPER_WORKSPACE):
     self.cfg, self.backend, self.mesh_sizes = cfg, backend, dict(mesh_sizes)
+    self.workspace = workspace if backend == "gpu" else 0  # one held beside the peak (measured)
     self.graphdef, abstract, self.impl = abstract_model(cfg, backend)
     rules = sharding.parse_rules(cfg.mesh.rules)
     # A TPU runs a matmul whose contracting dimension is split over devices as a windowed
@@ -269,12 +272,7 @@ class Model:
             "gradients": self.param_bytes * (1 + (t.grad_accum > 1)),  # micro-batches': + a sum
             "gathered_parameters": self._gathered_at_loss() if self.backend == "gpu"
             else self.gathered_bytes, "batch": 2 * 4 * self.rows * t.grad_accum * t.seq_len,
-            "gemm_workspace": self.workspace_bytes()}
-
-  def workspace_bytes(self) -> int:
-    """XLA gives each cuBLAS call on a GPU a 32 MiB workspace (the small programs measured
-    held one beside their peak; tests/test_gpu_compile.py)."""
-    return 32 * 2**20 if self.backend == "gpu" else 0
+            "gemm_workspace": self.workspace}
 
   def head_bytes(self, rows: int, length: int, chunk: int) -> float:
     """The head's working set in a train step beside what the backward keeps: with loss chunks
@@ -383,7 +381,7 @@ class Model:
     return _estimate("eval step", parameters=self.param_bytes,
                      batch=2 * 4 * self.eval_rows * length,
                      gathered_parameters=0 if self.backend == "gpu" else self.gathered_bytes,
-                     gemm_workspace=self.workspace_bytes(),
+                     gemm_workspace=self.workspace,
                      activations_and_logits=max(self._traces[("eval", chunk, accum)],
                                                 self.kernel_operands(rows, length)))
 

@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 import yaml
 
-from nanotext import config, memory, sharding
+from nanotext import config, gpus, memory, sharding
 from nanotext.errors import UserError
 from nanotext.memory import gib
 from nanotext.window_schedule import seq_lens
@@ -116,12 +116,12 @@ class Planner:
 
   Raises UserError when even the leanest choice exceeds `capacity` (bytes per device; None =
   unknown: nothing is refused, auto takes the plain step) by more than its TOLERANCE. `prefer`:
-  {key: value} of a resumed run, kept where it fits.
+  {key: value} of a resumed run, kept where it fits. `workspace`: memory.Model's.
   """
 
   def __init__(self, backend: str, mesh_sizes: dict, capacity, source: str = "",
-               prefer=None):
-    self.backend, self.mesh_sizes = backend, dict(mesh_sizes)
+               prefer=None, workspace: int = gpus.HOPPER_WORKSPACE):
+    self.backend, self.mesh_sizes, self.workspace = backend, dict(mesh_sizes), workspace
     self.tolerance = TOLERANCE.get(backend, TOLERANCE["cpu"])
     self.capacity, self.source = capacity, source or "given"
     self.prefer = {k: v for k, v in (prefer or {}).items() if k in KEYS}
@@ -136,7 +136,7 @@ class Planner:
           f"{gib(floor)} per device, sharded over all {devices} device(s), and a device has "
           f"{gib(self.capacity)} ({self.source}); use a smaller model (model.num_layers, "
           "model.d_model, model.mlp_dim, model.vocab_size) or more devices")
-    model = memory.model_of(cfg, self.backend, self.mesh_sizes)
+    model = memory.model_of(cfg, self.backend, self.mesh_sizes, self.workspace)
     t, m = cfg.train, cfg.model
     remats = memory.REMATS if m.remat == "auto" else (m.remat,)
     chunk = auto_chunk(seq_lens(t))
@@ -236,13 +236,19 @@ class Planner:
             f"({self.source}); {tips}")
 
 
+def for_devices(devices, mesh_sizes: dict, capacity, source: str, prefer=None) -> Planner:
+  """The Planner of a run on `devices`: their backend, and on a GPU its cuBLAS workspace."""
+  return Planner(devices[0].platform, mesh_sizes, capacity, source, prefer,
+                 gpus.gemm_workspace(devices[0]))
+
+
 def advice(cfg, model, program: str, est, capacity: int) -> str:
   """'try K=V (~X), ... or more devices': single-key changes that lower the dominant term of
   `est`, each re-estimated (those that fit first)."""
   tried = []
   for text, try_cfg, sizes in changes(cfg, model, program, est, capacity):
     try:
-      other = memory.model_of(try_cfg, model.backend, sizes)
+      other = memory.model_of(try_cfg, model.backend, sizes, model.workspace)
       if dense_attention(other, program) > capacity:
         continue  # still cannot fit, and tracing it would build its [T, T] masks
       total = _leanest(other, try_cfg, program).total

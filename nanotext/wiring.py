@@ -245,7 +245,7 @@ def finalize_plan(cfg, devices, *, capacity=None, prefer=None) -> tuple:
   """(finalized config, memory.Plan) for `devices`; UserError if the run cannot fit them."""
   sizes = mesh_sizes(cfg, devices)
   limit, source = device_memory.capacity(devices) if capacity is None else (capacity, "given")
-  planner = memory_plan.Planner(devices[0].platform, sizes, limit, source, prefer=prefer)
+  planner = memory_plan.for_devices(devices, sizes, limit, source, prefer)
   cfg = _finalize(cfg, sizes)
   return config.with_values(cfg, planner(cfg)), planner.plan
 

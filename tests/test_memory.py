@@ -566,3 +566,25 @@ def test_an_eval_plan_does_not_depend_on_the_remat_policy():
     return planned(SPEEDRUN, overrides, 64 * GIB, backend=backend)[1].eval.total
   for backend in ("gpu", "tpu"):
     assert {planned_eval(r, backend) for r in memory.REMATS} == {planned_eval("none", backend)}
+
+
+@pytest.mark.fast
+def test_a_gpu_plan_holds_the_cublas_workspace_of_its_generation():
+  """XLA gives each cuBLAS call 32 MiB from Hopper on and 4 MiB before; the plan added 32 MiB on
+  an A100 too (a tiny model compiled to 8.3 MiB there, planned 36.1)."""
+  import types
+  gpu = lambda kind, cc="": types.SimpleNamespace(platform="gpu", device_kind=kind,
+                                                  compute_capability=cc)
+  a100, h100 = gpu("NVIDIA A100-SXM4-80GB"), gpu("NVIDIA H100 80GB HBM3")
+  cfg = wiring.load(BASE, TINY)
+  cfg = config.finalize(cfg, mesh_sizes=mesh_sizes(), data_dir="", tokenizer_vocab=None)
+  held = {}
+  for name, device in [("a100", a100), ("h100", h100), ("l4", gpu("NVIDIA L4", "8.9")),
+                       ("new", gpu("NVIDIA GB300", "10.3"))]:
+    planner = memory_plan.for_devices([device], mesh_sizes(), 64 * GIB, "test")
+    planner(cfg)
+    held[name] = dict(planner.plan.train.terms)["gemm workspace"] / 2**20
+    assert dict(planner.plan.eval.terms)["gemm workspace"] / 2**20 == held[name]
+  assert held == {"a100": 4, "h100": 32, "l4": 4, "new": 32}
+  cpu = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+  assert memory_plan.for_devices([cpu], mesh_sizes(), 64 * GIB, "test").workspace == 0
