@@ -19,6 +19,17 @@ def headroom(fraction: float) -> str:
   return f"{math.floor(1000 * fraction) / 10:.1f}% headroom"
 
 
+def time_unit(seconds: float) -> tuple:
+  """(scale, unit) to print `seconds` and its parts in: ms, or us under 0.05 ms (a small
+  program's estimate read 0.0 ms)."""
+  return (1e6, "us") if seconds < 5e-5 else (1e3, "ms")
+
+
+def plural(n: int, word: str) -> str:
+  """'1 kernel', '3 kernels'."""
+  return f"{n} {word}" + "s" * (n != 1)
+
+
 def _si(x) -> str:
   return "n/a" if x != x else f"{x:.3g}"
 
@@ -81,10 +92,13 @@ def kernel_lines(inv: dict, platform: str) -> list:
     return f"{g[math]} {name}" + (f" ({', '.join(notes)})" if notes else "")
   n = inv.get("unknown_loops", 0)
   unknown = f" (short: {n} loop(s) of unknown trip count counted once)" if n else ""
-  parts = " + ".join(f"{k} {1e3 * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
+  scale, unit = time_unit(inv["estimate_s"])
+  parts = " + ".join(f"{k} {scale * v:.1f}" for k, v in inv["estimate_parts_s"].items() if v)
   units = ("launch", "launches") if platform == "gpu" else ("op", "ops")
-  slow = ", ".join(f"{op} {1e3 * s:.2f} ms ({n} {units[n != 1]})"
-                   for op, s, n, _ in inv["slowest_ops"][:3])
+  top = inv["slowest_ops"][:3]
+  top_scale, top_unit = time_unit(max((row[1] for row in top), default=0.0))
+  slow = ", ".join(f"{op} {top_scale * s:.2f} {top_unit} ({n} {units[n != 1]})"
+                   for op, s, n, _ in top)
   return [
       f"  kernels per step   {inv['launches']} {'launches' if platform == 'gpu' else 'ops'}: "
       f"GEMMs {calls('bf16', 'bf16')}, {calls('f32', 'f32')}, {calls('fp8', 'FP8')} | custom "
@@ -93,9 +107,9 @@ def kernel_lines(inv: dict, platform: str) -> list:
       f"scatters {inv['scatters']} | collectives {inv['collective_launches']} | copies "
       f"{inv['copies']}",
       f"  logits             {inv['logits_passes']:.1f} passes over the logits by "
-      f"{inv['logits_kernels']} kernels, besides {inv['logits_gemms']} GEMMs",
-      f"  step estimate      {1e3 * inv['estimate_s']:.1f} ms, a roofline lower bound, not a "
-      f"measured time ({parts} ms){unknown}; slowest passes by jax op: {slow}",
+      f"{plural(inv['logits_kernels'], 'kernel')}, besides {plural(inv['logits_gemms'], 'GEMM')}",
+      f"  step estimate      {scale * inv['estimate_s']:.1f} {unit}, a roofline lower bound, not "
+      f"a measured time ({parts} {unit}){unknown}; slowest passes by jax op: {slow}",
       f"  not priced         {roofline.UNPRICED}"]
 
 
@@ -106,9 +120,10 @@ def pass_lines(inv: dict, n: int, platform: str = "gpu") -> list:
     return []
   rows = inv["slowest_ops"][:n]
   units, one = ("launches", "a launch") if platform == "gpu" else ("ops", "an op")
-  out = [f"  slowest passes     {len(rows)} of the non-GEMM {units}' {1e3 * inv['passes_s']:.1f} "
-         f"ms, by jax op (every layer's as one): ms, {units}, MiB {one} moves"]
-  out += [f"    {1e3 * sec:7.2f} ms {count:5d} x {moved / 2**20:9.1f} MiB  {op}"
+  scale, unit = time_unit(inv["passes_s"])
+  out = [f"  slowest passes     {len(rows)} of the non-GEMM {units}' {scale * inv['passes_s']:.1f} "
+         f"{unit}, by jax op (every layer's as one): {unit}, {units}, MiB {one} moves"]
+  out += [f"    {scale * sec:7.2f} {unit} {count:5d} x {moved / 2**20:9.1f} MiB  {op}"
           for op, sec, count, moved in rows]
   return out
 

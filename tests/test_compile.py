@@ -171,6 +171,26 @@ def test_a_warmup_stages_logits_are_its_own_rows():
 
 
 @pytest.mark.fast
+def test_small_estimates_are_printed_in_microseconds_and_counts_in_words():
+  """A tiny program's step estimate read '0.0 ms (gemm 0.0 + other 0.0 ms)', and '1 kernels,
+  besides 1 GEMMs'."""
+  calls = {"bf16": 1, "f32": 0, "fp8": 0}
+  inv = {"gemm_calls": calls, "own_gemm_calls": dict(calls, bf16=0), "launches": 9, "custom_kernels": 0,
+         "cudnn_calls": 0, "fusions": 8, "scatters": 0, "collective_launches": 0, "copies": 0,
+         "logits_passes": 2.0, "logits_kernels": 1, "logits_gemms": 1, "estimate_s": 23e-6,
+         "estimate_parts_s": {"gemm": 11e-6, "other": 12e-6}, "passes_s": 12e-6,
+         "slowest_ops": [("loss/log", 4e-6, 1, 2**20)]}
+  _, logits, estimate, _ = compile_report.kernel_lines(inv, "gpu")
+  assert logits.endswith("2.0 passes over the logits by 1 kernel, besides 1 GEMM")
+  assert "step estimate      23.0 us, a roofline lower bound" in estimate
+  assert "(gemm 11.0 + other 12.0 us)" in estimate and "loss/log 4.00 us (1 launch)" in estimate
+  head, row = compile_report.pass_lines(inv, 1)
+  assert "launches' 12.0 us, by jax op" in head and row.split()[:2] == ["4.00", "us"]
+  slow = dict(inv, estimate_s=0.0711, estimate_parts_s={"gemm": 0.034, "other": 0.0371})
+  assert "71.1 ms, a roofline" in compile_report.kernel_lines(slow, "gpu")[2]
+
+
+@pytest.mark.fast
 def test_verdict_names_the_largest_program_or_those_that_failed():
   rec = lambda name, gib, fits: {"name": name, "total_bytes_per_chip": gib * 2**30,
                                  "hbm_bytes_per_chip": 16 * 2**30, "fits": fits}
