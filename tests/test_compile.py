@@ -14,7 +14,7 @@ import pytest
 
 from conftest import BASE, SPEEDRUN, run_cli
 from nanotext import compile as nt_compile
-from nanotext import compile_report, topology
+from nanotext import compile_report, program_names, topology
 from nanotext.errors import UserError
 
 # Splash needs seq_len a multiple of 128; one layer keeps each TPU compile to seconds.
@@ -37,15 +37,15 @@ def test_topology_names():
 def test_programs_follow_the_window_schedule():
   from nanotext import config
   cfg = config.load(SPEEDRUN, ["train.steps=1770"])
-  progs = nt_compile.programs(cfg)
+  progs = program_names.programs(cfg)
   assert [p[0] for p in progs][:2] == ["train@128", "train@256"]
   assert progs[13][0] == "train@1792" and progs[-1][0] == "eval@1792"
   # 14 window stages, and as many evals (eval_windows=step), as the trainer compiles them
   assert len(progs) == 28 and progs[14][0] == "eval@128"
-  assert [p[0] for p in nt_compile.select(progs, "first,last,eval")] == \
+  assert [p[0] for p in program_names.select(progs, "first,last,eval")] == \
       ["train@128", "train@1792", "eval@1792"]
   with pytest.raises(UserError, match="unknown program"):
-    nt_compile.select(progs, "train@999")
+    program_names.select(progs, "train@999")
 
 
 # 1024-token rows: the long window (LS layers) reaches the row length at step 918, so its layers
