@@ -197,7 +197,8 @@ def kernels(text: str, parsed=None) -> list:
       if ins.opcode == "conditional":
         walk(branches(ins)[0], times)  # one branch runs; the first stands for all
         continue
-      if ins.opcode in _FREE or custom_call_target(ins) in _FREE_CALLS:
+      if ins.opcode in _FREE or (ins.opcode == "custom-call"
+                                 and custom_call_target(ins) in _FREE_CALLS):
         continue
       k = _kernel(ins, types, comps)
       k.count = times
