@@ -172,6 +172,22 @@ def test_a_step_of_a_run_set_aside_while_it_is_read_says_so(tiny_run, tmp_path, 
   assert lines[-1].startswith("step      2 | set aside with the run while it was read"), lines
 
 
+def rotate_on_read(out: str, monkeypatch, times: int) -> list:
+  """The first `times` step reads in `out` each save a newer step (3, 4, ...) and remove the one
+  read, as a run training into it does; the steps removed, in order."""
+  load, newer, removed = params_from._load_params, iter(range(3, 100)), []
+
+  def rotated_away(item, whole_state, abstract):
+    if len(removed) < times:
+      where = os.path.dirname(item)
+      removed.append(int(os.path.basename(where)))
+      shutil.copytree(where, os.path.join(out, "checkpoints", str(next(newer))))
+      shutil.rmtree(where)
+    return load(item, whole_state, abstract)
+  monkeypatch.setattr(params_from, "_load_params", rotated_away)
+  return removed
+
+
 @pytest.mark.fast
 def test_beside_a_live_run_the_newest_step_is_read_again_longer(tiny_run, tmp_path, monkeypatch):
   """checkpoint.keep=1 with a save every step: evaluate gave up (exit 2, the step 'damaged')
@@ -181,16 +197,7 @@ def test_beside_a_live_run_the_newest_step_is_read_again_longer(tiny_run, tmp_pa
   shutil.copytree(tiny_run[0], out)
   with open(os.path.join(out, ".lock"), "w") as f:  # a run training into it: this process
     json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
-  load, newer, rotations = params_from._load_params, iter(range(3, 100)), []
-
-  def rotated_away(item, whole_state, abstract):  # a newer step saved, this one removed
-    if len(rotations) < 5:
-      where = os.path.dirname(item)
-      rotations.append(int(os.path.basename(where)))
-      shutil.copytree(where, os.path.join(out, "checkpoints", str(next(newer))))
-      shutil.rmtree(where)
-    return load(item, whole_state, abstract)
-  monkeypatch.setattr(params_from, "_load_params", rotated_away)
+  rotations = rotate_on_read(out, monkeypatch, 5)
   rows = evaluate.evaluate(out, log=lambda line: None)
   assert [r["step"] for r in rows] == [7] and rotations == [2, 3, 4, 5, 6]
   rotations.clear()
@@ -208,16 +215,7 @@ def test_step_all_beside_a_run_that_rotates_every_step_listed_reads_the_newer_on
   too, 3 listings in all, one line (exit 2)."""
   out = str(tmp_path / "run")
   shutil.copytree(tiny_run[0], out)  # step 2
-  load, newer, removed = params_from._load_params, iter(range(3, 100)), []
-
-  def rotated_away(item, whole_state, abstract):  # a newer step saved, this one removed
-    if len(removed) < rotations:
-      where = os.path.dirname(item)
-      removed.append(int(os.path.basename(where)))
-      shutil.copytree(where, os.path.join(out, "checkpoints", str(next(newer))))
-      shutil.rmtree(where)
-    return load(item, whole_state, abstract)
-  monkeypatch.setattr(params_from, "_load_params", rotated_away)
+  rotate_on_read(out, monkeypatch, rotations)
   if rotations == 1:
     assert [r["step"] for r in evaluate.evaluate(out, "all", log=lambda line: None)] == [3]
     return

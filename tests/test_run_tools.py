@@ -585,6 +585,16 @@ def test_force_never_replaces_a_folder_of_a_run(tiny_run, tmp_path, name):
   assert sorted(os.listdir(os.path.join(out, name))) == before
 
 
+def verify_and_resume_say_damaged(run: str, why: str) -> None:
+  """verify calls step 2 of `run` damaged, and a resume's restore of it raises Damaged (`why`)."""
+  lines = []
+  assert verify.report(run, lines.append) == 1 and lines[1].split()[1:3] == ["2", "damaged"], lines
+  manager = checkpoint.reader(run)
+  with pytest.raises(integrity.Damaged, match=why):
+    checkpoint.restore_step(manager, 2, wiring.prepare(BASE, ARGS).abstract_state())
+  checkpoint.close(manager)
+
+
 def test_a_step_whose_integrity_record_is_emptied_is_damaged(tiny_run, tmp_path):
   """integrity/metadata emptied ({}), unreadable or not an object: the step read as written
   before checksums existed, its damaged arrays resumed from silently (or a traceback). Only a
@@ -600,23 +610,13 @@ def test_a_step_whose_integrity_record_is_emptied_is_damaged(tiny_run, tmp_path)
       params_from.load(step, abstract)
   assert integrity.record_beside(os.path.join(step, "state")) == {}
   # valid JSON but not an object: a resume and verify said "'list' object has no attribute 'get'"
-  lines = []
-  assert verify.report(run, lines.append) == 1 and lines[1].split()[1:3] == ["2", "damaged"], lines
-  manager = checkpoint.reader(run)
-  with pytest.raises(integrity.Damaged, match="integrity record lists no checksums"):
-    checkpoint.restore_step(manager, 2, wiring.prepare(BASE, ARGS).abstract_state())
-  checkpoint.close(manager)
+  verify_and_resume_say_damaged(run, "integrity record lists no checksums")
   shutil.rmtree(os.path.join(step, "integrity"))
   # the folder gone from a step saved with one (its orbax metadata lists it): damaged too, where
   # every tool read it as written before checksums ("unverified") and a resume restored it
   with pytest.raises(integrity.Damaged, match="integrity/ folder .* is gone"):
     params_from.load(step, abstract)
-  lines = []
-  assert verify.report(run, lines.append) == 1 and lines[1].split()[1:3] == ["2", "damaged"], lines
-  manager = checkpoint.reader(run)
-  with pytest.raises(integrity.Damaged, match="integrity/ folder .* is gone"):
-    checkpoint.restore_step(manager, 2, wiring.prepare(BASE, ARGS).abstract_state())
-  checkpoint.close(manager)
+  verify_and_resume_say_damaged(run, "integrity/ folder .* is gone")
   meta = os.path.join(step, "_CHECKPOINT_METADATA")
   with open(meta) as f:
     written = json.load(f)
