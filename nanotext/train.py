@@ -63,17 +63,17 @@ def precheck(args) -> None:
 
 
 def check_only(args) -> None:
-  """--only_check_args: the config and output_dir's path as a start checks them before the
-  devices (every section's rules; a fresh start's own rules and parameter source where
-  output_dir holds no checkpoint or overwrite=true replaces another run); nothing written."""
+  """--only_check_args: the config and output_dir as a start checks them before the devices
+  (every section's rules; a run there resumed, refused or replaced under overwrite=true; a fresh
+  start's own rules and parameter source where none resumes); nothing written."""
   precheck(args)  # a bad key or type: said before jax loads
   from nanotext import identity, rundir, wiring
   path, overrides = parse_args(args)
   cfg = wiring.load(path, overrides, fresh=False)
   identity.check_source(path, overrides, cfg)
   out = rundir.check_output_dir_path(cfg.output_dir)
-  saved = rundir.has_checkpoint(out)  # and overwrite=true: replaced, or resumed if the same run
-  if not saved or (cfg.overwrite and identity.check_run(identity.as_saved(cfg, out), out)):
+  saved = rundir.has_checkpoint(out)  # resumed if the same run; else refused or replaced
+  if not saved or identity.check_run(identity.as_saved(cfg, out), out):
     wiring.check(cfg)
     if cfg.checkpoint.load_params_from:
       identity.check_folder(cfg.checkpoint.load_params_from, "checkpoint.load_params_from")

@@ -196,6 +196,24 @@ def test_only_check_args_resumes_the_same_run_under_overwrite(tmp_path):
 
 
 @pytest.mark.fast
+def test_only_check_args_refuses_another_run_or_one_past_steps_without_overwrite(tmp_path):
+  """Without overwrite=true a checkpoint there was not judged at all: the check passed a changed
+  model and a train.steps below the saved step, both of which the start refuses."""
+  from nanotext import config, train
+  out, base = tmp_path / "run", os.path.join(REPO, "configs", "base.yml")
+  os.makedirs(out / "checkpoints" / "4")
+  config.save(config.finalize(config.load(base, [f"output_dir={out}"]), mesh_sizes={"fsdp": 8},
+                              data_dir="/d", tokenizer_vocab=None), str(out / "config.yml"))
+  before = sorted(os.walk(tmp_path))
+  train.check_only([base, f"output_dir={out}"])  # the same run: it resumes
+  with pytest.raises(UserError, match="holds a different run"):
+    train.check_only([base, f"output_dir={out}", "model.d_model=128"])
+  with pytest.raises(UserError, match="past train.steps"):
+    train.check_only([base, f"output_dir={out}", "train.steps=2"])
+  assert sorted(os.walk(tmp_path)) == before
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("flag,want", [("--passes=-1", "--passes=-1 must be 0"),
                                        ("--min_headroom=1", "--min_headroom=1.0 must be in"),
                                        ("--json=FOLDER", "cannot write --json"),
