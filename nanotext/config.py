@@ -96,8 +96,8 @@ def file_chain(path) -> list:
     if any(v in (None, {}) for v in flat.values()):  # base.yml read again only then (8 ms a file)
       section_names = {k.split(".")[0] for k in _schema() if "." in k}
       flat = {k: v for k, v in flat.items() if not (v in (None, {}) and k in section_names)}
-    parent = flat.pop("base", "") or ""
-    if not isinstance(parent, str):
+    parent = flat.pop("base", None)  # `base:` alone (YAML's null): no parent
+    if not isinstance(parent, (str, type(None))):  # {}, [], false or 0 too: not "no base"
       raise UserError(f"config key 'base' in '{path}' must be a file path")
     chain.append((str(path), flat))
     if not parent:

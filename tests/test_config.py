@@ -271,6 +271,13 @@ def test_an_empty_mapping_under_a_key_is_its_wrong_type_and_an_empty_section_is_
   assert load(path=empty).mesh.rules == load(path=BASE).mesh.rules
 
 
+@pytest.mark.parametrize("value", ["{}", "[]", "false", "0", "5"])
+def test_a_base_that_is_no_path_is_refused_even_if_empty(tmp_path, value):
+  """`base: {}`, `[]`, `false` and `0` read as "no base" and the file's keys stood alone."""
+  path = write(tmp_path / "b.yml", f"base: {value}\ntrain: {{steps: 3}}\n")
+  assert error(path=path) == f"config key 'base' in '{path}' must be a file path"
+
+
 def test_a_load_reads_the_schema_once(monkeypatch):
   """Each file of a chain read once and base.yml once more as the schema: 097cde9 read the
   schema again for each file of the chain (8 ms each, a fifth of a refusal's time)."""
