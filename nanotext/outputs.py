@@ -152,6 +152,12 @@ def _make_parent(out: str, parent: str) -> list:
     raise UserError(f"--out '{out}': cannot create '{parent}' ({e.strerror})") from None
 
 
+def _not_a_folder(out: str) -> None:
+  if os.path.isdir(out):
+    raise UserError(f"output '{os.path.abspath(out)}' is a folder; give a file path such as "
+                    "model.safetensors")
+
+
 def check_out(out: str, *, force: bool, protect=(), folder: bool = True, own=None) -> None:
   """Every check of --out that staged_dir / staged_file make, plus a write probe of its folder,
   made before the conversion reads a checkpoint (minutes, for a large one)."""
@@ -161,9 +167,9 @@ def check_out(out: str, *, force: bool, protect=(), folder: bool = True, own=Non
   if folder and os.path.isfile(out):
     raise UserError(f"--out '{out}' is a file, and a folder is written there: give a "
                     "folder path")
+  if not folder:  # before _check_target, whose "pass --force" could not help
+    _not_a_folder(out)
   out = _check_target(out, force, protect, own)
-  if not folder and os.path.isdir(out):
-    raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
   parent = os.path.dirname(out)
   while not os.path.isdir(parent):
     if os.path.lexists(parent):
@@ -251,9 +257,8 @@ def staged_dir(out: str, *, force: bool, protect=(), own=None):
 def staged_file(out: str, *, force: bool, protect=(), own=None):
   """Yield a temporary file path next to `out`; on success it replaces `out` atomically."""
   probes.plain_file_or_none(out, "--out")
+  _not_a_folder(out)
   out = _check_target(out, force, protect, own)
-  if os.path.isdir(out):
-    raise UserError(f"output '{out}' is a folder; give a file path such as model.safetensors")
   parent, name = os.path.split(out)
   made = _make_parent(out, parent)
   try:

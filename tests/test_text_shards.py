@@ -282,3 +282,21 @@ def test_force_replaces_only_the_shards_and_meta_it_writes(tmp_path):
                                       r"output would replace, not write through: give the path "
                                       r"it links to"):
     outputs.check_out(str(tmp_path / "link"), force=True, own=text_shards.OWN)
+
+
+@pytest.mark.parametrize("contents", [(), ("old.safetensors",), ("notes.txt",)])
+def test_a_folder_given_to_a_file_tool_is_said_to_be_a_folder_first(tmp_path, contents):
+  """export-torch's --out as a folder was told "pass --force" (which then said "is a folder"),
+  or that --force replaces only its own files: the folder is the thing to change."""
+  from nanotext import outputs
+  out = tmp_path / "exp"
+  out.mkdir()
+  for name in contents:
+    (out / name).write_text("x")
+  for force in (False, True):
+    with pytest.raises(UserError, match=r"^output '.*/exp' is a folder; give a file path"):
+      outputs.check_out(str(out), force=force, folder=False, own=("*.safetensors",))
+    with pytest.raises(UserError, match=r"^output '.*/exp' is a folder; give a file path"):
+      with outputs.staged_file(str(out), force=force, own=("*.safetensors",)):
+        pass
+  assert sorted(os.listdir(out)) == sorted(contents)
