@@ -36,7 +36,16 @@ CURRENT = CHANGES[-1].revision
 
 def stamp() -> dict:
   """What a checkpoint records of the code and settings that computed it."""
-  return {"revision": CURRENT, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  return {"revision": CURRENT, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "compiler": compiler()}
+
+
+def compiler() -> str:
+  """The jax and jaxlib versions and the device kind that compiled the steps: another of any
+  rounds otherwise (a run carried between a GPU machine's jax and a laptop's)."""
+  import jax
+  import jaxlib
+  return f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, {jax.devices()[0].device_kind}"
 
 
 def saved_revision(integrity) -> int:
@@ -47,14 +56,18 @@ def saved_revision(integrity) -> int:
 
 def resume_note(integrity, cfg, step: int) -> str:
   """The lines naming what computes otherwise since step `step` was saved ('' if nothing): the
-  changes to nanotext that touch `cfg`, and XLA_FLAGS (the CPU flags nanotext sets only where
-  it is unset change the arithmetic, as may any flag)."""
-  flags = integrity.get("xla_flags") if isinstance(integrity, dict) else None
-  now = os.environ.get("XLA_FLAGS", "")
-  changed = (f"note: the checkpoint of step {step} was saved under XLA_FLAGS='{flags}', this "
-             f"process runs under '{now}': XLA may round the steps from here otherwise than "
-             "an uninterrupted run") if isinstance(flags, str) and flags != now else ""
-  return "\n".join(line for line in (_code_note(integrity, cfg, step), changed) if line)
+  changes to nanotext that touch `cfg`, XLA_FLAGS (the CPU flags nanotext sets only where it is
+  unset change the arithmetic, as may any flag), and jax, jaxlib or the device kind."""
+  record = integrity if isinstance(integrity, dict) else {}
+  lines = [_code_note(integrity, cfg, step)]
+  for key, now, said in (("xla_flags", os.environ.get("XLA_FLAGS", ""),
+                          "under XLA_FLAGS='{}', this process runs under '{}'"),
+                         ("compiler", compiler(), "by {}; this process runs {}")):
+    then = record.get(key)  # unrecorded (an older checkpoint): nothing said
+    if isinstance(then, str) and then != now:
+      lines.append(f"note: the checkpoint of step {step} was saved {said.format(then, now)}: XLA "
+                   "may round the steps from here otherwise than an uninterrupted run")
+  return "\n".join(line for line in lines if line)
 
 
 def _code_note(integrity, cfg, step: int) -> str:

@@ -56,6 +56,22 @@ def test_a_resume_under_other_xla_flags_says_its_steps_may_round_otherwise(monke
 
 
 @pytest.mark.fast
+def test_a_resume_under_another_jax_or_device_kind_says_its_steps_may_round_otherwise():
+  """A run carried between jax 0.11.2 and 0.10.2 resumed in other last bits (probe R: 7.8e-5 in
+  the record's loss three steps on), unsaid: the checkpoint did not record what compiled it."""
+  now = revisions.compiler()
+  assert now.startswith("jax ") and ", jaxlib " in now and now.endswith(", cpu")
+  saved = {**revisions.stamp(), "compiler": "jax 0.11.2, jaxlib 0.11.2, NVIDIA H100 80GB HBM3"}
+  note = revisions.resume_note(saved, cfg_of(), 4)
+  assert note == ("note: the checkpoint of step 4 was saved by jax 0.11.2, jaxlib 0.11.2, NVIDIA "
+                  f"H100 80GB HBM3; this process runs {now}: XLA may round the steps from here "
+                  "otherwise than an uninterrupted run")
+  assert revisions.resume_note({**saved, "compiler": now}, cfg_of(), 4) == ""
+  for unrecorded in (None, 3, ["jax"]):  # an older checkpoint's, or junk: nothing said
+    assert revisions.resume_note({**saved, "compiler": unrecorded}, cfg_of(), 4) == ""
+
+
+@pytest.mark.fast
 def test_a_revision_that_is_not_a_whole_number_reads_as_unrecorded():
   for junk in (True, "3", 2.0, None, -1):
     assert revisions.saved_revision({"revision": junk}) == 0
@@ -68,6 +84,7 @@ def test_a_checkpoint_records_its_revision_and_a_resume_names_later_changes(tiny
   shutil.copytree(tiny_run[0], out)
   assert saved_revision(out, 2) == revisions.CURRENT
   assert saved_integrity(out, 2)["xla_flags"] == os.environ.get("XLA_FLAGS", "")
+  assert saved_integrity(out, 2)["compiler"] == revisions.compiler()
   later = revisions.Change(revisions.CURRENT + 1, "abc1234", lambda cfg: True, "a change")
   monkeypatch.setattr(revisions, "CHANGES", (*revisions.CHANGES, later))
   monkeypatch.setattr(revisions, "CURRENT", later.revision)
