@@ -106,11 +106,21 @@ def kernel_lines(inv: dict, platform: str) -> list:
       f"{inv['custom_kernels']} | cuDNN {inv['cudnn_calls']} | fusions {inv['fusions']} | "
       f"scatters {inv['scatters']} | collectives {inv['collective_launches']} | copies "
       f"{inv['copies']}",
-      f"  logits             {inv['logits_passes']:.1f} passes over the logits by "
-      f"{plural(inv['logits_kernels'], 'kernel')}, besides {plural(inv['logits_gemms'], 'GEMM')}",
+      logits_line(inv),
       f"  step estimate      {scale * inv['estimate_s']:.1f} {unit}, a roofline lower bound, not "
       f"a measured time ({parts} {unit}){unknown}; slowest passes by jax op: {slow}",
       f"  not priced         {roofline.UNPRICED}"]
+
+
+def logits_line(inv: dict) -> str:
+  """How many passes over the logits the step makes besides the GEMMs that write them; none
+  where the GEMMs reduce them in their own fusion (a TPU's chunked head: exp-sum in the GEMM)."""
+  gemms = plural(inv["logits_gemms"], "GEMM")
+  if inv["logits_gemms"] and inv["logits_passes"] < 0.05:  # what printed as "0.0 passes"
+    return f"  logits             no pass over the logits besides {gemms}: the loss is fused " \
+        "into them"
+  return (f"  logits             {inv['logits_passes']:.1f} passes over the logits by "
+          f"{plural(inv['logits_kernels'], 'kernel')}, besides {gemms}")
 
 
 def pass_lines(inv: dict, n: int, platform: str = "gpu") -> list:

@@ -40,9 +40,9 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
   """Launches by kind and a roofline estimate of one step of a compiled program.
 
   `logits_elements`: the size of the [tokens, vocab] logits one head kernel works on (a slice
-  of the tokens, model/head_loss.py); kernels with an operand or result at least half that size
-  touch the logits, and their bytes over `logits_bytes` (one read of the whole bf16 logits) say
-  how many passes over the logits the step makes besides its GEMMs. `custom_flops`: the
+  of the tokens, model/head_loss.py); kernels (not collectives) with an operand or result at
+  least half that size touch the logits, and their bytes over `logits_bytes` (one read of the
+  whole bf16 logits) say how many passes over the logits the step makes besides its GEMMs. `custom_flops`: the
   analytic FLOPs of the custom kernels (attention), which their HLO does not show; they are
   priced as a whole at the bf16 peak, or at their bytes where that is slower. `slowest_ops`:
   the `top` (None: every) non-GEMM launches summed by the jax op that made them, every layer's
@@ -63,8 +63,10 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
   custom_s = max(sum(k.count * k.bytes for k in custom) / peaks.bandwidth,
                  custom_flops / peaks.bf16) if custom else 0.0
   custom_s += sum(seconds(k, peaks) for k in ks if own(k))
+  # Not collectives: those with a vocab-wide array gather the head weight (FSDP), once per loss
+  # chunk in a chunked head; the logits themselves stay on their device.
   big = [k for k in ks if logits_elements and k.largest * 2 >= logits_elements
-         and (not vocab or vocab in k.dims)]
+         and (not vocab or vocab in k.dims) and k.kind != "collective"]
   parts = {"gemm": sum(seconds(k, peaks) for k in ks if k.kind.startswith("gemm")),
            "custom": custom_s,
            "logits passes": sum(seconds(k, peaks) for k in big if not k.kind.startswith("gemm")),

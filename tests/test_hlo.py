@@ -289,6 +289,42 @@ def test_inventory_counts_and_prices():
   assert inv["estimate_s"] == pytest.approx(sum(inv["estimate_parts_s"].values()))
 
 
+FUSED_HEAD = """HloModule jit_eval
+
+%head_loss (p0: bf16[256,768], p1: bf16[768,4096]) -> f32[256] {
+  %p0 = bf16[256,768]{1,0} parameter(0)
+  %p1 = bf16[768,4096]{1,0} parameter(1)
+  %dot.1 = f32[256,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %exp.1 = f32[256,4096]{1,0} exponential(%dot.1)
+  %zero = f32[] constant(0)
+  ROOT %reduce.1 = f32[256]{0} reduce(%exp.1, %zero), dimensions={1}, to_apply=%add
+}
+
+ENTRY %main (h: bf16[256,768], w: bf16[96,4096]) -> f32[256] {
+  %h = bf16[256,768]{1,0} parameter(0)
+  %w = bf16[96,4096]{1,0} parameter(1)
+  %all-gather.1 = bf16[768,4096]{1,0} all-gather(%w), dimensions={0}, metadata={op_name="jit(eval)/loss/dot_general"}
+  ROOT %fusion.1 = f32[256]{0} fusion(%h, %all-gather.1), kind=kOutput, calls=%head_loss, metadata={op_name="jit(eval)/loss/dot_general"}
+}
+"""
+
+
+def test_a_head_gemm_with_the_loss_fused_in_makes_no_pass_over_the_logits():
+  """A TPU's chunked validation head: the exp-sum in the GEMM's fusion, the head weight gathered
+  (FSDP) for each chunk. The gather, vocab-wide and larger than a chunk's logits, was counted as
+  3.4 passes over the logits (the record's eval, eval_loss_chunk=256: 1024 gathers)."""
+  inv = roofline.inventory(FUSED_HEAD, PEAKS, logits_elements=256 * 4096,
+                           logits_bytes=256 * 4096 * 2, vocab=4096)
+  assert inv["collective_launches"] == 1 and inv["gemm_calls"]["bf16"] == 1
+  assert (inv["logits_kernels"], inv["logits_gemms"], inv["logits_passes"]) == (0, 1, 0.0)
+  assert compile_report.logits_line(inv).split() == [
+      "logits", "no", "pass", "over", "the", "logits", "besides", "1", "GEMM:", "the", "loss", "is",
+      "fused", "into", "them"]
+  passes = dict(inv, logits_kernels=2, logits_passes=2.0)
+  assert compile_report.logits_line(passes).endswith("2.0 passes over the logits by 2 kernels, "
+                                                     "besides 1 GEMM")
+
+
 def test_a_custom_kernel_outside_attention_is_priced_at_its_own_bytes():
   """An elementwise Pallas kernel (kernels/qk_rope.py) does not hide under the attention
   kernels' FLOPs: it costs its own bytes, its operand passed twice read once."""
