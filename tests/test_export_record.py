@@ -268,6 +268,20 @@ def test_export_metadata_is_written_in_one_order(tmp_path):
 
 
 @pytest.mark.fast
+def test_one_reader_of_a_safetensors_header(tmp_path):
+  """The float8 check of from-torch and export's metadata sort read a header by one function:
+  the JSON text as stored (padding kept), parsed; none past safetensors' own 128 MiB bound."""
+  from nanotext.convert.torch_export import read_header
+  path = tmp_path / "h.safetensors"
+  path.write_bytes((9).to_bytes(8, "little") + b'{"a":1}  ' + b"data")
+  with open(path, "rb") as f:
+    assert read_header(f) == (b'{"a":1}  ', {"a": 1})
+  path.write_bytes((1 << 27).to_bytes(8, "little") + b"{}")
+  with open(path, "rb") as f:
+    assert read_header(f) == (b"", {})
+
+
+@pytest.mark.fast
 def test_a_float8_safetensors_file_is_refused_naming_the_tensor(tmp_path):
   """safetensors' numpy reader said "module 'numpy' has no attribute 'float8_e4m3fn'" as if the
   file could not be read; the tensor and its dtype are named instead."""

@@ -117,15 +117,23 @@ def export_torch(run: str, out: str, *, step: int = -1, force: bool = False, log
   return out_abs
 
 
+def read_header(f) -> tuple:
+  """(raw bytes, parsed JSON) of the header of an open safetensors file: a little-endian 8-byte
+  length, then that much JSON (none past safetensors' own 128 MiB bound: (b"", {}))."""
+  size = int.from_bytes(f.read(8), "little")
+  if size >= 1 << 27:
+    return b"", {}
+  raw = f.read(size)
+  return raw, json.loads(raw)
+
+
 def sort_metadata(path: str) -> None:
   """Rewrite a safetensors header's metadata in sorted order: safetensors writes it in an order
   of its own per process, so two exports of one step differed in their bytes."""
   with open(path, "r+b") as f:
-    size = int.from_bytes(f.read(8), "little")
-    raw = f.read(size)
-    header = json.loads(raw)
+    raw, header = read_header(f)
     header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
     new = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     if len(new) == len(raw.rstrip(b" ")):  # the same text reordered: the data stays in place
       f.seek(8)
-      f.write(new.ljust(size, b" "))
+      f.write(new.ljust(len(raw), b" "))

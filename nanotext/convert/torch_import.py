@@ -6,7 +6,6 @@ modded-nanogpt's checkpoint dict (its `model` entry) or a bare state dict, torch
 the record's module expresses, and the state dict must match its model tensor for tensor.
 """
 
-import json
 import os
 import re
 
@@ -14,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from nanotext.convert.common import RUN_OWN, per_layer
-from nanotext.convert.torch_export import check_expressible
+from nanotext.convert.torch_export import check_expressible, read_header
 from nanotext.errors import UserError
 from nanotext.outputs import check_out
 from nanotext.rundir import check_no_glob
@@ -88,8 +87,7 @@ def _refuse_float8(path: str):
   """A float8 tensor (numpy has no such dtype) named, before safetensors says numpy lacks it."""
   try:
     with open(path, "rb") as f:
-      size = int.from_bytes(f.read(8), "little")
-      header = json.loads(f.read(size)) if size < 1 << 27 else {}  # safetensors' own bound
+      header = read_header(f)[1]
     names = [k for k, v in header.items() if str(v.get("dtype", "")).startswith("F8")]
   except Exception:  # a header it cannot read (nested past recursion, ...): load_file says so
     return
