@@ -92,6 +92,10 @@ def fill(template, flat: dict, what: str, cast: bool = True):
     if value.shape != tuple(sds.shape):
       raise UserError(f"{what}: '{name}' has shape {value.shape}, the nanotext model expects "
                       f"{tuple(sds.shape)}")
+    if cast and beyond_range(value, sds.dtype):  # the cast would make them infinite
+      raise UserError(f"{what}: '{name}' holds values beyond {np.dtype(sds.dtype)}'s range (the "
+                      f"model's dtype for it), which would be read as infinite; give values "
+                      f"{np.dtype(sds.dtype)} holds")
     return jax.device_put(value.astype(sds.dtype) if cast else value,
                           getattr(sds, "sharding", None))
   out = jax.tree_util.tree_map_with_path(one, template)
@@ -99,3 +103,13 @@ def fill(template, flat: dict, what: str, cast: bool = True):
     raise UserError(f"{what}: parameters with no place in the nanotext model: "
                     f"{', '.join(sorted(flat)[:5])}")
   return out
+
+
+def beyond_range(value, dtype) -> bool:
+  """Whether the float array `value` holds values past the largest of the narrower float
+  `dtype`, which a cast to it would make infinite (float64 into float32, float32 into bfloat16)."""
+  value, dtype = np.asarray(value), np.dtype(dtype)
+  if dtype.itemsize >= value.dtype.itemsize or not all(
+      jax.numpy.issubdtype(d, jax.numpy.floating) for d in (value.dtype, dtype)):
+    return False
+  return bool(np.abs(value).max(initial=0) > jax.numpy.finfo(dtype).max)

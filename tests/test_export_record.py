@@ -148,12 +148,15 @@ def test_the_imported_run_evaluates_to_the_sources_loss(record_run, imported):
 
 
 def edited(tensors: dict, edit: str) -> dict:
-  """`tensors` with one mistake a state dict of another model would carry."""
+  """`tensors` with one mistake a state dict of another model would carry, or values the model
+  cannot hold."""
   t = dict(tensors)
   if edit == "missing":
     del t["blocks.3.mlp.c_fc.weight"]
   elif edit == "shape":
     t["skip_weights"] = np.ones(5, np.float32)
+  elif edit == "too_big":  # past bfloat16's largest (3.39e38), the dtype of the model's table
+    t["embed.weight"] = np.full(t["embed.weight"].shape, 3.3999e38, np.float32)
   elif edit == "extra":
     t["blocks.0.attn.rotary.inv_freq"] = np.ones(32, np.float32)
   else:  # a head of other rows
@@ -165,6 +168,7 @@ def edited(tensors: dict, edit: str) -> dict:
     ("missing", "has no 'blocks.3.mlp.c_fc.weight' (512, 128)"),
     ("shape", "'skip_weights' has shape (5,), the config's model needs (6,)"),
     ("extra", "has 'blocks.0.attn.rotary.inv_freq', which the config's model has no place"),
+    ("too_big", "'embed.embedding' holds values beyond bfloat16's range"),
     ("head", "lm_head.weight has 640 rows, the config's model.vocab_size=512; pass "
              "model.vocab_size=640")])
 def test_from_torch_refuses_a_state_dict_of_another_model(exported, tmp_path, edit, message):

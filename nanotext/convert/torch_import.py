@@ -17,7 +17,7 @@ from nanotext.convert.torch_export import check_expressible, read_header
 from nanotext.errors import UserError
 from nanotext.outputs import check_out
 from nanotext.rundir import check_no_glob
-from nanotext.trees import flatten
+from nanotext.trees import beyond_range, flatten
 
 TORCH_SAVE = (".pt", ".pth")
 # (nanotext name, torch name, transposed): torch_state_dict's one-to-one tensors
@@ -76,7 +76,7 @@ def read_state_dict(path: str) -> dict:
     if not np.isfinite(v).all():
       raise UserError(f"'{path}': '{k}' holds NaN or infinite values; give a state dict of "
                       "finite parameters (an earlier step, before the run diverged)")
-    if v.dtype.itemsize > 4 and np.abs(v).max(initial=0) > np.finfo(np.float32).max:
+    if beyond_range(v, np.float32):
       raise UserError(f"'{path}': '{k}' holds values beyond float32's range, which would be "
                       "read as infinite; give a state dict of values float32 holds")
     out[name] = v
