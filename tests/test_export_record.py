@@ -226,6 +226,37 @@ def test_a_bare_torch_state_dict_reads_and_other_pickles_are_one_line(tmp_path, 
 
 
 @pytest.mark.fast
+def test_a_file_torch_save_did_not_write_is_said_so_in_one_line(tmp_path):
+  """A pickle, .npy, .npz or gzip file named .pt got torch's unpickler's words ("Unsupported
+  operand 149") and its UserWarning lines; both formats torch.save writes still read, with
+  torch's warnings (of a pickle protocol past 2) kept off stderr."""
+  import gzip
+  import pickle
+  import warnings
+  pt, sd = str(tmp_path / "sd.pt"), {"skip_weights": torch.arange(3.0)}
+  for legacy, protocol in [(False, 2), (True, 2), (False, 3)]:
+    torch.save(sd, pt, _use_new_zipfile_serialization=not legacy, pickle_protocol=protocol)
+    with warnings.catch_warnings(record=True) as said:
+      warnings.simplefilter("always")
+      got = torch_import.read_state_dict(pt)["skip_weights"]
+    np.testing.assert_array_equal(got, np.arange(3))
+    assert not said
+  with open(pt, "rb") as f:
+    zipped = gzip.compress(f.read())
+  np.savez(tmp_path / "a.npz", w=np.zeros(2))
+  np.save(tmp_path / "a.npy", np.zeros(2))
+  for data in (pickle.dumps(sd, protocol=4), (tmp_path / "a.npy").read_bytes(),
+               (tmp_path / "a.npz").read_bytes(), zipped):
+    with open(pt, "wb") as f:
+      f.write(data)
+    with warnings.catch_warnings(record=True) as said, \
+        pytest.raises(UserError, match="is not a torch.save file"):
+      warnings.simplefilter("always")
+      torch_import.read_state_dict(pt)
+    assert not said
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("tensors,message", [
     ({"skip_weights": torch.tensor([1 + 2j, 3j])}, "'skip_weights' is complex64, not a float"),
     ({"skip_weights": torch.tensor([True, False])}, "'skip_weights' is bool, not a float"),

@@ -6,20 +6,25 @@ modded-nanogpt's checkpoint dict (its `model` entry) or a bare state dict, torch
 the record's module expresses, and the state dict must match its model tensor for tensor.
 """
 
+import io
 import os
+import pickletools
 import re
+import warnings
+import zipfile
 
 import ml_dtypes
 import numpy as np
 
 from nanotext.convert.common import RUN_OWN, per_layer
 from nanotext.convert.torch_export import check_expressible, read_header
-from nanotext.errors import UserError
+from nanotext.errors import UserError, os_error
 from nanotext.outputs import check_out
 from nanotext.rundir import check_no_glob
 from nanotext.trees import beyond_range, flatten
 
 TORCH_SAVE = (".pt", ".pth")
+TORCH_MAGIC = 0x1950a86a20f9469cfc6c  # the first thing a legacy (pickle) torch.save file holds
 # (nanotext name, torch name, transposed): torch_state_dict's one-to-one tensors
 RENAMES = [(r"embed\.embedding", r"embed.weight", False),
            (r"value_embeds\.(\d+)\.embedding", r"value_embeds.\1.weight", False),
@@ -106,10 +111,34 @@ def _torch(path: str):
                     "torch (or give the state dict as .safetensors)") from None
 
 
+def _saved_by_torch(path: str) -> bool:
+  """Whether `path` has torch.save's format: a zip archive holding a data.pkl, or a pickle that
+  starts with torch's magic number (the legacy format)."""
+  try:
+    with open(path, "rb") as f:
+      if zipfile.is_zipfile(f):
+        with zipfile.ZipFile(f) as z:
+          return any(n.rpartition("/")[2] == "data.pkl" for n in z.namelist())
+      f.seek(0)
+      for op, arg, _ in pickletools.genops(io.BytesIO(f.read(64))):  # the magic is in 40 bytes
+        if op.name not in ("PROTO", "FRAME"):
+          return arg == TORCH_MAGIC
+  except OSError as e:
+    raise os_error(e, f"cannot read '{path}'") from None
+  except Exception:  # a damaged archive, or not a pickle
+    pass
+  return False
+
+
 def _torch_load(path: str) -> dict:
   torch = _torch(path)
+  if not _saved_by_torch(path):  # torch's words would be of its unpickler ("operand 149")
+    raise UserError(f"'{path}' is not a torch.save file (damaged, or another format); give a "
+                    "state dict saved with torch.save")
   try:
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    with warnings.catch_warnings():  # of pickle protocols and the like: lines beside ours
+      warnings.simplefilter("ignore")
+      obj = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as e:  # a damaged file, or pickled objects beyond tensors and containers
     why = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())  # torch's advice left out
     why = re.split(r" (Please use|Check the documentation)", why)[0]
