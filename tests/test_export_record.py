@@ -304,7 +304,7 @@ def test_export_metadata_is_written_in_one_order(tmp_path):
 
 @pytest.mark.fast
 def test_one_reader_of_a_safetensors_header(tmp_path):
-  """The float8 check of from-torch and export's metadata sort read a header by one function:
+  """The dtype check of from-torch and export's metadata sort read a header by one function:
   the JSON text as stored (padding kept), parsed; none past safetensors' own 128 MiB bound."""
   from nanotext.convert.torch_export import read_header
   path = tmp_path / "h.safetensors"
@@ -317,14 +317,21 @@ def test_one_reader_of_a_safetensors_header(tmp_path):
 
 
 @pytest.mark.fast
-def test_a_float8_safetensors_file_is_refused_naming_the_tensor(tmp_path):
-  """safetensors' numpy reader said "module 'numpy' has no attribute 'float8_e4m3fn'" as if the
-  file could not be read; the tensor and its dtype are named instead."""
+def test_a_float8_or_float4_safetensors_file_is_refused_naming_the_tensor(tmp_path):
+  """safetensors' numpy reader said "module 'numpy' has no attribute 'float8_e4m3fn'" (of F4,
+  'float4_e2m1fn_x2') as if the file could not be read; the tensor and its dtype are named."""
+  import json
   from safetensors.torch import save_file
   path = str(tmp_path / "sd.safetensors")
   save_file({"skip_weights": torch.ones(2), "embed.weight": torch.ones(2, 2).to(
       torch.float8_e4m3fn)}, path)
-  with pytest.raises(UserError, match=re.escape("'embed.weight' is F8_E4M3 (float8)")):
+  with pytest.raises(UserError, match=re.escape("'embed.weight' is F8_E4M3")):
+    torch_import.read_state_dict(path)
+  header = json.dumps({"__metadata__": {"format": "pt"}, "skip_weights": {
+      "dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode().ljust(96)  # two per byte
+  with open(path, "wb") as f:
+    f.write(len(header).to_bytes(8, "little") + header + b"\x00")
+  with pytest.raises(UserError, match=re.escape("'skip_weights' is F4, not a float32")):
     torch_import.read_state_dict(path)
   deep = b"[" * 200_000 + b"]" * 200_000  # past Python's recursion limit
   for name, data in [("bad", b"\xff" * 20), ("deep", len(deep).to_bytes(8, "little") + deep)]:

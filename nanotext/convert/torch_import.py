@@ -24,6 +24,7 @@ from nanotext.rundir import check_no_glob
 from nanotext.trees import beyond_range, flatten
 
 TORCH_SAVE = (".pt", ".pth")
+FLOATS = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes read: numpy's, ml_dtypes' bfloat16
 TORCH_MAGIC = 0x1950a86a20f9469cfc6c  # the first thing a legacy (pickle) torch.save file holds
 # (nanotext name, torch name, transposed): torch_state_dict's one-to-one tensors
 RENAMES = [(r"embed\.embedding", r"embed.weight", False),
@@ -65,7 +66,7 @@ def read_state_dict(path: str) -> dict:
     tensors = _torch_load(path)
   else:
     from safetensors.numpy import load_file
-    _refuse_float8(path)
+    _refuse_dtypes(path)
     try:
       tensors = load_file(path)
     except Exception as e:  # safetensors raises its own error types for damaged files
@@ -88,17 +89,18 @@ def read_state_dict(path: str) -> dict:
   return out
 
 
-def _refuse_float8(path: str):
-  """A float8 tensor (numpy has no such dtype) named, before safetensors says numpy lacks it."""
+def _refuse_dtypes(path: str):
+  """A tensor of a dtype other than the floats read (float8, float4, integers, ...) named from the
+  header: safetensors' numpy reader said of some "module 'numpy' has no attribute"."""
   try:
     with open(path, "rb") as f:
       header = read_header(f)[1]
-    names = [k for k, v in header.items() if str(v.get("dtype", "")).startswith("F8")]
+    names = [k for k, v in header.items() if k != "__metadata__" and v["dtype"] not in FLOATS]
   except Exception:  # a header it cannot read (nested past recursion, ...): load_file says so
     return
   if names:
-    raise UserError(f"'{path}': '{names[0]}' is {header[names[0]]['dtype']} (float8), not a "
-                    "float32 or bfloat16 tensor; cast the state dict to float32 or bfloat16")
+    raise UserError(f"'{path}': '{names[0]}' is {header[names[0]]['dtype']}, not a float32 or "
+                    "bfloat16 tensor; cast the state dict to float32 or bfloat16")
 
 
 def _torch(path: str):
