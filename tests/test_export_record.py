@@ -257,6 +257,18 @@ def test_a_file_torch_save_did_not_write_is_said_so_in_one_line(tmp_path):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("protocol", [0, 4, 5])
+def test_a_torch_save_file_of_a_protocol_the_safe_loader_cannot_read_says_so(tmp_path, protocol):
+  """torch.save(..., pickle_protocol=4) was told it held more than tensors ("Unsupported operand
+  149"): the protocol is what to change."""
+  pt = str(tmp_path / "sd.pt")
+  torch.save({"skip_weights": torch.arange(3.0)}, pt, pickle_protocol=protocol)
+  with pytest.raises(UserError, match=r"was pickled in a protocol torch.load\(weights_only=True\) "
+                                      r"does not read \(Unsupported operand \d+\): save it again"):
+    torch_import.read_state_dict(pt)
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("tensors,message", [
     ({"skip_weights": torch.tensor([1 + 2j, 3j])}, "'skip_weights' is complex64, not a float"),
     ({"skip_weights": torch.tensor([True, False])}, "'skip_weights' is bool, not a float"),

@@ -147,6 +147,10 @@ def _torch_load(path: str) -> dict:
     if isinstance(e, (KeyError, IndexError, EOFError)) or len(why) < 8:  # pickle's internals
       raise UserError(f"'{path}' is not a torch.save file (damaged, or another format); give a "
                       "state dict saved with torch.save") from None
+    if why.startswith("Unsupported operand"):  # the safe loader reads pickle protocols 2-3
+      raise UserError(f"'{path}' was pickled in a protocol torch.load(weights_only=True) does "
+                      f"not read ({why[:40]}): save it again with torch.save's default "
+                      "pickle_protocol") from None
     raise UserError(f"cannot read '{path}' with torch.load(weights_only=True), which takes "
                     f"tensors and containers only (save a state dict): {why[:200]}") from None
   if isinstance(obj, dict) and isinstance(obj.get("model"), dict):  # modded-nanogpt's checkpoint
