@@ -13,6 +13,7 @@ import jax
 import pytest
 
 from conftest import BASE, SPEEDRUN, run_cli
+from test_lean_step import head_weight_gathers
 from nanotext import compile as nt_compile
 from nanotext import compile_report, program_names, topology
 from nanotext.errors import UserError
@@ -310,6 +311,15 @@ def test_tpu_compile_uses_mosaic_kernels_and_reports(tmp_path):
     assert r["tpu_custom_calls"] > 0  # splash as Mosaic, not the interpreter's HLO loops
   assert recs[0]["collectives"]["all-gather"]["count"] > 0  # FSDP gathers parameters
   assert 0.5 < recs[0]["flops_xla_per_chip"] / recs[0]["flops_analytic_per_chip"] < 2
+
+
+@pytest.mark.tpu
+def test_a_chunked_validation_loss_gathers_the_head_weight_once(tmp_path):
+  """libtpu left the FSDP gather of the head weight in the eval step's chunk loop: the record's
+  eval (train.eval_loss_chunk=256) on v6e-8 gathered it 1,024 times, 83 GiB a step."""
+  chunked = SMALL + ["model.vocab_size=640", "mesh.fsdp=8", "train.eval_loss_chunk=32"]
+  nt_compile.run_compile(BASE, chunked, "v6e-8", "eval", log=lambda s: None, hlo_dir=tmp_path)
+  assert head_weight_gathers((tmp_path / "eval.hlo").read_text(), 640, 128) == 1
 
 
 @pytest.mark.tpu

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import BASE, SPEEDRUN, TINY
-from nanotext import trainer, wiring, window_schedule
+from nanotext import compile as nt_compile
+from nanotext import hlo, trainer, wiring, window_schedule
 from nanotext.errors import UserError
 from nanotext.model.gpt import REMAT_POLICIES
 
@@ -59,6 +60,24 @@ def test_remat_policies_match_no_remat(policy, speedrun_plain):
   got = loss_and_grads(SPEEDRUN, SPEEDRUN_TINY + [f"model.remat={policy}",
                                                    "train.loss_chunk=32"])
   assert_same(got, speedrun_plain)
+
+
+def head_weight_gathers(text: str, vocab: int, d_model: int) -> int:
+  """All-gathers of a [d_model, vocab] array (FSDP's of the head weight) one step of a compiled
+  program runs, those of a loop body once per trip."""
+  return sum(k.count for k in hlo.kernels(text)
+             if k.name.startswith("all-gather") and k.largest == vocab * d_model)
+
+
+def test_a_chunked_loss_gathers_the_head_weight_once_a_step():
+  """Under FSDP the loss chunks read the head weight gathered once before their loop: read in
+  each chunk, the train step's backward pass gathered it twice a chunk (9 gathers here; the
+  record's eval on v6e-8 once a chunk, 1,024 times: tests/test_compile.py)."""
+  run = wiring.prepare(BASE, TINY + ["train.loss_chunk=8", "mesh.fsdp=8"])
+  m = run.cfg.model
+  lowered = trainer.make_train_step(run).lower(run.abstract_state(),
+                                               nt_compile.abstract_batch(run))
+  assert head_weight_gathers(lowered.compile().as_text(), m.vocab_size, m.d_model) == 1
 
 
 @pytest.mark.fast

@@ -43,7 +43,6 @@ def check_config(m, attn_cfg=None, cfg=None, fresh=True) -> None:
   if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
     raise UserError(f"model.no_attention_layers={layers!r} must be a list of 0-based layer "
                     "indices (non-negative integers)")
-  head_dim = m.head_dim or m.d_model // m.num_heads
   if m.value_embeds and m.num_heads * head_dim != m.d_model:
     raise UserError(f"model.value_embeds={m.value_embeds} adds [vocab, d_model] tables to v, so it "
                     f"needs model.num_heads*model.head_dim={m.num_heads * head_dim} to equal "
@@ -282,16 +281,19 @@ class GPT(nnx.Module):
         skips.append(x_BTD)
     return x_BTD, None if caches is None else written
 
-  def loss_sum(self, x_BTD, targets_BT, loss_denominator: int = 0, train: bool = True):
-    """Summed float32 cross-entropy of the soft-capped logits of hidden states against targets,
-    the head fused with its loss (model/head_loss.py). `loss_denominator`: what the loss divides
-    the sum by (model.loss.cross_entropy; 0 = these tokens, a mean), which sets the FP8 head's
-    gradient scale; `train=False`: the head in the model dtype, not FP8."""
+  def head_weight(self):
+    """The head's [D, V] weight: its kernel, or the tied token table transposed."""
+    return self.embed.embedding.get_value().T if self.head is None else self.head.kernel.get_value()
+
+  def loss_sum(self, x_BTD, targets_BT, loss_denominator: int = 0, train: bool = True,
+               w_DV=None):
+    """Summed float32 cross-entropy of the soft-capped logits of hidden states against targets, the
+    head fused with its loss (model/head_loss.py). `loss_denominator`: the sum's divisor (0 = these
+    tokens, a mean; model.loss), which sets the FP8 head's gradient scale; `train=False`: the head
+    in the model dtype, not FP8; `w_DV`: head_weight() as read (loss chunks gather it once)."""
     B, T, D = x_BTD.shape
-    if self.head is None:
-      w_DV, dtype = self.embed.embedding.get_value().T, self.embed.dtype
-    else:
-      w_DV, dtype = self.head.kernel.get_value(), self.head.dtype
+    w_DV = self.head_weight() if w_DV is None else w_DV
+    dtype = self.embed.dtype if self.head is None else self.head.dtype
     fp8 = fp8_head_scales(D, loss_denominator or B * T) if self.fp8_head and train else None
     return head_loss_sum(x_BTD if fp8 else x_BTD.astype(dtype), w_DV, targets_BT,
                          softcap=self.softcap, fp8=fp8, fp8_scale=np.sqrt(D))
