@@ -4,6 +4,8 @@ A low module: it imports nothing from nanotext but `errors`, so checkpoint, conv
 can all lean on it without importing one another.
 """
 
+import functools
+
 import jax
 import numpy as np
 
@@ -92,11 +94,7 @@ def fill(template, flat: dict, what: str, cast: bool = True):
     if value.shape != tuple(sds.shape):
       raise UserError(f"{what}: '{name}' has shape {value.shape}, the nanotext model expects "
                       f"{tuple(sds.shape)}")
-    if cast and beyond_range(value, sds.dtype):  # the cast would make them infinite
-      raise UserError(f"{what}: '{name}' holds values beyond {np.dtype(sds.dtype)}'s range (the "
-                      f"model's dtype for it), which would be read as infinite; give values "
-                      f"{np.dtype(sds.dtype)} holds")
-    return jax.device_put(value.astype(sds.dtype) if cast else value,
+    return jax.device_put(cast_checked(value, sds.dtype, name, what) if cast else value,
                           getattr(sds, "sharding", None))
   out = jax.tree_util.tree_map_with_path(one, template)
   if flat:
@@ -106,10 +104,28 @@ def fill(template, flat: dict, what: str, cast: bool = True):
 
 
 def beyond_range(value, dtype) -> bool:
-  """Whether the float array `value` holds values past the largest of the narrower float
-  `dtype`, which a cast to it would make infinite (float64 into float32, float32 into bfloat16)."""
-  value, dtype = np.asarray(value), np.dtype(dtype)
+  """Whether a cast of the float array `value` (numpy or jax) to the narrower float `dtype` makes
+  a finite value infinite (float64 into float32, float32 into bfloat16 or float16)."""
+  dtype = np.dtype(dtype)
   if dtype.itemsize >= value.dtype.itemsize or not all(
       jax.numpy.issubdtype(d, jax.numpy.floating) for d in (value.dtype, dtype)):
     return False
-  return bool(np.abs(value).max(initial=0) > jax.numpy.finfo(dtype).max)
+  if isinstance(value, jax.Array):  # sharded, perhaps over processes: reduced where it lies
+    return bool(_overflows(value, dtype))
+  value = np.asarray(value)
+  with np.errstate(over="ignore"):
+    return bool((np.isinf(value.astype(dtype)) & np.isfinite(value)).any())
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _overflows(x, dtype):
+  return (jax.numpy.isinf(x.astype(dtype)) & jax.numpy.isfinite(x)).any()
+
+
+def cast_checked(value, dtype, name: str, what: str):
+  """`value` cast to `dtype`; a UserError naming parameter `name` (of `what`) where a finite
+  value would turn infinite."""
+  if beyond_range(value, dtype):
+    raise UserError(f"{what}: '{name}' holds values beyond {np.dtype(dtype)}'s range, which would "
+                    f"be read as infinite; give values {np.dtype(dtype)} holds")
+  return value.astype(dtype)

@@ -431,3 +431,30 @@ def test_sighup_from_a_closed_terminal_saves_and_stops(tmp_path):
   assert proc.wait(timeout=PROCESS_TIMEOUT_S) == 0, b"".join(seen).decode()[-2000:]
   stopped = steps_on_disk(out)[-1]
   assert 2 <= stopped < 200 and max(train_losses(out)) == stopped
+
+
+def test_a_value_beyond_the_target_dtype_is_refused_not_read_as_infinite(tmp_path):
+  """A float32 run's 3.4e38 loaded into a bfloat16 model (load_params_from) or written by
+  params-only --dtype=bfloat16 became inf: the first step's loss NaN, blamed on training."""
+  from nanotext import config
+  from nanotext.convert import params_only
+  from nanotext.trees import path_name
+  src = str(tmp_path / "src")
+  run32 = wiring.prepare(BASE, TINY + [f"output_dir={src}"])
+  state = run32.init_state()
+  def big(path, x):
+    a = np.asarray(x).copy()
+    a.flat[5] = 3.4e38 if path_name(path) == "embed.embedding" else a.flat[5]
+    return jax.device_put(a, x.sharding)
+  state = {**state, "params": jax.tree_util.tree_map_with_path(big, state["params"])}
+  config.save(run32.cfg, os.path.join(src, "config.yml"))
+  manager = checkpoint.make_manager(src, keep=1)
+  checkpoint.save(manager, 3, state, {}, {})
+  checkpoint.wait(manager)
+  manager.close()
+  with pytest.raises(UserError, match=r"'embed.embedding' holds values beyond bfloat16's range"):
+    run(BASE, TINY + ["model.param_dtype=bfloat16", f"checkpoint.load_params_from={src}",
+                      f"output_dir={tmp_path / 'bf16'}"], log=lambda *_: None)
+  with pytest.raises(UserError, match=r"^--dtype=bfloat16: 'embed.embedding' holds values beyond"):
+    params_only(src, str(tmp_path / "p16"), dtype="bfloat16", log=lambda *_: None)
+  assert not os.path.exists(tmp_path / "p16")

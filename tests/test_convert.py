@@ -536,3 +536,21 @@ def test_from_hf_takes_the_checkpoints_widths_without_an_alignment_warning(hf_di
   assert hf.read_hf(hf_dir[0], str(tmp_path / "run"), keys)[0].model.align == 0
   assert hf.read_hf(hf_dir[0], str(tmp_path / "run"), keys + ["model.align=64"])[0].model.align \
       == 64
+
+
+@pytest.mark.fast
+def test_a_cast_is_refused_only_where_it_rounds_a_finite_value_to_infinity():
+  """The largest finite value was the bound: 3.39e38 rounds to bfloat16's 3.3895e38, finite,
+  and was refused as "read as infinite"; numpy arrays and sharded jax arrays alike."""
+  import ml_dtypes
+  from nanotext.trees import beyond_range, cast_checked
+  for make in (np.asarray, jax.numpy.asarray):
+    assert not beyond_range(make(np.float32([1, 3.39e38, -3.39e38])), ml_dtypes.bfloat16)
+    assert beyond_range(make(np.float32([1, -3.4e38])), ml_dtypes.bfloat16)
+    assert not beyond_range(make(np.float32([np.inf])), ml_dtypes.bfloat16)  # not the cast's
+    assert not beyond_range(make(np.float32([3.4e38])), np.float32)  # no narrowing
+  assert beyond_range(np.float64([3.4029e38]), np.float32)
+  assert not beyond_range(np.float64([3.40282350e38]), np.float32)  # rounds to float32's max
+  with pytest.raises(UserError, match=r"^w: 'b' holds values beyond float16's range"):
+    cast_checked(np.float32([7e4]), np.float16, "b", "w")
+  assert cast_checked(np.float32([6.5e4]), np.float16, "b", "w").dtype == np.float16

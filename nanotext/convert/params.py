@@ -21,6 +21,7 @@ from nanotext.integrity import checksums
 from nanotext.outputs import check_out, staged_dir
 from nanotext.errors import UserError
 from nanotext.rundir import check_no_glob
+from nanotext.trees import cast_checked, path_name
 
 DTYPES = ("float32", "bfloat16")
 
@@ -39,7 +40,8 @@ def params_only(run: str, out: str, *, step: int = -1, dtype: str = "", force: b
   cfg, step, params = load_run(run, step)
   params = jax.tree.map(jnp.asarray, params)
   if dtype:
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: cast_checked(x, dtype, path_name(p), f"--dtype={dtype}"), params)
   out_abs = os.path.abspath(out)
   with staged_dir(out_abs, force=force, protect=(run,), own=OWN) as tmp:
     shutil.copyfile(os.path.join(run, "config.yml"), os.path.join(tmp, "config.yml"))
