@@ -233,13 +233,15 @@ def test_a_file_torch_save_did_not_write_is_said_so_in_one_line(tmp_path):
   import gzip
   import pickle
   import warnings
-  pt, sd = str(tmp_path / "sd.pt"), {"skip_weights": torch.arange(3.0)}
-  for legacy, protocol in [(False, 2), (True, 2), (False, 3)]:
+  pt, sd = str(tmp_path / "sd.pt"), {"skip_weights": torch.arange(64.0)}
+  eocd = float(np.frombuffer(b"PK\x05\x06", np.float32)[0])  # a zip's end record, in a tensor
+  for legacy, protocol, value in [(False, 2, 3.0), (True, 2, 3.0), (False, 3, 3.0), (True, 2, eocd)]:
+    sd["skip_weights"][-16] = value  # a legacy file with it there was "not a torch.save file"
     torch.save(sd, pt, _use_new_zipfile_serialization=not legacy, pickle_protocol=protocol)
     with warnings.catch_warnings(record=True) as said:
       warnings.simplefilter("always")
       got = torch_import.read_state_dict(pt)["skip_weights"]
-    np.testing.assert_array_equal(got, np.arange(3))
+    np.testing.assert_array_equal(got, sd["skip_weights"].numpy())
     assert not said
   with open(pt, "rb") as f:
     zipped = gzip.compress(f.read())

@@ -118,8 +118,8 @@ def _saved_by_torch(path: str) -> bool:
   starts with torch's magic number (the legacy format)."""
   try:
     with open(path, "rb") as f:
-      if zipfile.is_zipfile(f):
-        with zipfile.ZipFile(f) as z:
+      if f.read(4) == b"PK\x03\x04":  # as torch tells them (a legacy file's tensor bytes may
+        with zipfile.ZipFile(f) as z:  # hold a zip's end record, which is_zipfile looks for)
           return any(n.rpartition("/")[2] == "data.pkl" for n in z.namelist())
       f.seek(0)
       for op, arg, _ in pickletools.genops(io.BytesIO(f.read(64))):  # the magic is in 40 bytes
