@@ -235,7 +235,7 @@ def test_a_file_torch_save_did_not_write_is_said_so_in_one_line(tmp_path):
   import warnings
   pt, sd = str(tmp_path / "sd.pt"), {"skip_weights": torch.arange(64.0)}
   eocd = float(np.frombuffer(b"PK\x05\x06", np.float32)[0])  # a zip's end record, in a tensor
-  for legacy, protocol, value in [(False, 2, 3.0), (True, 2, 3.0), (False, 3, 3.0), (True, 2, eocd)]:
+  for legacy, protocol, value in [(False, 2, 3.), (True, 2, 3.), (False, 3, 3.), (True, 2, eocd)]:
     sd["skip_weights"][-16] = value  # a legacy file with it there was "not a torch.save file"
     torch.save(sd, pt, _use_new_zipfile_serialization=not legacy, pickle_protocol=protocol)
     with warnings.catch_warnings(record=True) as said:
