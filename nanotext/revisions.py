@@ -63,8 +63,8 @@ def resume_note(integrity, cfg, step: int) -> str:
   for key, now, said in (("xla_flags", os.environ.get("XLA_FLAGS", ""),
                           "under XLA_FLAGS='{}', this process runs under '{}'"),
                          ("compiler", compiler(), "by {}; this process runs {}")):
-    then = record.get(key)  # unrecorded (an older checkpoint): nothing said
-    if isinstance(then, str) and then != now:
+    then = record.get(key)  # unrecorded (an older checkpoint): nothing said; nor at step 0
+    if isinstance(then, str) and then != now and step > 0:  # (a conversion's: no step taken)
       lines.append(f"note: the checkpoint of step {step} was saved {said.format(then, now)}: XLA "
                    "may round the steps from here otherwise than an uninterrupted run")
   return "\n".join(line for line in lines if line)

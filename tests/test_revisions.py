@@ -69,6 +69,8 @@ def test_a_resume_under_another_jax_or_device_kind_says_its_steps_may_round_othe
   assert revisions.resume_note({**saved, "compiler": now}, cfg_of(), 4) == ""
   for unrecorded in (None, 3, ["jax"]):  # an older checkpoint's, or junk: nothing said
     assert revisions.resume_note({**saved, "compiler": unrecorded}, cfg_of(), 4) == ""
+  # from-torch's step 0 (converted on a CPU, trained on a GPU): no step was taken to round
+  assert revisions.resume_note({**saved, "xla_flags": "--x"}, cfg_of(), 0) == ""
 
 
 @pytest.mark.fast
