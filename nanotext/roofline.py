@@ -42,8 +42,9 @@ def inventory(text: str, peaks: Peaks, *, logits_elements: int = 0, logits_bytes
   `logits_elements`: the size of the [tokens, vocab] logits one head kernel works on (a slice
   of the tokens, model/head_loss.py); kernels (not collectives) with an operand or result at
   least half that size touch the logits, and their bytes over `logits_bytes` (one read of the
-  whole bf16 logits) say how many passes over the logits the step makes besides its GEMMs. `custom_flops`: the
-  analytic FLOPs of the custom kernels (attention), which their HLO does not show; they are
+  whole bf16 logits) say how many passes over the logits the step makes besides its GEMMs.
+  `custom_flops`: the analytic FLOPs of the custom kernels (attention), which their HLO does not
+  show; they are
   priced as a whole at the bf16 peak, or at their bytes where that is slower. `slowest_ops`:
   the `top` (None: every) non-GEMM launches summed by the jax op that made them, every layer's
   as one (block_3 -> block_N): (op, seconds, launches, bytes a launch moves on average), slowest

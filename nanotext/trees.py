@@ -4,8 +4,6 @@ A low module: it imports nothing from nanotext but `errors`, so checkpoint, conv
 can all lean on it without importing one another.
 """
 
-import functools
-
 import jax
 import numpy as np
 
@@ -106,26 +104,34 @@ def fill(template, flat: dict, what: str, cast: bool = True):
 def beyond_range(value, dtype) -> bool:
   """Whether a cast of the float array `value` (numpy or jax) to the narrower float `dtype` makes
   a finite value infinite (float64 into float32, float32 into bfloat16 or float16)."""
-  dtype = np.dtype(dtype)
-  if dtype.itemsize >= value.dtype.itemsize or not all(
-      jax.numpy.issubdtype(d, jax.numpy.floating) for d in (value.dtype, dtype)):
-    return False
-  if isinstance(value, jax.Array):  # sharded, perhaps over processes: reduced where it lies
-    return bool(_overflows(value, dtype))
-  value = np.asarray(value)
-  with np.errstate(over="ignore"):
-    return bool((np.isinf(value.astype(dtype)) & np.isfinite(value)).any())
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _overflows(x, dtype):
-  return (jax.numpy.isinf(x.astype(dtype)) & jax.numpy.isfinite(x)).any()
+  return _overflowed(value, _cast(value, dtype))
 
 
 def cast_checked(value, dtype, name: str, what: str):
   """`value` cast to `dtype`; a UserError naming parameter `name` (of `what`) where a finite
-  value would turn infinite."""
-  if beyond_range(value, dtype):
+  value turned infinite."""
+  cast = _cast(value, dtype)
+  if _overflowed(value, cast):
     raise UserError(f"{what}: '{name}' holds values beyond {np.dtype(dtype)}'s range, which would "
                     f"be read as infinite; give values {np.dtype(dtype)} holds")
-  return value.astype(dtype)
+  return cast
+
+
+def _cast(value, dtype):
+  with np.errstate(over="ignore"):  # the overflow is looked for after
+    return value.astype(dtype)
+
+
+def _overflowed(value, cast) -> bool:
+  """Whether `cast`, `value` in a narrower float dtype, holds an infinity `value` does not."""
+  if cast.dtype.itemsize >= value.dtype.itemsize or not all(
+      jax.numpy.issubdtype(d, jax.numpy.floating) for d in (value.dtype, cast.dtype)):
+    return False
+  if isinstance(value, jax.Array):  # sharded, perhaps over processes: reduced where it lies
+    return bool(_new_infinities(value, cast))
+  return bool((np.isinf(cast) & np.isfinite(value)).any())
+
+
+@jax.jit
+def _new_infinities(value, cast):
+  return (jax.numpy.isinf(cast) & jax.numpy.isfinite(value)).any()
