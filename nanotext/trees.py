@@ -102,16 +102,16 @@ def fill(template, flat: dict, what: str, cast: bool = True):
 
 
 def beyond_range(value, dtype) -> bool:
-  """Whether a cast of the float array `value` (numpy or jax) to the narrower float `dtype` makes
-  a finite value infinite (float64 into float32, float32 into bfloat16 or float16)."""
-  return _overflowed(value, _cast(value, dtype))
+  """Whether a cast of the array `value` (numpy or jax) to the float `dtype` makes a finite value
+  infinite (float64 into float32, float32 into bfloat16, bfloat16 or int32 into float16)."""
+  return _narrows(value.dtype, dtype) and _overflowed(value, _cast(value, dtype))
 
 
 def cast_checked(value, dtype, name: str, what: str):
   """`value` cast to `dtype`; a UserError naming parameter `name` (of `what`) where a finite
   value turned infinite."""
   cast = _cast(value, dtype)
-  if _overflowed(value, cast):
+  if _narrows(value.dtype, dtype) and _overflowed(value, cast):
     raise UserError(f"{what}: '{name}' holds values beyond {np.dtype(dtype)}'s range, which would "
                     f"be read as infinite; give values {np.dtype(dtype)} holds")
   return cast
@@ -122,11 +122,18 @@ def _cast(value, dtype):
     return value.astype(dtype)
 
 
-def _overflowed(value, cast) -> bool:
-  """Whether `cast`, `value` in a narrower float dtype, holds an infinity `value` does not."""
-  if cast.dtype.itemsize >= value.dtype.itemsize or not all(
-      jax.numpy.issubdtype(d, jax.numpy.floating) for d in (value.dtype, cast.dtype)):
+def _narrows(source, target) -> bool:
+  """Whether `source` holds finite values beyond the largest of the float dtype `target`."""
+  if not jax.numpy.issubdtype(target, jax.numpy.floating):
     return False
+  info = jax.numpy.finfo if jax.numpy.issubdtype(source, jax.numpy.floating) else jax.numpy.iinfo
+  return bool(jax.numpy.issubdtype(source, jax.numpy.number)) and \
+      float(info(source).max) > float(jax.numpy.finfo(target).max)
+
+
+def _overflowed(value, cast) -> bool:
+  """Whether `cast`, `value` in a float dtype of a smaller range, holds an infinity `value` does
+  not."""
   if isinstance(value, jax.Array):  # sharded, perhaps over processes: reduced where it lies
     return bool(_new_infinities(value, cast))
   return bool((np.isinf(cast) & np.isfinite(value)).any())

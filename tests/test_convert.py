@@ -554,3 +554,20 @@ def test_a_cast_is_refused_only_where_it_rounds_a_finite_value_to_infinity():
   with pytest.raises(UserError, match=r"^w: 'b' holds values beyond float16's range"):
     cast_checked(np.float32([7e4]), np.float16, "b", "w")
   assert cast_checked(np.float32([6.5e4]), np.float16, "b", "w").dtype == np.float16
+
+
+def test_a_cast_of_one_width_into_a_smaller_range_is_checked_and_a_widening_one_not_made(
+    monkeypatch):
+  """bfloat16 or int32 into float16 keeps or grows nothing in width yet overflows at 65,504: it
+  went unchecked; and a widening or same-dtype check cast every tensor first (from-torch: each
+  float32 weight copied and thrown away)."""
+  import ml_dtypes
+  from nanotext import trees
+  with pytest.raises(UserError, match=r"^w: 'b' holds values beyond float16's range"):
+    trees.cast_checked(np.float32([7e4]).astype(ml_dtypes.bfloat16), np.float16, "b", "w")
+  assert trees.beyond_range(np.int32([2**20]), np.float16)
+  assert not trees.beyond_range(np.int32([2**20]), np.float32)
+  assert not trees.beyond_range(np.int64([2**62]), np.float32)
+  monkeypatch.setattr(trees, "_cast", lambda *_: pytest.fail("cast made for nothing"))
+  for dtype in (np.float32, ml_dtypes.bfloat16):
+    assert not trees.beyond_range(np.zeros(3, dtype), np.float32)
