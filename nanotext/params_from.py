@@ -16,7 +16,7 @@ from nanotext.integrity import (Damaged, name_of, record_beside, record_of_param
                                 verify_named)
 from nanotext.rundir import (aside_note, is_step_name, older_steps, read_again,
                              rotated_away, step_files, vanished)
-from nanotext.trees import (cast_checked, fill, flatten, is_stacked, stack_blocks,
+from nanotext.trees import (cast_checked, fill, flatten, is_stacked, path_name, stack_blocks,
                             unstack_blocks)
 
 
@@ -135,7 +135,7 @@ def _load_params(item: str, whole_state: bool, abstract_params):
   params = out["params"] if whole_state else out
   _verify_params(params, saved, integrity, where)
   return jax.tree_util.tree_map_with_path(  # a float32 run into a bfloat16 one: checked
-      lambda p, x, a: x if x.dtype == a.dtype else cast_checked(x, a.dtype, name_of(p),
+      lambda p, x, a: x if x.dtype == a.dtype else cast_checked(x, a.dtype, path_name(p),
                                                                   f"checkpoint '{where}'"),
       params, abstract_params)
 

@@ -452,9 +452,9 @@ def test_a_value_beyond_the_target_dtype_is_refused_not_read_as_infinite(tmp_pat
   checkpoint.save(manager, 3, state, {}, {})
   checkpoint.wait(manager)
   manager.close()
-  with pytest.raises(UserError, match=r"'embed.embedding' holds values beyond bfloat16's range"):
+  with pytest.raises(UserError, match=r"'embed\.embedding' holds values beyond bfloat16's range"):
     run(BASE, TINY + ["model.param_dtype=bfloat16", f"checkpoint.load_params_from={src}",
                       f"output_dir={tmp_path / 'bf16'}"], log=lambda *_: None)
-  with pytest.raises(UserError, match=r"^--dtype=bfloat16: 'embed.embedding' holds values beyond"):
+  with pytest.raises(UserError, match=r"^--dtype=bfloat16: 'embed\.embedding' holds values beyond"):
     params_only(src, str(tmp_path / "p16"), dtype="bfloat16", log=lambda *_: None)
   assert not os.path.exists(tmp_path / "p16")
