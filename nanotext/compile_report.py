@@ -116,7 +116,7 @@ def logits_line(inv: dict) -> str:
   """How many passes over the logits the step makes besides the GEMMs that write them; none
   where the GEMMs reduce them in their own fusion (a TPU's chunked head: exp-sum in the GEMM)."""
   gemms = plural(inv["logits_gemms"], "GEMM")
-  if inv["logits_gemms"] and inv["logits_passes"] < 0.05:  # what printed as "0.0 passes"
+  if inv["logits_gemms"] and not inv["logits_kernels"]:
     return f"  logits             no pass over the logits besides {gemms}: the loss is fused " \
         "into them"
   return (f"  logits             {inv['logits_passes']:.1f} passes over the logits by "

@@ -320,6 +320,9 @@ def test_a_head_gemm_with_the_loss_fused_in_makes_no_pass_over_the_logits():
   assert compile_report.logits_line(inv).split() == [
       "logits", "no", "pass", "over", "the", "logits", "besides", "1", "GEMM:", "the", "loss", "is",
       "fused", "into", "them"]
+  few = dict(inv, logits_kernels=6, logits_passes=0.04)  # kernels there, if little of them
+  assert compile_report.logits_line(few).endswith("0.0 passes over the logits by 6 kernels, "
+                                                  "besides 1 GEMM")
   passes = dict(inv, logits_kernels=2, logits_passes=2.0)
   assert compile_report.logits_line(passes).endswith("2.0 passes over the logits by 2 kernels, "
                                                      "besides 1 GEMM")
