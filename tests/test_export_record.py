@@ -341,6 +341,10 @@ def test_a_float8_or_float4_safetensors_file_is_refused_naming_the_tensor(tmp_pa
       torch.float8_e4m3fn)}, path)
   with pytest.raises(UserError, match=re.escape("'embed.weight' is F8_E4M3")):
     torch_import.read_state_dict(path)
+  save_file({"skip_weights": torch.ones(2), "position_ids": torch.arange(2)}, path)
+  with pytest.raises(UserError, match=re.escape("'position_ids' is I64, not a floating-point "
+                                                "tensor; give a state dict of the model's")):
+    torch_import.read_state_dict(path)  # not "cast the state dict": it is no parameter
   header = json.dumps({"__metadata__": {"format": "pt"}, "skip_weights": {
       "dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode().ljust(96)  # two per byte
   with open(path, "wb") as f:

@@ -98,9 +98,12 @@ def _refuse_dtypes(path: str):
     names = [k for k, v in header.items() if k != "__metadata__" and v["dtype"] not in FLOATS]
   except Exception:  # a header it cannot read (nested past recursion, ...): load_file says so
     return
-  if names:
+  if names and header[names[0]]["dtype"][0] in "FE":  # F8_E4M3, F4, E8M0, ...: a cast reads it
     raise UserError(f"'{path}': '{names[0]}' is {header[names[0]]['dtype']}, not a float32 or "
                     "bfloat16 tensor; cast the state dict to float32 or bfloat16")
+  if names:  # an integer buffer (position ids, ...): not a parameter to cast
+    raise UserError(f"'{path}': '{names[0]}' is {header[names[0]]['dtype']}, not a floating-point "
+                    "tensor; give a state dict of the model's float32 or bfloat16 parameters")
 
 
 def _torch(path: str):
