@@ -215,6 +215,10 @@ def test_a_bare_torch_state_dict_reads_and_other_pickles_are_one_line(tmp_path, 
   torch.save(torch.nn.Linear(2, 2), pt)  # the module itself, not its state_dict()
   with pytest.raises(UserError, match=r"weights_only=True\), which takes tensors .*Linear"):
     torch_import.read_state_dict(pt)
+  torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), pt)  # torch said: weights_only=False
+  with pytest.raises(UserError, match=r"is a TorchScript archive \(torch.jit.save\); give the "
+                                      r"module's state_dict\(\) saved with torch.save$"):
+    torch_import.read_state_dict(pt)
   for text in (b"hello\n", b"", b"\x80\x02"):  # torch's own words were "101" (a KeyError's)
     with open(pt, "wb") as f:
       f.write(text)

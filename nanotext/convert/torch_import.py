@@ -135,11 +135,23 @@ def _saved_by_torch(path: str) -> bool:
   return False
 
 
+def _torchscript(path: str) -> bool:
+  """Whether the torch.save-like zip `path` is torch.jit.save's (constants.pkl beside data.pkl)."""
+  try:
+    with zipfile.ZipFile(path) as z:
+      return any(n.rpartition("/")[2] == "constants.pkl" for n in z.namelist())
+  except Exception:  # a legacy torch.save file: no zip
+    return False
+
+
 def _torch_load(path: str) -> dict:
   torch = _torch(path)
   if not _saved_by_torch(path):  # torch's words would be of its unpickler ("operand 149")
     raise UserError(f"'{path}' is not a torch.save file (damaged, or another format); give a "
                     "state dict saved with torch.save")
+  if _torchscript(path):  # torch would advise weights_only=False, which runs its code
+    raise UserError(f"'{path}' is a TorchScript archive (torch.jit.save); give the module's "
+                    "state_dict() saved with torch.save")
   try:
     with warnings.catch_warnings():  # of pickle protocols and the like: lines beside ours
       warnings.simplefilter("ignore")
