@@ -219,6 +219,10 @@ def test_a_bare_torch_state_dict_reads_and_other_pickles_are_one_line(tmp_path, 
   with pytest.raises(UserError, match=r"is a TorchScript archive \(torch.jit.save\); give the "
                                       r"module's state_dict\(\) saved with torch.save$"):
     torch_import.read_state_dict(pt)
+  from safetensors.torch import save_file
+  save_file({"skip_weights": torch.ones(2)}, pt)  # "damaged, or another format"
+  with pytest.raises(UserError, match=r"is a safetensors file: name it .safetensors$"):
+    torch_import.read_state_dict(pt)
   for text in (b"hello\n", b"", b"\x80\x02"):  # torch's own words were "101" (a KeyError's)
     with open(pt, "wb") as f:
       f.write(text)

@@ -135,6 +135,17 @@ def _saved_by_torch(path: str) -> bool:
   return False
 
 
+def _safetensors(path: str) -> bool:
+  """Whether `path`, whatever its name, starts as a safetensors file: a header of JSON tensors."""
+  try:
+    with open(path, "rb") as f:
+      header = read_header(f)[1]
+    return isinstance(header, dict) and bool(header) and all(
+        isinstance(v, dict) and "dtype" in v for k, v in header.items() if k != "__metadata__")
+  except Exception:  # not JSON there: another format
+    return False
+
+
 def _torchscript(path: str) -> bool:
   """Whether the torch.save-like zip `path` is torch.jit.save's (constants.pkl beside data.pkl)."""
   try:
@@ -147,6 +158,8 @@ def _torchscript(path: str) -> bool:
 def _torch_load(path: str) -> dict:
   torch = _torch(path)
   if not _saved_by_torch(path):  # torch's words would be of its unpickler ("operand 149")
+    if _safetensors(path):
+      raise UserError(f"'{path}' is a safetensors file: name it .safetensors")
     raise UserError(f"'{path}' is not a torch.save file (damaged, or another format); give a "
                     "state dict saved with torch.save")
   if _torchscript(path):  # torch would advise weights_only=False, which runs its code
