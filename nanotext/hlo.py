@@ -12,14 +12,14 @@ import math
 import re
 
 from nanotext.hlo_conv import conv_flops
-from nanotext.hlo_loops import trip_count
+from nanotext.hlo_loops import runs, trip_count
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
                 "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
                 "c64": 8, "c128": 16}
 _SHAPE_RE = re.compile(r"\b([a-z]+[0-9][a-z0-9]*|pred)\[([0-9,]*)\]")
-_OP_RE = re.compile(r"=\s*([^=]*?)\s(" + "|".join(COLLECTIVES) + r")(-start|-done)?\(")
+_COLLECTIVE_RE = re.compile("(" + "|".join(COLLECTIVES) + ")(-start|-done)?")
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", re.S)
 _INSTR_START = re.compile(r"^\s+(ROOT\s+)?%?[\w.\-]+\s*=\s")
@@ -54,21 +54,21 @@ def shapes(text: str) -> list:
 
 
 def collectives(hlo_text: str) -> dict:
-  """{op: {'count', 'bytes'}} for each collective in HLO text; bytes are per-device results.
+  """{op: {'count', 'bytes'}} of the collectives one step runs (a loop's as often as it goes
+  round: hlo_loops.runs); bytes are per-device results.
 
   An async pair counts once: `-start` adds to the count and its `-done` (whose type is exactly
   the result, while the start's tuple also holds the operands) adds the bytes.
   """
+  comps, entry = parse(hlo_text)
+  times = runs(comps, entry)
   out = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
-  for line in hlo_text.splitlines():
-    m = _OP_RE.search(_COMMENT_RE.sub("", line))  # long tuples carry /*index=5*/ comments
-    if not m:
-      continue
-    result, op, suffix = m.groups()
-    if suffix != "-done":
-      out[op]["count"] += 1
-    if suffix != "-start":
-      out[op]["bytes"] += shape_bytes(result)
+  for name, instrs in comps.items():
+    n = times.get(name, 1)  # a computation nothing reaches: once, as written
+    for ins in instrs:
+      if m := _COLLECTIVE_RE.fullmatch(ins.opcode):
+        out[m.group(1)]["count"] += n if m.group(2) != "-done" else 0
+        out[m.group(1)]["bytes"] += n * shape_bytes(ins.type) if m.group(2) != "-start" else 0
   return out
 
 

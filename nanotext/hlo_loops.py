@@ -83,3 +83,28 @@ def _element(ins, by: dict):
   param = by.get(ins.operands[0])
   m = re.search(r"\bindex=(\d+)", ins.attrs)
   return int(m.group(1)) if m and param is not None and param.opcode == "parameter" else None
+
+
+def runs(comps: dict, entry: str) -> dict:
+  """{computation: how many times one step runs it} of parsed HLO, from `entry` down: a while
+  body its trip count times (unknown: once), its condition once more, a conditional's first
+  branch (as nanotext.hlo.kernels), whatever else an instruction calls as often as it runs."""
+  out = {}
+
+  def walk(name: str, times: int) -> None:
+    out[name] = out.get(name, 0) + times
+    instrs = comps.get(name, [])
+    for ins in instrs:
+      if ins.opcode == "while":
+        trips = trip_count(ins, instrs, comps) or 1
+        walk(ins.attr("body"), times * trips)
+        walk(ins.attr("condition"), times * (trips + 1))
+      elif ins.opcode == "conditional":
+        first = re.search(r"(?:branch_computations=\{|true_computation=)%?([\w.\-]+)", ins.attrs)
+        walk(first.group(1), times) if first else None
+      else:
+        for callee in re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", ins.attrs):
+          walk(callee, times)
+  if entry:
+    walk(entry, 1)
+  return out

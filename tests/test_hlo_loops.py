@@ -71,6 +71,20 @@ def test_a_counted_loop_without_a_stated_count_runs_its_body_that_often(limit, c
   assert inv["gemm_flops"] == max(trips, 1) * GEMM and inv["gemm_calls"]["bf16"] == max(trips, 1)
 
 
+def test_a_collective_in_a_loop_counts_as_often_as_the_loop_goes_round():
+  """The collectives line counted each instruction of the text once: FSDP's weight gathers of a
+  grad_accum=4 step read as one micro-batch's (52 all-gathers at 2 and at 4 micro-batches)."""
+  text = program().replace(
+      "  %i.copy =", "  %g = bf16[512,512]{1,0} all-gather(%w), dimensions={0}\n  %i.copy =") \
+      .replace("  %zero =", "  %sum = bf16[256,512]{1,0} all-reduce(%h), to_apply=%mm\n  %zero =")
+  c = hlo.collectives(text)
+  assert c["all-gather"] == {"count": 4, "bytes": 4 * 512 * 512 * 2}
+  assert c["all-reduce"] == {"count": 1, "bytes": 256 * 512 * 2}
+  assert hlo.collectives(program(start="%s").replace(  # a count nothing says: once
+      "  %i.copy =", "  %g = bf16[512,512]{1,0} all-gather(%w), dimensions={0}\n  %i.copy ="))[
+          "all-gather"]["count"] == 1
+
+
 def test_a_loop_whose_count_nothing_says_is_counted_once_and_reported():
   """A counter that starts at a runtime value: the step estimate and FLOPs line say so."""
   text = program(start="%s")
