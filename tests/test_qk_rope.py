@@ -105,11 +105,15 @@ def lm_loss_and_grads(graphdef, params, tokens):
 
 
 def assert_gradients_near(got, want, peak, norm):
-  """Each leaf within `peak` of its largest element and `norm` of its norm (relative)."""
+  """Each leaf within `peak` of its largest element and `norm` of its norm (relative).
+
+  The norm bound tightens the peak one by averaging, so a leaf of n elements is held to
+  max(norm, peak / sqrt(n)): a pair of scalars (v_lambdas) has no average to tighten."""
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     g, w = np.float32(g), np.float32(w)
     assert np.abs(g - w).max() <= peak * np.abs(w).max() + 1e-12, jax.tree_util.keystr(path)
-    assert np.linalg.norm(g - w) <= norm * np.linalg.norm(w) + 1e-12, jax.tree_util.keystr(path)
+    bound = max(norm, peak / np.sqrt(w.size)) * np.linalg.norm(w)
+    assert np.linalg.norm(g - w) <= bound + 1e-12, jax.tree_util.keystr(path)
 
 
 def test_the_records_layers_train_the_same_through_it(monkeypatch):
@@ -118,7 +122,8 @@ def test_the_records_layers_train_the_same_through_it(monkeypatch):
   but for bf16 sums taken in another order (measured: the loss to the bit; the gradients within
   2.1e-4 of their largest element on an Intel Xeon with AVX-512, and on an AVX2-only AMD EPYC
   within 6.9e-3 of it and 8.8e-4 in norm, the first block's QKV, where the most layers' rounding
-  has added up; one bf16 step is 3.9e-3 of a value)."""
+  has added up; one bf16 step is 3.9e-3 of a value; a CI machine put the first block's two
+  v_lambdas 7.3e-3 apart in norm, inside its peak bound)."""
   run = wiring.prepare(SPEEDRUN, [
       "model.num_layers=4", "model.d_model=128", "model.num_heads=2", "model.head_dim=64",
       "model.mlp_dim=256", "model.vocab_size=256", "model.align=0", "model.embed_rows=256",
