@@ -10,12 +10,12 @@ from nanotext.errors import UserError
 from nanotext.window_schedule import model_windows, windows_differ
 from nanotext.model import kv_cache
 from nanotext.model.attention import CausalSelfAttention
-from nanotext.model.head_loss import head_loss_sum
+from nanotext.model.head_loss import fp8_logits, head_loss_sum
 from nanotext.model.kernels import relu2_mlp as relu2_kernels
 from nanotext.model.kernels.dispatch import config_impl
 from nanotext.model.draws import Keys
-from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, fp8_matmul, init_array,
-                                   lookup, param, proj_std, relu2_mlp, scaled_sum, weight_std)
+from nanotext.model.layers import (Embed, Linear, Norm, fp8_head_scales, init_array, lookup, param,
+                                   proj_std, relu2_mlp, scaled_sum, weight_std)
 
 
 CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
@@ -305,17 +305,7 @@ class GPT(nnx.Module):
     if self.head is None:
       logits_BTV = self.embed.attend(x_BTD)
     elif self.fp8_head and train:
-      B, T, D = x_BTD.shape
-      # Run in the record's scale (its weights sqrt(D) times these, its z sqrt(D) times z'): the
-      # output and its gradient are rounded to the model dtype on the record's grid, so their
-      # FP8 codes are the record's (rounding z' = z / sqrt(D) instead changed 1.3% of the
-      # gradient's e5m2 codes: head gradients 1.5% from the record's, now 1e-4;
-      # tests/test_record_training.py).
-      r = float(np.sqrt(D))
-      x_s, w_s, grad_s = fp8_head_scales(D, loss_denominator or B * T)
-      z_NV = fp8_matmul(x_BTD.reshape(B * T, D), self.head.kernel.get_value() * r, x_s, w_s * r,
-                        grad_s / r)
-      logits_BTV = (z_NV.astype(jnp.float32) / r).reshape(B, T, -1)
+      logits_BTV = fp8_logits(x_BTD, self.head.kernel.get_value(), loss_denominator)
     else:
       logits_BTV = self.head(x_BTD)
     logits_BTV = sharding.constrain(logits_BTV.astype(jnp.float32),

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from nanotext import sharding
 from nanotext.model.kernels import fp8_head
 from nanotext.model.kernels.per_device import platform
-from nanotext.model.layers import E4M3, E5M2, _dequantize, _dot32, _quantize
+from nanotext.model.layers import (E4M3, E5M2, _dequantize, _dot32, _quantize, fp8_head_scales,
+                                   fp8_matmul)
 
 # The head works through the positions in slices whose float32 logits stay under this size per
 # device, every row at once (so each device keeps its own rows): the FP8 GEMM writes float32
@@ -91,6 +92,21 @@ def head_loss_sum(x_BTD, w_DV, targets_BT, *, softcap: float = 0.0, fp8=None, fp
   rows = B // sharding.active_count(("batch",))
   k = slices(max(1, rows), T, w_DV.shape[1], platform())
   return _fused(x_BTD, w_DV, targets_BT, float(softcap), fp8, k)
+
+
+def fp8_logits(x_BTD, w_DV, loss_denominator: int = 0):
+  """Float32 logits before the soft-cap of the unfused FP8 head (model.logits at train):
+  layers.fp8_matmul at the scales of layers.fp8_head_scales (`loss_denominator` as theirs; 0 =
+  these tokens), run in the record's scale r = sqrt(D) as _fused is (the module docstring)."""
+  B, T, D = x_BTD.shape
+  # Its weights r times these, its z r times z': the output and its gradient are rounded to the
+  # model dtype on the record's grid, so their FP8 codes are the record's (rounding z' = z / r
+  # instead changed 1.3% of the gradient's e5m2 codes: head gradients 1.5% from the record's,
+  # now 1e-4; tests/test_record_training.py).
+  r = float(math.sqrt(D))
+  x_s, w_s, grad_s = fp8_head_scales(D, loss_denominator or B * T)
+  z_NV = fp8_matmul(x_BTD.reshape(B * T, D), w_DV * r, x_s, w_s * r, grad_s / r)
+  return (z_NV.astype(jnp.float32) / r).reshape(B, T, -1)
 
 
 def _cut(x_BT_, k: int, i: int):
