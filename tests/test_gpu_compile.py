@@ -370,3 +370,28 @@ def test_an_a100_program_is_planned_with_its_own_cublas_workspace():
   on an A100 too (a tiny train step compiled to 8.3 MiB, planned 36.1)."""
   r = compiled(BASE, TINY + ["model.dtype=bfloat16"], "last", "a100-80gb")["train"]
   assert abs(r["estimate_bytes_per_chip"] - r["total_bytes_per_chip"]) < 2**20, r
+
+
+@pytest.mark.gpu_compile
+def test_a_chunked_fp8_head_gathers_its_codes_once_and_keeps_fp8_gemms_on_8_gpus(tmp_path):
+  """Under train.loss_chunk on one 8-GPU host the head weight's e4m3 codes are gathered once a
+  step, and each chunk's four head GEMMs (the forward's, the backward pass's recomputed one and
+  its two) are FP8 ones. The chunks made the codes inside their loop: XLA gathered the float32
+  weight (4x the bytes), the backward pass quantized it again in every chunk, and the forward's
+  quantization, hoisted out of the loop, lost the GEMM its FP8 rewrite: float32 GEMMs on
+  operands XLA then left unrounded, a loss the FP8 head does not compute."""
+  chunks, D, V = 8, 256, 1024  # SMALL's d_model and vocab_size
+  with jax.default_matmul_precision("default"):
+    _, _, recs = nt_compile.run_compile(
+        SPEEDRUN, SMALL + ["model.num_layers=2", "train.batch_size=8", "model.remat=none",
+                           f"train.loss_chunk={2048 // chunks}"], "h100-8", "last",
+        log=lambda s: None, hlo_dir=str(tmp_path))
+  assert "error" not in recs[0], recs[0]
+  gemms = recs[0]["kernels"]["gemm_calls"]
+  assert gemms["f32"] == 0 and gemms["fp8"] == 4 * chunks, gemms
+  from nanotext import hlo
+  comps, _ = hlo.parse((tmp_path / "train.hlo").read_text())
+  gathered = [dtype for body in comps.values() for ins in body
+              if ins.opcode in ("all-gather", "all-gather-start")
+              for dtype, dims in hlo.shapes(ins.type) if sorted(dims) == [D, V]]
+  assert gathered == ["f8e4m3fn"], gathered

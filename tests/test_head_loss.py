@@ -119,12 +119,14 @@ def test_sliced_as_a_loop_with_the_unrolled_results(fp8, monkeypatch):
   gradients equal to the same slices unrolled (here 4 slices, UNROLL moved below them)."""
   from nanotext.model import head_loss
   x, w, y = inputs(jnp.bfloat16 if fp8 else jnp.float32, N=512)
-  scales = (*fp8_head_scales(x.shape[1], 512), 8.0) if fp8 else None
+  scales = fp8_head_scales(x.shape[1], 512) if fp8 else None
+  fp8_args = (*scales, 8.0) if fp8 else None
   x, y = x.reshape(2, 256, -1), y.reshape(2, 256)
 
   def grads(unroll):
     monkeypatch.setattr(head_loss, "UNROLL", unroll)
-    loss = lambda x, w: head_loss._fused(x, w, y, 15.0, scales, 4) / 512
+    loss = lambda x, w: head_loss._fused(x, w, head_loss.weight_operand(w, x.dtype, scales, 8.0),
+                                         y, 15.0, fp8_args, 4) / 512
     closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
     return closed, jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
   (looped_jaxpr, looped), (unrolled_jaxpr, unrolled) = grads(0), grads(4)

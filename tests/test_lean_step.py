@@ -1,5 +1,6 @@
 """The lean step on CPU: chunked cross-entropy and every remat policy give the plain step's loss
-and gradients (float32, the speedrun's soft-capped FP8 head included)."""
+and gradients (float32, the speedrun's soft-capped FP8 head included), and what a chunked step's
+compiled program does with the head weight."""
 
 import jax
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 
 from conftest import BASE, SPEEDRUN, TINY
 from nanotext import compile as nt_compile
-from nanotext import hlo, trainer, wiring, window_schedule
+from nanotext import hlo, hlo_loops, trainer, wiring, window_schedule
 from nanotext.errors import UserError
 from nanotext.model.gpt import REMAT_POLICIES
 
@@ -55,6 +56,13 @@ def test_chunked_loss_matches_plain_softcap_fp8_head(speedrun_plain):
   assert_same(loss_and_grads(SPEEDRUN, SPEEDRUN_TINY + ["train.loss_chunk=16"]), speedrun_plain)
 
 
+def test_chunked_loss_matches_plain_bfloat16_fp8_head():
+  """In bfloat16 too (the FP8 head's codes made once, before the chunks' loop: model/loss.py)."""
+  tiny = SPEEDRUN_TINY + ["model.dtype=bfloat16", "model.remat=none"]
+  assert_same(loss_and_grads(SPEEDRUN, tiny + ["train.loss_chunk=16"]),
+              loss_and_grads(SPEEDRUN, tiny + ["train.loss_chunk=0"]))
+
+
 @pytest.mark.parametrize("policy", sorted(REMAT_POLICIES))
 def test_remat_policies_match_no_remat(policy, speedrun_plain):
   got = loss_and_grads(SPEEDRUN, SPEEDRUN_TINY + [f"model.remat={policy}",
@@ -78,6 +86,38 @@ def test_a_chunked_loss_gathers_the_head_weight_once_a_step():
   lowered = trainer.make_train_step(run).lower(run.abstract_state(),
                                                nt_compile.abstract_batch(run))
   assert head_weight_gathers(lowered.compile().as_text(), m.vocab_size, m.d_model) == 1
+
+
+def e4m3_made(text: str, shape: str) -> int:
+  """How many times one step of a compiled program makes e4m3 codes of an array of `shape`
+  ('64,512'): converts inside fusions too, those of a loop body once per trip."""
+  comps, entry = hlo.parse(text)
+
+  def walk(name: str, times: int) -> int:
+    made, instrs = 0, comps.get(name, [])
+    for ins in instrs:
+      if ins.opcode == "while":
+        trips = hlo_loops.trip_count(ins, instrs, comps) or 1
+        made += walk(ins.attr("body"), times * trips)
+      elif ins.opcode in ("fusion", "call"):
+        made += walk(ins.attr("calls") or ins.attr("to_apply"), times)
+      elif ins.opcode == "convert" and ins.type.startswith(f"f8e4m3fn[{shape}]"):
+        made += times
+    return made
+  return walk(entry, 1)
+
+
+def test_a_chunked_fp8_head_quantizes_its_weight_once_a_step():
+  """Under loss chunks the FP8 head's [d_model, vocab] weight becomes e4m3 codes once a step,
+  before the chunks' loop: made in each chunk, the rematerialised backward pass quantized the
+  whole weight again in every chunk (5 times here; at the record's 768 x 50,304 weight and
+  256-token chunks of a 49,152-token row, 192 passes over its 154 MB a step)."""
+  run = wiring.prepare(SPEEDRUN, SPEEDRUN_TINY + ["train.loss_chunk=16", "mesh.fsdp=1"],
+                       devices=jax.devices()[:1])
+  m = run.cfg.model
+  lowered = trainer.make_train_step(run).lower(run.abstract_state(),
+                                               nt_compile.abstract_batch(run))
+  assert e4m3_made(lowered.compile().as_text(), f"{m.d_model},{m.vocab_size}") == 1
 
 
 @pytest.mark.fast

@@ -10,7 +10,7 @@ from nanotext.errors import UserError
 from nanotext.window_schedule import model_windows, windows_differ
 from nanotext.model import kv_cache
 from nanotext.model.attention import CausalSelfAttention
-from nanotext.model.head_loss import fp8_logits, head_loss_sum
+from nanotext.model.head_loss import fp8_logits, head_loss_sum, weight_operand
 from nanotext.model.kernels import relu2_mlp as relu2_kernels
 from nanotext.model.kernels.dispatch import config_impl
 from nanotext.model.draws import Keys
@@ -286,17 +286,25 @@ class GPT(nnx.Module):
     return self.embed.embedding.get_value().T if self.head is None else self.head.kernel.get_value()
 
   def loss_sum(self, x_BTD, targets_BT, loss_denominator: int = 0, train: bool = True,
-               w_DV=None):
+               weight=None):
     """Summed float32 cross-entropy of the soft-capped logits of hidden states against targets, the
     head fused with its loss (model/head_loss.py). `loss_denominator`: the sum's divisor (0 = these
     tokens, a mean; model.loss), which sets the FP8 head's gradient scale; `train=False`: the head
-    in the model dtype, not FP8; `w_DV`: head_weight() as read (loss chunks gather it once)."""
+    in the model dtype, not FP8; `weight`: loss_weight(train), made once (model.loss's chunks)."""
     B, T, D = x_BTD.shape
-    w_DV = self.head_weight() if w_DV is None else w_DV
-    dtype = self.embed.dtype if self.head is None else self.head.dtype
+    w_DV, b_DV = self.loss_weight(train) if weight is None else weight
     fp8 = fp8_head_scales(D, loss_denominator or B * T) if self.fp8_head and train else None
-    return head_loss_sum(x_BTD if fp8 else x_BTD.astype(dtype), w_DV, targets_BT,
-                         softcap=self.softcap, fp8=fp8, fp8_scale=np.sqrt(D))
+    return head_loss_sum(x_BTD if fp8 else x_BTD.astype(b_DV.dtype), w_DV, targets_BT,
+                         softcap=self.softcap, fp8=fp8, fp8_scale=np.sqrt(D), b_DV=b_DV)
+
+  def loss_weight(self, train: bool = True, gather: bool = False) -> tuple:
+    """(head_weight(), the head matmul's operand made of it: head_loss.weight_operand's FP8 codes
+    at train with model.fp8_head, else the weight in the model dtype; `gather` as its)."""
+    w_DV = self.head_weight()
+    D = w_DV.shape[0]
+    fp8 = fp8_head_scales(D, 1) if self.fp8_head and train else None  # w's scale: any divisor
+    dtype = self.embed.dtype if self.head is None else self.head.dtype
+    return w_DV, weight_operand(w_DV, dtype, fp8, np.sqrt(D), gather)
 
   def logits(self, x_BTD, loss_denominator: int = 0, train: bool = True):
     """Soft-capped float32 logits of hidden states. `loss_denominator`: what the loss divides its

@@ -77,21 +77,44 @@ def _kernel_head(fp8, softcap, dtype) -> bool:
   return bool(fp8 and 0 < softcap <= fp8_head.UNSHIFTED_CAP and jnp.dtype(dtype) == jnp.bfloat16)
 
 
-def head_loss_sum(x_BTD, w_DV, targets_BT, *, softcap: float = 0.0, fp8=None, fp8_scale=1.0):
+def head_loss_sum(x_BTD, w_DV, targets_BT, *, softcap: float = 0.0, fp8=None, fp8_scale=1.0,
+                  b_DV=None):
   """Sum over every token of cross-entropy(softcap(x @ w), target) in float32, for x [B, T, D]
   (or [N, D]) and targets [B, T] (or [N]).
 
   `fp8`: (x_s, w_s, grad_s) for an FP8 matmul run at scale `fp8_scale` (the module docstring's
   r), or None for x @ w in x's dtype. `softcap` c > 0: logits c * tanh(z / c); 0: the plain
-  logits.
+  logits. `b_DV`: weight_operand(w_DV, x's dtype, fp8, fp8_scale) made once by a caller that
+  reads the weight many times (model/loss.py's chunks); None: made here.
   """
   if x_BTD.ndim == 2:  # [N, D]: one row of N tokens
     x_BTD, targets_BT = x_BTD[None], targets_BT[None]
+  if b_DV is None:
+    b_DV = weight_operand(w_DV, x_BTD.dtype, fp8, fp8_scale)
   fp8 = None if fp8 is None else (*fp8, float(fp8_scale))
   B, T, _ = x_BTD.shape
   rows = B // sharding.active_count(("batch",))
   k = slices(max(1, rows), T, w_DV.shape[1], platform())
-  return _fused(x_BTD, w_DV, targets_BT, float(softcap), fp8, k)
+  return _fused(x_BTD, w_DV, b_DV, targets_BT, float(softcap), fp8, k)
+
+
+def weight_operand(w_DV, dtype, fp8=None, fp8_scale=1.0, gather: bool = False):
+  """The head matmul's weight operand as the forward and backward passes read it: w's e4m3 codes
+  at scale w_s * r (`fp8` and r = `fp8_scale` as head_loss_sum's), or w in the model dtype
+  `dtype`. Not differentiated: w's gradient comes from _fused_bwd, straight through the rounding.
+  `gather`: made on w's FSDP shards and gathered whole (model/loss.py's chunks, once a step)."""
+  if fp8 is None:
+    b_DV = w_DV.astype(dtype)
+  else:
+    _, w_s, _ = fp8
+    r = float(fp8_scale)
+    b_DV = _quantize(w_DV * r, w_s * r, E4M3)
+    # On a GPU FSDP gathers the codes, not dequantized float32 weights: cuBLASLt's FP8 GEMM must
+    # see the dequantize at its input.
+    gather = gather or platform() == "gpu"
+  if gather:  # pinned to w's shards first: else XLA may gather float32 w and quantize that
+    b_DV = sharding.constrain(sharding.constrain(b_DV, ("embed", "vocab")), (None, "vocab"))
+  return jax.lax.stop_gradient(b_DV)
 
 
 def fp8_logits(x_BTD, w_DV, loss_denominator: int = 0):
@@ -134,29 +157,23 @@ def _flat(v_Bt_):
   return v_Bt_.reshape(-1, *v_Bt_.shape[2:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused(x_BTD, w_DV, targets_BT, softcap, fp8, k):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused(x_BTD, w_DV, b_DV, targets_BT, softcap, fp8, k):
   """The loss alone (evaluation): the slices as a loop, one compiled body whatever their number
-  (unrolled, 64 slices of a 262,144-token validation row kept a TPU compiling for minutes)."""
+  (unrolled, 64 slices of a 262,144-token validation row kept a TPU compiling for minutes).
+  `b_DV`: weight_operand's of w_DV, which the matmuls read (w_DV gives the gradient its dtype)."""
   if k == 1:
-    return _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k)[0]
-  return _looped_forward(x_BTD, w_DV, targets_BT, softcap, fp8, k, keep=False)[0]
+    return _forward(x_BTD, w_DV, b_DV, targets_BT, softcap, fp8, k)[0]
+  return _looped_forward(x_BTD, w_DV, b_DV, targets_BT, softcap, fp8, k, keep=False)[0]
 
 
-def _operands(x_ND, w_DV, fp8):
-  """The matmul's operands as the forward and backward passes use them (FP8 codes, or x's
-  dtype)."""
-  if fp8 is None:
-    return x_ND, w_DV.astype(x_ND.dtype)
-  x_s, w_s, _, r = fp8
-  w8 = _quantize(w_DV * r, w_s * r, E4M3)
-  if platform() == "gpu":  # FSDP gathers the codes, not dequantized float32 weights: cuBLASLt's
-    w8 = sharding.constrain(w8, (None, "vocab"))  # FP8 GEMM must see the dequantize at its input
-  return _quantize(x_ND, x_s, E4M3), w8
+def _x_operand(x_ND, fp8):
+  """x as the forward and backward matmuls read it: its e4m3 codes, or x itself."""
+  return x_ND if fp8 is None else _quantize(x_ND, fp8[0], E4M3)
 
 
 def _product(a_ND, b_DV, fp8, dt):
-  """z [N, V] in the model dtype `dt` from the operands of _operands."""
+  """z [N, V] in the model dtype `dt` from x's and w's operands (_x_operand, weight_operand)."""
   if fp8 is None:
     return jnp.dot(a_ND, b_DV, preferred_element_type=dt)
   x_s, w_s, _, r = fp8
@@ -208,13 +225,12 @@ def _lse(l_MV, softcap):
   return lse_M
 
 
-def _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k):
+def _forward(x_BTD, w_DV, b, targets_BT, softcap, fp8, k):
   """The loss and the backward pass's residuals, the k slices unrolled one after another (or
   beyond UNROLL, _looped_forward's loop)."""
   if k > UNROLL:
-    return _looped_forward(x_BTD, w_DV, targets_BT, softcap, fp8, k)
-  parts = [_operands(_cut(x_BTD, k, i), w_DV, fp8) for i in range(k)]
-  a, b = [p[0] for p in parts], parts[0][1]
+    return _looped_forward(x_BTD, w_DV, b, targets_BT, softcap, fp8, k)
+  a = [_x_operand(_cut(x_BTD, k, i), fp8) for i in range(k)]
   ys = [_cut(targets_BT, k, i) for i in range(k)]
   zs, lses, total = [], [], jnp.zeros([], jnp.float32)
   for i in range(k):  # one slice's float32 logits at a time
@@ -229,13 +245,12 @@ def _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k):
   return total, ((tuple(a), b), tuple(zs), tuple(lses), tuple(ys), like)
 
 
-def _looped_forward(x_BTD, w_DV, targets_BT, softcap, fp8, k, keep=True):
+def _looped_forward(x_BTD, w_DV, b, targets_BT, softcap, fp8, k, keep=True):
   """_forward's loss and residuals with the slices as a loop: the kept z and log-sum-exp come
   out stacked [k, ...], as many bytes as the unrolled slices keep (`keep=False`: the loss and
   None, nothing kept: evaluation)."""
   D = x_BTD.shape[-1]
-  a, b = _operands(x_BTD, w_DV, fp8)
-  a, ys = _stack(a, k), _stack(targets_BT, k)
+  a, ys = _stack(_x_operand(x_BTD, fp8), k), _stack(targets_BT, k)
 
   def body(total, xs):
     a_BtD, y_Bt = xs
@@ -250,8 +265,8 @@ def _looped_forward(x_BTD, w_DV, targets_BT, softcap, fp8, k, keep=True):
   return total, ((a, b), *kept, ys, like)
 
 
-def _fused_fwd(x_BTD, w_DV, targets_BT, softcap, fp8, k):
-  return _forward(x_BTD, w_DV, targets_BT, softcap, fp8, k)
+def _fused_fwd(x_BTD, w_DV, b_DV, targets_BT, softcap, fp8, k):
+  return _forward(x_BTD, w_DV, b_DV, targets_BT, softcap, fp8, k)
 
 
 def _slice_grads(z_MV, lse_M, y_M, a_MD, b, g, softcap, fp8, dt):
@@ -285,7 +300,7 @@ def _fused_bwd(softcap, fp8, k, res, g):
                               fp8, dt)
       return dw + part, dx.reshape(B, t, D)
     dw, dx_kBtD = jax.lax.scan(body, jnp.zeros(b.shape, jnp.float32), (a, zs, lses, ys))
-    return dx_kBtD.swapaxes(0, 1).reshape(B, k * t, D), dw.astype(w_like.dtype), None
+    return dx_kBtD.swapaxes(0, 1).reshape(B, k * t, D), dw.astype(w_like.dtype), None, None
   D = a[0].shape[-1]
   # On GPU and TPU a barrier keeps XLA from merging the soft-cap below with the forward's and
   # keeping float32 logits for it: the backward reads the head output z, half their size. The
@@ -302,7 +317,7 @@ def _fused_bwd(softcap, fp8, k, res, g):
     dw = dw + part
   # Each slice's [B * T / k, D] back in its rows' positions.
   dx = jnp.concatenate([d.reshape(B, t, D) for d in dxs], axis=1)
-  return dx.astype(dt), dw.astype(w_like.dtype), None
+  return dx.astype(dt), dw.astype(w_like.dtype), None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

@@ -68,16 +68,24 @@ def cross_entropy(model, x_BTD, targets_BT, chunk: int = 0, train: bool = True,
   x_NBCD = sharding.constrain(x_BTD.reshape(B, n, chunk, D).swapaxes(0, 1),
                               (None, "batch", "act_length", "act_embed"))
   y_NBC = targets_BT.reshape(B, n, chunk).swapaxes(0, 1)
-  # The head weight gathered (FSDP) once, as the head reads it, before the loop: read inside it,
-  # it was gathered again in each chunk (the record's eval on v6e-8: 1,024 gathers, 83 GiB a
-  # step) and twice in each chunk of the backward pass.
-  w_DV = sharding.constrain(model.head_weight(), (None, "vocab"))
+  # The head weight as the head's matmuls read it (an FP8 head's e4m3 codes, else the weight in
+  # the model dtype), made and gathered (FSDP) once, before the loop. Read inside it, the weight
+  # was gathered again in each chunk (the record's eval on v6e-8: 1,024 gathers, 83 GiB a step)
+  # and twice in each chunk of the backward pass; made inside it, an FP8 head's weight was
+  # gathered in float32 and quantized again in each chunk of the backward pass. The float weight
+  # is what is differentiated: its gradient summed whole over the chunks, reduced once.
+  w_DV, b_DV = model.loss_weight(train, gather=True)
+  w_DV = sharding.constrain(w_DV, (None, "vocab"))
 
   @jax.checkpoint  # keep only the chunk's inputs; its logits are recomputed in the backward pass
-  def chunk_sum(x_BCD, y_BC, w_DV):
-    return model.loss_sum(x_BCD, y_BC, denominator, train, w_DV)
+  def chunk_sum(x_BCD, y_BC, w_DV, b_DV):
+    # Read with the chunk's rows through a barrier, the FP8 dequantize stays beside its GEMM in
+    # the loop: hoisted out of it, a GPU's forward head GEMMs ran in float32, on operands XLA had
+    # left unrounded.
+    x_BCD, b_DV = jax.lax.optimization_barrier((x_BCD, b_DV))
+    return model.loss_sum(x_BCD, y_BC, denominator, train, (w_DV, b_DV))
 
   def body(total, xy):
-    return total + chunk_sum(*xy, w_DV), None
+    return total + chunk_sum(*xy, w_DV, b_DV), None
   total, _ = jax.lax.scan(body, jnp.zeros([], jnp.float32), (x_NBCD, y_NBC))
   return total / denominator
