@@ -92,19 +92,9 @@ def e4m3_made(text: str, shape: str) -> int:
   """How many times one step of a compiled program makes e4m3 codes of an array of `shape`
   ('64,512'): converts inside fusions too, those of a loop body once per trip."""
   comps, entry = hlo.parse(text)
-
-  def walk(name: str, times: int) -> int:
-    made, instrs = 0, comps.get(name, [])
-    for ins in instrs:
-      if ins.opcode == "while":
-        trips = hlo_loops.trip_count(ins, instrs, comps) or 1
-        made += walk(ins.attr("body"), times * trips)
-      elif ins.opcode in ("fusion", "call"):
-        made += walk(ins.attr("calls") or ins.attr("to_apply"), times)
-      elif ins.opcode == "convert" and ins.type.startswith(f"f8e4m3fn[{shape}]"):
-        made += times
-    return made
-  return walk(entry, 1)
+  runs = hlo_loops.runs(comps, entry)
+  return sum(runs.get(name, 0) for name, instrs in comps.items() for ins in instrs
+             if ins.opcode == "convert" and ins.type.startswith(f"f8e4m3fn[{shape}]"))
 
 
 def test_a_chunked_fp8_head_quantizes_its_weight_once_a_step():
