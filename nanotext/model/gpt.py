@@ -290,11 +290,13 @@ class GPT(nnx.Module):
     """Summed float32 cross-entropy of the soft-capped logits of hidden states against targets, the
     head fused with its loss (model/head_loss.py). `loss_denominator`: the sum's divisor (0 = these
     tokens, a mean; model.loss), which sets the FP8 head's gradient scale; `train=False`: the head
-    in the model dtype, not FP8; `weight`: loss_weight(train), made once (model.loss's chunks)."""
+    in the model dtype, not FP8; `weight`: loss_weight(train), made once (model.loss's chunks;
+    None: the head makes its operand from head_weight())."""
     B, T, D = x_BTD.shape
-    w_DV, b_DV = self.loss_weight(train) if weight is None else weight
+    w_DV, b_DV = (self.head_weight(), None) if weight is None else weight
+    dtype = self.embed.dtype if self.head is None else self.head.dtype
     fp8 = fp8_head_scales(D, loss_denominator or B * T) if self.fp8_head and train else None
-    return head_loss_sum(x_BTD if fp8 else x_BTD.astype(b_DV.dtype), w_DV, targets_BT,
+    return head_loss_sum(x_BTD if fp8 else x_BTD.astype(dtype), w_DV, targets_BT,
                          softcap=self.softcap, fp8=fp8, fp8_scale=np.sqrt(D), b_DV=b_DV)
 
   def loss_weight(self, train: bool = True, gather: bool = False) -> tuple:

@@ -85,12 +85,11 @@ def head_loss_sum(x_BTD, w_DV, targets_BT, *, softcap: float = 0.0, fp8=None, fp
   `fp8`: (x_s, w_s, grad_s) for an FP8 matmul run at scale `fp8_scale` (the module docstring's
   r), or None for x @ w in x's dtype. `softcap` c > 0: logits c * tanh(z / c); 0: the plain
   logits. `b_DV`: weight_operand(w_DV, x's dtype, fp8, fp8_scale) made once by a caller that
-  reads the weight many times (model/loss.py's chunks); None: made here.
+  reads the weight many times (model/loss.py's chunks); None: made inside the fused head, the
+  program the unchunked step has always compiled to (its memory plan counts no extra [D, V]).
   """
   if x_BTD.ndim == 2:  # [N, D]: one row of N tokens
     x_BTD, targets_BT = x_BTD[None], targets_BT[None]
-  if b_DV is None:
-    b_DV = weight_operand(w_DV, x_BTD.dtype, fp8, fp8_scale)
   fp8 = None if fp8 is None else (*fp8, float(fp8_scale))
   B, T, _ = x_BTD.shape
   rows = B // sharding.active_count(("batch",))
@@ -103,6 +102,11 @@ def weight_operand(w_DV, dtype, fp8=None, fp8_scale=1.0, gather: bool = False):
   at scale w_s * r (`fp8` and r = `fp8_scale` as head_loss_sum's), or w in the model dtype
   `dtype`. Not differentiated: w's gradient comes from _fused_bwd, straight through the rounding.
   `gather`: made on w's FSDP shards and gathered whole (model/loss.py's chunks, once a step)."""
+  return jax.lax.stop_gradient(_made(w_DV, dtype, fp8, fp8_scale, gather))
+
+
+def _made(w_DV, dtype, fp8, fp8_scale, gather):
+  """weight_operand's array (inside _fused, where nothing differentiates it)."""
   if fp8 is None:
     b_DV = w_DV.astype(dtype)
   else:
@@ -114,7 +118,7 @@ def weight_operand(w_DV, dtype, fp8=None, fp8_scale=1.0, gather: bool = False):
     gather = gather or platform() == "gpu"
   if gather:  # pinned to w's shards first: else XLA may gather float32 w and quantize that
     b_DV = sharding.constrain(sharding.constrain(b_DV, ("embed", "vocab")), (None, "vocab"))
-  return jax.lax.stop_gradient(b_DV)
+  return b_DV
 
 
 def fp8_logits(x_BTD, w_DV, loss_denominator: int = 0):
@@ -162,9 +166,17 @@ def _fused(x_BTD, w_DV, b_DV, targets_BT, softcap, fp8, k):
   """The loss alone (evaluation): the slices as a loop, one compiled body whatever their number
   (unrolled, 64 slices of a 262,144-token validation row kept a TPU compiling for minutes).
   `b_DV`: weight_operand's of w_DV, which the matmuls read (w_DV gives the gradient its dtype)."""
+  b_DV = _operand(w_DV, b_DV, x_BTD.dtype, fp8)
   if k == 1:
     return _forward(x_BTD, w_DV, b_DV, targets_BT, softcap, fp8, k)[0]
   return _looped_forward(x_BTD, w_DV, b_DV, targets_BT, softcap, fp8, k, keep=False)[0]
+
+
+def _operand(w_DV, b_DV, dt, fp8):
+  """The weight operand given to _fused, or made of w_DV there (weight_operand) where None."""
+  if b_DV is not None:
+    return b_DV
+  return _made(w_DV, dt, None if fp8 is None else fp8[:3], fp8[3] if fp8 else 1.0, False)
 
 
 def _x_operand(x_ND, fp8):
@@ -266,7 +278,8 @@ def _looped_forward(x_BTD, w_DV, b, targets_BT, softcap, fp8, k, keep=True):
 
 
 def _fused_fwd(x_BTD, w_DV, b_DV, targets_BT, softcap, fp8, k):
-  return _forward(x_BTD, w_DV, b_DV, targets_BT, softcap, fp8, k)
+  return _forward(x_BTD, w_DV, _operand(w_DV, b_DV, x_BTD.dtype, fp8), targets_BT, softcap, fp8,
+                  k)
 
 
 def _slice_grads(z_MV, lse_M, y_M, a_MD, b, g, softcap, fp8, dt):
