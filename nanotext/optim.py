@@ -293,7 +293,9 @@ def orthogonalize_all(tree, layout: str, ortho):
   if layout == "sharded":
     return jax.tree.map(per_matrix, tree)
   if layout == "replicated":
-    return jax.tree.map(lambda x: per_matrix(sharding.replicate(x)), tree)
+    # Its results pinned whole too: left free, XLA took the parameters' sharding (FSDP) back into
+    # the Newton-Schulz iterations, collectives in every one, as the sharded layout's.
+    return jax.tree.map(lambda x: sharding.replicate(per_matrix(sharding.replicate(x))), tree)
   leaves, treedef = jax.tree.flatten(tree)
   # Every leaf joins the group of its matrix shape as a run of matrices, so q, k, v of a merged
   # [3, D, HK] (or L layers' worth) go with the other [D, HK] matrices, items of one spread
