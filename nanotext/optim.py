@@ -305,11 +305,16 @@ def orthogonalize_all(tree, layout: str, ortho):
     groups.setdefault((x.shape[-2:], x.dtype), []).append(i)
   out = [None] * len(leaves)
   n_dev = sharding.spread_count()
+  # Pure data parallelism: no weight axis split (the mesh axes they map to, each counted once,
+  # number one device), so each device holds every gradient whole.
+  whole = sharding.active_count(sharding.WEIGHT_AXES) == 1
   for (shape, _), items in groups.items():
     parts = [leaves[i].reshape((-1,) + shape) for i in items]
     stack = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
     pad = -stack.shape[0] % n_dev  # whole matrices per device; zero matrices orthogonalise to zero
     stack = jnp.pad(stack, ((0, pad), (0, 0), (0, 0))) if pad else stack
+    if whole:  # each device slices its share of the stack from the gradients it holds
+      stack = sharding.replicate(stack)
     done = sharding.replicate(jax.vmap(ortho)(sharding.spread_leading(stack)))
     start = 0
     for i, part in zip(items, parts):
