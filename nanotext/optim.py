@@ -281,7 +281,8 @@ def orthogonalize_all(tree, layout: str, ortho):
   matmuls (collectives inside every iteration). replicated: every device gathers every matrix
   and orthogonalises all of them (no collectives in the loop, all the compute everywhere).
   distributed: same-shape matrices are stacked and the stack is split over all devices, so each
-  orthogonalises a share and the results are gathered back (the speedrun's distributed Muon).
+  orthogonalises a share and the results go back to the parameters' sharding (the speedrun's
+  distributed Muon): gathered whole under pure data parallelism, sent to their shards under FSDP.
   A leaf of more than 2 dims is a stack of [in, out] matrices (merged QKV [3, in, out], scanned
   layers [L, in, out] or [L, 3, in, out]): each is orthogonalised on its own.
   """
@@ -315,7 +316,10 @@ def orthogonalize_all(tree, layout: str, ortho):
     stack = jnp.pad(stack, ((0, pad), (0, 0), (0, 0))) if pad else stack
     if whole:  # each device slices its share of the stack from the gradients it holds
       stack = sharding.replicate(stack)
-    done = sharding.replicate(jax.vmap(ortho)(sharding.spread_leading(stack)))
+    done = jax.vmap(ortho)(sharding.spread_leading(stack))
+    # Whole on every device only where the parameters are; else each result goes straight to its
+    # parameter's shards (all-to-alls under FSDP), not gathered whole for the update to slice.
+    done = sharding.replicate(done) if whole else done
     start = 0
     for i, part in zip(items, parts):
       out[i] = done[start:start + part.shape[0]].reshape(leaves[i].shape)
