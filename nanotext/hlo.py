@@ -344,29 +344,29 @@ def _fusion_bytes(ins: Instr, operand_types, called, results: str = "") -> tuple
   """(bytes a fusion moves, the types it touches whole): its result (`results` where that is not
   the whole of its type: a wrapped cuBLAS call's workspace) and what it reads of each operand (an
   operand only sliced or gathered from inside, maybe after a convert, counts what is picked, at
-  the operand's width; a buffer updated in place counts the update twice, not the buffer)."""
-  params = {i.name: int(i.args) for i in called if i.opcode == "parameter"}
+  the operand's width; each output that updates a buffer in place counts its update twice)."""
+  root = next((i for i in called if i.root), called[-1] if called else None)
+  outs = [] if root is None else list(root.operands) if root.opcode == "tuple" else [root.name]
+  # The buffers its outputs (a multi-output fusion's tuple elements) update in place, each's update
+  dus = {i.operands[0]: i for i in called if i.name in outs and i.opcode == "dynamic-update-slice"}
+  params = {i.name: int(i.args) for i in called if i.opcode == "parameter" and i.name not in dus}
   types = {i.name: i.type for i in called}
   users = {}
   for i in called:
     for o in i.operands:
       users.setdefault(o, []).append(i)
-  root = next((i for i in called if i.root), called[-1] if called else None)
-  in_place = {root.operands[0]} if root is not None and root.opcode == "dynamic-update-slice" \
-      else set()
   read, touched = 0.0, []
   for pname, index in params.items():
-    if pname in in_place:
-      continue
     picked = _picked(pname, users, types)
     if picked is None:
       touched.append(operand_types[index] if index < len(operand_types) else "")
       read += shape_bytes(touched[-1])
     else:
       read += picked
-  if in_place and len(root.operands) > 1:
-    update = types.get(root.operands[1], "")
-    written, touched = 2 * shape_bytes(update), touched + [update]
+  if dus:  # the other outputs whole, each update twice (read and written), not its buffer
+    updates = [types.get(u.operands[1], "") for u in dus.values()]
+    whole = [types.get(o, "") for o in outs if o not in {u.name for u in dus.values()}]
+    written, touched = sum(map(shape_bytes, whole + 2 * updates)), touched + whole + updates
   else:
     results = results or ins.type
     written, touched = shape_bytes(results), touched + [results]

@@ -146,6 +146,40 @@ def test_slices_of_a_widened_operand_read_it_at_its_own_width():
   assert k.bytes == 2 * 1024 * 1024 * 2 + (1024 * 1024 * 2 + 1024 * 4)
 
 
+# Muon's momentum step (libtpu): one layer's slice of the stacked momentum read, updated and
+# written back in place, its bfloat16 copy a second output of the same fusion.
+MOMENTUM = """HloModule jit_step, is_scheduled=true
+
+%fused_momentum (p0: f32[16,1024,1024], p1: f32[1,1024,1024], p2: s32[]) -> (f32[16,1024,1024], bf16[1,1024,1024]) {
+  %p0 = f32[16,1024,1024]{2,1,0} parameter(0)
+  %p1 = f32[1,1024,1024]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %old = f32[1,1024,1024]{2,1,0} dynamic-slice(%p0, %p2, %z, %z), dynamic_slice_sizes={1,1024,1024}
+  %new = f32[1,1024,1024]{2,1,0} add(%old, %p1)
+  %u = f32[16,1024,1024]{2,1,0} dynamic-update-slice(%p0, %new, %p2, %z, %z)
+  %b = bf16[1,1024,1024]{2,1,0} convert(%new)
+  ROOT %t = (f32[16,1024,1024]{2,1,0}, bf16[1,1024,1024]{2,1,0}) tuple(%u, %b)
+}
+
+ENTRY %main (m: f32[16,1024,1024], g: f32[1,1024,1024], i: s32[]) -> (f32[16,1024,1024], bf16[1,1024,1024]) {
+  %m = f32[16,1024,1024]{2,1,0} parameter(0)
+  %g = f32[1,1024,1024]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %f = (f32[16,1024,1024]{2,1,0}, bf16[1,1024,1024]{2,1,0}) fusion(%m, %g, %i), kind=kLoop, calls=%fused_momentum
+}
+"""
+
+
+def test_a_tuple_element_updating_a_buffer_in_place_moves_its_update_not_the_buffer():
+  """As a fusion whose root is the dynamic-update-slice: the gradient and index read, the
+  momentum's slice read and written, its bfloat16 copy written; not the 64 MiB stack twice."""
+  (k,) = hlo.kernels(MOMENTUM)
+  update = 1024 * 1024 * 4
+  assert k.bytes == update + 4 + 2 * update + update // 2
+  assert k.largest == 1024 * 1024
+
+
 # XLA 0.11 (jax 0.11.2) puts a cuBLAS call that reads a slice of a loop's stacked operand into a
 # "dynamic-slice fusion" (the validation head's GEMM, one slice of tokens a trip).
 SLICED_GEMM = """HloModule jit_eval_fn, is_scheduled=true
