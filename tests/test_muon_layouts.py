@@ -27,11 +27,12 @@ def optimizer_collectives(*overrides) -> tuple:
   runs = hlo_loops.runs(comps, entry)
   every, looped = collections.Counter(), collections.Counter()
   for name, instrs in comps.items():
+    n = runs.get(name, 1)
     for ins in instrs:
-      m = hlo._COLLECTIVE_RE.fullmatch(ins.opcode)
-      if m and m.group(2) != "-done":
-        every[m.group(1)] += runs.get(name, 1)
-        looped[m.group(1)] += runs.get(name, 1) if runs.get(name, 1) > 1 else 0
+      op = ins.opcode.removesuffix("-start")  # an async pair counts once, at its start
+      if op in hlo.COLLECTIVES:
+        every[op] += n
+        looped[op] += n if n > 1 else 0
   return every, +looped
 
 
