@@ -48,12 +48,8 @@ def assert_rounding_apart(got, want, share=1e-3):
   step, 0.515%); two steps allow the flip of h and that of the output."""
   assert (got != want).mean() <= share, (got != want).mean()
   top = np.max(np.abs(want))
-  assert np.max(np.abs(got - want)) <= 2 * bf16_step(top), (np.max(np.abs(got - want)), top)
-
-
-def bf16_step(v: float) -> float:
-  """The spacing of bfloat16 numbers at magnitude v > 0 (8 significant bits)."""
-  return float(2.0 ** (np.floor(np.log2(v)) - 7))
+  step = np.spacing(np.float32(jnp.bfloat16(top))) * 2**16  # bf16's step at the largest entry
+  assert np.max(np.abs(got - want)) <= 2 * step, (np.max(np.abs(got - want)), top)
 
 
 @pytest.mark.fast
